@@ -1,0 +1,60 @@
+"""aospec: co-speculation of tool actions and observations for LLM agents.
+
+The public API is what this module exports.
+"""
+
+from aospec.errors import (
+    AospecError,
+    ConfigError,
+    DrafterError,
+    EngineError,
+    MissingDependencyError,
+    SandboxError,
+    SandboxUnavailableError,
+    TraceFormatError,
+    TraceImportError,
+)
+from aospec.protocols import (
+    ActionDraft,
+    ActionDrafter,
+    Actor,
+    Kernel,
+    ObservationDraft,
+    ObservationDrafter,
+    Sandbox,
+    TraceSource,
+    Trainable,
+)
+from aospec.types import SCHEMA_VERSION, Action, Effect, History, Step, Trace, Turn, canonical_json
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "SCHEMA_VERSION",
+    "Action",
+    "ActionDraft",
+    "ActionDrafter",
+    "Actor",
+    "AospecError",
+    "ConfigError",
+    "DrafterError",
+    "Effect",
+    "EngineError",
+    "History",
+    "Kernel",
+    "MissingDependencyError",
+    "ObservationDraft",
+    "ObservationDrafter",
+    "Sandbox",
+    "SandboxError",
+    "SandboxUnavailableError",
+    "Step",
+    "Trace",
+    "TraceFormatError",
+    "TraceImportError",
+    "TraceSource",
+    "Trainable",
+    "Turn",
+    "__version__",
+    "canonical_json",
+]

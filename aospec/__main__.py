@@ -1,0 +1,5 @@
+import sys
+
+from aospec.cli import main
+
+sys.exit(main())

@@ -1,0 +1,24 @@
+"""Options shared by subcommands."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Any
+
+__all__ = ["add_format_option", "print_json"]
+
+
+def add_format_option(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--format",
+        choices=("table", "json"),
+        default="table",
+        help="table: human-readable (default); json: machine-readable JSON on stdout",
+    )
+
+
+def print_json(obj: Any) -> None:
+    sys.stdout.write(json.dumps(obj, sort_keys=False) + "\n")
+    sys.stdout.flush()

@@ -1,0 +1,107 @@
+"""The one exception tree of aospec.
+
+::
+
+    AospecError                      base of everything aospec raises on purpose
+    ├── ConfigError                  unknown or invalid configuration keys/values
+    ├── TraceFormatError             a malformed trace file or record (names file, line, field)
+    │   └── TraceImportError         several files failed to import (carries every error)
+    ├── MissingDependencyError       an optional extra is not installed (names the pip command);
+    │                                also an ImportError
+    ├── SandboxError                 a sandbox operation failed
+    │   └── SandboxUnavailableError  the backend cannot run here (privileges, overlayfs,
+    │                                dockerd, base image) and says what to do
+    ├── DrafterError                 a drafter backend failed or is misconfigured
+    └── EngineError                  an engine invariant broke (e.g. losslessness)
+
+A command-line run turns any of these into one line on stderr and exit status 2.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+__all__ = [
+    "AospecError",
+    "ConfigError",
+    "DrafterError",
+    "EngineError",
+    "MissingDependencyError",
+    "SandboxError",
+    "SandboxUnavailableError",
+    "TraceFormatError",
+    "TraceImportError",
+]
+
+
+class AospecError(Exception):
+    """Base class of every error aospec raises on purpose."""
+
+
+class ConfigError(AospecError):
+    """A configuration has an unknown key or an invalid value."""
+
+
+class TraceFormatError(AospecError):
+    """A trace file or record is malformed.
+
+    ``path``, ``line`` (1-based line or record number) and ``field`` locate the problem;
+    any of them may be ``None`` when it does not apply.
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        path: str | None = None,
+        line: int | None = None,
+        field: str | None = None,
+    ) -> None:
+        self.message = message
+        self.path = path
+        self.line = line
+        self.field = field
+        super().__init__(self._render())
+
+    def _render(self) -> str:
+        where = self.path or "<input>"
+        if self.line is not None:
+            where += f":{self.line}"
+        if self.field is not None:
+            where += f": field {self.field!r}"
+        return f"{where}: {self.message}"
+
+
+class TraceImportError(TraceFormatError):
+    """Importing several files failed; ``errors`` holds one TraceFormatError per bad file."""
+
+    def __init__(self, errors: Sequence[TraceFormatError]) -> None:
+        self.errors = tuple(errors)
+        lines = [f"{len(self.errors)} file(s) could not be imported:"]
+        lines += [f"  {e}" for e in self.errors]
+        self.message = "\n".join(lines)
+        self.path = self.line = self.field = None
+        Exception.__init__(self, self.message)
+
+    def _render(self) -> str:
+        return self.message
+
+
+class MissingDependencyError(AospecError, ImportError):
+    """An optional dependency is missing; the message names the install command."""
+
+
+class SandboxError(AospecError):
+    """A sandbox operation failed."""
+
+
+class SandboxUnavailableError(SandboxError):
+    """The sandbox backend cannot run on this host; the message says what to do."""
+
+
+class DrafterError(AospecError):
+    """A drafter backend failed or is misconfigured."""
+
+
+class EngineError(AospecError):
+    """An engine invariant was violated."""
