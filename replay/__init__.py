@@ -1,1 +1,32 @@
-"""replay"""
+"""Canonical traces: reading, writing, importing and summarising agent trajectories.
+
+``load_traces(paths)`` reads files and directories of every supported format (canonical
+JSONL, tb1 step files, mini-swe-agent ``*.traj.json``, tau-bench trajectories);
+``write_jsonl``/``read_jsonl`` write and read the canonical JSONL of docs/trace-format.md;
+``trace_stats`` summarises a trace set; ``bundled_traces_path()`` is the small tb1 sample
+shipped in the package.
+"""
+
+from __future__ import annotations
+
+from importlib import resources
+from pathlib import Path
+
+from replay.io import FORMATS, dump_jsonl, load_traces, read_jsonl, write_jsonl
+from replay.stats import TraceStats, trace_stats
+
+__all__ = [
+    "FORMATS",
+    "TraceStats",
+    "bundled_traces_path",
+    "dump_jsonl",
+    "load_traces",
+    "read_jsonl",
+    "trace_stats",
+    "write_jsonl",
+]
+
+
+def bundled_traces_path() -> Path:
+    """The directory of the tb1 sample bundled with the package (one run, see its NOTICE)."""
+    return Path(str(resources.files("replay") / "data" / "tb1-sample"))

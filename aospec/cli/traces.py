@@ -1,0 +1,202 @@
+"""``aospec traces``: summarise trace sets and convert them to the canonical JSONL.
+
+    aospec traces stats [PATH...] [--format table|json] [--plot tool-time.png]
+    aospec traces convert PATH... -o OUT.jsonl [--format table|json]
+
+PATH is any mix of files and directories in a supported format (canonical JSONL, tb1
+step files, mini-swe-agent ``*.traj.json``, tau-bench trajectories), detected per file
+unless ``--input-format`` names one. ``stats`` without a PATH reads the tb1 sample
+bundled with aospec.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import Any
+
+from aospec.cli._common import add_format_option, print_json
+
+__all__ = ["register"]
+
+_INPUT_FORMATS = ("auto", "aospec", "tb1", "mini-swe-agent", "tau-bench")
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(
+        "traces",
+        help="summarise and convert agent traces",
+        description="Summarise agent trace sets and convert them to aospec's canonical JSONL (docs/trace-format.md).",
+    )
+    sub = parser.add_subparsers(dest="traces_command", required=True, metavar="SUBCOMMAND")
+
+    stats = sub.add_parser(
+        "stats",
+        help="trials, steps, tool-time distribution, tokens and effect classes of a trace set",
+        description=(
+            "Print the size, tool-time distribution (p50/p90/p99 with numpy's linear method over steps "
+            "whose tool time is known; share of tool time in calls >= 1 s), output tokens and filesystem "
+            "effect classes of the traces under PATH."
+        ),
+    )
+    _add_inputs(stats, default_bundled=True)
+    add_format_option(stats)
+    stats.add_argument("--plot", metavar="PNG", type=Path, help="also plot the tool-time distribution to this PNG")
+    stats.set_defaults(func=_stats)
+
+    convert = sub.add_parser(
+        "convert",
+        help="write traces of any supported format as canonical JSONL",
+        description="Import the traces under PATH and write them, sorted by id, as one canonical JSONL file.",
+    )
+    _add_inputs(convert)
+    convert.add_argument("-o", "--output", required=True, metavar="OUT", help="output .jsonl file ('-' for stdout)")
+    add_format_option(convert)
+    convert.set_defaults(func=_convert)
+
+
+def _add_inputs(parser: argparse.ArgumentParser, *, default_bundled: bool = False) -> None:
+    if default_bundled:
+        parser.add_argument(
+            "paths",
+            nargs="*",
+            metavar="PATH",
+            help="trace files or directories (searched recursively); default: the tb1 sample bundled with aospec",
+        )
+    else:
+        parser.add_argument(
+            "paths", nargs="+", metavar="PATH", help="trace files or directories (searched recursively)"
+        )
+    parser.add_argument(
+        "--input-format",
+        choices=_INPUT_FORMATS,
+        default="auto",
+        help="format of the inputs (default: detect each file)",
+    )
+
+
+def _fmt_s(v: float | None) -> str:
+    if v is None:
+        return "-"
+    return f"{v:.3f} s" if v < 100 else f"{v:,.0f} s"
+
+
+def _fmt_pct(v: float | None) -> str:
+    return "-" if v is None else f"{100 * v:.1f}%"
+
+
+def _stats(args: argparse.Namespace) -> int:
+    from replay import bundled_traces_path, load_traces, trace_stats
+
+    if not args.paths:
+        args.paths = [str(bundled_traces_path())]
+    traces = load_traces(args.paths, format=args.input_format)
+    stats = trace_stats(traces)
+    plot = _plot(traces, stats, args.plot) if args.plot else None
+    if args.format == "json":
+        out: dict[str, Any] = stats.to_json()
+        out["paths"] = [str(p) for p in args.paths]
+        if plot:
+            out["plot"] = str(plot)
+        print_json(out)
+        return 0
+    _print_table(stats, args.paths, plot)
+    return 0
+
+
+def _print_table(stats: Any, paths: list[str], plot: Path | None) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=f"Traces: {', '.join(paths)}", show_header=False, title_justify="left")
+    table.add_column("what", style="bold")
+    table.add_column("value", justify="right")
+    rows = [
+        ("trials", f"{stats.trials}"),
+        ("steps", f"{stats.steps}"),
+        ("tasks", f"{stats.tasks}"),
+        ("harnesses", ", ".join(f"{k} ({v})" for k, v in stats.harnesses.items())),
+        ("actor models", ", ".join(f"{k} ({v})" for k, v in stats.actor_models.items())),
+        ("steps with tool time", f"{stats.timed_steps} ({stats.untimed_steps} unknown, excluded)"),
+        ("tool time p50 / p90 / p99", " / ".join(_fmt_s(v) for v in (stats.tool_time_p50_s, stats.tool_time_p90_s, stats.tool_time_p99_s))),
+        ("tool time mean / max / total", " / ".join(_fmt_s(v) for v in (stats.tool_time_mean_s, stats.tool_time_max_s, stats.tool_time_total_s))),
+        (f"calls >= {stats.long_call_threshold_s:g} s", f"{stats.long_calls} ({_fmt_pct(stats.long_call_share)} of calls)"),
+        (f"tool time in calls >= {stats.long_call_threshold_s:g} s", _fmt_pct(stats.long_call_time_share)),
+        ("model latency p50", _fmt_s(stats.model_latency_p50_s)),
+        ("output tokens", f"{stats.output_tokens:,} ({stats.output_tokens_counted:,} counted, {stats.output_tokens_estimated:,} estimated)"),
+        ("read-only steps", f"{stats.read_only_steps}"),
+        ("may-change steps", f"{stats.may_change_steps}"),
+        ("effects recorded / classified", f"{stats.effects_recorded} / {stats.effects_classified}"),
+        ("incomplete steps", f"{stats.incomplete_steps}"),
+    ]  # fmt: skip
+    for k, v in rows:
+        table.add_row(k, v)
+    console = Console()
+    console.print(table)
+    if len(stats.tools) > 1:
+        tools = Table(title="Steps by tool", title_justify="left")
+        tools.add_column("tool")
+        tools.add_column("steps", justify="right")
+        for name, n in sorted(stats.tools.items(), key=lambda kv: (-kv[1], kv[0])):
+            tools.add_row(name, str(n))
+        console.print(tools)
+    console.print(f"Quantiles: {stats.quantile_method}.")
+    if plot:
+        console.print(f"Plot: {plot}")
+
+
+def _plot(traces: list, stats: Any, path: Path) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    from replay.stats import tool_durations
+
+    d = np.sort(tool_durations(traces))
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
+    if d.size:
+        floor = max(float(d[d > 0].min()) if (d > 0).any() else 1e-3, 1e-3)
+        x = np.maximum(d, floor)
+        ax1.step(x, np.arange(1, d.size + 1) / d.size, where="post")
+        marks = (("p50", stats.tool_time_p50_s), ("p90", stats.tool_time_p90_s), ("p99", stats.tool_time_p99_s))
+        for k, (q, v) in enumerate(marks):
+            ax1.axvline(max(v, floor), linestyle="--", linewidth=0.8, color="grey")
+            ax1.annotate(f"{q} {v:.3g} s", (max(v, floor), 0.05 + 0.12 * k), fontsize=8)
+        share = np.cumsum(d[::-1])[::-1] / d.sum() if d.sum() > 0 else np.zeros_like(d)
+        ax2.step(x, share, where="post")
+        ax2.axvline(stats.long_call_threshold_s, linestyle="--", linewidth=0.8, color="grey")
+        for ax in (ax1, ax2):
+            ax.set_xscale("log")
+            ax.set_xlabel("tool time per call (s)")
+            ax.grid(True, which="both", alpha=0.3)
+    ax1.set_ylabel("fraction of calls <= x")
+    ax1.set_title(f"Tool-time CDF ({stats.timed_steps} calls, {stats.trials} trials)")
+    ax2.set_ylabel("share of total tool time in calls >= x")
+    ax2.set_title("Where tool time goes")
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def _convert(args: argparse.Namespace) -> int:
+    from replay import dump_jsonl, load_traces, write_jsonl
+
+    traces = load_traces(args.paths, format=args.input_format)
+    steps = sum(len(t) for t in traces)
+    if args.output == "-":
+        sys.stdout.write(dump_jsonl(traces))
+        sys.stdout.flush()
+        return 0
+    out = write_jsonl(traces, args.output)
+    if args.format == "json":
+        print_json({"traces": len(traces), "steps": steps, "output": str(out)})
+    else:
+        from rich.console import Console
+
+        Console().print(f"Wrote {len(traces)} traces ({steps} steps) to {out}")
+    return 0
