@@ -1,0 +1,201 @@
+"""``aospec replay`` and ``aospec sweep``: replay traces under policies in virtual time."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from aospec.cli._common import add_format_option, print_json
+
+_DEFAULT_POLICIES = "serial,oracle-action,ceiling,spec-actions,spechop-cache,aospec,obs-only,action-only"
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    for name, helptext in (
+        ("replay", "replay traces under policies at one TPOT and print per-trace results"),
+        ("sweep", "replay traces under policies across TPOTs; write results, summary and plots"),
+    ):
+        p = sub.add_parser(name, help=helptext, description=helptext)
+        p.add_argument("paths", nargs="*", metavar="PATH", help="evaluation traces (files or directories)")
+        p.add_argument("--bundled", action="store_true", help="evaluate on the tb1 sample bundled with aospec")
+        p.add_argument("--eval", action="append", default=[], metavar="DIR", help="evaluation traces (repeatable)")
+        p.add_argument(
+            "--train",
+            action="append",
+            default=[],
+            metavar="DIR",
+            help="training traces for the drafters (repeatable); without it: leave-one-task-out",
+        )
+        p.add_argument(
+            "--policies",
+            default=_DEFAULT_POLICIES,
+            help="comma-separated NAME[:key=value...] (keys: EngineConfig/PolicyConfig fields); "
+            f"default: {_DEFAULT_POLICIES}",
+        )
+        if name == "sweep":
+            p.add_argument(
+                "--tpots", default="20,15,10,5,1", help="comma-separated ms per output token (default 20,15,10,5,1)"
+            )
+            p.add_argument("--out", default="results", metavar="DIR", help="output directory (default ./results)")
+        else:
+            p.add_argument("--tpot-ms", type=float, default=10.0, help="ms per output token (default 10)")
+        p.add_argument("--jobs", type=int, default=None, help="worker processes (default: number of CPUs)")
+        p.add_argument(
+            "--drafter-options",
+            default=None,
+            metavar="JSON",
+            help='options per drafter/kernel name, e.g. \'{"lm": {"backend": "vllm"}}\' (or @file.json)',
+        )
+        p.add_argument(
+            "--prefill-ms-per-ktok",
+            type=float,
+            default=0.0,
+            help="prefill model: ms per 1000 new context tokens (default 0: off)",
+        )
+        p.add_argument("--no-progress", action="store_true", help="no progress bar")
+        add_format_option(p)
+        p.set_defaults(func=_sweep if name == "sweep" else _replay)
+
+
+def _drafter_options(text: str | None) -> dict[str, Any]:
+    from aospec.errors import ConfigError
+
+    if not text:
+        return {}
+    where = "--drafter-options"
+    if text.startswith("@"):
+        where = text[1:]
+        try:
+            text = Path(where).read_text(encoding="utf-8")
+        except OSError as exc:
+            raise ConfigError(f"--drafter-options: cannot read {where}: {exc.strerror}") from None
+    try:
+        value = json.loads(text)
+    except ValueError as exc:
+        raise ConfigError(f"{where}: not valid JSON: {exc}") from None
+    if not isinstance(value, dict) or not all(isinstance(v, dict) for v in value.values()):
+        raise ConfigError(f'{where}: expected an object of objects, e.g. {{"lm": {{"backend": "vllm"}}}}')
+    return value
+
+
+def _floats(text: str, what: str) -> list[float]:
+    from aospec.errors import ConfigError
+
+    try:
+        values = [float(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise ConfigError(f"{what}: expected comma-separated numbers, got {text!r}") from None
+    if not values or any(v <= 0 for v in values):
+        raise ConfigError(f"{what}: expected positive numbers, got {text!r}")
+    return values
+
+
+def _load(args: argparse.Namespace) -> tuple[list[Any], list[Any] | None, str]:
+    from aospec.errors import ConfigError
+    from replay import bundled_traces_path, load_traces
+
+    sources: list[Any] = list(args.paths) + list(args.eval)
+    if args.bundled:
+        sources.append(bundled_traces_path())
+    if not sources:
+        raise ConfigError("no traces: give PATH..., --eval DIR or --bundled")
+    eval_traces = load_traces(sources)
+    train = load_traces(args.train) if args.train else None
+    if train is not None:
+        overlap = {t.id for t in train} & {t.id for t in eval_traces}
+        if overlap:
+            raise ConfigError(
+                f"{len(overlap)} trace(s) are in both --train and the evaluation set, e.g. {sorted(overlap)[0]!r}"
+            )
+    split = "given training set" if train is not None else "leave-one-task-out"
+    return eval_traces, train, split
+
+
+def _run(args: argparse.Namespace, tpots: list[float]) -> tuple[list[Any], list[Any], dict[str, Any]]:
+    from aospec.progress import progress
+    from replay.policies import parse_policies
+    from replay.sweep import run_sweep
+
+    policies = parse_policies(args.policies)
+    options = _drafter_options(args.drafter_options)
+    eval_traces, train, split = _load(args)
+    jobs = args.jobs if args.jobs is not None else (os.cpu_count() or 1)
+    started = time.perf_counter()
+    with progress(disable=True if args.no_progress else None) as bar:
+        task = bar.add_task("replaying traces", total=len(eval_traces))
+        results = run_sweep(
+            eval_traces,
+            policies,
+            train_traces=train,
+            tpots_ms=tpots,
+            jobs=jobs,
+            drafter_options=options,
+            prefill_ms_per_ktok=args.prefill_ms_per_ktok,
+            on_trace_done=lambda _t: bar.advance(task),
+        )
+    meta = {
+        "traces": len(eval_traces),
+        "tasks": len({t.task for t in eval_traces}),
+        "steps": sum(len(t) for t in eval_traces),
+        "drafters trained on": split,
+        "policies": ", ".join(p.name for p in policies),
+        "TPOTs (ms)": ", ".join(f"{t:g}" for t in tpots),
+        "prefill model (ms per 1k tokens)": f"{args.prefill_ms_per_ktok:g}",
+        "wall time (s)": f"{time.perf_counter() - started:.1f}",
+    }
+    return results, policies, meta
+
+
+def _sweep(args: argparse.Namespace) -> int:
+    from replay.metrics import summarize
+    from replay.report import print_table, write_report
+
+    tpots = _floats(args.tpots, "--tpots")
+    results, _, meta = _run(args, tpots)
+    summaries = summarize(results)
+    written = write_report(args.out, results, summaries, meta)
+    if args.format == "json":
+        for s in summaries:
+            print_json(s.to_json())
+    else:
+        print_table(summaries)
+        print(f"wrote {len(written)} files to {args.out}/ (summary.md, results.jsonl, plots)", file=sys.stderr)
+    return 0
+
+
+def _replay(args: argparse.Namespace) -> int:
+    from rich.console import Console
+    from rich.table import Table
+
+    from replay.metrics import summarize
+    from replay.report import print_table
+
+    if args.tpot_ms <= 0:
+        from aospec.errors import ConfigError
+
+        raise ConfigError(f"--tpot-ms must be positive, got {args.tpot_ms}")
+    results, policies, _ = _run(args, [args.tpot_ms])
+    if args.format == "json":
+        for r in results:
+            print_json(r.to_json())
+        return 0
+    table = Table(title=f"aospec replay at {args.tpot_ms:g} ms/token: latency in s (saving vs serial)")
+    table.add_column("trace")
+    table.add_column("steps", justify="right")
+    table.add_column("serial s", justify="right")
+    for p in policies:
+        table.add_column(p.name, justify="right")
+    rows: dict[str, list[Any]] = {}
+    for r in results:
+        rows.setdefault(r.trace_id, [r.steps, r.serial_ns * 1e-9, {}])[2][r.policy] = r
+    for trace_id, (steps, serial, by) in rows.items():
+        cells = [f"{by[p.name].latency_ns * 1e-9:.1f} ({100 * by[p.name].saving:.1f}%)" for p in policies]
+        table.add_row(trace_id, str(steps), f"{serial:.1f}", *cells)
+    Console(width=None if sys.stdout.isatty() else 200).print(table)
+    print_table(summarize(results))
+    return 0

@@ -1,0 +1,79 @@
+"""Configuration of the speculation engine (Algorithm 1).
+
+Build one from a mapping with :func:`engine_config` (unknown keys raise ConfigError), or
+directly. Every baseline of the replay benchmark is an ``EngineConfig`` plus a choice of
+drafters (see replay/policies.py and docs/engine.md).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from aospec.config import from_mapping
+from aospec.errors import ConfigError
+
+__all__ = ["RANKINGS", "EngineConfig", "engine_config"]
+
+#: How observation drafts are ranked before the branch budget is applied.
+RANKINGS = ("evd", "likelihood", "tooltime")
+
+
+@dataclass(frozen=True, slots=True)
+class EngineConfig:
+    """Knobs of Algorithm 1.
+
+    - ``branch_budget``: provisional actor continuations started per action in flight
+      (observation speculation); 0 disables observation speculation.
+    - ``draft_candidates``: candidates requested from the observation drafters before
+      ranking (at least ``branch_budget``).
+    - ``obs_depth``: how many drafted observations deep a provisional branch may run ahead
+      of the verified history (1 = the next observation only).
+    - ``rank``: ``evd`` ranks drafts by ``p(c) * T(c)`` (expected tool time hidden),
+      ``likelihood`` by ``p(c)``, ``tooltime`` by ``T(c)``.
+    - ``fork_width``: speculative target actions launched into sandbox forks per verified
+      boundary; 0 disables action speculation from the action drafters.
+    - ``depth``: lookahead; targets with step offset ``< depth`` are launched (1 = the next
+      action only).
+    - ``provisional_targets``: launch the action a provisional continuation decodes into a
+      fork of the committed sandbox at once (valid if the step in flight leaves the
+      filesystem unchanged, checked by JASV).
+    - ``max_live_forks``: forks kept at once (oldest are discarded first).
+    - ``min_draft_probability``: drafts less likely than this are never continued.
+    """
+
+    branch_budget: int = 5
+    draft_candidates: int = 8
+    obs_depth: int = 1
+    rank: Literal["evd", "likelihood", "tooltime"] = "evd"
+    fork_width: int = 8
+    depth: int = 2
+    provisional_targets: bool = True
+    max_live_forks: int = 32
+    min_draft_probability: float = 0.0
+
+    def __post_init__(self) -> None:
+        for name in ("branch_budget", "draft_candidates", "fork_width", "max_live_forks"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"engine: {name} must be >= 0, got {getattr(self, name)}")
+        for name in ("obs_depth", "depth"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"engine: {name} must be >= 1, got {getattr(self, name)}")
+        if self.rank not in RANKINGS:
+            raise ConfigError(f"engine: rank must be one of {', '.join(RANKINGS)}, got {self.rank!r}")
+        if not 0.0 <= self.min_draft_probability <= 1.0:
+            raise ConfigError(f"engine: min_draft_probability must be in [0, 1], got {self.min_draft_probability}")
+
+    @property
+    def speculates_observations(self) -> bool:
+        return self.branch_budget > 0
+
+    @property
+    def speculates_actions(self) -> bool:
+        return self.fork_width > 0 or (self.provisional_targets and self.branch_budget > 0)
+
+
+def engine_config(mapping: Mapping[str, Any], *, where: str = "engine") -> EngineConfig:
+    """An EngineConfig from a mapping; unknown keys and bad values raise ConfigError."""
+    return from_mapping(EngineConfig, mapping, where=where)

@@ -1,0 +1,210 @@
+"""The speculation ledger: every draft, fork, reuse, commit, discard and cancel is an event.
+
+The engine appends :class:`SpeculationEvent` records as it works and keeps running totals,
+so :meth:`Ledger.statistics` is O(1). Times are integer nanoseconds of the engine's clock
+(virtual in replay, monotonic in live runs).
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+__all__ = ["EngineStatistics", "EventKind", "Ledger", "SpeculationEvent"]
+
+
+class EventKind(enum.Enum):
+    """What happened."""
+
+    STEP = "step"  # a step was committed (action verified + observation)
+    DRAFT = "draft"  # a provisional continuation started on a drafted observation
+    DRAFT_HIT = "draft_hit"  # a draft was byte-identical to the real observation
+    DRAFT_CANCEL = "draft_cancel"  # a provisional continuation (or a drafting call) was cancelled
+    FORK = "fork"  # a speculative target action was launched into a fork
+    REUSE = "reuse"  # JASV accepted a fork for the emitted action
+    COMMIT = "commit"  # a fork's state became the committed state
+    DISCARD = "discard"  # a fork was thrown away (stale origin, evicted, run ended)
+    FAIL = "fail"  # a speculative operation failed and was dropped
+
+
+@dataclass(frozen=True, slots=True)
+class SpeculationEvent:
+    """One ledger entry. ``step`` is the committed step index when it happened (0-based),
+    ``detail`` a short description (action key or draft text prefix), ``ns`` a duration
+    where one applies (tool time of a fork, decode time of a continuation)."""
+
+    kind: EventKind
+    t_ns: int
+    step: int
+    detail: str = ""
+    ns: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class EngineStatistics:
+    """Totals of one engine run (seconds are floats converted from integer nanoseconds).
+
+    ``wait_actor_s`` + ``wait_tool_s`` is the latency on the committed path;
+    ``tool_time_hidden_s`` = total tool time of committed steps minus ``wait_tool_s``
+    (tool time that ran while the actor decoded), ``decode_time_hidden_s`` = total decode
+    time of committed steps minus ``wait_actor_s`` (decoding that ran while a tool ran).
+    """
+
+    steps: int
+    actions_executed: int
+    forks_launched: int
+    forks_reused: int
+    forks_wasted: int
+    drafts_started: int
+    drafts_hit: int
+    drafts_cancelled: int
+    speculative_failures: int
+    latency_s: float
+    wait_actor_s: float
+    wait_tool_s: float
+    tool_time_s: float
+    decode_time_s: float
+    tool_time_hidden_s: float
+    decode_time_hidden_s: float
+    speculative_tool_time_wasted_s: float
+    provisional_decode_wasted_s: float
+
+
+_S = 1e-9
+
+
+class Ledger:
+    """Speculation events of one engine run plus running totals."""
+
+    __slots__ = (
+        "_decode_ns",
+        "_drafts_cancelled",
+        "_drafts_hit",
+        "_drafts_started",
+        "_executed",
+        "_failures",
+        "_forks_launched",
+        "_forks_reused",
+        "_forks_wasted",
+        "_latency_ns",
+        "_tool_ns",
+        "_wait_actor_ns",
+        "_wait_tool_ns",
+        "_wasted_decode_ns",
+        "_wasted_tool_ns",
+        "events",
+        "keep_events",
+        "step",
+    )
+
+    def __init__(self, *, keep_events: bool = True) -> None:
+        self.keep_events = keep_events
+        self.events: list[SpeculationEvent] = []
+        self.step = 0
+        self._executed = self._forks_launched = self._forks_reused = self._forks_wasted = 0
+        self._drafts_started = self._drafts_hit = self._drafts_cancelled = self._failures = 0
+        self._latency_ns = self._wait_actor_ns = self._wait_tool_ns = 0
+        self._tool_ns = self._decode_ns = self._wasted_tool_ns = self._wasted_decode_ns = 0
+
+    def _event(self, kind: EventKind, t_ns: int, detail: str, ns: int) -> None:
+        if self.keep_events:
+            self.events.append(SpeculationEvent(kind, t_ns, self.step, detail, ns))
+
+    def committed_step(
+        self,
+        t_ns: int,
+        detail: str,
+        *,
+        wait_actor_ns: int,
+        wait_tool_ns: int,
+        decode_ns: int,
+        tool_ns: int,
+        executed: bool,
+    ) -> None:
+        """A step was verified and committed; the four durations describe its critical path."""
+        self._wait_actor_ns += wait_actor_ns
+        self._wait_tool_ns += wait_tool_ns
+        self._latency_ns += wait_actor_ns + wait_tool_ns
+        self._decode_ns += decode_ns
+        self._tool_ns += tool_ns
+        self._executed += executed
+        self._event(EventKind.STEP, t_ns, detail, wait_actor_ns + wait_tool_ns)
+        self.step += 1
+
+    def draft_started(self, t_ns: int, detail: str) -> None:
+        self._drafts_started += 1
+        self._event(EventKind.DRAFT, t_ns, detail, 0)
+
+    def draft_hit(self, t_ns: int, detail: str) -> None:
+        self._drafts_hit += 1
+        self._event(EventKind.DRAFT_HIT, t_ns, detail, 0)
+
+    def draft_cancelled(self, t_ns: int, detail: str, decoded_ns: int) -> None:
+        self._drafts_cancelled += 1
+        self._wasted_decode_ns += decoded_ns
+        self._event(EventKind.DRAFT_CANCEL, t_ns, detail, decoded_ns)
+
+    def drafting_lost(self, t_ns: int, detail: str) -> None:
+        """A drafting call was cancelled because the real observation came first (no
+        continuation had started, so nothing is counted as a cancelled draft)."""
+        self._event(EventKind.DRAFT_CANCEL, t_ns, detail, 0)
+
+    def fork_launched(self, t_ns: int, detail: str) -> None:
+        self._forks_launched += 1
+        self._event(EventKind.FORK, t_ns, detail, 0)
+
+    def fork_reused(self, t_ns: int, detail: str) -> None:
+        self._forks_reused += 1
+        self._event(EventKind.REUSE, t_ns, detail, 0)
+
+    def fork_committed(self, t_ns: int, detail: str) -> None:
+        self._event(EventKind.COMMIT, t_ns, detail, 0)
+
+    def fork_discarded(self, t_ns: int, detail: str, tool_ns: int, *, speculative: bool = True) -> None:
+        if speculative:
+            self._forks_wasted += 1
+            self._wasted_tool_ns += tool_ns
+        self._event(EventKind.DISCARD, t_ns, detail, tool_ns)
+
+    def failed(self, t_ns: int, detail: str) -> None:
+        self._failures += 1
+        self._event(EventKind.FAIL, t_ns, detail, 0)
+
+    @property
+    def latency_ns(self) -> int:
+        return self._latency_ns
+
+    @property
+    def tool_ns(self) -> int:
+        return self._tool_ns
+
+    @property
+    def decode_ns(self) -> int:
+        return self._decode_ns
+
+    @property
+    def wasted_tool_ns(self) -> int:
+        return self._wasted_tool_ns
+
+    def statistics(self) -> EngineStatistics:
+        """A frozen snapshot of the running totals."""
+        return EngineStatistics(
+            steps=self.step,
+            actions_executed=self._executed,
+            forks_launched=self._forks_launched,
+            forks_reused=self._forks_reused,
+            forks_wasted=self._forks_wasted,
+            drafts_started=self._drafts_started,
+            drafts_hit=self._drafts_hit,
+            drafts_cancelled=self._drafts_cancelled,
+            speculative_failures=self._failures,
+            latency_s=self._latency_ns * _S,
+            wait_actor_s=self._wait_actor_ns * _S,
+            wait_tool_s=self._wait_tool_ns * _S,
+            tool_time_s=self._tool_ns * _S,
+            decode_time_s=self._decode_ns * _S,
+            tool_time_hidden_s=(self._tool_ns - self._wait_tool_ns) * _S,
+            decode_time_hidden_s=(self._decode_ns - self._wait_actor_ns) * _S,
+            speculative_tool_time_wasted_s=self._wasted_tool_ns * _S,
+            provisional_decode_wasted_s=self._wasted_decode_ns * _S,
+        )

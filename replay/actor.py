@@ -1,0 +1,116 @@
+"""The replay actor and the virtual clock.
+
+Virtual time runs on trio's ``MockClock(autojump_threshold=0)``: whenever every task waits,
+the clock jumps to the next deadline, so a trace replays in milliseconds. One virtual
+"second" of that clock stands for one nanosecond here: every duration is an integer number
+of nanoseconds, and floats hold integers below 2**53 exactly, so all virtual arithmetic is
+exact (a 100-day trace is still far below 2**53 ns). Code that sleeps in replay must go
+through :meth:`VirtualClock.sleep_ns`.
+
+:class:`ReplayActor` decodes step ``i`` in ``output_tokens_i * TPOT`` (+ an optional
+prefill model) and returns the recorded action ``a_i`` when the history it is given equals
+the recorded one (also on a provisional branch); otherwise a deterministic action that no
+recorded step has, which therefore can never be committed.
+"""
+
+from __future__ import annotations
+
+import math
+from decimal import Decimal
+
+import trio
+
+from aospec.types import Action, History, Trace, Turn
+
+__all__ = ["DIVERGED_TOOL", "END_TOOL", "ReplayActor", "VirtualClock", "ms_to_ns", "seconds_to_ns"]
+
+#: Tool name of the action the replay actor returns on a history that left the recording.
+DIVERGED_TOOL = "replay.diverged"
+#: Tool name of the action it returns after the last recorded step.
+END_TOOL = "replay.end"
+
+
+def seconds_to_ns(seconds: float) -> int:
+    """Exact nanoseconds of a recorded duration (decimal digits as written, no float error)."""
+    return int((Decimal(repr(float(seconds))) * 1_000_000_000).to_integral_value())
+
+
+def ms_to_ns(ms: float) -> int:
+    return int((Decimal(repr(float(ms))) * 1_000_000).to_integral_value())
+
+
+class VirtualClock:
+    """Integer-nanosecond clock over trio's (mock) clock, 1 unit = 1 ns (replay runs on trio)."""
+
+    __slots__ = ()
+
+    def now_ns(self) -> int:
+        return int(trio.current_time())
+
+    async def sleep_ns(self, ns: int) -> None:
+        if ns > 0:
+            await trio.sleep(ns)
+
+
+def estimate_tokens(text: str) -> int:
+    """ceil(len/4): the usual characters-per-token estimate."""
+    return math.ceil(len(text) / 4)
+
+
+class ReplayActor:
+    """Replays a trace's actions with decode time ``output_tokens * tpot_ns``.
+
+    ``prefill_ns_per_token`` adds a prefill model with prefix caching: decoding step ``i``
+    first prefills what the history gained since step ``i-1`` (the task for step 0, the
+    observation of step ``i-1`` after it), at ``ceil(len/4)`` tokens per text.
+    """
+
+    def __init__(self, trace: Trace, *, tpot_ns: int, clock: VirtualClock, prefill_ns_per_token: int = 0) -> None:
+        self.trace = trace
+        self.clock = clock
+        steps = trace.steps
+        self._actions = [s.action for s in steps]
+        self._turns = [Turn(s.action, s.observation) for s in steps]
+        self._known: list[Turn | None] = [None] * len(steps)
+        task = trace.instruction or trace.task
+        self.decode_ns: list[int] = []
+        for i, s in enumerate(steps):
+            ns = s.output_tokens * tpot_ns
+            if prefill_ns_per_token:
+                new_text = task if i == 0 else steps[i - 1].observation
+                ns += estimate_tokens(new_text) * prefill_ns_per_token
+            self.decode_ns.append(ns)
+        self.calls = 0
+
+    def matches(self, history: History) -> bool:
+        """Whether ``history`` equals the recorded history of the same length.
+
+        Checks turns from the end until one is a turn object already verified at that
+        position (histories share their prefix objects), so the cost is O(new turns).
+        """
+        turns = history.turns
+        n = len(turns)
+        if n > len(self._turns):
+            return False
+        known, rec = self._known, self._turns
+        k = n - 1
+        while k >= 0:
+            t = turns[k]
+            if t is known[k]:
+                break
+            r = rec[k]
+            if t.observation != r.observation or t.action != r.action:
+                return False
+            k -= 1
+        if n:
+            known[n - 1] = turns[n - 1]
+        return True
+
+    async def decode(self, history: History) -> Action:
+        self.calls += 1
+        i = len(history)
+        if i >= len(self._actions):
+            return Action(END_TOOL)
+        ok = self.matches(history)
+        await self.clock.sleep_ns(self.decode_ns[i])
+        return self._actions[i] if ok else Action(DIVERGED_TOOL, {"step": i})

@@ -1,0 +1,360 @@
+"""Replay policies: every baseline is an engine configuration plus a choice of drafters.
+
+A policy is written ``NAME`` or ``NAME:key=value:key=value``; keys are fields of
+:class:`aospec.engine_config.EngineConfig` or :class:`PolicyConfig` (unknown keys raise
+ConfigError), values are JSON (``5``, ``true``, ``"x"``) or bare strings. See
+docs/replay.md for the exact definition of each policy.
+
+Drafters are named through the registries of :mod:`drafters` (``drafters.resolve``), so
+any registered or dotted-path drafter plugs in: ``aospec:obs_drafter=lm``. Several
+drafters are joined with ``+``; ``oracle`` is the recorded truth (ceilings only).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from aospec.config import from_mapping
+from aospec.engine_config import EngineConfig
+from aospec.errors import ConfigError
+from aospec.evd import EVDEstimator
+from aospec.protocols import ActionDraft, ActionDrafter, ObservationDraft, ObservationDrafter
+from aospec.types import Action, History, Trace
+from replay.actor import ReplayActor, VirtualClock, ms_to_ns
+from replay.sandbox import ReplayWorld
+
+__all__ = [
+    "BASE_POLICIES",
+    "DEFAULT_POLICIES",
+    "UNBOUNDED",
+    "ChargedActionDrafter",
+    "ChargedObservationDrafter",
+    "DrafterSet",
+    "OracleActionDrafter",
+    "OracleObservationDrafter",
+    "Policy",
+    "PolicyConfig",
+    "check_drafter_names",
+    "parse_policies",
+    "parse_policy",
+]
+
+
+@dataclass(frozen=True, slots=True)
+class PolicyConfig:
+    """Drafter choices and the drafting cost model of a replay policy.
+
+    ``obs_drafter`` / ``action_drafter``: registry names joined by ``+`` ("" = none,
+    ``oracle`` = the recorded truth at no cost). ``kernel``: the EVD kernel's registry
+    name. Drafting is charged in virtual time: each call costs ``draft_call_ms`` plus
+    ``draft_tpot_ms`` per token of its longest candidate (non-generative drafters report 0
+    tokens, so they cost the fixed call latency only).
+    """
+
+    obs_drafter: str = ""
+    action_drafter: str = ""
+    kernel: str = "pattern"
+    draft_call_ms: float = 2.0
+    draft_tpot_ms: float = 5.0
+
+    def __post_init__(self) -> None:
+        if self.draft_call_ms < 0 or self.draft_tpot_ms < 0:
+            raise ConfigError("policy: draft_call_ms and draft_tpot_ms must be >= 0")
+
+    @property
+    def obs_names(self) -> tuple[str, ...]:
+        return tuple(n for n in self.obs_drafter.split("+") if n and n != "none")
+
+    @property
+    def action_names(self) -> tuple[str, ...]:
+        return tuple(n for n in self.action_drafter.split("+") if n and n != "none")
+
+
+#: Lookahead, fork width and live forks of a ceiling: in effect unlimited.
+UNBOUNDED = 1 << 20
+
+#: Base policies: (engine overrides, policy overrides); see docs/replay.md.
+BASE_POLICIES: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
+    "serial": ({"branch_budget": 0, "fork_width": 0, "provisional_targets": False}, {}),
+    "oracle-action": ({"branch_budget": 0, "depth": 1, "provisional_targets": False}, {"action_drafter": "oracle"}),
+    "ceiling": (
+        {"depth": UNBOUNDED, "fork_width": UNBOUNDED, "max_live_forks": UNBOUNDED},
+        {"obs_drafter": "oracle", "action_drafter": "oracle"},
+    ),
+    "spec-actions": ({"branch_budget": 0, "depth": 1, "provisional_targets": False}, {"action_drafter": "history"}),
+    "spechop-cache": ({"fork_width": 0, "provisional_targets": False}, {"obs_drafter": "cache"}),
+    "aospec": ({}, {"obs_drafter": "patterns+cache", "action_drafter": "history"}),
+    "obs-only": ({"fork_width": 0, "provisional_targets": False}, {"obs_drafter": "patterns+cache"}),
+    "action-only": ({"branch_budget": 0, "provisional_targets": False}, {"action_drafter": "history"}),
+}
+
+#: Policies of a default sweep.
+DEFAULT_POLICIES = (
+    "serial",
+    "oracle-action",
+    "ceiling",
+    "spec-actions",
+    "spechop-cache",
+    "aospec",
+    "obs-only",
+    "action-only",
+)
+
+_ENGINE_KEYS = {f.name for f in dataclasses.fields(EngineConfig)}
+_POLICY_KEYS = {f.name for f in dataclasses.fields(PolicyConfig)}
+
+
+@dataclass(frozen=True, slots=True)
+class Policy:
+    """A named engine configuration with its drafters."""
+
+    name: str
+    base: str
+    engine: EngineConfig
+    config: PolicyConfig
+
+    @property
+    def is_oracle(self) -> bool:
+        names = self.config.obs_names + self.config.action_names
+        return bool(names) and all(n == "oracle" for n in names)
+
+    @property
+    def speculates(self) -> bool:
+        c = self.config
+        return bool((c.obs_names and self.engine.branch_budget > 0) or (c.action_names and self.engine.fork_width > 0))
+
+    def twin(self) -> Policy:
+        """The matching ceiling: the same engine configuration with every drafter replaced
+        by the free oracle, and action lookahead, fork width and live forks unbounded.
+
+        Unbounded, because JASV keeps forks valid across read-only steps: a practical
+        drafter that launches a later step's action early gets it for free, so only an
+        oracle that launches every step still reachable from the committed state bounds
+        it. A policy can never beat its twin.
+        """
+        if not self.config.obs_names and not self.config.action_names:
+            return self  # nothing speculates: the policy is its own ceiling
+        cfg = dataclasses.replace(
+            self.config,
+            obs_drafter="oracle" if self.config.obs_names else "",
+            action_drafter="oracle" if self.config.action_names else "",
+        )
+        engine = dataclasses.replace(self.engine, depth=UNBOUNDED, fork_width=UNBOUNDED, max_live_forks=UNBOUNDED)
+        return Policy(f"ceiling-of({self.name})", self.base, engine, cfg)
+
+    @property
+    def key(self) -> tuple[EngineConfig, PolicyConfig]:
+        """What determines the policy's behaviour (for de-duplication)."""
+        return (self.engine, self.config)
+
+
+def _value(text: str) -> Any:
+    try:
+        return json.loads(text)
+    except ValueError:
+        return text
+
+
+def parse_policy(spec: str) -> Policy:
+    """``NAME[:key=value...]`` -> Policy (ConfigError on unknown names, keys or values)."""
+    spec = spec.strip()
+    name, *opts = spec.split(":")
+    if name not in BASE_POLICIES:
+        raise ConfigError(f"unknown policy {name!r}; known: {', '.join(BASE_POLICIES)}")
+    engine_over, policy_over = BASE_POLICIES[name]
+    engine_map, policy_map = dict(engine_over), dict(policy_over)
+    given: set[str] = set()
+    for opt in opts:
+        key, eq, raw = opt.partition("=")
+        key = key.strip()
+        if not eq or not key:
+            raise ConfigError(f"policy {spec!r}: expected key=value, got {opt!r}")
+        if key in _ENGINE_KEYS:
+            engine_map[key] = _value(raw)
+        elif key in _POLICY_KEYS:
+            policy_map[key] = raw if key in ("obs_drafter", "action_drafter", "kernel") else _value(raw)
+        else:
+            known = ", ".join(sorted(_ENGINE_KEYS | _POLICY_KEYS))
+            raise ConfigError(f"policy {spec!r}: unknown key {key!r}; known keys: {known}")
+        given.add(key)
+    if name == "ceiling" and "depth" in given and "obs_depth" not in given:
+        engine_map["obs_depth"] = engine_map["depth"]  # the k-step joint ceiling
+    engine = from_mapping(EngineConfig, engine_map, where=f"policy {spec!r}")
+    config = from_mapping(PolicyConfig, policy_map, where=f"policy {spec!r}")
+    return Policy(spec, name, engine, config)
+
+
+def check_drafter_names(policies: Sequence[Policy]) -> None:
+    """Resolve every drafter and kernel name now (ConfigError naming an unknown one), so a
+    sweep fails before any work starts rather than inside a worker."""
+    from drafters import resolve
+
+    for p in policies:
+        for name in p.config.obs_names:
+            if name != "oracle":
+                resolve("observation drafter", name)
+        for name in p.config.action_names:
+            if name != "oracle":
+                resolve("action drafter", name)
+        if p.config.obs_names and p.engine.rank != "likelihood":
+            resolve("EVD kernel", p.config.kernel)
+
+
+def parse_policies(text: str | Sequence[str]) -> list[Policy]:
+    """Comma-separated policy specs (or a sequence of them); names must be unique."""
+    specs = [s for s in (text.split(",") if isinstance(text, str) else text) if s.strip()]
+    if not specs:
+        raise ConfigError("no policies given")
+    out = [parse_policy(s) for s in specs]
+    names = [p.name for p in out]
+    dup = {n for n in names if names.count(n) > 1}
+    if dup:
+        raise ConfigError(f"policy listed twice: {', '.join(sorted(dup))}")
+    return out
+
+
+class OracleObservationDrafter:
+    """The recorded observation, with probability 1, when history and action are on the
+    recording (ceilings only)."""
+
+    def __init__(self, trace: Trace, actor: ReplayActor) -> None:
+        self._steps = trace.steps
+        self._actor = actor
+
+    async def draft(self, history: History, action: Action, n: int) -> Sequence[ObservationDraft]:
+        i = len(history)
+        if n <= 0 or i >= len(self._steps) or self._steps[i].action != action or not self._actor.matches(history):
+            return []
+        return [ObservationDraft(self._steps[i].observation, 1.0)]
+
+
+class OracleActionDrafter:
+    """The recorded actions of the next ``depth`` steps that start from the current
+    filesystem version (a fork for any later step could never pass JASV), with
+    probability 1, at most ``width`` (ceilings only)."""
+
+    def __init__(self, trace: Trace, actor: ReplayActor, world: ReplayWorld) -> None:
+        self._actions = [s.action for s in trace.steps]
+        self._before = world.version_before
+        self._actor = actor
+
+    async def propose(self, history: History, width: int, depth: int) -> Sequence[ActionDraft]:
+        i = len(history)
+        n = len(self._actions)
+        if i >= n or not self._actor.matches(history):
+            return []
+        version = self._before[i]
+        out = []
+        k = 0
+        while k < depth and len(out) < width and i + k < n and self._before[i + k] == version:
+            out.append(ActionDraft(self._actions[i + k], k, 1.0))
+            k += 1
+        return out
+
+
+class ChargedObservationDrafter:
+    """Consults ``inners`` (one or more drafters, merged) and charges the cost in virtual
+    time: ``call_ns + max tokens * tpot_ns``. Several drafters count as one call made side
+    by side, and candidates as one batch."""
+
+    __slots__ = ("call_ns", "clock", "inners", "tpot_ns")
+
+    def __init__(self, inners: Sequence[ObservationDrafter], clock: VirtualClock, call_ns: int, tpot_ns: int) -> None:
+        self.inners, self.clock, self.call_ns, self.tpot_ns = tuple(inners), clock, call_ns, tpot_ns
+
+    async def draft(self, history: History, action: Action, n: int) -> Sequence[ObservationDraft]:
+        drafts: list[ObservationDraft] = []
+        for inner in self.inners:
+            drafts.extend(await inner.draft(history, action, n))
+        await self.clock.sleep_ns(self.call_ns + max((d.tokens for d in drafts), default=0) * self.tpot_ns)
+        return drafts
+
+
+class ChargedActionDrafter:
+    """Like :class:`ChargedObservationDrafter`, for action drafters."""
+
+    __slots__ = ("call_ns", "clock", "inners", "tpot_ns")
+
+    def __init__(self, inners: Sequence[ActionDrafter], clock: VirtualClock, call_ns: int, tpot_ns: int) -> None:
+        self.inners, self.clock, self.call_ns, self.tpot_ns = tuple(inners), clock, call_ns, tpot_ns
+
+    async def propose(self, history: History, width: int, depth: int) -> Sequence[ActionDraft]:
+        drafts: list[ActionDraft] = []
+        for inner in self.inners:
+            drafts.extend(await inner.propose(history, width, depth))
+        await self.clock.sleep_ns(self.call_ns + max((d.tokens for d in drafts), default=0) * self.tpot_ns)
+        return drafts
+
+
+class DrafterSet:
+    """Drafters and EVD estimators built by name and fit on one fold's training traces.
+
+    ``options`` maps a drafter or kernel name to keyword arguments for its class. Each
+    object is built (and fit, if it has ``fit``) once, on first use.
+    """
+
+    def __init__(self, train: Sequence[Trace], options: Mapping[str, Mapping[str, Any]] | None = None) -> None:
+        self.train = list(train)
+        self.options = dict(options or {})
+        self._obs: dict[str, ObservationDrafter] = {}
+        self._act: dict[str, ActionDrafter] = {}
+        self._evd: dict[str, EVDEstimator] = {}
+
+    def _build(self, kind: str, name: str) -> Any:
+        from drafters import resolve
+
+        cls = resolve(kind, name)
+        opts = self.options.get(name, {})
+        if not isinstance(opts, Mapping):
+            raise ConfigError(f"drafter options for {name!r} must be an object, got {type(opts).__name__}")
+        try:
+            obj = cls(**opts)
+        except TypeError as exc:
+            raise ConfigError(f"{kind} {name!r}: bad options {dict(opts)!r}: {exc}") from None
+        fit = getattr(obj, "fit", None)
+        if callable(fit) and kind != "EVD kernel":
+            fit(self.train)
+        return obj
+
+    def observation(self, name: str) -> ObservationDrafter:
+        if name not in self._obs:
+            self._obs[name] = self._build("observation drafter", name)
+        return self._obs[name]
+
+    def action(self, name: str) -> ActionDrafter:
+        if name not in self._act:
+            self._act[name] = self._build("action drafter", name)
+        return self._act[name]
+
+    def evd(self, kernel: str) -> EVDEstimator:
+        if kernel not in self._evd:
+            est = EVDEstimator(self._build("EVD kernel", kernel))
+            est.fit(self.train)
+            self._evd[kernel] = est
+        return self._evd[kernel]
+
+    def charged(
+        self, policy: Policy, clock: VirtualClock, trace: Trace, actor: ReplayActor, world: ReplayWorld
+    ) -> tuple[list[Any], list[Any]]:
+        """The policy's observation and action drafters for one run, costs charged."""
+        c = policy.config
+        call_ns, tpot_ns = ms_to_ns(c.draft_call_ms), ms_to_ns(c.draft_tpot_ms)
+        obs: list[Any] = []
+        act: list[Any] = []
+        if policy.engine.branch_budget > 0 and c.obs_names:
+            if "oracle" in c.obs_names:
+                obs.append(OracleObservationDrafter(trace, actor))
+            real = [self.observation(n) for n in c.obs_names if n != "oracle"]
+            if real:
+                obs.append(ChargedObservationDrafter(real, clock, call_ns, tpot_ns))
+        if policy.engine.fork_width > 0 and c.action_names:
+            if "oracle" in c.action_names:
+                act.append(OracleActionDrafter(trace, actor, world))
+            real_a = [self.action(n) for n in c.action_names if n != "oracle"]
+            if real_a:
+                act.append(ChargedActionDrafter(real_a, clock, call_ns, tpot_ns))
+        return obs, act

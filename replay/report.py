@@ -1,0 +1,210 @@
+"""Reports of a sweep: results JSONL, a markdown summary, PNG plots and a terminal table."""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from replay.metrics import PolicySummary
+from replay.sweep import TraceResult
+
+__all__ = ["PLOTS", "markdown_summary", "print_table", "write_report"]
+
+#: Files written by :func:`write_report` besides results.jsonl and summary.md.
+PLOTS = ("saving_vs_tpot.png", "latency_percentiles.png", "hidden_tool_time.png", "hit_rates.png", "waste.png")
+
+
+def _pct(x: float) -> str:
+    return "n/a" if math.isnan(x) else f"{100 * x:.1f}%"
+
+
+def _focus_tpot(summaries: Sequence[PolicySummary], want: float = 10.0) -> float:
+    tpots = sorted({s.tpot_ms for s in summaries})
+    return min(tpots, key=lambda t: (abs(t - want), t))
+
+
+_HEADER = (
+    "policy",
+    "TPOT ms",
+    "traces",
+    "mean saving",
+    "ceiling",
+    "p50 s",
+    "p99 s",
+    "hidden tool s",
+    "obs hit",
+    "action hit",
+    "wasted tool s",
+)
+
+
+def _row(s: PolicySummary) -> list[str]:
+    return [
+        s.policy,
+        f"{s.tpot_ms:g}",
+        str(s.traces),
+        _pct(s.mean_saving),
+        _pct(s.mean_ceiling_saving),
+        f"{s.p50_s:.1f}",
+        f"{s.p99_s:.1f}",
+        f"{s.hidden_tool_s:.1f}",
+        _pct(s.obs_hit_rate),
+        _pct(s.action_hit_rate),
+        f"{s.wasted_tool_s:.1f}",
+    ]
+
+
+def markdown_summary(summaries: Sequence[PolicySummary], meta: dict[str, Any]) -> str:
+    """The summary as markdown: settings, the per-(policy, TPOT) table, latency quantiles."""
+    lines = ["# aospec replay sweep", ""]
+    for k, v in meta.items():
+        lines.append(f"- {k}: {v}")
+    lines += ["", "## Savings, latency, hidden time, hit rates, waste", ""]
+    lines.append("| " + " | ".join(_HEADER) + " |")
+    lines.append("|" + "---|" * len(_HEADER))
+    for s in summaries:
+        lines.append("| " + " | ".join(_row(s)) + " |")
+    focus = _focus_tpot(summaries)
+    lines += ["", f"## Per-trial latency at {focus:g} ms/token (seconds)", ""]
+    lines.append("| policy | p50 | p90 | p95 | p99 | serial p50 | serial p99 |")
+    lines.append("|---|---|---|---|---|---|---|")
+    for s in summaries:
+        if s.tpot_ms == focus:
+            lines.append(
+                f"| {s.policy} | {s.p50_s:.1f} | {s.p90_s:.1f} | {s.p95_s:.1f} | {s.p99_s:.1f} "
+                f"| {s.serial_p50_s:.1f} | {s.serial_p99_s:.1f} |"
+            )
+    unknown = max((s.unknown_tool_steps for s in summaries), default=0)
+    lines += [
+        "",
+        "mean saving: mean over traces of 1 - latency/serial; ceiling: the same for the policy's "
+        "matching ceiling (same engine configuration, oracle drafters). hidden tool s: tool time that "
+        "ran while the actor decoded, summed over traces. Hit rates are per executed step.",
+        f"Steps with unknown tool time (counted as 0 s): {unknown}.",
+        "",
+    ]
+    return "\n".join(lines)
+
+
+def print_table(summaries: Sequence[PolicySummary]) -> None:
+    """The summary table on stdout (rich)."""
+    import sys
+
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title="aospec replay: saving vs serial per policy and TPOT")
+    for h in _HEADER:
+        table.add_column(h, justify="left" if h == "policy" else "right")
+    last = None
+    for s in summaries:
+        if last is not None and s.tpot_ms != last:
+            table.add_section()
+        last = s.tpot_ms
+        table.add_row(*_row(s))
+    Console(width=None if sys.stdout.isatty() else 160).print(table)
+
+
+def _plots(summaries: Sequence[PolicySummary], out: Path) -> list[Path]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    policies = list(dict.fromkeys(s.policy for s in summaries))
+    tpots = sorted({s.tpot_ms for s in summaries}, reverse=True)
+    by = {(s.policy, s.tpot_ms): s for s in summaries}
+    focus = _focus_tpot(summaries)
+    written: list[Path] = []
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for p in policies:
+        xs = [t for t in tpots if (p, t) in by]
+        ax.plot(xs, [100 * by[(p, t)].mean_saving for t in xs], marker="o", label=p)
+    ax.set_xlabel("TPOT (ms per output token)")
+    ax.set_ylabel("mean end-to-end saving vs serial (%)")
+    ax.invert_xaxis()
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    ax.set_title("Saving vs model speed")
+    fig.tight_layout()
+    written.append(out / PLOTS[0])
+    fig.savefig(written[-1], dpi=120)
+    plt.close(fig)
+
+    def bars(values: dict[str, list[float]], labels: Sequence[str], ylabel: str, title: str, name: str) -> None:
+        fig, ax = plt.subplots(figsize=(max(7, 0.9 * len(policies) + 2), 4.5))
+        width = 0.8 / max(1, len(labels))
+        for k, label in enumerate(labels):
+            ax.bar([i + k * width for i in range(len(policies))], values[label], width, label=label)
+        ax.set_xticks([i + width * (len(labels) - 1) / 2 for i in range(len(policies))])
+        ax.set_xticklabels(policies, rotation=30, ha="right", fontsize=8)
+        ax.set_ylabel(ylabel)
+        ax.set_title(title)
+        ax.grid(axis="y", alpha=0.3)
+        if len(labels) > 1:
+            ax.legend(fontsize=8)
+        fig.tight_layout()
+        written.append(out / name)
+        fig.savefig(written[-1], dpi=120)
+        plt.close(fig)
+
+    at = [by.get((p, focus)) for p in policies]
+    qs = {"p50": "p50_s", "p90": "p90_s", "p95": "p95_s", "p99": "p99_s"}
+    bars(
+        {q: [getattr(s, f) if s else 0.0 for s in at] for q, f in qs.items()},
+        list(qs),
+        "per-trial latency (s)",
+        f"Per-trial latency percentiles at {focus:g} ms/token",
+        PLOTS[1],
+    )
+    tl = [f"{t:g} ms" for t in tpots]
+    bars(
+        {f"{t:g} ms": [by[(p, t)].hidden_tool_s if (p, t) in by else 0.0 for p in policies] for t in tpots},
+        tl,
+        "tool time hidden (s, all traces)",
+        "Tool time hidden behind decoding",
+        PLOTS[2],
+    )
+    bars(
+        {
+            "observation hit rate": [100 * s.obs_hit_rate if s else 0.0 for s in at],
+            "action hit rate": [100 * s.action_hit_rate if s else 0.0 for s in at],
+        },
+        ["observation hit rate", "action hit rate"],
+        "% of executed steps",
+        f"Speculation hit rates at {focus:g} ms/token",
+        PLOTS[3],
+    )
+    bars(
+        {
+            "wasted tool s": [s.wasted_tool_s if s else 0.0 for s in at],
+            "wasted decode s": [s.wasted_decode_s if s else 0.0 for s in at],
+        },
+        ["wasted tool s", "wasted decode s"],
+        "seconds (all traces)",
+        f"Wasted speculative work at {focus:g} ms/token",
+        PLOTS[4],
+    )
+    return written
+
+
+def write_report(
+    out_dir: str | Path, results: Sequence[TraceResult], summaries: Sequence[PolicySummary], meta: dict[str, Any]
+) -> list[Path]:
+    """Write results.jsonl, summary.md and the PNG plots into ``out_dir``; returns the paths."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    written = [out / "results.jsonl", out / "summary.md", out / "summary.jsonl"]
+    with written[0].open("w", encoding="utf-8") as f:
+        for r in results:
+            f.write(json.dumps(r.to_json()) + "\n")
+    written[1].write_text(markdown_summary(summaries, meta), encoding="utf-8")
+    with written[2].open("w", encoding="utf-8") as f:
+        for s in summaries:
+            f.write(json.dumps(s.to_json()) + "\n")
+    written += _plots(summaries, out)
+    return written

@@ -1,0 +1,348 @@
+"""Replaying traces under policies across model speeds (TPOT sweeps).
+
+:func:`replay_trace` runs one trace under several policies at several TPOTs in virtual
+time and checks the invariants on every run:
+
+- the committed trajectory equals the recorded one (every action and observation);
+- every committed step's decode time is ``D_i`` and its tool time ``T_i`` exactly, and a
+  policy that speculates nothing takes exactly ``sum(D_i + T_i)`` (integer nanoseconds);
+- no policy beats its matching ceiling (the same engine configuration with free oracle
+  drafters, :meth:`replay.policies.Policy.twin`).
+
+A broken invariant raises EngineError naming the trace and the policy.
+
+:func:`run_sweep` does this for a set of evaluation traces, fitting drafters only on
+training traces: leave-one-task-out when no training set is given, else the given set.
+Work is spread over ``jobs`` processes (one trace per work item).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import ProcessPoolExecutor, as_completed
+from dataclasses import dataclass
+from typing import Any
+
+import anyio
+
+from aospec.engine import Engine
+from aospec.errors import ConfigError, EngineError
+from aospec.types import Trace
+from replay.actor import ReplayActor, VirtualClock, ms_to_ns
+from replay.policies import DrafterSet, Policy, check_drafter_names
+from replay.sandbox import ReplayWorld
+
+__all__ = ["DEFAULT_TPOTS_MS", "TraceResult", "check_ceiling", "check_trajectory", "replay_trace", "run_sweep"]
+
+#: Model speeds of a default sweep (ms per output token).
+DEFAULT_TPOTS_MS = (20.0, 15.0, 10.0, 5.0, 1.0)
+
+
+@dataclass(frozen=True, slots=True)
+class TraceResult:
+    """One trace replayed under one policy at one TPOT (times in integer nanoseconds)."""
+
+    trace_id: str
+    task: str
+    policy: str
+    tpot_ms: float
+    steps: int
+    actions_executed: int
+    serial_ns: int
+    latency_ns: int
+    decode_ns: int
+    tool_ns: int
+    wait_actor_ns: int
+    wait_tool_ns: int
+    ceiling_ns: int
+    forks_launched: int
+    forks_reused: int
+    forks_wasted: int
+    drafts_started: int
+    drafts_hit: int
+    wasted_tool_ns: int
+    wasted_decode_ns: int
+    unknown_tool_steps: int
+
+    @property
+    def saving(self) -> float:
+        """Fraction of serial latency saved."""
+        return 1.0 - self.latency_ns / self.serial_ns if self.serial_ns else 0.0
+
+    @property
+    def hidden_tool_ns(self) -> int:
+        return self.tool_ns - self.wait_tool_ns
+
+    @property
+    def hidden_decode_ns(self) -> int:
+        return self.decode_ns - self.wait_actor_ns
+
+    def to_json(self) -> dict[str, Any]:
+        out = {f: getattr(self, f) for f in self.__slots__}  # type: ignore[attr-defined]
+        out["saving"] = self.saving
+        out["latency_s"] = self.latency_ns * 1e-9
+        out["serial_s"] = self.serial_ns * 1e-9
+        out["hidden_tool_s"] = self.hidden_tool_ns * 1e-9
+        out["hidden_decode_s"] = self.hidden_decode_ns * 1e-9
+        return out
+
+
+async def _run_one(
+    trace: Trace,
+    policy: Policy,
+    tpot_ns: int,
+    drafters: DrafterSet,
+    prefill_ns_per_token: int,
+) -> tuple[Any, ReplayActor, ReplayWorld, Engine]:
+    clock = VirtualClock()
+    actor = ReplayActor(trace, tpot_ns=tpot_ns, clock=clock, prefill_ns_per_token=prefill_ns_per_token)
+    world = ReplayWorld(trace, clock)
+    obs, act = drafters.charged(policy, clock, trace, actor, world)
+    evd = drafters.evd(policy.config.kernel) if obs and policy.engine.rank != "likelihood" else None
+    engine = Engine(
+        actor,
+        world.sandbox(),
+        observation_drafters=obs,
+        action_drafters=act,
+        evd=evd,
+        config=policy.engine,
+        clock=clock,
+        keep_events=False,
+    )
+    history = await engine.run(trace.history(0), steps=len(trace))
+    return history, actor, world, engine
+
+
+def check_trajectory(trace: Trace, history: Any, where: str) -> None:
+    """Raise EngineError unless ``history`` holds exactly the recorded steps."""
+    turns = history.turns
+    if len(turns) != len(trace):
+        raise EngineError(f"{where}: committed {len(turns)} steps, the recording has {len(trace)}")
+    for i, (turn, step) in enumerate(zip(turns, trace.steps, strict=True)):
+        if turn.action != step.action or turn.observation != step.observation:
+            raise EngineError(f"{where}: committed step {i + 1} differs from the recording (losslessness broken)")
+
+
+def check_ceiling(trace_id: str, policy: str, tpot_ms: float, latency_ns: int, ceiling_ns: int) -> None:
+    """Raise EngineError if a policy's latency beats its matching ceiling's."""
+    if latency_ns < ceiling_ns:
+        raise EngineError(
+            f"trace {trace_id!r}, policy {policy!r}, TPOT {tpot_ms:g} ms: latency {latency_ns * 1e-9:.6f} s "
+            f"beats its ceiling ({ceiling_ns * 1e-9:.6f} s)"
+        )
+
+
+def _check_and_record(
+    trace: Trace, policy: Policy, tpot_ms: float, history: Any, actor: ReplayActor, world: ReplayWorld, engine: Engine
+) -> TraceResult:
+    where = f"trace {trace.id!r}, policy {policy.name!r}, TPOT {tpot_ms:g} ms"
+    check_trajectory(trace, history, where)
+    ledger = engine.ledger
+    decode_total = sum(actor.decode_ns)
+    tool_total = sum(world.tool_ns)
+    serial_ns = decode_total + tool_total
+    if ledger.decode_ns != decode_total or ledger.tool_ns != tool_total:
+        raise EngineError(
+            f"{where}: committed decode/tool time {ledger.decode_ns}/{ledger.tool_ns} ns differs from the "
+            f"recorded {decode_total}/{tool_total} ns"
+        )
+    if not policy.speculates and ledger.latency_ns != serial_ns:
+        raise EngineError(f"{where}: latency {ledger.latency_ns} ns != sum(D_i + T_i) = {serial_ns} ns")
+    st = engine.statistics()
+    return TraceResult(
+        trace_id=trace.id,
+        task=trace.task,
+        policy=policy.name,
+        tpot_ms=tpot_ms,
+        steps=len(trace),
+        actions_executed=st.actions_executed,
+        serial_ns=serial_ns,
+        latency_ns=ledger.latency_ns,
+        decode_ns=ledger.decode_ns,
+        tool_ns=ledger.tool_ns,
+        wait_actor_ns=round(st.wait_actor_s * 1e9),
+        wait_tool_ns=round(st.wait_tool_s * 1e9),
+        ceiling_ns=-1,
+        forks_launched=st.forks_launched,
+        forks_reused=st.forks_reused,
+        forks_wasted=st.forks_wasted,
+        drafts_started=st.drafts_started,
+        drafts_hit=st.drafts_hit,
+        wasted_tool_ns=ledger.wasted_tool_ns,
+        wasted_decode_ns=round(st.provisional_decode_wasted_s * 1e9),
+        unknown_tool_steps=len(world.unknown_tool_steps),
+    )
+
+
+def replay_trace(
+    trace: Trace,
+    policies: Sequence[Policy],
+    tpots_ms: Sequence[float],
+    drafters: DrafterSet,
+    *,
+    prefill_ms_per_ktok: float = 0.0,
+    check_ceilings: bool = True,
+    seed: int = 0,
+) -> list[TraceResult]:
+    """Replay ``trace`` under every policy at every TPOT (one virtual-time event loop).
+
+    Returns one result per (TPOT, policy) in that order; ``ceiling_ns`` holds the matching
+    ceiling's latency when ``check_ceilings``. Results are deterministic for a ``seed``.
+    """
+    from trio.testing import MockClock
+
+    if not trace.steps:
+        raise ConfigError(f"trace {trace.id!r} has no steps")
+    prefill_ns = ms_to_ns(prefill_ms_per_ktok) // 1000
+    runs: dict[Any, Policy] = {}
+    for p in policies:
+        runs.setdefault(p.key, p)
+        if check_ceilings:
+            runs.setdefault(p.twin().key, p.twin())
+
+    async def main() -> list[TraceResult]:
+        out: list[TraceResult] = []
+        for tpot_ms in tpots_ms:
+            tpot_ns = ms_to_ns(tpot_ms)
+            by_key: dict[Any, TraceResult] = {}
+            for key, policy in runs.items():
+                history, actor, world, engine = await _run_one(trace, policy, tpot_ns, drafters, prefill_ns)
+                by_key[key] = _check_and_record(trace, policy, tpot_ms, history, actor, world, engine)
+            for p in policies:
+                r = by_key[p.key]
+                if check_ceilings:
+                    ceiling = by_key[p.twin().key]
+                    check_ceiling(trace.id, p.name, tpot_ms, r.latency_ns, ceiling.latency_ns)
+                    r = _with(r, policy=p.name, ceiling_ns=ceiling.latency_ns)
+                else:
+                    r = _with(r, policy=p.name)
+                out.append(r)
+        return out
+
+    _seed_trio_scheduler(seed)
+    return anyio.run(main, backend="trio", backend_options={"clock": MockClock(autojump_threshold=0)})
+
+
+def _seed_trio_scheduler(seed: int) -> None:
+    """Make trio's order among tasks woken at the same virtual instant reproducible.
+
+    Latencies never depend on that order, but which speculative fork was launched first at
+    a tie (and so the waste counters) can. trio draws that order from a module-level
+    random.Random; seeding it is the only handle trio offers.
+    """
+    import trio
+
+    rng = getattr(getattr(trio, "_core", None), "_run", None)
+    rng = getattr(rng, "_r", None)
+    if rng is not None and hasattr(rng, "seed"):
+        rng.seed(seed)
+
+
+def _with(r: TraceResult, **changes: Any) -> TraceResult:
+    from dataclasses import replace
+
+    return replace(r, **changes)
+
+
+# ---------------------------------------------------------------------- sweeps
+
+_W: dict[str, Any] = {}
+
+
+def _init_worker(state: dict[str, Any]) -> None:
+    _W.clear()
+    _W.update(state)
+    _W["folds"] = {}
+
+
+def _fold_for(index: int) -> DrafterSet:
+    trace = _W["eval"][index]
+    train = _W["train"]
+    key = "train" if train is not None else trace.task
+    folds: dict[str, DrafterSet] = _W["folds"]
+    if key not in folds:
+        if train is None:
+            train = [t for t in _W["eval"] if t.task != trace.task]
+        if len(folds) >= 4:
+            folds.pop(next(iter(folds)))
+        folds[key] = DrafterSet(train, _W["options"])
+    return folds[key]
+
+
+def _work(index: int) -> list[TraceResult]:
+    return replay_trace(
+        _W["eval"][index],
+        _W["policies"],
+        _W["tpots"],
+        _fold_for(index),
+        prefill_ms_per_ktok=_W["prefill"],
+        check_ceilings=_W["check"],
+    )
+
+
+def run_sweep(
+    eval_traces: Sequence[Trace],
+    policies: Sequence[Policy],
+    *,
+    train_traces: Sequence[Trace] | None = None,
+    tpots_ms: Sequence[float] = DEFAULT_TPOTS_MS,
+    jobs: int = 1,
+    drafter_options: Mapping[str, Mapping[str, Any]] | None = None,
+    prefill_ms_per_ktok: float = 0.0,
+    check_ceilings: bool = True,
+    on_trace_done: Callable[[Trace], None] | None = None,
+) -> list[TraceResult]:
+    """Replay every evaluation trace under every policy at every TPOT.
+
+    Drafters are fit on ``train_traces`` when given, else leave-one-task-out (each trace's
+    drafters see only traces of other tasks; a set with a single task cannot be swept that
+    way). Results are ordered by trace, then TPOT, then policy.
+    """
+    traces = list(eval_traces)
+    if not traces:
+        raise ConfigError("no evaluation traces")
+    if (
+        train_traces is None
+        and len({t.task for t in traces}) < 2
+        and any(p.speculates and not p.is_oracle for p in policies)
+    ):
+        raise ConfigError("leave-one-task-out needs traces of at least two tasks; give a training set with --train")
+    if jobs < 1:
+        raise ConfigError(f"--jobs must be >= 1, got {jobs}")
+    check_drafter_names(policies)
+    order = sorted(range(len(traces)), key=lambda i: (traces[i].task, traces[i].id))
+    state = {
+        "eval": traces,
+        "train": list(train_traces) if train_traces is not None else None,
+        "policies": list(policies),
+        "tpots": list(tpots_ms),
+        "options": dict(drafter_options or {}),
+        "prefill": prefill_ms_per_ktok,
+        "check": check_ceilings,
+    }
+    results: dict[int, list[TraceResult]] = {}
+    jobs = min(jobs, len(traces), os.cpu_count() or 1)
+    if jobs == 1:
+        _init_worker(state)
+        try:
+            for i in order:
+                results[i] = _work(i)
+                if on_trace_done is not None:
+                    on_trace_done(traces[i])
+        finally:
+            _W.clear()
+    else:
+        with ProcessPoolExecutor(max_workers=jobs, initializer=_init_worker, initargs=(state,)) as pool:
+            futures = {pool.submit(_work, i): i for i in order}
+            try:
+                for fut in as_completed(futures):
+                    i = futures[fut]
+                    results[i] = fut.result()
+                    if on_trace_done is not None:
+                        on_trace_done(traces[i])
+            except BaseException:
+                for fut in futures:
+                    fut.cancel()
+                raise
+    return [r for i in range(len(traces)) for r in results[i]]
