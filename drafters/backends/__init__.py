@@ -1,0 +1,146 @@
+"""Language-model backends of the LM drafters, chosen by name (``drafters.LM_BACKENDS``).
+
+A backend turns chat messages into a prompt string (``render``), counts tokens
+(``count_tokens``) and samples completions with their sequence log-probabilities
+(``complete``). Names: ``transformers`` (in-process PyTorch, CPU or GPU), ``vllm``
+(in-process ``vllm.LLM``, LoRA adapters) and ``openai`` (any OpenAI-compatible
+``/v1/completions`` endpoint that returns logprobs). Each is imported only when built;
+a missing package gives one MissingDependencyError naming the pip command.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Literal, Protocol, TypeVar, runtime_checkable
+
+import anyio
+
+__all__ = [
+    "Completion",
+    "DecodeMode",
+    "LMBackend",
+    "Offload",
+    "in_virtual_time",
+    "make_backend",
+    "merge_completions",
+    "run_blocking",
+]
+
+T = TypeVar("T")
+
+#: Where blocking model calls run: ``thread`` (a worker thread), ``inline`` (in the event
+#: loop), ``auto`` (inline under a virtual clock, threaded otherwise).
+Offload = Literal["auto", "thread", "inline"]
+
+#: ``sample``: n independent samples; ``greedy``: the argmax continuation;
+#: ``beam``: the n best beams (rescored to exact sequence log-probabilities).
+DecodeMode = Literal["sample", "greedy", "beam"]
+
+
+@dataclass(frozen=True, slots=True)
+class Completion:
+    """One generated continuation.
+
+    ``logprob`` is the sum of the token log-probabilities under the model (temperature
+    1, including the end token when ``finished``); ``tokens`` counts generated tokens;
+    ``finished`` is False when generation stopped at the token limit; ``token_ids`` are
+    the generated ids and ``token_logprobs`` their log-probabilities, when the backend
+    knows them.
+    """
+
+    text: str
+    logprob: float
+    tokens: int
+    finished: bool
+    token_ids: tuple[int, ...] = ()
+    token_logprobs: tuple[float, ...] = ()
+
+
+@runtime_checkable
+class LMBackend(Protocol):
+    """What the LM drafters need from a language model."""
+
+    def render(self, messages: Sequence[Mapping[str, str]]) -> str: ...
+
+    def count_tokens(self, text: str) -> int: ...
+
+    async def complete(
+        self,
+        prompt: str,
+        *,
+        n: int,
+        max_new_tokens: int,
+        mode: DecodeMode = "sample",
+        temperature: float = 1.0,
+        seed: int = 0,
+    ) -> list[Completion]: ...
+
+
+def merge_completions(completions: Sequence[Completion]) -> list[Completion]:
+    """Distinct texts, most probable first (duplicate samples of one text collapse)."""
+    best: dict[str, Completion] = {}
+    for c in completions:
+        old = best.get(c.text)
+        if old is None or (c.finished, c.logprob) > (old.finished, old.logprob):
+            best[c.text] = c
+    return sorted(best.values(), key=lambda c: (not c.finished, -c.logprob))
+
+
+def make_backend(name: str, options: Mapping[str, Any] | None = None) -> LMBackend:
+    """Build the backend registered as ``name`` (or a dotted path) with keyword ``options``."""
+    import inspect
+
+    from aospec.errors import ConfigError
+    from drafters import resolve
+
+    cls = resolve("LM backend", name)
+    options = dict(options or {})
+    try:
+        inspect.signature(cls).bind(**options)
+    except TypeError as exc:
+        raise ConfigError(f"LM backend {name!r}: {exc}") from None
+    return cls(**options)
+
+
+def in_virtual_time() -> bool:
+    """True under trio's MockClock (replay): there, model compute must not yield to the
+    event loop, or the clock would jump while the model is still computing."""
+    try:
+        import sniffio
+
+        if sniffio.current_async_library() != "trio":
+            return False
+        import trio
+        import trio.testing
+
+        return isinstance(trio.lowlevel.current_clock(), trio.testing.MockClock)
+    except Exception:
+        return False
+
+
+async def run_blocking(work: Callable[[threading.Event | None], T], offload: Offload = "auto") -> T:
+    """Run ``work(stop)`` for an async caller. Threaded, a cancelled caller sets ``stop``
+    and waits until ``work`` returns: no computation outlives the call."""
+    if offload == "inline" or (offload == "auto" and in_virtual_time()):
+        return work(None)
+    stop = threading.Event()
+    done = threading.Event()
+
+    def run() -> T:
+        try:
+            return work(stop)
+        finally:
+            done.set()
+
+    try:
+        return await anyio.to_thread.run_sync(run, abandon_on_cancel=True)
+    except anyio.get_cancelled_exc_class():
+        # The caller was cancelled: ask the worker to stop at its next decode step and
+        # wait (shielded) until it has, so the model is free and nothing runs on.
+        stop.set()
+        with anyio.CancelScope(shield=True):
+            while not done.is_set():
+                await anyio.sleep(0.001)
+        raise

@@ -1,0 +1,166 @@
+"""A small OpenAI-compatible completions server over the transformers backend.
+
+It answers ``POST /v1/completions`` (prompt, n, max_tokens, temperature, logprobs, stop,
+seed) and ``GET /v1/models`` like vLLM's server does, which makes a trained drafter
+reachable from another process and gives the ``openai`` backend a real endpoint in tests.
+Run it with ``python -m drafters.backends.server --model OUT_DIR --port 8000``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager, suppress
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+__all__ = ["CompletionServer", "main"]
+
+
+class CompletionServer:
+    """Serve ``backend`` (a TransformersBackend) as model ``name`` on ``host:port``
+    (port 0 picks a free one). Use :meth:`running` to start and always stop it."""
+
+    def __init__(self, backend: Any, *, name: str = "drafter", host: str = "127.0.0.1", port: int = 0) -> None:
+        self.backend = backend
+        self.name = name
+        self.host = host
+        self.port = port
+
+    def _complete(self, body: dict[str, Any]) -> tuple[int, dict[str, Any]]:
+        if body.get("model") not in (self.name, None):
+            return 404, {"error": {"message": f"model {body.get('model')!r} not found; serving {self.name!r}",
+                                   "type": "NotFoundError", "code": 404}}
+        prompt = body.get("prompt")
+        if isinstance(prompt, list) and len(prompt) == 1:
+            prompt = prompt[0]
+        if not isinstance(prompt, str) or not prompt:
+            return 400, {"error": {"message": "prompt must be a non-empty string", "type": "BadRequestError"}}
+        n = int(body.get("n") or 1)
+        max_tokens = int(body.get("max_tokens") or 16)
+        temperature = float(body.get("temperature", 1.0))
+        stop = body.get("stop") or []
+        stop = [stop] if isinstance(stop, str) else list(stop)
+        mode = "greedy" if temperature == 0 else "sample"
+        try:
+            rows = []
+            for _ in range(n if mode == "greedy" else 1):
+                rows += self.backend.complete_sync(
+                    prompt, n=1 if mode == "greedy" else n, max_new_tokens=max_tokens, mode=mode,
+                    temperature=temperature or 1.0, seed=int(body.get("seed") or 0),
+                )
+        except Exception as exc:  # the client gets the error; the server keeps serving
+            return 400, {"error": {"message": f"{type(exc).__name__}: {exc}", "type": "BadRequestError"}}
+        choices = []
+        completion_tokens = 0
+        for i, c in enumerate(rows):
+            ids = list(c.token_ids[:-1] if c.finished else c.token_ids)
+            lps = list(c.token_logprobs[: len(ids)])
+            text = c.text
+            reason = "stop" if c.finished else "length"
+            for s in stop:
+                cut = text.find(s) if s else -1
+                if cut >= 0:
+                    text, reason = text[:cut], "stop"
+            pieces = [self.backend._decode_text([t]) for t in ids]
+            offsets = [sum(len(p) for p in pieces[:k]) for k in range(len(pieces))]
+            completion_tokens += len(ids)
+            choices.append({
+                "index": i,
+                "text": text,
+                "finish_reason": reason,
+                "logprobs": {"tokens": pieces, "token_logprobs": lps, "top_logprobs": None, "text_offset": offsets},
+            })
+        prompt_tokens = self.backend.count_tokens(prompt)
+        return 200, {
+            "id": f"cmpl-{time.monotonic_ns():x}",
+            "object": "text_completion",
+            "created": int(time.time()),
+            "model": self.name,
+            "choices": choices,
+            "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+                      "total_tokens": prompt_tokens + completion_tokens},
+        }
+
+    def _handler(self) -> type[BaseHTTPRequestHandler]:
+        server = self
+
+        class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def log_message(self, format: str, *args: Any) -> None:
+                pass
+
+            def _send(self, status: int, payload: dict[str, Any]) -> None:
+                data = json.dumps(payload).encode()
+                self.send_response(status)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(data)))
+                self.send_header("Connection", "close")
+                self.end_headers()
+                self.close_connection = True
+                self.wfile.write(data)
+
+            def do_GET(self) -> None:
+                if self.path.rstrip("/") == "/v1/models":
+                    self._send(200, {"object": "list", "data": [{"id": server.name, "object": "model"}]})
+                else:
+                    self._send(404, {"error": {"message": f"no route {self.path}", "type": "NotFoundError"}})
+
+            def do_POST(self) -> None:
+                length = int(self.headers.get("Content-Length") or 0)
+                try:
+                    body = json.loads(self.rfile.read(length) or b"{}")
+                except ValueError:
+                    self._send(400, {"error": {"message": "body is not JSON", "type": "BadRequestError"}})
+                    return
+                if self.path.rstrip("/") != "/v1/completions":
+                    self._send(404, {"error": {"message": f"no route {self.path}", "type": "NotFoundError"}})
+                    return
+                self._send(*server._complete(body))
+
+        return Handler
+
+    @contextmanager
+    def running(self) -> Iterator[str]:
+        """Serve in a background thread while the block runs; yields the base URL."""
+        httpd = ThreadingHTTPServer((self.host, self.port), self._handler())
+        # One request per connection and joined handler threads: server_close() returns
+        # only when no request is still being served.
+        httpd.daemon_threads = False
+        httpd.block_on_close = True
+        thread = threading.Thread(target=httpd.serve_forever, name="aospec-completion-server", daemon=True)
+        thread.start()
+        try:
+            yield f"http://{self.host}:{httpd.server_address[1]}/v1"
+        finally:
+            httpd.shutdown()
+            httpd.server_close()
+            thread.join()
+
+
+def main(argv: list[str] | None = None) -> int:
+    from drafters.backends.transformers import TransformersBackend
+
+    p = argparse.ArgumentParser(prog="python -m drafters.backends.server", description=__doc__)
+    p.add_argument("--model", default="tiny", help="shape name, aospec train output dir or local model dir")
+    p.add_argument("--adapter", default=None)
+    p.add_argument("--name", default="drafter", help="served model name")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--device", default="auto")
+    args = p.parse_args(argv)
+    backend = TransformersBackend(args.model, adapter=args.adapter, device=args.device, offload="inline")
+    server = CompletionServer(backend, name=args.name, host=args.host, port=args.port)
+    with server.running() as url:
+        print(f"serving {args.model} as {args.name!r} at {url}", flush=True)
+        with suppress(KeyboardInterrupt):
+            threading.Event().wait()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

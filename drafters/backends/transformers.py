@@ -1,0 +1,541 @@
+"""In-process transformers backend: batched sampling with sequence log-probabilities.
+
+Decoding paths (``decode=``):
+
+- ``generate``: Hugging Face ``model.generate`` (eager, dynamic KV cache); the baseline.
+- ``dynamic``: our own decode loop over a dynamic KV cache.
+- ``static``: our loop over a preallocated static KV cache with an explicit attention
+  mask, so one decode step has fixed shapes and addresses.
+- ``compile``: ``static`` with the step compiled by ``torch.compile`` (CUDA graphs through
+  ``mode="reduce-overhead"`` on a GPU).
+- ``cuda_graph``: ``static`` with the decode step captured once per (batch, cache length)
+  as a CUDA graph and replayed; sampling (Gumbel-max) stays outside the graph.
+- ``auto``: ``cuda_graph`` on a GPU (falling back to ``static`` if capture fails),
+  ``dynamic`` on a CPU.
+
+All paths draw the same way: N copies of the prompt decode as one batch; each row's
+log-probability is the sum of its tokens' log-probabilities under the model at
+temperature 1 (sampling itself may use another temperature). Seeds derive from the
+prompt, so a prompt's candidates are reproducible regardless of call order.
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+import threading
+from collections import OrderedDict
+from collections.abc import Mapping, Sequence
+from typing import Any, Literal
+
+import xxhash
+
+from aospec._lazy import require
+from aospec.errors import ConfigError, DrafterError
+from drafters.backends import Completion, DecodeMode, Offload, run_blocking
+
+__all__ = ["DECODE_PATHS", "TransformersBackend"]
+
+DecodePath = Literal["auto", "generate", "dynamic", "static", "compile", "cuda_graph"]
+DECODE_PATHS = ("auto", "generate", "dynamic", "static", "compile", "cuda_graph")
+
+_CHECK_EVERY = 8  # decode steps between host syncs that test "all rows finished"
+_CACHE_BUCKET = 256
+
+
+class _StaticRunner:
+    """A static KV cache for (batch, max_len) with a decode step, optionally compiled or
+    captured as a CUDA graph."""
+
+    def __init__(self, backend: TransformersBackend, batch: int, max_len: int, path: str) -> None:
+        torch = backend._torch
+        self.backend = backend
+        self.batch = batch
+        self.max_len = max_len
+        self.path = path
+        model = backend.model
+        device = backend.device
+        try:
+            self.cache = backend._transformers.StaticCache(config=backend._config, max_cache_len=max_len)
+        except TypeError:  # transformers < 5 sizes the cache up front
+            self.cache = backend._transformers.StaticCache(
+                config=backend._config, max_cache_len=max_len, max_batch_size=batch, device=device,
+                dtype=backend.dtype,
+            )
+        self.token = torch.zeros((batch, 1), dtype=torch.long, device=device)
+        self.pos = torch.zeros((1,), dtype=torch.long, device=device)
+        self.columns = torch.arange(max_len, device=device)
+        self.min_value = torch.finfo(backend.dtype).min
+        self.graph: Any = None
+        self.logits: Any = None
+        step = self._step
+        if path == "compile":
+            mode = "reduce-overhead" if device.startswith("cuda") else None
+            step = torch.compile(self._step, mode=mode, dynamic=False, fullgraph=False)
+        self.step_fn = step
+        del model
+        if path == "cuda_graph":
+            self._capture()
+        elif path == "compile":
+            # Compile now (several calls: CUDA-graph trees record on a later one), so that a
+            # model or library the compiler cannot handle fails here and falls back.
+            with torch.inference_mode():
+                for _ in range(3):
+                    self.step_fn()
+            self.reset()
+
+    def _masks(self, allowed: Any) -> dict[str, Any]:
+        torch = self.backend._torch
+        zero = torch.zeros((), dtype=self.backend.dtype, device=self.backend.device)
+        mask = torch.where(allowed, zero, torch.full_like(zero, self.min_value))
+        return {kind: mask for kind in self.backend._layer_types}
+
+    def _step(self) -> Any:
+        allowed = (self.columns <= self.pos).view(1, 1, 1, self.max_len).expand(self.batch, 1, 1, self.max_len)
+        kwargs = {
+            "input_ids": self.token,
+            "position_ids": self.pos.view(1, 1).expand(self.batch, 1),
+            "attention_mask": self._masks(allowed),
+            self.backend._cache_kw: self.cache,
+            "use_cache": True,
+        }
+        if self.backend._takes_cache_position:
+            kwargs["cache_position"] = self.pos
+        return self.backend.model(**kwargs).logits[:, -1, :]
+
+    def _capture(self) -> None:
+        torch = self.backend._torch
+        self.reset()
+        # Warm up on a side stream (allocates the cache's lazily created tensors and
+        # autotunes kernels), then capture; warm-up writes are undone by reset().
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream), torch.inference_mode():
+            for _ in range(2):
+                self._step()
+        torch.cuda.current_stream().wait_stream(stream)
+        self.reset()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph), torch.inference_mode():
+            self.logits = self._step()
+        self.graph = graph
+        self.reset()
+
+    def reset(self) -> None:
+        self.cache.reset()
+
+    def prefill(self, ids: Any) -> Any:
+        torch = self.backend._torch
+        length = ids.shape[1]
+        positions = torch.arange(length, device=self.backend.device)
+        allowed = (self.columns.view(1, -1) <= positions.view(-1, 1)).view(1, 1, length, self.max_len)
+        kwargs = {
+            "input_ids": ids,
+            "position_ids": positions.view(1, -1).expand(self.batch, length),
+            "attention_mask": self._masks(allowed.expand(self.batch, 1, length, self.max_len)),
+            self.backend._cache_kw: self.cache,
+            "use_cache": True,
+            "logits_to_keep": 1,
+        }
+        if self.backend._takes_cache_position:
+            kwargs["cache_position"] = positions
+        return self.backend.model(**kwargs).logits[:, -1, :]
+
+    def decode(self, token: Any, position: int) -> Any:
+        self.token.copy_(token.view(self.batch, 1))
+        self.pos.fill_(position)
+        if self.graph is not None:
+            self.graph.replay()
+            return self.logits
+        return self.step_fn()
+
+
+class TransformersBackend:
+    """A causal LM run in-process with PyTorch.
+
+    ``model``: a shape name (``tiny``, ``small``, ``qwen3-0.6b``: random init with a
+    tokenizer trained on ``texts``), an ``aospec train`` output directory, or a local HF
+    model directory. ``adapter``: a PEFT LoRA directory (merged for decoding).
+    ``offload``: ``thread`` runs decoding in a worker thread, ``inline`` in the event loop,
+    ``auto`` inline under a virtual clock (trio MockClock) and threaded otherwise.
+    """
+
+    def __init__(
+        self,
+        model: str = "tiny",
+        *,
+        adapter: str | None = None,
+        device: str = "auto",
+        dtype: str | None = "auto",
+        decode: DecodePath = "auto",
+        offload: Offload = "auto",
+        max_context: int = 4096,
+        seed: int = 0,
+        texts: Sequence[str] | None = None,
+        vocab_size: int = 4096,
+        loaded: Any = None,
+    ) -> None:
+        if decode not in DECODE_PATHS:
+            raise ConfigError(f"transformers backend: unknown decode path {decode!r}; known: {', '.join(DECODE_PATHS)}")
+        if offload not in ("auto", "thread", "inline"):
+            raise ConfigError(f"transformers backend: offload must be auto, thread or inline, not {offload!r}")
+        self._torch = torch = require("torch", "train", purpose="the transformers drafter backend")
+        self._transformers = require("transformers", "train", purpose="the transformers drafter backend")
+        from training.model import load_model, resolve_device, resolve_dtype
+
+        if loaded is None:
+            self.device = resolve_device(device)
+            self.dtype = resolve_dtype(dtype, self.device)
+            loaded = load_model(
+                model, adapter=adapter, device=self.device, dtype=self.dtype, texts=texts,
+                vocab_size=vocab_size, seed=seed,
+            )
+        else:
+            param = next(loaded.model.parameters())
+            self.device, self.dtype = str(param.device), param.dtype
+        self.loaded = loaded
+        self.model = loaded.model
+        self.tokenizer = loaded.tokenizer
+        self.spec = model
+        self.seed = seed
+        self.offload = offload
+        self.max_context = max_context
+        if decode == "auto":
+            decode = "cuda_graph" if self.device.startswith("cuda") else "dynamic"
+        if decode == "cuda_graph" and not self.device.startswith("cuda"):
+            raise ConfigError("transformers backend: decode='cuda_graph' needs a CUDA device")
+        self.decode = decode
+        self.fallback_reason: str | None = None
+        base = self.model.get_base_model() if hasattr(self.model, "get_base_model") else self.model
+        self._config = base.config
+        params = inspect.signature(type(base).forward).parameters
+        self._cache_kw = "past_key_values" if "past_key_values" in params else "cache"
+        self._takes_cache_position = "cache_position" in params
+        self._layer_types = tuple(sorted(set(getattr(self._config, "layer_types", None) or ["full_attention"])))
+        self._valid_vocab = len(self.tokenizer)
+        self._end_ids = self._find_end_ids()
+        self._pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self._end_ids[0]
+        self._runners: OrderedDict[tuple[int, int, str], _StaticRunner] = OrderedDict()
+        self._lock = threading.Lock()
+        self._counts: dict[str, int] = {}
+        self._end_tensor = torch.tensor(self._end_ids, device=self.device)
+
+    def _find_end_ids(self) -> tuple[int, ...]:
+        ids = set()
+        eos = self.tokenizer.eos_token_id
+        if isinstance(eos, int):
+            ids.add(eos)
+        for tok in ("<|im_end|>", "<|endoftext|>"):
+            tid = self.tokenizer.convert_tokens_to_ids(tok)
+            if isinstance(tid, int) and tid != self.tokenizer.unk_token_id:
+                ids.add(tid)
+        gen_eos = getattr(getattr(self.model, "generation_config", None), "eos_token_id", None)
+        if isinstance(gen_eos, int):
+            ids.add(gen_eos)
+        elif isinstance(gen_eos, (list, tuple)):
+            ids.update(int(i) for i in gen_eos)
+        if not ids:
+            raise DrafterError(f"model {self.spec!r}: its tokenizer has no end-of-message token")
+        return tuple(sorted(ids))
+
+    def reset_compiled(self) -> None:
+        """Drop static caches and captured graphs (after the weights changed, e.g. by fit)."""
+        with self._lock:
+            self._runners.clear()
+            self._counts.clear()
+
+    # ----------------------------------------------------------------- text helpers
+
+    @property
+    def end_token(self) -> str:
+        """The token that ends a reply (training appends it to every target)."""
+        tok = self.tokenizer.convert_ids_to_tokens(self.tokenizer.eos_token_id)
+        return tok if isinstance(tok, str) else "<|im_end|>"
+
+    def render(self, messages: Sequence[Mapping[str, str]]) -> str:
+        return self.tokenizer.apply_chat_template(list(messages), tokenize=False, add_generation_prompt=True)
+
+    def count_tokens(self, text: str) -> int:
+        n = self._counts.get(text)
+        if n is None:
+            if len(self._counts) >= 65536:
+                self._counts.clear()
+            n = self._counts[text] = len(self.encode(text))
+        return n
+
+    def encode(self, text: str) -> list[int]:
+        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+
+    def _decode_text(self, ids: Sequence[int]) -> str:
+        return self.tokenizer.decode(list(ids), skip_special_tokens=False, clean_up_tokenization_spaces=False)
+
+    def _seed(self, prompt: str, seed: int) -> int:
+        return xxhash.xxh64_intdigest(prompt.encode(), seed=(self.seed * 1_000_003 + seed) & 0xFFFFFFFFFFFFFFFF) & 0x7FFFFFFFFFFFFFFF
+
+    # ----------------------------------------------------------------- decoding
+
+    async def complete(
+        self,
+        prompt: str,
+        *,
+        n: int,
+        max_new_tokens: int,
+        mode: DecodeMode = "sample",
+        temperature: float = 1.0,
+        seed: int = 0,
+    ) -> list[Completion]:
+        """``n`` completions of ``prompt`` (see :meth:`complete_sync`), off the event loop
+        unless running in virtual time."""
+        def work(stop: threading.Event | None) -> list[Completion]:
+            return self.complete_sync(
+                prompt, n=n, max_new_tokens=max_new_tokens, mode=mode, temperature=temperature, seed=seed, stop=stop
+            )
+
+        return await run_blocking(work, self.offload)
+
+    def complete_sync(
+        self,
+        prompt: str,
+        *,
+        n: int,
+        max_new_tokens: int,
+        mode: DecodeMode = "sample",
+        temperature: float = 1.0,
+        seed: int = 0,
+        stop: threading.Event | None = None,
+    ) -> list[Completion]:
+        """Blocking version of :meth:`complete`: ``n`` rows (1 for greedy), in row order."""
+        if n < 1 or max_new_tokens < 1:
+            raise ConfigError(f"complete: n and max_new_tokens must be >= 1 (got {n}, {max_new_tokens})")
+        if mode not in ("sample", "greedy", "beam"):
+            raise ConfigError(f"complete: unknown mode {mode!r} (sample, greedy or beam)")
+        if mode == "sample" and not temperature > 0:
+            raise ConfigError("complete: sampling needs temperature > 0")
+        ids = self.encode(prompt)
+        if not ids:
+            raise DrafterError("complete: empty prompt")
+        if len(ids) + max_new_tokens > self.max_context:
+            raise DrafterError(
+                f"prompt of {len(ids)} tokens + {max_new_tokens} new tokens exceeds max_context={self.max_context}; "
+                "lower the drafter's prompt budget or raise max_context"
+            )
+        with self._lock, self._torch.inference_mode():
+            if mode == "beam":
+                return self._beam(ids, n, max_new_tokens)
+            batch = 1 if mode == "greedy" else n
+            if self.decode == "generate":
+                rows = self._generate(ids, batch, max_new_tokens, mode, temperature, seed, prompt)
+            else:
+                rows = self._loop(ids, batch, max_new_tokens, mode, temperature, seed, prompt, stop)
+            return [self._completion(*row) for row in rows]
+
+    def _completion(self, tokens: Sequence[int], logprob: float, token_logprobs: Sequence[float] = ()) -> Completion:
+        finished = bool(tokens) and tokens[-1] in self._end_ids
+        body = tokens[:-1] if finished else tokens
+        return Completion(
+            self._decode_text(body), float(logprob), len(tokens), finished, tuple(tokens), tuple(token_logprobs)
+        )
+
+    def _logprobs(self, logits: Any) -> Any:
+        torch = self._torch
+        logits = logits.float()
+        if logits.shape[-1] > self._valid_vocab:
+            logits[..., self._valid_vocab:] = -math.inf
+        return torch.log_softmax(logits, dim=-1)
+
+    def _runner(self, batch: int, max_len: int) -> _StaticRunner:
+        key = (batch, max_len, self.decode)
+        runner = self._runners.get(key)
+        if runner is None:
+            if len(self._runners) >= 8:
+                self._runners.popitem(last=False)
+            try:
+                runner = _StaticRunner(self, batch, max_len, self.decode)
+            except Exception as exc:
+                if self.decode not in ("cuda_graph", "compile"):
+                    raise
+                # Capture or compilation is not possible with this model/library version:
+                # keep working on the eager static path and say why.
+                self.fallback_reason = f"{type(exc).__name__}: {exc}"
+                self.decode = "static"
+                key = (batch, max_len, "static")
+                runner = _StaticRunner(self, batch, max_len, "static")
+            self._runners[key] = runner
+        else:
+            self._runners.move_to_end(key)
+        return runner
+
+    def _loop(
+        self,
+        ids: list[int],
+        batch: int,
+        max_new: int,
+        mode: str,
+        temperature: float,
+        seed: int,
+        prompt: str,
+        stop: threading.Event | None,
+    ) -> list[tuple[list[int], float, list[float]]]:
+        torch = self._torch
+        device = self.device
+        gen = torch.Generator(device=device)
+        gen.manual_seed(self._seed(prompt, seed))
+        prompt_ids = torch.tensor([ids], device=device).expand(batch, len(ids))
+        length = len(ids)
+        if self.decode == "dynamic":
+            cache = self._transformers.DynamicCache(config=self._config) if "config" in inspect.signature(
+                self._transformers.DynamicCache.__init__).parameters else self._transformers.DynamicCache()
+
+            def forward(tokens: Any, start: int) -> Any:
+                positions = torch.arange(start, start + tokens.shape[1], device=device).view(1, -1)
+                kwargs = {
+                    "input_ids": tokens,
+                    "position_ids": positions.expand(batch, -1),
+                    self._cache_kw: cache,
+                    "use_cache": True,
+                    "logits_to_keep": 1,
+                }
+                return self.model(**kwargs).logits[:, -1, :]
+
+            logits = forward(prompt_ids, 0)
+            step = lambda tok, pos: forward(tok.view(batch, 1), pos)  # noqa: E731
+        else:
+            max_len = min(self.max_context, -(-(length + max_new) // _CACHE_BUCKET) * _CACHE_BUCKET)
+            runner = self._runner(batch, max_len)
+            runner.reset()
+            logits = runner.prefill(prompt_ids)
+            step = runner.decode
+        finished = torch.zeros(batch, dtype=torch.bool, device=device)
+        out = []
+        picked = []
+        for t in range(max_new):
+            logp = self._logprobs(logits)
+            if mode == "greedy":
+                tok = logp.argmax(dim=-1)
+            else:
+                u = torch.rand(logp.shape, generator=gen, device=device).clamp_(1e-20, 1.0)
+                tok = (logp / temperature - torch.log(-torch.log(u))).argmax(dim=-1)
+            tok = torch.where(finished, torch.full_like(tok, self._pad_id), tok)
+            out.append(tok)
+            picked.append(logp.gather(1, tok.view(-1, 1)).view(-1))
+            finished |= torch.isin(tok, self._end_tensor)
+            if t + 1 == max_new:
+                break
+            if (t % _CHECK_EVERY == _CHECK_EVERY - 1 and bool(finished.all())) or (stop is not None and stop.is_set()):
+                break
+            logits = step(tok, length + t)
+        return self._rows(torch.stack(out, dim=1).tolist(), torch.stack(picked, dim=1).tolist())
+
+    def _rows(self, tokens: list[list[int]], logps: list[list[float]]) -> list[tuple[list[int], float, list[float]]]:
+        """Cut each row after its first end token; sum its token log-probabilities."""
+        rows = []
+        for row, lp in zip(tokens, logps, strict=True):
+            cut = next((i + 1 for i, x in enumerate(row) if x in self._end_ids), len(row))
+            rows.append((row[:cut], math.fsum(lp[:cut]), lp[:cut]))
+        return rows
+
+    def _generate(
+        self, ids: list[int], batch: int, max_new: int, mode: str, temperature: float, seed: int, prompt: str
+    ) -> list[tuple[list[int], float, list[float]]]:
+        torch = self._torch
+        input_ids = torch.tensor([ids], device=self.device)
+        with torch.random.fork_rng(devices=[self.device] if self.device.startswith("cuda") else []):
+            torch.manual_seed(self._seed(prompt, seed))
+            out = self.model.generate(
+                input_ids,
+                attention_mask=torch.ones_like(input_ids),
+                do_sample=mode == "sample",
+                temperature=temperature if mode == "sample" else None,
+                top_k=0 if mode == "sample" else None,
+                top_p=1.0 if mode == "sample" else None,
+                num_return_sequences=batch,
+                max_new_tokens=max_new,
+                min_new_tokens=0,
+                eos_token_id=list(self._end_ids),
+                pad_token_id=self._pad_id,
+                output_logits=True,
+                return_dict_in_generate=True,
+            )
+        new = out.sequences[:, len(ids):]
+        picked = [
+            self._logprobs(logits).gather(1, new[:, t].view(-1, 1)).view(-1) for t, logits in enumerate(out.logits)
+        ]
+        return self._rows(new.tolist(), torch.stack(picked, dim=1).tolist())
+
+    def _beam(self, ids: list[int], n: int, max_new: int) -> list[Completion]:
+        torch = self._torch
+        input_ids = torch.tensor([ids], device=self.device)
+        out = self.model.generate(
+            input_ids,
+            attention_mask=torch.ones_like(input_ids),
+            do_sample=False,
+            num_beams=max(n, 2),
+            num_return_sequences=n,
+            max_new_tokens=max_new,
+            eos_token_id=list(self._end_ids),
+            pad_token_id=self._pad_id,
+            early_stopping=True,
+            length_penalty=0.0,
+        )
+        conts = []
+        for row in out[:, len(ids):].tolist():
+            cut = next((i + 1 for i, x in enumerate(row) if x in self._end_ids), None)
+            if cut is None:
+                while row and row[-1] == self._pad_id and self._pad_id not in self._end_ids:
+                    row.pop()
+                conts.append(row)
+            else:
+                conts.append(row[:cut])
+        scores = self._score_ids(ids, conts)
+        return [self._completion(c, s) for c, s in zip(conts, scores, strict=True)]
+
+    def score(self, prompt: str, continuations: Sequence[str], *, finished: bool = True) -> list[float]:
+        """Exact log-probability of each continuation text after ``prompt`` (plus the end
+        token when ``finished``): teacher forcing, no sampling."""
+        ids = self.encode(prompt)
+        end = self._end_ids[0]
+        conts = [self.encode(c) + ([end] if finished else []) for c in continuations]
+        return self.score_ids(ids, conts)
+
+    def score_ids(self, ids: Sequence[int], conts: Sequence[Sequence[int]]) -> list[float]:
+        """Exact log-probabilities of token continuations ``conts`` after prompt ``ids``."""
+        with self._lock, self._torch.inference_mode():
+            return self._score_ids(list(ids), conts)
+
+    def _score_ids(self, ids: list[int], conts: Sequence[Sequence[int]]) -> list[float]:
+        torch = self._torch
+        if not conts:
+            return []
+        width = max(len(c) for c in conts)
+        if width == 0:
+            return [0.0] * len(conts)
+        rows = [ids + list(c) + [self._pad_id] * (width - len(c)) for c in conts]
+        batch = torch.tensor(rows, device=self.device)
+        mask = torch.tensor([[1] * (len(ids) + len(c)) + [0] * (width - len(c)) for c in conts], device=self.device)
+        logits = self.model(input_ids=batch, attention_mask=mask, use_cache=False).logits
+        logp = self._logprobs(logits[:, len(ids) - 1 : -1, :])
+        target = batch[:, len(ids):]
+        picked = logp.gather(2, target.unsqueeze(-1)).squeeze(-1)
+        valid = mask[:, len(ids):].bool()
+        return (picked * valid).sum(dim=1).tolist()
+
+    # ----------------------------------------------------------------- embeddings
+
+    def embed(self, texts: Sequence[str], *, max_tokens: int = 256) -> Any:
+        """Mean-pooled, L2-normalised last hidden states of ``texts`` (numpy, one row each)."""
+        torch = self._torch
+        if not texts:
+            import numpy as np
+
+            return np.zeros((0, self._config.hidden_size), dtype=np.float32)
+        encoded = [self.encode(t)[:max_tokens] or [self._pad_id] for t in texts]
+        width = max(len(e) for e in encoded)
+        batch = torch.tensor([e + [self._pad_id] * (width - len(e)) for e in encoded], device=self.device)
+        mask = torch.tensor([[1] * len(e) + [0] * (width - len(e)) for e in encoded], device=self.device)
+        with self._lock, torch.inference_mode():
+            out = self.model(input_ids=batch, attention_mask=mask, output_hidden_states=True, use_cache=False)
+            hidden = out.hidden_states[-1].float()
+            m = mask.unsqueeze(-1).float()
+            pooled = (hidden * m).sum(1) / m.sum(1).clamp_min(1.0)
+            pooled = torch.nn.functional.normalize(pooled, dim=-1)
+        return pooled.cpu().numpy()

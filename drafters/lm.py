@@ -1,0 +1,231 @@
+"""Language-model drafters: candidate observations and target actions with probabilities.
+
+``LMObservationDrafter`` asks a language model (playing the environment) for the output
+of an action in flight: it samples N continuations of a chat prompt built from the
+history and the action (:mod:`drafters.prompts`) and returns the distinct finished ones
+with their sequence probabilities ``exp(sum of token logprobs)``.
+
+``LMActionDrafter`` asks a language model (playing the agent) for the next actions: each
+sample is a chain of up to ``depth`` actions; the probability of action ``a`` at offset
+``d`` is estimated by the fraction of samples that hold ``a`` at ``d`` (ties broken by
+the sample's sequence probability).
+
+Both are built from keyword options, e.g. ``LMObservationDrafter(backend="transformers",
+model="tiny", samples=8, device="cpu")``; options the drafter does not know go to the
+backend. With a shape name as ``model`` (``tiny``...), ``fit(traces)`` trains the
+tokenizer and the model on the training traces first (``fit_steps``).
+"""
+
+from __future__ import annotations
+
+import math
+from collections import OrderedDict
+from collections.abc import Sequence
+from typing import Any
+
+from aospec.errors import ConfigError
+from aospec.protocols import ActionDraft, ObservationDraft
+from aospec.types import Action, History, Trace
+from drafters.backends import DecodeMode, LMBackend, make_backend, merge_completions
+from drafters.prompts import ACTION_SEPARATOR, PromptBudget, action_messages, observation_messages, parse_action
+
+__all__ = ["LMActionDrafter", "LMObservationDrafter"]
+
+
+class _LMDrafter:
+    kind = "observation"
+
+    def __init__(
+        self,
+        backend: str = "transformers",
+        model: str = "tiny",
+        *,
+        samples: int = 8,
+        max_new_tokens: int | None = None,
+        mode: DecodeMode = "sample",
+        temperature: float = 1.0,
+        prompt_tokens: int | None = None,
+        fit_steps: int | None = None,
+        fit_batch_size: int = 8,
+        fit_lr: float | None = None,
+        min_probability: float = 0.0,
+        seed: int = 0,
+        cache_size: int = 256,
+        **backend_options: Any,
+    ) -> None:
+        from training.model import is_shape, trained_meta
+
+        meta = trained_meta(model) if backend in ("transformers", "vllm") else {}
+        if prompt_tokens is None:
+            prompt_tokens = int(meta.get("prompt", {}).get("total", 512))
+        if max_new_tokens is None:
+            max_new_tokens = int(meta.get("config", {}).get("target_tokens", 128))
+        self.meta = meta
+        if samples < 1 or max_new_tokens < 1:
+            raise ConfigError(f"{type(self).__name__}: samples and max_new_tokens must be >= 1")
+        if mode not in ("sample", "greedy", "beam"):
+            raise ConfigError(f"{type(self).__name__}: mode must be sample, greedy or beam, not {mode!r}")
+        self.backend_name = backend
+        self.model_spec = model
+        self.samples = samples
+        self.max_new_tokens = max_new_tokens
+        self.mode: DecodeMode = mode
+        self.temperature = temperature
+        self.budget = PromptBudget(total=prompt_tokens, task=max(16, prompt_tokens // 4), text=max(32, prompt_tokens * 3 // 8))
+        self.shape = backend == "transformers" and is_shape(model)
+        self.fit_steps = (200 if self.shape else 0) if fit_steps is None else fit_steps
+        self.fit_batch_size = fit_batch_size
+        self.fit_lr = fit_lr
+        self.min_probability = min_probability
+        self.seed = seed
+        self.cache_size = cache_size
+        self.backend_options = dict(backend_options)
+        self.backend_options.setdefault("model", model)
+        if backend == "transformers":
+            self.backend_options.setdefault("seed", seed)
+        self._backend: LMBackend | None = None
+        self._cache: OrderedDict[str, Any] = OrderedDict()
+        self.fitted_examples = 0
+
+    @property
+    def backend(self) -> LMBackend:
+        """The language model backend (built on first use)."""
+        if self._backend is None:
+            self._backend = make_backend(self.backend_name, self.backend_options)
+        return self._backend
+
+    def _examples(self, traces: Sequence[Trace], count: Any) -> list[Any]:
+        raise NotImplementedError
+
+    def fit(self, traces: Sequence[Trace]) -> None:
+        """Learn from training traces: a shape model gets a tokenizer trained on them, and
+        ``fit_steps`` optimisation steps of fine-tuning (transformers backend only)."""
+        self._cache.clear()
+        if self.fit_steps <= 0 and not self.shape:
+            return
+        if self.backend_name != "transformers":
+            raise ConfigError(f"{type(self).__name__}: fit_steps > 0 needs the transformers backend")
+        if self.shape:
+            texts = [t for tr in traces for s in tr.steps for t in (s.action.command or s.action.key, s.observation)]
+            self._backend = make_backend("transformers", {**self.backend_options, "texts": texts})
+        if self.fit_steps <= 0:
+            return
+        from training.trainer import fit_examples
+
+        backend: Any = self.backend
+        examples = self._examples(traces, backend.count_tokens)
+        if not examples:
+            return
+        lr = self.fit_lr if self.fit_lr is not None else (2e-3 if self.shape else 2e-5)
+        fit_examples(
+            backend.model, backend.tokenizer, examples, steps=self.fit_steps, batch_size=self.fit_batch_size,
+            lr=lr, warmup=min(20, self.fit_steps // 5), target_tokens=self.max_new_tokens, seed=self.seed,
+            description=f"fitting {self.kind} drafter",
+        )
+        backend.reset_compiled()
+        self.fitted_examples = len(examples)
+
+    async def _complete(self, prompt: str, n: int) -> Any:
+        key = f"{n}\0{prompt}"
+        hit = self._cache.get(key)
+        if hit is not None:
+            self._cache.move_to_end(key)
+            return hit
+        n = 1 if self.mode == "greedy" else n
+        comps = await self.backend.complete(
+            prompt, n=n, max_new_tokens=self.max_new_tokens, mode=self.mode, temperature=self.temperature,
+            seed=self.seed,
+        )
+        self._cache[key] = comps
+        if len(self._cache) > self.cache_size:
+            self._cache.popitem(last=False)
+        return comps
+
+
+class LMObservationDrafter(_LMDrafter):
+    """Drafts observations with a language model (see the module doc)."""
+
+    kind = "observation"
+
+    def _examples(self, traces: Sequence[Trace], count: Any) -> list[Any]:
+        from training.dataset import build_examples
+
+        return build_examples(traces, count=count, kind="observation", budget=self.budget)
+
+    def prompt(self, history: History, action: Action) -> str:
+        """The rendered prompt for the observation of ``action`` after ``history``."""
+        backend = self.backend
+        return backend.render(observation_messages(history, action, self.budget, backend.count_tokens))
+
+    async def draft(self, history: History, action: Action, n: int) -> Sequence[ObservationDraft]:
+        if n <= 0:
+            return []
+        comps = await self._complete(self.prompt(history, action), max(n, self.samples))
+        out = []
+        for c in merge_completions(comps):
+            if not c.finished:
+                continue
+            p = min(1.0, math.exp(c.logprob))
+            if p < self.min_probability:
+                continue
+            out.append(ObservationDraft(c.text, p, None, c.tokens))
+            if len(out) == n:
+                break
+        return out
+
+
+class LMActionDrafter(_LMDrafter):
+    """Drafts target actions with a language model (see the module doc)."""
+
+    kind = "action"
+
+    def __init__(self, backend: str = "transformers", model: str = "tiny", *, depth: int | None = None,
+                 **options: Any) -> None:
+        super().__init__(backend, model, **options)
+        depth = depth if depth is not None else int(self.meta.get("depth", 3))
+        if depth < 1:
+            raise ConfigError("LMActionDrafter: depth must be >= 1")
+        self.train_depth = depth
+
+    def _examples(self, traces: Sequence[Trace], count: Any) -> list[Any]:
+        from training.dataset import build_examples
+
+        return build_examples(traces, count=count, kind="action", budget=self.budget, depth=self.train_depth)
+
+    def prompt(self, history: History) -> str:
+        """The rendered prompt for the next actions after ``history``."""
+        backend = self.backend
+        return backend.render(action_messages(history, self.budget, backend.count_tokens))
+
+    async def propose(self, history: History, width: int, depth: int) -> Sequence[ActionDraft]:
+        if width <= 0 or depth <= 0:
+            return []
+        comps = await self._complete(self.prompt(history), max(width, self.samples))
+        return rank_action_chains(comps, width, depth)
+
+
+def rank_action_chains(comps: Sequence[Any], width: int, depth: int) -> list[ActionDraft]:
+    """Turn sampled action chains into ranked (offset, action) drafts: probability is the
+    fraction of samples holding the action at that offset."""
+    if not comps:
+        return []
+    stats: dict[tuple[int, Action], list[Any]] = {}
+    for c in comps:
+        parts = c.text.split(ACTION_SEPARATOR)
+        if not c.finished:
+            parts = parts[:-1]
+        for d, part in enumerate(parts[:depth]):
+            action = parse_action(part)
+            if action is None:
+                break
+            rec = stats.get((d, action))
+            if rec is None:
+                stats[(d, action)] = [1, c.logprob, c.tokens]
+            else:
+                rec[0] += 1
+                if c.logprob > rec[1]:
+                    rec[1], rec[2] = c.logprob, c.tokens
+    ranked = sorted(stats.items(), key=lambda kv: (-kv[1][0], kv[0][0], -kv[1][1]))
+    total = len(comps)
+    return [ActionDraft(a, d, rec[0] / total, rec[2]) for (d, a), rec in ranked[:width]]
+

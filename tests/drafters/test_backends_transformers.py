@@ -1,0 +1,176 @@
+"""The transformers backend: every decode path agrees, log-probabilities are exact,
+sampling is reproducible, cancellation stops the model."""
+
+from __future__ import annotations
+
+import math
+import time
+
+import anyio
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from aospec.errors import ConfigError, DrafterError  # noqa: E402
+from drafters.backends import LMBackend, make_backend, merge_completions  # noqa: E402
+from drafters.backends.transformers import TransformersBackend  # noqa: E402
+from replay import bundled_traces_path, load_traces  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def backend() -> TransformersBackend:
+    traces = load_traces([bundled_traces_path()])
+    texts = [x for t in traces[:4] for s in t.steps for x in (s.action.command or "", s.observation)]
+    return TransformersBackend("tiny", texts=texts, vocab_size=1024, device="cpu", decode="dynamic")
+
+
+@pytest.fixture(scope="module")
+def prompt(backend: TransformersBackend) -> str:
+    return backend.render([{"role": "system", "content": "task: list files"}, {"role": "user", "content": "ls -la"}])
+
+
+def with_path(backend: TransformersBackend, path: str):
+    backend.decode = path
+    return backend
+
+
+def test_it_is_an_lm_backend(backend: TransformersBackend) -> None:
+    assert isinstance(backend, LMBackend)
+    assert backend.count_tokens("ls -la") == len(backend.encode("ls -la")) > 0
+
+
+@pytest.mark.parametrize("mode", ["greedy", "sample"])
+def test_static_cache_path_matches_dynamic_path(backend: TransformersBackend, prompt: str, mode: str) -> None:
+    try:
+        a = with_path(backend, "dynamic").complete_sync(prompt, n=3, max_new_tokens=24, mode=mode, seed=5)
+        b = with_path(backend, "static").complete_sync(prompt, n=3, max_new_tokens=24, mode=mode, seed=5)
+    finally:
+        backend.decode = "dynamic"
+    assert [c.token_ids for c in a] == [c.token_ids for c in b]
+    for x, y in zip(a, b, strict=True):
+        assert math.isclose(x.logprob, y.logprob, rel_tol=1e-4, abs_tol=1e-4)
+
+
+def test_generate_path_matches_greedy_loop(backend: TransformersBackend, prompt: str) -> None:
+    try:
+        a = with_path(backend, "generate").complete_sync(prompt, n=1, max_new_tokens=16, mode="greedy")
+    finally:
+        backend.decode = "dynamic"
+    b = backend.complete_sync(prompt, n=1, max_new_tokens=16, mode="greedy")
+    assert a[0].token_ids == b[0].token_ids
+    assert math.isclose(a[0].logprob, b[0].logprob, rel_tol=1e-4, abs_tol=1e-4)
+
+
+@pytest.mark.parametrize("path", ["dynamic", "static", "generate"])
+def test_sequence_logprob_is_the_teacher_forced_sum(backend: TransformersBackend, prompt: str, path: str) -> None:
+    try:
+        comps = with_path(backend, path).complete_sync(prompt, n=4, max_new_tokens=20, seed=1)
+    finally:
+        backend.decode = "dynamic"
+    assert len(comps) == 4
+    scored = backend.score_ids(backend.encode(prompt), [c.token_ids for c in comps])
+    for c, s in zip(comps, scored, strict=True):
+        assert c.tokens == len(c.token_ids) == len(c.token_logprobs)
+        assert math.isclose(c.logprob, s, rel_tol=1e-4, abs_tol=1e-3)
+        assert math.isclose(c.logprob, math.fsum(c.token_logprobs), abs_tol=1e-6)
+        assert c.logprob < 0
+
+
+def test_sampling_is_reproducible_per_prompt_and_seed(backend: TransformersBackend, prompt: str) -> None:
+    a = backend.complete_sync(prompt, n=4, max_new_tokens=12, seed=0)
+    backend.complete_sync(prompt + "x", n=2, max_new_tokens=5)  # other calls in between change nothing
+    b = backend.complete_sync(prompt, n=4, max_new_tokens=12, seed=0)
+    c = backend.complete_sync(prompt, n=4, max_new_tokens=12, seed=1)
+    assert [x.token_ids for x in a] == [x.token_ids for x in b]
+    assert [x.token_ids for x in a] != [x.token_ids for x in c]
+    assert len({x.token_ids for x in a}) > 1  # rows of one batch are independent samples
+
+
+def test_beam_candidates_are_ranked_with_exact_logprobs(backend: TransformersBackend, prompt: str) -> None:
+    comps = backend.complete_sync(prompt, n=3, max_new_tokens=8, mode="beam")
+    assert len(comps) == 3
+    scored = backend.score_ids(backend.encode(prompt), [c.token_ids for c in comps])
+    for c, s in zip(comps, scored, strict=True):
+        assert math.isclose(c.logprob, s, rel_tol=1e-5, abs_tol=1e-4)
+    greedy = backend.complete_sync(prompt, n=1, max_new_tokens=8, mode="greedy")[0]
+    assert max(c.logprob for c in comps) >= greedy.logprob - 1e-4
+
+
+def test_merge_collapses_duplicates_and_ranks_finished_first() -> None:
+    from drafters.backends import Completion
+
+    comps = [Completion("a", -3.0, 2, True), Completion("b", -1.0, 2, False), Completion("a", -3.0, 2, True),
+             Completion("c", -2.0, 2, True)]
+    assert [c.text for c in merge_completions(comps)] == ["c", "a", "b"]
+
+
+def test_bad_requests_are_one_clear_error(backend: TransformersBackend, prompt: str) -> None:
+    with pytest.raises(ConfigError, match="unknown mode"):
+        backend.complete_sync(prompt, n=1, max_new_tokens=4, mode="nucleus")  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match=">= 1"):
+        backend.complete_sync(prompt, n=0, max_new_tokens=4)
+    with pytest.raises(DrafterError, match="max_context"):
+        backend.complete_sync(prompt * 400, n=1, max_new_tokens=4)
+    with pytest.raises(ConfigError, match="unknown decode path"):
+        TransformersBackend("tiny", decode="warp")  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match="needs a CUDA device"):
+        TransformersBackend("tiny", device="cpu", decode="cuda_graph", vocab_size=300)
+
+
+def test_backends_are_built_by_name_with_checked_options() -> None:
+    b = make_backend("transformers", {"model": "tiny", "device": "cpu", "vocab_size": 300})
+    assert isinstance(b, TransformersBackend)
+    with pytest.raises(ConfigError, match="LM backend 'transformers'"):
+        make_backend("transformers", {"modle": "tiny"})
+    with pytest.raises(ConfigError, match="unknown LM backend"):
+        make_backend("nonsense")
+
+
+@pytest.mark.parametrize("anyio_backend", ["asyncio", "trio"])
+def test_async_complete_runs_off_the_loop_and_matches_sync(backend: TransformersBackend, prompt: str,
+                                                           anyio_backend: str) -> None:
+    async def main():
+        ticks = 0
+
+        async def ticker():
+            nonlocal ticks
+            while True:
+                await anyio.sleep(0.001)
+                ticks += 1
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(ticker)
+            comps = await backend.complete(prompt, n=2, max_new_tokens=64, seed=2)
+            tg.cancel_scope.cancel()
+        return comps, ticks
+
+    comps, ticks = anyio.run(main, backend=anyio_backend)
+    assert [c.token_ids for c in comps] == [c.token_ids for c in backend.complete_sync(prompt, n=2, max_new_tokens=64, seed=2)]
+    assert ticks > 0  # the event loop kept running while the model decoded
+
+
+def test_cancelling_a_completion_stops_the_model_promptly(backend: TransformersBackend, prompt: str) -> None:
+    big = TransformersBackend(loaded=backend.loaded, max_context=8192, decode="dynamic")
+
+    async def main() -> float:
+        with anyio.move_on_after(0.2):
+            await big.complete(prompt, n=8, max_new_tokens=4000)
+        return time.perf_counter()
+
+    start = time.perf_counter()
+    end = anyio.run(main)
+    assert end - start < 3.0  # 4000 steps would take far longer
+    assert big._lock.acquire(blocking=False)  # the worker has released the model
+    big._lock.release()
+
+
+def test_virtual_time_runs_inline_without_advancing_the_clock(backend: TransformersBackend, prompt: str) -> None:
+    import trio
+    import trio.testing
+
+    async def main() -> float:
+        t0 = trio.current_time()
+        await backend.complete(prompt, n=2, max_new_tokens=16)
+        return trio.current_time() - t0
+
+    assert trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0)) == 0.0
