@@ -19,15 +19,17 @@ At every verified boundary (history ``H``, committed sandbox at version ``v``):
    ``decode(H + (a, c))``. Drafting that finishes after the observation lost the race and is
    cancelled. A continuation that finishes decoding may launch its action into a fork
    (``provisional_targets``) and, within ``obs_depth``, draft further observations.
-5. On the real observation: keep only the continuation whose draft is byte-identical,
-   cancel the others, commit the fork, prune forks whose origin is no longer the committed
-   version.
+5. On the real observation: keep only the continuation whose draft is byte-identical
+   (or, with ``accept="canonical"``, equal once canonicalised), cancel the others, commit
+   the fork, prune forks whose origin is no longer the committed version.
 
 Losslessness rests on two conditions, which the caller must meet: the actor is a function
 of its history (greedy or seeded decoding), so a continuation on a byte-identical history
 decodes what a fresh decode would; and an action's result is a function of the state it
 starts from, so a fork from the committed version yields what serial execution would. The
-committed trajectory and final state then equal serial execution's.
+committed trajectory and final state then equal serial execution's. Canonical acceptance
+(opt-in) adds a third: the actor's next action must not depend on the canonicalised fields;
+the committed history holds the real observation either way.
 
 Every speculative task lives in the engine's task group for the run, each in its own
 cancel scope. Forks are owned by exactly one task, which discards them on cancellation
@@ -41,12 +43,20 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import anyio
 
-from aospec.engine_config import EngineConfig
-from aospec.errors import AospecError, EngineError
+from aospec.engine_config import EngineConfig, load_canonicalizer
+from aospec.errors import AospecError, ConfigError, EngineError
 from aospec.evd import EVDEstimator, EVDSession, rank_drafts
 from aospec.forks import ForkEntry, ForkRegistry
 from aospec.ledger import EngineStatistics, Ledger
-from aospec.protocols import ActionDraft, ActionDrafter, Actor, ObservationDraft, ObservationDrafter, Sandbox
+from aospec.protocols import (
+    ActionDraft,
+    ActionDrafter,
+    Actor,
+    ObservationCanonicalizer,
+    ObservationDraft,
+    ObservationDrafter,
+    Sandbox,
+)
 from aospec.types import Action, History, Turn
 
 if TYPE_CHECKING:
@@ -90,6 +100,7 @@ class _Branch:
     __slots__ = (
         "action",
         "cancelled",
+        "canon",
         "children",
         "decode_end_ns",
         "decode_start_ns",
@@ -129,6 +140,7 @@ class _Branch:
         self.children: dict[str, _Branch] | None = None
         self.cancelled = False
         self.sealed = False
+        self.canon: str | None = None
 
 
 class Engine:
@@ -136,8 +148,9 @@ class Engine:
 
     ``observation_drafters`` and ``action_drafters`` are consulted together (their
     candidates merged). ``evd`` supplies historical tool times for ranking (an empty
-    estimator with the pattern kernel when omitted). One Engine runs one trajectory at a
-    time; :meth:`statistics` describes the last (or current) run.
+    estimator with the pattern kernel when omitted). ``canonicalizer`` overrides the one
+    ``config.canonicalizer`` names (only with ``config.accept == "canonical"``). One Engine
+    runs one trajectory at a time; :meth:`statistics` describes the last (or current) run.
     """
 
     def __init__(
@@ -151,6 +164,7 @@ class Engine:
         config: EngineConfig | None = None,
         clock: Clock | None = None,
         keep_events: bool = True,
+        canonicalizer: ObservationCanonicalizer | None = None,
     ) -> None:
         self.actor = actor
         self.sandbox = sandbox
@@ -164,6 +178,12 @@ class Engine:
         cfg = self.config
         self._obs_on = cfg.branch_budget > 0 and bool(self.observation_drafters)
         self._targets_on = cfg.fork_width > 0 and bool(self.action_drafters)
+        if cfg.accept == "canonical":
+            self._canon = canonicalizer if canonicalizer is not None else load_canonicalizer(cfg.canonicalizer)
+        elif canonicalizer is not None:
+            raise ConfigError('engine: a canonicalizer was given but config.accept is "exact"')
+        else:
+            self._canon = None
         self._prov_targets_on = cfg.provisional_targets and self._obs_on
         self._use_forks = self._targets_on or self._prov_targets_on
         self._registry = ForkRegistry()
@@ -344,11 +364,19 @@ class Engine:
         return entry
 
     def _adopt(self, root: _Branch, observation: str, now: int) -> _Branch | None:
-        """Keep the continuation whose draft equals ``observation``; cancel the rest."""
+        """Keep the continuation whose draft equals ``observation`` (byte for byte, else,
+        under canonical acceptance, once canonicalised); cancel the rest."""
         children = root.children
         if not children:
             return None
         keep = children.pop(observation, None)
+        canonical_hit = False
+        if keep is None and self._canon is not None:
+            canon = self._canon.canonical(observation)
+            text = next((t for t, c in children.items() if c.canon == canon), None)
+            if text is not None:
+                keep = children.pop(text)
+                canonical_hit = True
         for other in children.values():
             # Why: a continuation on a draft that differs from the real observation
             # conditions on a history that never happened.
@@ -356,9 +384,24 @@ class Engine:
         root.children = None
         if keep is None:
             return None
-        self.ledger.draft_hit(now, _short(observation))
+        if canonical_hit:
+            self.ledger.draft_canonical_hit(now, _short(observation))
+            # Why: the actor must finally see the real observation. The continuation keeps
+            # decoding on the draft's bytes (the opt-in approximation), but the committed
+            # history, and every history drafted or decoded from here on, holds the real one.
+            assert root.action is not None
+            self._rebase(keep, root.history.extend(root.action, observation))
+        else:
+            self.ledger.draft_hit(now, _short(observation))
         self._promote(keep)
         return keep
+
+    def _rebase(self, branch: _Branch, history: History) -> None:
+        """Give ``branch`` (and its subtree) ``history`` in place of the one it started on."""
+        branch.history = history
+        if branch.children and branch.action is not None:
+            for text, child in branch.children.items():
+                self._rebase(child, history.extend(branch.action, text))
 
     def _promote(self, branch: _Branch) -> None:
         """Shift a subtree one level towards the verified history; branches that now fall
@@ -441,15 +484,32 @@ class Engine:
                     )
         if branch.sealed or branch.cancelled:
             return
-        ranked = rank_drafts(
-            drafts, cfg.rank, cfg.branch_budget, self._evd_session, min_probability=cfg.min_draft_probability
-        )
+        canon = self._canon
+        budget = cfg.branch_budget if canon is None else len(drafts)
+        ranked = rank_drafts(drafts, cfg.rank, budget, self._evd_session, min_probability=cfg.min_draft_probability)
+        forms: list[str | None] = [None] * len(ranked)
+        if canon is not None:
+            # Drafts that are equal once canonicalised would be accepted for the same real
+            # observations: one continuation (the best ranked) stands for them all.
+            seen: set[str] = set()
+            kept = []
+            for d in ranked:
+                form = canon.canonical(d.text)
+                if form not in seen:
+                    seen.add(form)
+                    kept.append((d, form))
+                    if len(kept) == cfg.branch_budget:
+                        break
+            ranked = [d for d, _ in kept]
+            forms = [f for _, f in kept]
         children: dict[str, _Branch] = {}
         now = self.clock.now_ns()
-        for d in ranked:
-            children[d.text] = self._start_branch(
+        for d, form in zip(ranked, forms, strict=True):
+            child = self._start_branch(
                 branch.history.extend(action, d.text), branch.level + 1, d, branch.probability * d.probability
             )
+            child.canon = form
+            children[d.text] = child
             self.ledger.draft_started(now, _short(d.text))
         branch.children = children
         branch.draft_done = True

@@ -19,6 +19,7 @@ class EventKind(enum.Enum):
     STEP = "step"  # a step was committed (action verified + observation)
     DRAFT = "draft"  # a provisional continuation started on a drafted observation
     DRAFT_HIT = "draft_hit"  # a draft was byte-identical to the real observation
+    DRAFT_CANONICAL_HIT = "draft_canonical_hit"  # a draft equal to it only once canonicalised was accepted
     DRAFT_CANCEL = "draft_cancel"  # a provisional continuation (or a drafting call) was cancelled
     FORK = "fork"  # a speculative target action was launched into a fork
     REUSE = "reuse"  # JASV accepted a fork for the emitted action
@@ -48,6 +49,9 @@ class EngineStatistics:
     ``tool_time_hidden_s`` = total tool time of committed steps minus ``wait_tool_s``
     (tool time that ran while the actor decoded), ``decode_time_hidden_s`` = total decode
     time of committed steps minus ``wait_actor_s`` (decoding that ran while a tool ran).
+    ``drafts_hit`` counts byte-identical drafts adopted; ``drafts_canonical_hit`` drafts
+    adopted under ``accept="canonical"`` that equal the real observation only once
+    canonicalised (always 0 under exact acceptance).
     """
 
     steps: int
@@ -57,6 +61,7 @@ class EngineStatistics:
     forks_wasted: int
     drafts_started: int
     drafts_hit: int
+    drafts_canonical_hit: int
     drafts_cancelled: int
     speculative_failures: int
     latency_s: float
@@ -79,6 +84,7 @@ class Ledger:
     __slots__ = (
         "_decode_ns",
         "_drafts_cancelled",
+        "_drafts_canonical_hit",
         "_drafts_hit",
         "_drafts_started",
         "_executed",
@@ -103,6 +109,7 @@ class Ledger:
         self.step = 0
         self._executed = self._forks_launched = self._forks_reused = self._forks_wasted = 0
         self._drafts_started = self._drafts_hit = self._drafts_cancelled = self._failures = 0
+        self._drafts_canonical_hit = 0
         self._latency_ns = self._wait_actor_ns = self._wait_tool_ns = 0
         self._tool_ns = self._decode_ns = self._wasted_tool_ns = self._wasted_decode_ns = 0
 
@@ -138,6 +145,11 @@ class Ledger:
     def draft_hit(self, t_ns: int, detail: str) -> None:
         self._drafts_hit += 1
         self._event(EventKind.DRAFT_HIT, t_ns, detail, 0)
+
+    def draft_canonical_hit(self, t_ns: int, detail: str) -> None:
+        """A draft equal to the real observation only after canonicalisation was accepted."""
+        self._drafts_canonical_hit += 1
+        self._event(EventKind.DRAFT_CANONICAL_HIT, t_ns, detail, 0)
 
     def draft_cancelled(self, t_ns: int, detail: str, decoded_ns: int) -> None:
         self._drafts_cancelled += 1
@@ -196,6 +208,7 @@ class Ledger:
             forks_wasted=self._forks_wasted,
             drafts_started=self._drafts_started,
             drafts_hit=self._drafts_hit,
+            drafts_canonical_hit=self._drafts_canonical_hit,
             drafts_cancelled=self._drafts_cancelled,
             speculative_failures=self._failures,
             latency_s=self._latency_ns * _S,

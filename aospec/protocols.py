@@ -20,6 +20,7 @@ __all__ = [
     "ActionDrafter",
     "Actor",
     "Kernel",
+    "ObservationCanonicalizer",
     "ObservationDraft",
     "ObservationDrafter",
     "Sandbox",
@@ -114,6 +115,15 @@ class Kernel(Protocol):
     """
 
     def similarities(self, candidate: str, observations: Sequence[str]) -> Sequence[float]: ...
+
+
+@runtime_checkable
+class ObservationCanonicalizer(Protocol):
+    """Maps an observation to a canonical form with inconsequential fields (process ids,
+    temp names, times) replaced; used only when the engine accepts drafts canonically
+    (``EngineConfig(accept="canonical")``), never to change what the actor sees."""
+
+    def canonical(self, text: str) -> str: ...
 
 
 @runtime_checkable

@@ -1,10 +1,12 @@
 """Optional canonicalisation of inconsequential observation fields, for draft acceptance.
 
-Off by default. When enabled, a drafted observation may be *accepted* if it equals the
-real one after replacing process ids, temporary file names and/or timestamps by
-placeholders; what the actor finally sees (the committed history) is always the real
-observation, never the canonical form. Accepting such a draft is an approximation the
-user opts into: a continuation decoded on the draft saw different bytes.
+Off by default. With ``EngineConfig(accept="canonical")`` a drafted observation is
+*accepted* if it equals the real one after replacing process ids, temporary file names
+and/or timestamps by placeholders; what the actor finally sees (the committed history) is
+always the real observation, never the draft or the canonical form. Accepting such a draft
+is an approximation the user opts into: the continuation decoded on the draft saw
+different bytes, so the run stays lossless only if the actor's next action does not
+depend on the canonicalised fields (docs/engine.md).
 
 Fields: ``pids`` (``pid 123``, ``PID: 123``, job lines ``[1] 12345``), ``temp_names``
 (``/tmp/tmpab12_x9q``, ``tmp.Xy12AbC9zQ``), ``times`` (ISO 8601 and ``HH:MM:SS`` times,
@@ -18,7 +20,7 @@ from collections.abc import Sequence
 
 from aospec.errors import ConfigError
 
-__all__ = ["DEFAULT_FIELDS", "FIELDS", "Canonicalizer", "canonicalizer"]
+__all__ = ["DEFAULT_FIELDS", "FIELDS", "Canonicalizer", "all_fields", "canonicalizer"]
 
 _MONTH = r"(?:Jan|Feb|Mar|Apr|May|Jun|Jul|Aug|Sep|Oct|Nov|Dec)"
 
@@ -73,13 +75,21 @@ class Canonicalizer:
         return f"Canonicalizer({list(self.fields)!r})"
 
 
+def all_fields() -> Canonicalizer:
+    """A Canonicalizer of every field, durations included."""
+    return Canonicalizer(FIELDS)
+
+
 def canonicalizer(spec: bool | str | Sequence[str] | None) -> Canonicalizer | None:
     """A Canonicalizer from a config value: None/False/"off" -> None (exact acceptance),
-    True/"on" -> the default fields, "pids,times" or a list -> those fields."""
+    True/"on"/"default" -> the default fields, "all" -> every field, "pids,times" (or
+    "pids+times", usable inside a replay policy spec) or a list -> those fields."""
     if spec is None or spec is False or spec in ("", "off", "none"):
         return None
     if spec is True or spec in ("on", "default"):
         return Canonicalizer()
+    if spec == "all":
+        return all_fields()
     if isinstance(spec, str):
-        return Canonicalizer([f.strip() for f in spec.split(",") if f.strip()])
+        return Canonicalizer([f.strip() for f in re.split(r"[,+]", spec) if f.strip()])
     return Canonicalizer(list(spec))

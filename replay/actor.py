@@ -10,7 +10,10 @@ through :meth:`VirtualClock.sleep_ns`.
 :class:`ReplayActor` decodes step ``i`` in ``output_tokens_i * TPOT`` (+ an optional
 prefill model) and returns the recorded action ``a_i`` when the history it is given equals
 the recorded one (also on a provisional branch); otherwise a deterministic action that no
-recorded step has, which therefore can never be committed.
+recorded step has, which therefore can never be committed. Given a canonicaliser (policies
+with ``accept="canonical"``), a history whose observations equal the recorded ones once
+canonicalised also counts as recorded: that models the assumption canonical acceptance
+rests on, that the actor's action does not depend on the canonicalised fields.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from decimal import Decimal
 
 import trio
 
+from aospec.protocols import ObservationCanonicalizer
 from aospec.types import Action, History, Trace, Turn
 
 __all__ = ["DIVERGED_TOOL", "END_TOOL", "ReplayActor", "VirtualClock", "ms_to_ns", "seconds_to_ns"]
@@ -63,11 +67,22 @@ class ReplayActor:
     ``prefill_ns_per_token`` adds a prefill model with prefix caching: decoding step ``i``
     first prefills what the history gained since step ``i-1`` (the task for step 0, the
     observation of step ``i-1`` after it), at ``ceil(len/4)`` tokens per text.
+    ``canonicalizer``: observations equal to the recorded ones once canonicalised match.
     """
 
-    def __init__(self, trace: Trace, *, tpot_ns: int, clock: VirtualClock, prefill_ns_per_token: int = 0) -> None:
+    def __init__(
+        self,
+        trace: Trace,
+        *,
+        tpot_ns: int,
+        clock: VirtualClock,
+        prefill_ns_per_token: int = 0,
+        canonicalizer: ObservationCanonicalizer | None = None,
+    ) -> None:
         self.trace = trace
         self.clock = clock
+        self._canon = canonicalizer
+        self._canon_obs: dict[int, str] = {}
         steps = trace.steps
         self._actions = [s.action for s in steps]
         self._turns = [Turn(s.action, s.observation) for s in steps]
@@ -99,12 +114,21 @@ class ReplayActor:
             if t is known[k]:
                 break
             r = rec[k]
-            if t.observation != r.observation or t.action != r.action:
+            if t.action != r.action or (t.observation != r.observation and not self._same_canonical(k, t.observation)):
                 return False
             k -= 1
         if n:
             known[n - 1] = turns[n - 1]
         return True
+
+    def _same_canonical(self, k: int, observation: str) -> bool:
+        canon = self._canon
+        if canon is None:
+            return False
+        rec = self._canon_obs.get(k)
+        if rec is None:
+            rec = self._canon_obs[k] = canon.canonical(self._turns[k].observation)
+        return canon.canonical(observation) == rec
 
     async def decode(self, history: History) -> Action:
         self.calls += 1

@@ -7,7 +7,9 @@
   ``hidden_decode_s``: total decoding that ran while a tool ran.
 - ``obs_hit_rate``: committed steps whose observation a draft matched byte for byte, over
   steps that executed an action; ``action_hit_rate``: committed steps served by a
-  speculative fork (JASV reuse), over the same.
+  speculative fork (JASV reuse), over the same. ``obs_canonical_hit_rate``: steps whose
+  observation a draft matched only once canonicalised (policies with
+  ``accept=canonical``; not included in ``obs_hit_rate``), over the same.
 - ``wasted_tool_s``: total tool time spent in forks that were discarded;
   ``wasted_decode_s``: total decoding of cancelled provisional continuations.
 - ``mean_ceiling_saving``: the same mean for the policy's matching ceiling (NaN when
@@ -56,6 +58,7 @@ class PolicySummary:
     drafts_started: int
     mean_ceiling_saving: float
     unknown_tool_steps: int
+    obs_canonical_hit_rate: float = 0.0
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -111,6 +114,7 @@ def summarize(results: Iterable[TraceResult]) -> list[PolicySummary]:
                     drafts_started=sum(r.drafts_started for r in rs),
                     mean_ceiling_saving=float(np.mean(ceilings)),
                     unknown_tool_steps=sum(r.unknown_tool_steps for r in rs),
+                    obs_canonical_hit_rate=sum(r.drafts_canonical_hit for r in rs) / executed,
                 )
             )
     return out

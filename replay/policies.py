@@ -8,6 +8,10 @@ docs/replay.md for the exact definition of each policy.
 Drafters are named through the registries of :mod:`drafters` (``drafters.resolve``), so
 any registered or dotted-path drafter plugs in: ``aospec:obs_drafter=lm``. Several
 drafters are joined with ``+``; ``oracle`` is the recorded truth (ceilings only).
+
+``aospec:accept=canonical`` accepts drafts equal to the real observation once
+canonicalised (``:canonicalizer=all`` or ``=pids+times`` picks the fields); the replay actor
+then treats canonically equal histories as the recorded one (docs/replay.md).
 """
 
 from __future__ import annotations
@@ -19,10 +23,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from aospec.config import from_mapping
-from aospec.engine_config import EngineConfig
+from aospec.engine_config import EngineConfig, load_canonicalizer
 from aospec.errors import ConfigError
 from aospec.evd import EVDEstimator
-from aospec.protocols import ActionDraft, ActionDrafter, ObservationDraft, ObservationDrafter
+from aospec.protocols import ActionDraft, ActionDrafter, ObservationCanonicalizer, ObservationDraft, ObservationDrafter
 from aospec.types import Action, History, Trace
 from replay.actor import ReplayActor, VirtualClock, ms_to_ns
 from replay.sandbox import ReplayWorld
@@ -202,6 +206,8 @@ def check_drafter_names(policies: Sequence[Policy]) -> None:
                 resolve("action drafter", name)
         if p.config.obs_names and p.engine.rank != "likelihood":
             resolve("EVD kernel", p.config.kernel)
+        if p.engine.accept == "canonical":
+            load_canonicalizer(p.engine.canonicalizer)
 
 
 def parse_policies(text: str | Sequence[str]) -> list[Policy]:
@@ -303,6 +309,7 @@ class DrafterSet:
         self._obs: dict[str, ObservationDrafter] = {}
         self._act: dict[str, ActionDrafter] = {}
         self._evd: dict[str, EVDEstimator] = {}
+        self._canon: dict[str, ObservationCanonicalizer] = {}
 
     def _build(self, kind: str, name: str) -> Any:
         from drafters import resolve
@@ -336,6 +343,12 @@ class DrafterSet:
             est.fit(self.train)
             self._evd[kernel] = est
         return self._evd[kernel]
+
+    def canonicalizer(self, spec: str) -> ObservationCanonicalizer:
+        """The canonicaliser ``spec`` names (built once)."""
+        if spec not in self._canon:
+            self._canon[spec] = load_canonicalizer(spec)
+        return self._canon[spec]
 
     def charged(
         self, policy: Policy, clock: VirtualClock, trace: Trace, actor: ReplayActor, world: ReplayWorld

@@ -41,8 +41,15 @@ _HEADER = (
 )
 
 
-def _row(s: PolicySummary) -> list[str]:
-    return [
+def _header(summaries: Sequence[PolicySummary]) -> tuple[str, ...]:
+    """The table's columns; "canonical hit" only when some policy accepts canonically."""
+    if any(s.obs_canonical_hit_rate for s in summaries):
+        return (*_HEADER[:9], "canonical hit", *_HEADER[9:])
+    return _HEADER
+
+
+def _row(s: PolicySummary, columns: Sequence[str] = _HEADER) -> list[str]:
+    row = [
         s.policy,
         f"{s.tpot_ms:g}",
         str(s.traces),
@@ -55,6 +62,9 @@ def _row(s: PolicySummary) -> list[str]:
         _pct(s.action_hit_rate),
         f"{s.wasted_tool_s:.1f}",
     ]
+    if "canonical hit" in columns:
+        row.insert(9, _pct(s.obs_canonical_hit_rate))
+    return row
 
 
 def markdown_summary(summaries: Sequence[PolicySummary], meta: dict[str, Any]) -> str:
@@ -63,10 +73,11 @@ def markdown_summary(summaries: Sequence[PolicySummary], meta: dict[str, Any]) -
     for k, v in meta.items():
         lines.append(f"- {k}: {v}")
     lines += ["", "## Savings, latency, hidden time, hit rates, waste", ""]
-    lines.append("| " + " | ".join(_HEADER) + " |")
-    lines.append("|" + "---|" * len(_HEADER))
+    header = _header(summaries)
+    lines.append("| " + " | ".join(header) + " |")
+    lines.append("|" + "---|" * len(header))
     for s in summaries:
-        lines.append("| " + " | ".join(_row(s)) + " |")
+        lines.append("| " + " | ".join(_row(s, header)) + " |")
     focus = _focus_tpot(summaries)
     lines += ["", f"## Per-trial latency at {focus:g} ms/token (seconds)", ""]
     lines.append("| policy | p50 | p90 | p95 | p99 | serial p50 | serial p99 |")
@@ -82,7 +93,9 @@ def markdown_summary(summaries: Sequence[PolicySummary], meta: dict[str, Any]) -
         "",
         "mean saving: mean over traces of 1 - latency/serial; ceiling: the same for the policy's "
         "matching ceiling (same engine configuration, oracle drafters). hidden tool s: tool time that "
-        "ran while the actor decoded, summed over traces. Hit rates are per executed step.",
+        "ran while the actor decoded, summed over traces. Hit rates are per executed step; obs hit counts "
+        "byte-identical drafts, canonical hit (policies with accept=canonical) drafts equal only once "
+        "canonicalised.",
         f"Steps with unknown tool time (counted as 0 s): {unknown}.",
         "",
     ]
@@ -97,14 +110,15 @@ def print_table(summaries: Sequence[PolicySummary]) -> None:
     from rich.table import Table
 
     table = Table(title="aospec replay: saving vs serial per policy and TPOT")
-    for h in _HEADER:
+    header = _header(summaries)
+    for h in header:
         table.add_column(h, justify="left" if h == "policy" else "right")
     last = None
     for s in summaries:
         if last is not None and s.tpot_ms != last:
             table.add_section()
         last = s.tpot_ms
-        table.add_row(*_row(s))
+        table.add_row(*_row(s, header))
     Console(width=None if sys.stdout.isatty() else 160).print(table)
 
 
@@ -169,12 +183,15 @@ def _plots(summaries: Sequence[PolicySummary], out: Path) -> list[Path]:
         "Tool time hidden behind decoding",
         PLOTS[2],
     )
+    rates = {
+        "observation hit rate": [100 * s.obs_hit_rate if s else 0.0 for s in at],
+        "action hit rate": [100 * s.action_hit_rate if s else 0.0 for s in at],
+    }
+    if any(s.obs_canonical_hit_rate for s in summaries):
+        rates["canonical hit rate"] = [100 * s.obs_canonical_hit_rate if s else 0.0 for s in at]
     bars(
-        {
-            "observation hit rate": [100 * s.obs_hit_rate if s else 0.0 for s in at],
-            "action hit rate": [100 * s.action_hit_rate if s else 0.0 for s in at],
-        },
-        ["observation hit rate", "action hit rate"],
+        rates,
+        list(rates),
         "% of executed steps",
         f"Speculation hit rates at {focus:g} ms/token",
         PLOTS[3],

@@ -64,6 +64,7 @@ class TraceResult:
     wasted_tool_ns: int
     wasted_decode_ns: int
     unknown_tool_steps: int
+    drafts_canonical_hit: int = 0
 
     @property
     def saving(self) -> float:
@@ -96,7 +97,10 @@ async def _run_one(
     prefill_ns_per_token: int,
 ) -> tuple[Any, ReplayActor, ReplayWorld, Engine]:
     clock = VirtualClock()
-    actor = ReplayActor(trace, tpot_ns=tpot_ns, clock=clock, prefill_ns_per_token=prefill_ns_per_token)
+    canon = drafters.canonicalizer(policy.engine.canonicalizer) if policy.engine.accept == "canonical" else None
+    actor = ReplayActor(
+        trace, tpot_ns=tpot_ns, clock=clock, prefill_ns_per_token=prefill_ns_per_token, canonicalizer=canon
+    )
     world = ReplayWorld(trace, clock)
     obs, act = drafters.charged(policy, clock, trace, actor, world)
     evd = drafters.evd(policy.config.kernel) if obs and policy.engine.rank != "likelihood" else None
@@ -109,6 +113,7 @@ async def _run_one(
         config=policy.engine,
         clock=clock,
         keep_events=False,
+        canonicalizer=canon,
     )
     history = await engine.run(trace.history(0), steps=len(trace))
     return history, actor, world, engine
@@ -172,6 +177,7 @@ def _check_and_record(
         wasted_tool_ns=ledger.wasted_tool_ns,
         wasted_decode_ns=round(st.provisional_decode_wasted_s * 1e9),
         unknown_tool_steps=len(world.unknown_tool_steps),
+        drafts_canonical_hit=st.drafts_canonical_hit,
     )
 
 

@@ -5,10 +5,14 @@
 2. accuracy vs width: observation top-k exact match by number of candidates, and action
    drafters' trace-matched accuracy by width (1..32) and lookahead distance (1..10);
 3. replay: hidden tool time and saving by rank rule (EVD, likelihood, tool time) and EVD
-   kernel (pattern, embedding), AOSpec with the LM observation drafter.
+   kernel (pattern, embedding), AOSpec with the LM observation drafter;
+4. actions: the action drafters' accuracy alone (no observation LM), by width and
+   distance, leave-one-task-out with ``--split loto`` (drafter options ``--history-options``).
 
     .venv/bin/python scripts/bench_drafters.py --traces replay/data/tb1-sample --out out/bench-drafters
     .venv/bin/python scripts/bench_drafters.py --model out/train --sections latency,accuracy
+    .venv/bin/python scripts/bench_drafters.py --sections actions --split loto --limit 0 \
+        --traces ../shared/traces/tb1-mini-swe-agent-claude-sonnet-4
 """
 
 from __future__ import annotations
@@ -124,8 +128,6 @@ def bench_latency(args: argparse.Namespace, traces: list[Any], out: Path) -> dic
 
 
 def bench_accuracy(args: argparse.Namespace, train: list[Any], evals: list[Any], out: Path) -> dict[str, Any]:
-    import anyio
-
     from drafters import resolve
     from drafters.backends import merge_completions
     from drafters.lm import LMActionDrafter, LMObservationDrafter
@@ -138,7 +140,7 @@ def bench_accuracy(args: argparse.Namespace, train: list[Any], evals: list[Any],
 
     obs = LMObservationDrafter(model=args.model, samples=max(args.widths_obs), **options(args.model))
     obs.fit(train)
-    steps = [(t, i) for t in evals for i, s in enumerate(t.steps) if s.completed][: args.limit]
+    steps = [(t, i) for t in evals for i, s in enumerate(t.steps) if s.completed][: args.limit or None]
     hits = {w: 0 for w in args.widths_obs}
     for trace, i in steps:
         prompt = obs.prompt(trace.history(i), trace.steps[i].action)
@@ -149,47 +151,98 @@ def bench_accuracy(args: argparse.Namespace, train: list[Any], evals: list[Any],
     obs_rows = [[w, hits[w] / max(1, len(steps))] for w in args.widths_obs]
     table(f"observation exact match vs candidates ({len(steps)} held-out steps)", ["width", "top-k match"], obs_rows)
 
-    widths = [1, 2, 4, 8, 16, 32]
-    distances = list(range(1, 11))
-    action_results: dict[str, Any] = {}
-    drafters: dict[str, Any] = {"history": resolve("action drafter", "history")()}
+    drafters: dict[str, Any] = {"history": resolve("action drafter", "history")(**args.history_options)}
     action_model = args.action_model or (args.model if args.model in ("tiny", "small") else None)
     if action_model is not None:
         drafters["lm"] = LMActionDrafter(model=action_model, samples=32, **options(action_model))
+    action_results = action_accuracy(drafters, [(train, evals)], args.limit, out)
+    return {"observation_topk": dict(obs_rows), "actions": action_results}
+
+
+ACTION_WIDTHS = [1, 2, 4, 8, 16, 32]
+ACTION_DISTANCES = list(range(1, 11))
+
+
+def action_accuracy(drafters: dict[str, Any], folds: list[tuple[list[Any], list[Any]]], limit: int,
+                    out: Path, title: str = "") -> dict[str, Any]:
+    """Trace-matched accuracy of action drafters: next action within the top ``width``
+    (1..32), and the action ``distance`` steps ahead (1..10) within the top 8 proposed at
+    that offset. Each drafter is fit on a fold's training traces and scored on its
+    evaluation traces (``limit`` steps in all; 0 = every step)."""
+    import anyio
+
+    widths, distances = ACTION_WIDTHS, ACTION_DISTANCES
+    action_results: dict[str, Any] = {}
     for name, drafter in drafters.items():
-        if hasattr(drafter, "fit"):
-            drafter.fit(train)
         by_width = {w: 0 for w in widths}
         by_dist = {d: [0, 0] for d in distances}
         count = 0
-        for trace, i in [(t, i) for t in evals for i in range(len(t.steps))][: args.limit]:
-            drafts = anyio.run(drafter.propose, trace.history(i), max(widths), max(distances))
-            count += 1
-            for d in distances:
-                if i + d - 1 >= len(trace.steps):
-                    continue
-                target = trace.steps[i + d - 1].action
-                ranked = [x.action for x in drafts if x.offset == d - 1]
-                by_dist[d][1] += 1
-                by_dist[d][0] += target in ranked[:8]
-                if d == 1:
-                    for w in widths:
-                        by_width[w] += target in ranked[:w]
+        for train, evals in folds:
+            if limit and count >= limit:
+                break
+            if hasattr(drafter, "fit"):
+                drafter.fit(train)
+            for trace, i in [(t, i) for t in evals for i in range(len(t.steps))]:
+                if limit and count >= limit:
+                    break
+                drafts = anyio.run(drafter.propose, trace.history(i), max(widths), max(distances))
+                count += 1
+                for d in distances:
+                    if i + d - 1 >= len(trace.steps):
+                        continue
+                    target = trace.steps[i + d - 1].action
+                    ranked = [x.action for x in drafts if x.offset == d - 1]
+                    by_dist[d][1] += 1
+                    by_dist[d][0] += target in ranked[:8]
+                    if d == 1:
+                        for w in widths:
+                            by_width[w] += target in ranked[:w]
         action_results[name] = {
             "by_width": {w: by_width[w] / max(1, count) for w in widths},
             "by_distance_top8": {d: (h / n if n else None) for d, (h, n) in by_dist.items()},
             "steps": count,
         }
-    table("action drafters: next-action accuracy by width", ["width", *drafters],
+    steps = max((r["steps"] for r in action_results.values()), default=0)
+    table(f"action drafters{title}: next-action accuracy by width ({steps} steps)", ["width", *drafters],
           [[w, *[action_results[n]["by_width"][w] for n in drafters]] for w in widths])
-    table("action drafters: accuracy by lookahead distance (top 8 at that offset)", ["distance", *drafters],
+    table(f"action drafters{title}: accuracy by lookahead distance (top 8 at that offset)", ["distance", *drafters],
           [[d, *["-" if (v := action_results[n]["by_distance_top8"][d]) is None else v for n in drafters]]
            for d in distances])
     plot(out / "action_accuracy_by_width.png", "next-action accuracy by width", "width", "accuracy",
          {n: (widths, [action_results[n]["by_width"][w] for w in widths]) for n in drafters})
     plot(out / "action_accuracy_by_distance.png", "accuracy by lookahead distance (top 8)", "distance", "accuracy",
          {n: (distances, [action_results[n]["by_distance_top8"][d] or 0.0 for d in distances]) for n in drafters})
-    return {"observation_topk": dict(obs_rows), "actions": action_results}
+    return action_results
+
+
+def bench_actions(args: argparse.Namespace, traces: list[Any], out: Path) -> dict[str, Any]:
+    """Action drafters only (no observation LM): history drafter (options from
+    ``--history-options``) and, with ``--action-model``, the LM action drafter; folds by
+    ``--split`` (``loto``: leave one task out; ``holdout``: the 20% task split). Traces from
+    ``--extra-train`` join every fold's training set (e.g. another harness's traces)."""
+    from drafters import resolve
+    from drafters.lm import LMActionDrafter
+    from replay import load_traces
+    from training.dataset import split_by_task
+
+    extra = load_traces(args.extra_train) if args.extra_train else []
+    if args.split == "loto":
+        tasks = sorted({t.task for t in traces})
+        folds = [([t for t in traces if t.task != task] + extra, [t for t in traces if t.task == task])
+                 for task in tasks]
+    else:
+        train, evals, _ = split_by_task(
+            traces, eval_tasks=args.eval_tasks.split(",") if args.eval_tasks else None, eval_fraction=0.2, seed=0
+        )
+        folds = [(train + extra, evals)]
+    drafters: dict[str, Any] = {"history": resolve("action drafter", "history")(**args.history_options)}
+    if args.action_model:
+        drafters["lm"] = LMActionDrafter(model=args.action_model, samples=32, device=args.device)
+    t0 = time.perf_counter()
+    results = action_accuracy(drafters, folds, args.limit, out, f" ({args.split})")
+    print(f"action accuracy: {time.perf_counter() - t0:.1f}s", file=sys.stderr)
+    return {"actions": results, "split": args.split, "history_options": args.history_options,
+            "extra_train": args.extra_train}
 
 
 # ---------------------------------------------------------------- 3. replay
@@ -260,7 +313,12 @@ def main() -> int:
     p.add_argument("--prompt-tokens", type=int, default=384)
     p.add_argument("--max-new-tokens", type=int, default=96)
     p.add_argument("--fit-steps", type=int, default=150)
-    p.add_argument("--limit", type=int, default=60, help="held-out steps evaluated per accuracy table")
+    p.add_argument("--limit", type=int, default=60, help="held-out steps evaluated per accuracy table (0: all)")
+    p.add_argument("--split", choices=("holdout", "loto"), default="holdout",
+                   help="folds of the actions section: 20%% held-out tasks, or leave-one-task-out")
+    p.add_argument("--history-options", type=json.loads, default={},
+                   help='keyword options of the history action drafter as JSON, e.g. \'{"half_life": 0}\'')
+    p.add_argument("--extra-train", default=None, help="trace dir added to every training fold (actions section)")
     p.add_argument("--eval-tasks", default=None, help="comma-separated held-out tasks (default: 20%% by seed 0)")
     p.add_argument("--tpots", type=lambda s: [float(x) for x in s.split(",")], default=[10.0, 1.0])
     p.add_argument("--kernel-encoder", default="minilm")
@@ -286,6 +344,8 @@ def main() -> int:
         report.update(bench_latency(args, traces, out))
     if "accuracy" in sections:
         report.update(bench_accuracy(args, train, evals, out))
+    if "actions" in sections:
+        report.update(bench_actions(args, traces, out))
     if "replay" in sections:
         report.update(bench_replay(args, train, evals, out))
     (out / "bench_drafters.json").write_text(json.dumps(report, indent=1, default=str) + "\n")

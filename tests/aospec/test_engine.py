@@ -270,3 +270,131 @@ def test_stale_forks_are_pruned_at_the_commit_that_invalidates_them():
     assert seen[1] == 3 and seen[2] == 3  # steps 0 and 1 are read-only: the forks stay valid
     assert seen[3] == 0  # step 2 wrote b: pruned at its commit, long before they would finish
     assert stats.forks_wasted == 3 and sb.live_forks == 0
+
+
+# ---------------------------------------------------------------------- canonical acceptance
+
+LOG_SCRIPT = [
+    Action.bash("sleep 2 && cat server.log"),  # long, prints a pid
+    Action.bash("ls"),
+    Action.bash("sleep 3 && cat server.log"),
+]
+LOG_FILES = {"server.log": "started server, pid 4242\n"}
+
+
+def _pid_variant(text: str, pid: str = "977") -> str:
+    return text.replace("pid 4242", f"pid {pid}")
+
+
+async def _log_run(choose, accept: str, propose, **engine_kwargs):
+    sb = InMemorySandbox(LOG_FILES)
+    config = EngineConfig(fork_width=0, provisional_targets=False, accept=accept)  # type: ignore[arg-type]
+    engine = Engine(
+        ScriptedActor(choose, 1.0),
+        sb,
+        observation_drafters=[ScriptedObservationDrafter(propose, delay_s=0.1)],
+        config=config,
+        **engine_kwargs,
+    )
+    t0 = anyio.current_time()
+    history = await engine.run(History("task"), steps=len(LOG_SCRIPT))
+    return history, sb, anyio.current_time() - t0, engine
+
+
+def _by_step(h):
+    return LOG_SCRIPT[len(h)] if len(h) < len(LOG_SCRIPT) else Action.bash("true")
+
+
+def test_canonical_acceptance_adopts_a_draft_differing_only_in_a_pid_and_commits_the_real_observation():
+    async def main():
+        serial_engine = Engine(ScriptedActor(_by_step, 1.0), InMemorySandbox(LOG_FILES))
+        t0 = anyio.current_time()
+        ref = await serial_engine.run(History("task"), steps=len(LOG_SCRIPT))
+        serial_s = anyio.current_time() - t0
+
+        def propose(h, a):
+            real = ref.turns[len(h)].observation
+            return [ObservationDraft(_pid_variant(real), 0.8), ObservationDraft("wrong", 0.1)]
+
+        exact = await _log_run(_by_step, "exact", propose)
+        canonical = await _log_run(_by_step, "canonical", propose)
+        return ref, serial_s, exact, canonical
+
+    ref, serial_s, exact, canonical = run_virtual(main)
+    assert "pid 4242" in ref.turns[0].observation
+    history, sb, elapsed, engine = exact
+    assert history == ref and elapsed == pytest.approx(serial_s)
+    stats = engine.statistics()
+    assert stats.drafts_hit == 0 and stats.drafts_canonical_hit == 0
+    history, sb, elapsed, engine = canonical
+    assert history == ref  # the actor finally sees the real observation, never the draft
+    assert all("pid 977" not in t.observation for t in history.turns)
+    stats = engine.statistics()
+    assert stats.drafts_hit == 0 and stats.drafts_canonical_hit == 2
+    assert elapsed == pytest.approx(serial_s - 1.0)  # step 1's decode ran during step 0's 2 s tool
+    assert EventKind.DRAFT_CANONICAL_HIT in [e.kind for e in engine.ledger.events]
+    assert sb.live_forks == 0
+
+
+def test_canonical_acceptance_is_lossless_only_if_the_action_ignores_the_canonicalised_fields():
+    # This actor reads the pid: on the accepted draft it decodes what it would never have
+    # decoded on the real observation. The committed history still holds the real
+    # observation; the action is the (documented) price of the opt-in approximation.
+    def reads_pid(h):
+        if len(h) == 1 and "pid 977" in h.turns[0].observation:
+            return Action.bash("cat pid-977")
+        return _by_step(h)
+
+    async def main():
+        ref = await Engine(ScriptedActor(reads_pid, 1.0), InMemorySandbox(LOG_FILES)).run(History("task"), steps=3)
+        propose = lambda h, a: [ObservationDraft(_pid_variant(ref.turns[len(h)].observation), 0.8)]  # noqa: E731
+        history, *_ = await _log_run(reads_pid, "canonical", propose)
+        return ref, history
+
+    ref, history = run_virtual(main)
+    assert ref.turns[1].action == LOG_SCRIPT[1]
+    assert history.turns[0] == ref.turns[0]
+    assert history.turns[1].action == Action.bash("cat pid-977")
+
+
+def test_drafts_equal_once_canonicalised_share_one_continuation():
+    async def main():
+        ref = await Engine(ScriptedActor(_by_step, 1.0), InMemorySandbox(LOG_FILES)).run(History("task"), steps=3)
+
+        def propose(h, a):
+            real = ref.turns[len(h)].observation
+            return [ObservationDraft(_pid_variant(real, str(p)), 0.3) for p in (1, 2, 3)]
+
+        _, _, _, canonical = await _log_run(_by_step, "canonical", propose)
+        _, _, _, exact = await _log_run(_by_step, "exact", propose)
+        return canonical.statistics(), exact.statistics()
+
+    canonical, exact = run_virtual(main)
+    assert exact.drafts_started == 3 * canonical.drafts_started > 0
+    assert canonical.drafts_canonical_hit == 2
+
+
+def test_canonicaliser_is_chosen_by_name_field_list_or_object():
+    class Lowercase:
+        def canonical(self, text: str) -> str:
+            return text.lower()
+
+    async def main():
+        ref = await Engine(ScriptedActor(_by_step, 1.0), InMemorySandbox(LOG_FILES)).run(History("task"), steps=3)
+        propose = lambda h, a: [ObservationDraft(ref.turns[len(h)].observation.upper(), 0.8)]  # noqa: E731
+        by_object = await _log_run(_by_step, "canonical", propose, canonicalizer=Lowercase())
+        by_default = await _log_run(_by_step, "canonical", propose)
+        return ref, by_object, by_default
+
+    ref, by_object, by_default = run_virtual(main)
+    assert by_object[0] == ref and by_object[3].statistics().drafts_canonical_hit == 2
+    assert by_default[0] == ref and by_default[3].statistics().drafts_canonical_hit == 0
+    assert engine_config({"accept": "canonical", "canonicalizer": "pids+times"}).canonicalizer == "pids+times"
+    with pytest.raises(ConfigError, match="'accept' has invalid value 'fuzzy'"):
+        engine_config({"accept": "fuzzy"})
+    with pytest.raises(ConfigError, match="accept must be one of"):
+        EngineConfig(accept="fuzzy")  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match="canonicalizer 'colour'"):
+        Engine(script_actor(), InMemorySandbox(), config=EngineConfig(accept="canonical", canonicalizer="colour"))
+    with pytest.raises(ConfigError, match='accept is "exact"'):
+        Engine(script_actor(), InMemorySandbox(), canonicalizer=Lowercase())

@@ -15,6 +15,8 @@ def test_off_by_default_and_parsed_from_config_values() -> None:
     assert canonicalizer(True).fields == DEFAULT_FIELDS
     assert canonicalizer("times,pids").fields == ("pids", "times")
     assert canonicalizer(["durations"]).fields == ("durations",)
+    assert canonicalizer("pids+times").fields == ("pids", "times")  # "+" fits inside a policy spec
+    assert canonicalizer("all").fields == FIELDS
     with pytest.raises(ConfigError, match="unknown canonicalisation field"):
         canonicalizer("pids,colour")
     assert set(FIELDS) == {"pids", "temp_names", "times", "durations"}

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import anyio
+import pytest
 
+from aospec.errors import ConfigError
 from aospec.types import Action, History, Step, Trace
 from drafters.history import HistoryActionDrafter, skeleton
 
@@ -67,3 +69,88 @@ def test_lookahead_goes_only_through_read_only_actions():
     d2.fit([_trace(["rm x", "touch y", "rm x", "touch y"], "t1"), _trace(["rm x", "touch y"], "t2")])
     ahead2 = _propose(d2, _history(["touch y"]), width=8, depth=2)
     assert ahead2 and all(x.offset == 0 for x in ahead2)  # "rm x" may change state: nothing behind it
+
+
+def _h_trace(cmds, task, harness, observation="ok") -> Trace:
+    steps = tuple(Step(action=Action.bash(c), observation=observation, output_tokens=5) for c in cmds)
+    return Trace(id=task, task=task, harness=harness, actor_model="m", source="s", steps=steps)
+
+
+def test_recent_transitions_outweigh_old_ones_with_time_decay():
+    # "make" was followed by "./old" three times early on, by "./new" once just now.
+    cmds = ["make", "./old", "vim a", "make", "./old", "vim a", "make", "./old"]
+    cmds += [f"grep x f{k}" for k in range(12)] + ["make", "./new", "vim a", "make"]
+    h = _history(cmds)
+    decayed, flat = HistoryActionDrafter(half_life=4), HistoryActionDrafter(half_life=0)
+    for d in (decayed, flat):
+        d.fit(TRAIN)
+    p = {
+        name: {x.action.command: x.probability for x in _propose(d, h, width=32)}
+        for name, d in (("decayed", decayed), ("flat", flat))
+    }
+    assert p["flat"]["./old"] > p["flat"]["./new"]
+    assert p["decayed"]["./new"] > p["decayed"]["./old"]
+    with pytest.raises(ConfigError, match="half_life"):
+        HistoryActionDrafter(half_life=-1)
+
+
+# Two harnesses that continue "ls" differently; h2 has more data, and its own observation format.
+H1 = [_h_trace(["ls", "pwd", "ls", "pwd"], f"a{k}", "h1", "<returncode>0</returncode>") for k in range(2)]
+H2 = [_h_trace(["ls", "whoami", "ls", "whoami"], f"b{k}", "h2", '{"ok": true}') for k in range(6)]
+
+
+def _first(d, h):
+    return _propose(d, h, width=8)[0].action.command
+
+
+def test_per_harness_models_keep_each_harness_own_transitions():
+    pooled = HistoryActionDrafter()
+    pooled.fit(H1[:1] + H2)  # one harness's traces only would give no per-harness model
+    assert pooled.harnesses == ("h1", "h2")
+    fixed = HistoryActionDrafter(harness="h1")
+    fixed.fit(H1 + H2)
+    ls_h1 = (
+        History("t")
+        .extend(Action.bash("cd /app"), "<returncode>0</returncode>")
+        .extend(Action.bash("ls"), "<returncode>0</returncode>")
+    )
+    ls_h2 = History("t").extend(Action.bash("cd /app"), "{}").extend(Action.bash("ls"), '{"files": []}')
+    assert _first(fixed, ls_h1) == "pwd" and _first(fixed, ls_h2) == "pwd"  # the option wins
+    inferred = HistoryActionDrafter()
+    inferred.fit(H1 + H2)
+    assert _first(inferred, ls_h1) == "pwd"  # observation format says h1
+    assert _first(inferred, ls_h2) == "whoami"
+    single = HistoryActionDrafter()
+    single.fit(H1)
+    assert single.harnesses == ()
+
+
+def test_a_harness_without_data_for_a_context_backs_off_to_the_other_harnesses():
+    # Only h2 ever ran "id"; h1 (little data) inherits h2's estimate for what follows it.
+    h2 = [_h_trace(["id", "uname -a", "id", "uname -a"], f"b{k}", "h2", "{}") for k in range(3)]
+    d = HistoryActionDrafter(harness="h1")
+    d.fit(H1 + h2)
+    hist = (
+        History("t")
+        .extend(Action.bash("ls"), "<returncode>0</returncode>")
+        .extend(Action.bash("id"), "<returncode>0</returncode>")
+    )
+    assert _first(d, hist) == "uname -a"
+
+
+def _call_trace(task: str, origin: str, destination: str) -> Trace:
+    args = {"origin": origin, "destination": destination, "date": "2024-05-20"}
+    calls = [Action("get_user_details", {"user_id": f"u_{task}"}), Action("search_direct_flight", args)]
+    calls.append(Action("search_onestop_flight", args))
+    steps = tuple(Step(action=a, observation="[]", output_tokens=5) for a in calls)
+    return Trace(id=task, task=task, harness="tau", actor_model="m", source="s", steps=steps)
+
+
+def test_tool_calls_are_modelled_with_the_previous_calls_argument_values_as_slots():
+    d = HistoryActionDrafter()
+    d.fit([_call_trace("t1", "JFK", "SEA"), _call_trace("t2", "SFO", "ORD")])
+    search = Action("search_direct_flight", {"origin": "BOS", "destination": "LAX", "date": "2024-06-01"})
+    h = History("task").extend(Action("get_user_details", {"user_id": "x"}), "{}").extend(search, "[]")
+    assert skeleton(Action("search_onestop_flight", dict(search.args)), search) is not None
+    expected = Action("search_onestop_flight", {"origin": "BOS", "destination": "LAX", "date": "2024-06-01"})
+    assert _propose(d, h)[0].action == expected

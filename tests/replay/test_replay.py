@@ -185,3 +185,63 @@ def test_empty_trace_is_rejected():
 
 def test_bundled_sample_exists():
     assert Path(bundled_traces_path()).is_dir()
+
+
+PS = "pgrep -a server"
+PID_STEPS = [
+    ("cat a.txt", "hello\n", 0.1, 40),
+    (PS, "4242 server --port 80\n", 4.0, 30),
+    (PS, "5151 server --port 80\n", 4.0, 30),
+    ("ls", "a.txt\n", 0.1, 20),
+    (PS, "6262 server --port 80\n", 4.0, 30),
+]
+
+
+def _pid_trace(task: str, pids=(4242, 5151, 6262)) -> Trace:
+    steps = [
+        (c, o.replace("4242", str(pids[0])).replace("5151", str(pids[1])).replace("6262", str(pids[2])), t, n)
+        for c, o, t, n in PID_STEPS
+    ]
+    return make_trace([(c, f"pid {o}" if c == PS else o, t, n) for c, o, t, n in steps], task=task, id=task)
+
+
+def test_replay_actor_matches_canonically_equal_histories_only_when_given_a_canonicaliser():
+    from drafters.canonicalize import Canonicalizer
+
+    trace = _pid_trace("t")
+    turns = trace.history(3).turns
+    variant = History(
+        trace.history(0).task, (*turns[:2], turns[2].__class__(turns[2].action, "pid 1 server --port 80\n"))
+    )
+    exact = ReplayActor(trace, tpot_ns=1, clock=VirtualClock())
+    canonical = ReplayActor(trace, tpot_ns=1, clock=VirtualClock(), canonicalizer=Canonicalizer(["pids"]))
+    assert canonical.matches(variant) and not exact.matches(variant)
+    other = History(variant.task, (*turns[:2], turns[2].__class__(turns[2].action, "pid 1 server --port 81\n")))
+    assert not canonical.matches(other)
+
+
+def test_canonical_acceptance_replays_losslessly_and_counts_canonical_hits_apart():
+    from replay.metrics import summarize
+    from replay.report import markdown_summary
+
+    trace = _pid_trace("eval")
+    train = [_pid_trace("train-a", (11, 12, 13)), _pid_trace("train-b", (21, 22, 23))]
+    policies = parse_policies("spechop-cache,spechop-cache:accept=canonical,aospec,aospec:accept=canonical")
+    # replay_trace checks every invariant: the committed trajectory equals the recording
+    # (the real observations, never the accepted drafts) and no policy beats its ceiling.
+    results = {r.policy: r for r in replay_trace(trace, policies, [10.0], DrafterSet(train))}
+    exact, canonical = results["spechop-cache"], results["spechop-cache:accept=canonical"]
+    # byte-identical hits ("cat a.txt", "ls": outputs shared by the training tasks) count as before
+    assert exact.drafts_canonical_hit == 0 and canonical.drafts_hit == exact.drafts_hit == 2
+    assert canonical.drafts_canonical_hit == 2  # the second and third pgrep: same line, new pid
+    assert canonical.latency_ns < exact.latency_ns
+    assert results["aospec:accept=canonical"].drafts_canonical_hit == 2
+    assert results["aospec:accept=canonical"].latency_ns <= results["aospec"].latency_ns
+    summaries = {s.policy: s for s in summarize(results.values())}
+    assert summaries["spechop-cache:accept=canonical"].obs_canonical_hit_rate == pytest.approx(2 / 5)
+    assert summaries["spechop-cache"].obs_canonical_hit_rate == 0.0
+    assert "canonical hit" in markdown_summary(list(summaries.values()), {})
+    with pytest.raises(ConfigError, match="canonicalizer 'colour'"):
+        from replay.policies import check_drafter_names
+
+        check_drafter_names(parse_policies("aospec:accept=canonical:canonicalizer=colour"))
