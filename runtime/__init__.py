@@ -1,1 +1,91 @@
-"""runtime"""
+"""Sandboxes for aospec: copy-on-write forks versioned by a content root hash.
+
+::
+
+    from runtime import open_sandbox
+
+    async with open_sandbox(backend="overlay", base="busybox") as sb:   # the committed root
+        obs = await sb.execute(Action.bash("echo hi > /tmp/x"))           # observation text
+        fork = await sb.fork()                                            # isolated CoW child
+        result = await fork.run("cat /tmp/x", timeout=5)                  # CommandResult
+        if fork.version != sb.version: ...                                # one comparison
+        await sb.commit(fork)        # or: await fork.discard()
+
+Backends (``backend=``, or a dotted path): ``overlay`` (overlayfs layers + bubblewrap,
+the default) and ``docker`` (containers of a local daemon). Both satisfy
+:class:`aospec.protocols.Sandbox`. See docs/runtime.md.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from contextlib import AbstractAsyncContextManager
+from typing import Any
+
+from aospec._lazy import import_object
+from runtime._state import RecoveryReport, default_state_root
+from runtime.base import BaseFS, build_base, cache_dir, open_base
+from runtime.config import Bind, Limits, SandboxConfig
+from runtime.observation import (
+    CommandResult,
+    MiniSweAgentFormatter,
+    ObservationFormatter,
+    RawFormatter,
+    SandboxStatistics,
+    get_formatter,
+)
+from runtime.versions import EMPTY_LAYER, Layer, UpperTracker, base_version, chain_version, hash_file, tree_layer
+
+__all__ = [
+    "BACKENDS",
+    "EMPTY_LAYER",
+    "BaseFS",
+    "Bind",
+    "CommandResult",
+    "Layer",
+    "Limits",
+    "MiniSweAgentFormatter",
+    "ObservationFormatter",
+    "RawFormatter",
+    "RecoveryReport",
+    "SandboxConfig",
+    "SandboxStatistics",
+    "UpperTracker",
+    "base_version",
+    "build_base",
+    "cache_dir",
+    "chain_version",
+    "default_state_root",
+    "get_formatter",
+    "hash_file",
+    "open_base",
+    "open_sandbox",
+    "tree_layer",
+]
+
+#: Sandbox backends by short name (any "package.module:function" works too); each value
+#: is an async context manager factory taking a SandboxConfig.
+BACKENDS = {
+    "overlay": "runtime.overlay:open_overlay",
+    "docker": "runtime.docker:open_docker",
+}
+
+
+def open_sandbox(
+    config: SandboxConfig | Mapping[str, Any] | None = None, **overrides: Any
+) -> AbstractAsyncContextManager[Any]:
+    """Open a sandbox session of ``config.backend``; use as ``async with``.
+
+    ``config`` may be a SandboxConfig or plain data (unknown keys are rejected); keyword
+    arguments override single fields. The yielded object is the committed sandbox.
+    """
+    if config is None:
+        config = SandboxConfig()
+    elif not isinstance(config, SandboxConfig):
+        config = SandboxConfig.from_mapping(config)
+    if overrides:
+        config = SandboxConfig.from_mapping(
+            {**{f: getattr(config, f) for f in config.__dataclass_fields__}, **overrides}
+        )
+    opener = import_object(config.backend, BACKENDS, "sandbox backend")
+    return opener(config)  # type: ignore[no-any-return]

@@ -1,0 +1,222 @@
+"""``aospec sandbox``: build bases, run a command in a fresh sandbox, inspect the host, gc."""
+
+from __future__ import annotations
+
+import argparse
+import re
+import shlex
+import sys
+from typing import Any
+
+from aospec.cli._common import add_format_option, print_json
+from aospec.errors import ConfigError
+
+__all__ = ["register"]
+
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)i?b?\s*$", re.IGNORECASE)
+
+
+def parse_size(text: str) -> int:
+    """``512M``, ``2G``, ``1048576`` -> bytes (powers of 1024)."""
+    m = _SIZE.match(text)
+    if not m:
+        raise argparse.ArgumentTypeError(f"invalid size {text!r} (use e.g. 512M or 2G)")
+    return int(float(m.group(1)) * 1024 ** " kmgt".index(m.group(2).lower() or " "))
+
+
+def register(subparsers: Any) -> None:
+    p = subparsers.add_parser("sandbox", help="copy-on-write sandboxes (runtime/)", description=__doc__)
+    sub = p.add_subparsers(dest="sandbox_command", required=True, metavar="SUBCOMMAND")
+
+    b = sub.add_parser("build-base", help="build and cache a base filesystem")
+    b.add_argument("spec", nargs="?", default="busybox", help="busybox (default), debootstrap[:SUITE] or image:NAME")
+    b.add_argument("--force", action="store_true", help="rebuild even when cached")
+    b.add_argument("--suite", default="bookworm", help="Debian suite for debootstrap (default bookworm)")
+    b.add_argument("--mirror", default=None, help="Debian mirror URL for debootstrap")
+    b.add_argument("--docker", action="store_true", help="also import it as a Docker image")
+    add_format_option(b)
+    b.set_defaults(func=_build_base)
+
+    e = sub.add_parser(
+        "exec",
+        help="run one command in a fresh sandbox (same isolation defaults as the engine)",
+        description="Run CMD in a fresh sandbox and print its output; the exit status is the command's "
+        "(124 on timeout). Example: aospec sandbox exec -- ls -la /",
+    )
+    e.add_argument("--backend", default="overlay", help="overlay (default), docker, or a dotted path")
+    e.add_argument("--base", default="busybox", help="base: busybox, debootstrap[:SUITE], image:NAME or a directory")
+    e.add_argument("--network", action="store_true", help="allow network access (default: none)")
+    e.add_argument("--timeout", type=float, default=30.0, help="seconds before the command is killed (default 30)")
+    e.add_argument("--workdir", default="/", help="working directory inside the sandbox")
+    e.add_argument("--env", action="append", default=[], metavar="K=V", help="environment variable (repeatable)")
+    e.add_argument("--bind", action="append", default=[], metavar="SRC:DST[:rw]", help="bind a host path (repeatable)")
+    e.add_argument("--memory", type=parse_size, help="memory limit (e.g. 1G)")
+    e.add_argument("--cpus", type=float, help="CPU limit (cores)")
+    e.add_argument("--pids", type=int, help="process-count limit")
+    e.add_argument("--disk", type=parse_size, help="limit on what the sandbox may write (e.g. 2G)")
+    e.add_argument("--state-dir", default=None, help="persistent state directory (default: a private one)")
+    add_format_option(e)
+    e.add_argument("cmd", nargs=argparse.REMAINDER, help="-- CMD [ARGS...] (one argument: a shell command line)")
+    e.set_defaults(func=_exec)
+
+    i = sub.add_parser("info", help="what this host supports: overlayfs, bubblewrap, cgroups, Docker, CRIU")
+    add_format_option(i)
+    i.set_defaults(func=_info)
+
+    g = sub.add_parser(
+        "gc", help="remove what sandbox sessions that died left: mounts, dirs, cgroups, orphaned processes, containers"
+    )
+    g.add_argument(
+        "--state-root",
+        default=None,
+        help="where private state dirs live (default $AOSPEC_STATE_ROOT or /var/tmp/aospec)",
+    )
+    g.add_argument("--dry-run", action="store_true", help="only report what would be removed")
+    add_format_option(g)
+    g.set_defaults(func=_gc)
+
+
+def _build_base(args: argparse.Namespace) -> int:
+    from runtime.base import build_base
+
+    base = build_base(args.spec, force=args.force, suite=args.suite, mirror=args.mirror)
+    out: dict[str, Any] = base.to_json()
+    if args.docker:
+        from runtime.docker import docker_client, ensure_base_image
+
+        client = docker_client()
+        try:
+            out["docker_image"] = ensure_base_image(client, base)
+        finally:
+            client.close()
+    if args.format == "json":
+        print_json(out)
+    else:
+        for k, v in out.items():
+            print(f"{k:13} {v}")
+    return 0
+
+
+def _exec(args: argparse.Namespace) -> int:
+    import anyio
+
+    from runtime import Bind, Limits, SandboxConfig, open_sandbox
+
+    cmd = list(args.cmd)
+    if cmd and cmd[0] == "--":
+        cmd = cmd[1:]
+    if not cmd:
+        raise ConfigError("no command given; usage: aospec sandbox exec [OPTIONS] -- CMD [ARGS...]")
+    command = cmd[0] if len(cmd) == 1 else shlex.join(cmd)
+    env = {}
+    for item in args.env:
+        k, sep, v = item.partition("=")
+        if not sep or not k:
+            raise ConfigError(f"--env {item!r}: expected K=V")
+        env[k] = v
+    defaults = Limits()
+    limits = Limits(
+        memory_bytes=args.memory if args.memory is not None else defaults.memory_bytes,
+        cpus=args.cpus if args.cpus is not None else defaults.cpus,
+        pids=args.pids if args.pids is not None else defaults.pids,
+        disk_bytes=args.disk if args.disk is not None else defaults.disk_bytes,
+    )
+    config = SandboxConfig(
+        backend=args.backend,
+        base=args.base,
+        state_dir=args.state_dir,
+        network=args.network,
+        limits=limits,
+        timeout_s=args.timeout,
+        workdir=args.workdir,
+        env=env,
+        binds=tuple(Bind.parse(b) for b in args.bind),
+    )
+
+    async def main() -> tuple[Any, str, str]:
+        async with open_sandbox(config) as sb:
+            before = sb.version
+            result = await sb.run(command)
+            return result, before, sb.version
+
+    result, before, after = anyio.run(main)
+    if args.format == "json":
+        print_json(
+            {
+                "backend": args.backend,
+                "command": command,
+                "returncode": result.returncode,
+                "output": result.output,
+                "timed_out": result.timed_out,
+                "duration_s": round(result.duration_s, 6),
+                "limits_hit": list(result.limits_hit),
+                "version_before": before,
+                "version_after": after,
+            }
+        )
+    else:
+        sys.stdout.write(result.output)
+        sys.stdout.flush()
+        extra = f", limits hit: {', '.join(result.limits_hit)}" if result.limits_hit else ""
+        print(
+            f"[{args.backend}: exit {result.returncode}{' (timed out)' if result.timed_out else ''}, "
+            f"{result.duration_s * 1000:.1f} ms, version {before[:12]} -> {after[:12]}{extra}]",
+            file=sys.stderr,
+        )
+    if result.timed_out:
+        return 124
+    return result.returncode if 0 <= result.returncode < 256 else 1
+
+
+def _info(args: argparse.Namespace) -> int:
+    from runtime.config import Limits
+    from runtime.isolation import host_support
+
+    support, _ = host_support()
+    out: dict[str, Any] = {
+        "root": support.root,
+        "overlayfs": support.overlayfs,
+        "bwrap": support.bwrap,
+        "cgroup_version": support.cgroup_version,
+        "cgroup_controllers": list(support.cgroup_controllers),
+        "overlay_backend": "ok" if not support.problems() else "; ".join(support.problems()),
+        "limits_not_enforced": support.unenforced(Limits()),
+    }
+    try:
+        from runtime.docker import checkpoint_support, docker_client
+
+        client = docker_client()
+        try:
+            info = client.info()
+            ok, why = checkpoint_support(client)
+        finally:
+            client.close()
+        out["docker"] = f"ok (server {info.get('ServerVersion')}, storage driver {info.get('Driver')})"
+        out["docker_checkpoint"] = "available" if ok else f"unavailable: {why}"
+    except Exception as exc:
+        out["docker"] = f"unavailable: {exc}"
+    if args.format == "json":
+        print_json(out)
+    else:
+        for k, v in out.items():
+            print(f"{k:20} {v}")
+    return 0
+
+
+def _gc(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from runtime.gc import collect_garbage
+
+    report = collect_garbage(Path(args.state_root) if args.state_root else None, dry_run=args.dry_run)
+    if args.format == "json":
+        print_json(report.to_json())
+    else:
+        verb = "would remove" if args.dry_run else "removed"
+        for k, v in report.to_json().items():
+            label = k.replace("_", " ")
+            print(
+                f"{label:15} {len(v):4d}  ({verb if k != 'skipped_in_use' else 'in use'})"
+                + "".join(f"\n    {x}" for x in v)
+            )
+    return 0

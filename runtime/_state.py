@@ -1,0 +1,93 @@
+"""Helpers shared by the backends' state directories: ids, atomic writes, locking."""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import secrets
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from aospec.errors import SandboxError
+
+__all__ = ["RecoveryReport", "default_state_root", "lock_state_dir", "new_id", "write_atomic"]
+
+
+def new_id() -> str:
+    return secrets.token_hex(4)
+
+
+def default_state_root() -> Path:
+    """Where private state directories are made: ``$AOSPEC_STATE_ROOT`` or /var/tmp/aospec."""
+    return Path(os.environ.get("AOSPEC_STATE_ROOT", "/var/tmp/aospec"))
+
+
+@dataclass(frozen=True, slots=True)
+class RecoveryReport:
+    """What opening a state directory cleaned up after an unclean exit."""
+
+    unmounted: tuple[str, ...] = ()
+    sandboxes: tuple[str, ...] = ()
+    layers: tuple[str, ...] = ()
+    cgroups: tuple[str, ...] = ()
+    containers: tuple[str, ...] = ()
+    note: str = ""
+    processes: tuple[int, ...] = ()
+
+    @property
+    def clean(self) -> bool:
+        return not (
+            self.unmounted or self.sandboxes or self.layers or self.cgroups or self.containers or self.processes
+        )
+
+
+def write_atomic(path: Path, data: bytes, *, durable: bool = False) -> None:
+    """Replace ``path`` by ``data`` atomically (write a sibling, rename over)."""
+    tmp = path.with_name(path.name + ".tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
+    try:
+        os.write(fd, data)
+        if durable:
+            os.fsync(fd)
+    finally:
+        os.close(fd)
+    os.rename(tmp, path)
+    if durable:
+        dfd = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            os.fsync(dfd)
+        finally:
+            os.close(dfd)
+
+
+def lock_state_dir(path: Path, *, wait_s: float = 3.0) -> int:
+    """Take the state directory's exclusive lock (held while the fd is open). A process
+    that was just killed can hold it for a moment while the kernel tears it down, so
+    this waits up to ``wait_s`` before saying the directory is in use."""
+    fd = os.open(path / "lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return fd
+        except BlockingIOError:
+            if time.monotonic() >= deadline:
+                os.close(fd)
+                raise SandboxError(f"state directory {path} is in use by another process") from None
+            time.sleep(0.02)
+
+
+def state_dir_in_use(path: Path) -> bool:
+    """Whether a live process holds ``path``'s lock."""
+    try:
+        fd = os.open(path / "lock", os.O_RDWR | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return False
+    except BlockingIOError:
+        return True
+    finally:
+        os.close(fd)

@@ -1,0 +1,141 @@
+"""Sandbox configuration: limits, binds and per-backend options (unknown keys rejected)."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Any
+
+from aospec.config import from_mapping
+from aospec.errors import ConfigError
+
+__all__ = ["Bind", "Limits", "SandboxConfig"]
+
+GiB = 1 << 30
+MiB = 1 << 20
+
+
+@dataclass(frozen=True, slots=True)
+class Limits:
+    """Resource limits of every command (None: not limited).
+
+    ``memory_bytes``, ``cpus`` and ``pids`` need a writable cgroup (v1 or v2) for the
+    overlay backend; ``aospec sandbox info`` says which are enforced here. ``disk_bytes``
+    caps what one sandbox may write (its upper directory lives on a tmpfs of that size,
+    so what a command writes also counts toward its memory limit; None puts the upper on
+    disk, unlimited). ``file_size_bytes`` (RLIMIT_FSIZE), ``open_files`` and
+    ``cpu_time_s`` are rlimits.
+    """
+
+    memory_bytes: int | None = 4 * GiB
+    cpus: float | None = 2.0
+    pids: int | None = 512
+    disk_bytes: int | None = 8 * GiB
+    file_size_bytes: int | None = 2 * GiB
+    open_files: int | None = 4096
+    cpu_time_s: int | None = None
+
+    def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):
+            v = getattr(self, f.name)
+            if v is not None and v <= 0:
+                raise ValueError(f"limits.{f.name} must be positive or null, got {v!r}")
+
+    @classmethod
+    def unlimited(cls) -> Limits:
+        return cls(None, None, None, None, None, None, None)
+
+
+@dataclass(frozen=True, slots=True)
+class Bind:
+    """A host path made visible inside the sandbox at ``target`` (read-only unless
+    ``writable``). Nothing of the host is visible unless declared here."""
+
+    source: str
+    target: str
+    writable: bool = False
+
+    def __post_init__(self) -> None:
+        if not self.target.startswith("/"):
+            raise ValueError(f"bind target {self.target!r} must be an absolute path")
+
+    @classmethod
+    def parse(cls, spec: str) -> Bind:
+        """``SRC:DST[:rw|ro]``"""
+        parts = spec.split(":")
+        if len(parts) not in (2, 3) or (len(parts) == 3 and parts[2] not in ("rw", "ro")):
+            raise ConfigError(f"bind {spec!r}: expected SRC:DST[:rw|ro]")
+        return cls(parts[0], parts[1], len(parts) == 3 and parts[2] == "rw")
+
+
+@dataclass(frozen=True, slots=True)
+class SandboxConfig:
+    """How to build a sandbox session.
+
+    ``state_dir``: where layers, HEAD and mounts live. None: a private directory removed
+    on close. Given: a persistent store reopened (and recovered) by the next open.
+    ``timeout_s`` is the default per-command timeout; ``formatter`` turns a bash result
+    into the observation text (``mini-swe-agent``, ``raw`` or a dotted path).
+    ``compact_at`` bounds the depth of a layer stack; frozen changes stay in memory
+    (tmpfs) until they exceed ``memory_layers_bytes`` (0: always on disk); ``durable``
+    keeps the committed state on disk and fsyncs it (survives power loss, slower).
+    ``docker_fork``: how the docker backend forks (``auto`` picks copy-upper).
+    """
+
+    backend: str = "overlay"
+    base: str = "busybox"
+    state_dir: str | None = None
+    network: bool = False
+    limits: Limits = field(default_factory=Limits)
+    timeout_s: float = 30.0
+    workdir: str = "/"
+    env: Mapping[str, str] = field(default_factory=lambda: MappingProxyType({}))
+    binds: tuple[Bind, ...] = ()
+    cap_add: tuple[str, ...] = ()
+    formatter: str = "mini-swe-agent"
+    max_output_bytes: int = 8 * MiB
+    durable: bool = False
+    compact_at: int = 16
+    memory_layers_bytes: int = 512 * MiB
+    docker_fork: str = "auto"
+
+    def __post_init__(self) -> None:
+        if self.timeout_s <= 0:
+            raise ValueError("timeout_s must be positive")
+        if not self.workdir.startswith("/"):
+            raise ValueError(f"workdir {self.workdir!r} must be an absolute path")
+        if self.compact_at < 4:
+            raise ValueError("compact_at must be at least 4")
+        if self.memory_layers_bytes < 0:
+            raise ValueError("memory_layers_bytes must be >= 0")
+        if self.docker_fork not in ("auto", "commit", "copy-upper"):
+            raise ValueError(f"docker_fork must be auto, commit or copy-upper, got {self.docker_fork!r}")
+
+    @classmethod
+    def from_mapping(cls, data: Mapping[str, Any], *, where: str = "sandbox") -> SandboxConfig:
+        """Build from plain data (YAML/JSON); nested ``limits`` and ``binds`` included."""
+        if not isinstance(data, Mapping):
+            raise ConfigError(f"{where}: expected a mapping, got {type(data).__name__}")
+        data = dict(data)
+        if "limits" in data and not isinstance(data["limits"], Limits):
+            data["limits"] = from_mapping(Limits, data["limits"], where=f"{where}.limits")
+        if "binds" in data:
+            binds = []
+            for i, b in enumerate(data["binds"]):
+                if isinstance(b, Bind):
+                    binds.append(b)
+                elif isinstance(b, str):
+                    binds.append(Bind.parse(b))
+                else:
+                    binds.append(from_mapping(Bind, b, where=f"{where}.binds[{i}]"))
+            data["binds"] = tuple(binds)
+        if "env" in data:
+            if not isinstance(data["env"], Mapping):
+                raise ConfigError(f"{where}: key 'env' must be a mapping")
+            data["env"] = MappingProxyType({str(k): str(v) for k, v in data["env"].items()})
+        return from_mapping(cls, data, where=where)
+
+    def replace(self, **changes: Any) -> SandboxConfig:
+        return dataclasses.replace(self, **changes)

@@ -1,0 +1,725 @@
+"""The Docker backend: sandboxes are containers of a local daemon (docker SDK).
+
+The base filesystem is imported once as an image (labelled with its version). A
+sandbox is a container running an idle process under ``docker-init``; each command is a
+``docker exec`` of bash, after which every other process left in the container is
+killed (as with the overlay backend, nothing outlives its command). Versions come from
+the container's overlay2 upper directory, read on the host by the same ``UpperTracker``
+as the overlay backend (a cumulative upper this time), so the same parent state plus the
+same changes gives the same version on both backends.
+
+Forks: ``copy-upper`` (default when the upper is readable, measured faster here) creates
+a container from the parent's image and copies the parent's upper into the new
+container's upper before starting it; ``commit`` uses ``docker commit`` and starts the
+fork from the committed image. Process checkpoints (``docker checkpoint``, CRIU) are not
+used: ``checkpoint_support()`` says whether this host could.
+
+Needs a local daemon with the overlay2 storage driver (the upper, lower and merged
+directories and the container's cgroup are read on this host).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import signal
+import subprocess
+import tarfile
+import threading
+import time
+from collections.abc import AsyncIterator, Mapping
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any
+
+import anyio
+
+from aospec._lazy import require
+from aospec.errors import SandboxError, SandboxUnavailableError
+from aospec.types import Action
+from runtime import _fs
+from runtime._files import check_workdir, read_in_root, write_in_root
+from runtime._state import RecoveryReport, default_state_root, lock_state_dir, new_id, write_atomic
+from runtime.base import BaseFS, open_base
+from runtime.config import SandboxConfig
+from runtime.isolation import DEFAULT_PATH, _Output
+from runtime.observation import CommandResult, ObservationFormatter, SandboxStatistics, get_formatter
+from runtime.versions import EMPTY_LAYER, Layer, UpperTracker
+
+__all__ = ["DockerSandbox", "checkpoint_support", "docker_client", "ensure_base_image", "open_docker"]
+
+_IDLE = ["/bin/sleep", "2147483647"]
+_LABEL_STORE = "aospec.store"
+_LABEL_BASE = "aospec.base_version"
+_HEAD_SCHEMA = 1
+
+
+def docker_client() -> Any:
+    """A docker SDK client of a reachable daemon, or SandboxUnavailableError saying why."""
+    docker = require("docker", "docker", purpose="the docker sandbox backend")
+    try:
+        client = docker.from_env(timeout=120)
+        client.ping()
+    except Exception as exc:
+        raise SandboxUnavailableError(
+            f"no Docker daemon is reachable ({type(exc).__name__}: {exc}); start dockerd "
+            "(or set DOCKER_HOST), or use the overlay backend"
+        ) from None
+    return client
+
+
+def checkpoint_support(client: Any | None = None) -> tuple[bool, str]:
+    """Whether process checkpoint/restore (``docker checkpoint``) can work here, and why not."""
+    own = client is None
+    client = client or docker_client()
+    reasons = []
+    try:
+        experimental = client.info().get("ExperimentalBuild")
+    finally:
+        if own:
+            client.close()
+    if not experimental:
+        reasons.append("the Docker daemon is not in experimental mode (docker checkpoint needs it)")
+    if shutil.which("criu") is None:
+        reasons.append("criu is not installed")
+    else:
+        proc = subprocess.run(["criu", "check"], capture_output=True, text=True, check=False)
+        if proc.returncode != 0:
+            lines = [ln for ln in (proc.stderr or proc.stdout).strip().splitlines() if ln.strip()]
+            reasons.append(f"`criu check` fails on this kernel ({lines[0] if lines else proc.returncode})")
+    return (not reasons), "; ".join(reasons) or "criu check passed and the daemon is experimental"
+
+
+def ensure_base_image(client: Any, base: BaseFS) -> str:
+    """The id of the image holding ``base`` (imported from its directory on first use)."""
+    found = client.images.list(filters={"label": f"{_LABEL_BASE}={base.version}"})
+    if found:
+        return found[0].id
+    r, w = os.pipe()
+    error: list[BaseException] = []
+
+    def produce() -> None:
+        try:
+            with os.fdopen(w, "wb") as f, tarfile.open(fileobj=f, mode="w|", format=tarfile.PAX_FORMAT) as tar:
+                for name in sorted(os.listdir(base.path)):
+                    tar.add(base.path / name, arcname=name, recursive=True)
+        except BaseException as exc:
+            error.append(exc)
+
+    t = threading.Thread(target=produce)
+    t.start()
+    try:
+        with os.fdopen(r, "rb") as f:
+            client.api.import_image_from_stream(
+                f,
+                repository=f"aospec/base-{base.name}",
+                tag=base.version[:16],
+                changes=[f"LABEL {_LABEL_BASE}={base.version}"],
+            )
+    finally:
+        t.join()
+    if error:
+        raise SandboxError(f"importing base {base.path} into Docker failed: {error[0]}")
+    found = client.images.list(filters={"label": f"{_LABEL_BASE}={base.version}"})
+    if not found:
+        raise SandboxError(f"importing base {base.path} into Docker produced no image")
+    return found[0].id
+
+
+class _Box:
+    """One running container and what we read of it on the host."""
+
+    def __init__(self, store: DockerStore, container: Any, box_dir: Path, image_owned: str | None) -> None:
+        self.store = store
+        self.container = container
+        self.dir = box_dir
+        self.image_owned = image_owned  # an image made for this container by a commit-fork
+        self.lv = box_dir / "lv"
+        self.lv_mounted = False
+        self.keep: set[int] = set()
+        self.cgroups: list[Path] = []
+        data = store.client.api.inspect_container(container.id)["GraphDriver"]
+        if data.get("Name") != "overlay2":
+            raise SandboxUnavailableError(
+                f"the docker backend needs the overlay2 storage driver, the daemon uses {data.get('Name')!r}"
+            )
+        self.upper = Path(data["Data"]["UpperDir"])
+        self.lower = data["Data"]["LowerDir"].split(":")
+        self.merged = Path(data["Data"]["MergedDir"])
+        if not self.upper.is_dir():
+            raise SandboxUnavailableError(
+                f"cannot read the container's upper directory {self.upper}: the docker backend needs a local daemon"
+            )
+        self.tracker = UpperTracker(self.upper, self._lower_view)
+
+    def _lower_view(self) -> str:
+        if len(self.lower) == 1:
+            return self.lower[0]
+        if not self.lv_mounted:
+            self.lv.mkdir(parents=True, exist_ok=True)
+            _fs.mount("overlay", str(self.lv), "overlay", _fs.MS_RDONLY, "lowerdir=" + ":".join(self.lower))
+            self.lv_mounted = True
+        return str(self.lv)
+
+    def started(self) -> None:
+        """Learn the container's init pids and cgroups after a (re)start."""
+        state = self.store.client.api.inspect_container(self.container.id)["State"]
+        if not state.get("Running"):
+            raise SandboxError(f"container {self.container.id[:12]} did not start: {state.get('Error') or state}")
+        init = int(state["Pid"])
+        self.keep = {init}
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline:
+            kids = _children(init)
+            if kids:
+                self.keep.update(kids)
+                break
+            time.sleep(0.005)
+        self.cgroups = _cgroup_dirs(init)
+
+    def running(self) -> bool:
+        return bool(self.store.client.api.inspect_container(self.container.id)["State"].get("Running"))
+
+    def stray_pids(self) -> set[int]:
+        pids: set[int] = set()
+        for d in self.cgroups:
+            with contextlib.suppress(FileNotFoundError):
+                pids.update(int(x) for x in (d / "cgroup.procs").read_text().split())
+        return pids - self.keep
+
+    def kill_strays(self) -> None:
+        """Kill every process of the container but its init and idle process."""
+        deadline = time.monotonic() + 10
+        while True:
+            strays = self.stray_pids()
+            if not strays:
+                return
+            for pid in strays:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+            if time.monotonic() > deadline:
+                raise SandboxError(f"processes {sorted(strays)} in container {self.container.id[:12]} do not die")
+            time.sleep(0.002)
+
+    def counters(self) -> dict[str, int]:
+        out: dict[str, int] = {}
+        for d in self.cgroups:
+            for name, key, what in (
+                ("memory.oom_control", "oom_kill", "memory"),
+                ("memory.events", "oom_kill", "memory"),
+                ("pids.events", "max", "pids"),
+            ):
+                with contextlib.suppress(FileNotFoundError):
+                    for line in (d / name).read_text().splitlines():
+                        k, _, v = line.partition(" ")
+                        if k == key and v.strip().isdigit():
+                            out[what] = out.get(what, 0) + int(v)
+        return out
+
+    def remove(self) -> None:
+        if self.lv_mounted:
+            _fs.umount(str(self.lv), detach=True)
+            self.lv_mounted = False
+        with contextlib.suppress(Exception):
+            self.container.remove(force=True, v=True)
+        if self.image_owned:
+            with contextlib.suppress(Exception):
+                self.store.client.images.remove(self.image_owned, force=True, noprune=False)
+        _fs.remove_tree(self.dir)
+
+
+def _children(pid: int) -> set[int]:
+    try:
+        return {int(x) for x in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()}
+    except (FileNotFoundError, ProcessLookupError):
+        return set()
+
+
+def _cgroup_dirs(pid: int) -> list[Path]:
+    dirs = []
+    for line in Path(f"/proc/{pid}/cgroup").read_text().splitlines():
+        _, controllers, path = line.split(":", 2)
+        if controllers == "":
+            d = Path("/sys/fs/cgroup") / path.lstrip("/")
+            if (d / "cgroup.procs").exists() and not Path("/sys/fs/cgroup/pids").exists():
+                dirs.append(d)
+        for c in controllers.split(","):
+            if c in ("pids", "memory"):
+                d = Path("/sys/fs/cgroup") / c / path.lstrip("/")
+                if d.exists():
+                    dirs.append(d)
+    return dirs
+
+
+class DockerStore:
+    """The docker backend's state directory: HEAD (committed container, version and the
+    tracker's knowledge of its upper), its lock, and a tmpfs for lower-view mounts."""
+
+    def __init__(self, path: Path, base: BaseFS, config: SandboxConfig, client: Any, *, ephemeral: bool) -> None:
+        self.path = path
+        self.base = base
+        self.config = config
+        self.client = client
+        self.ephemeral = ephemeral
+        self.id = ""
+        self.image = ""
+        self.recovery = RecoveryReport()
+        self.live: dict[str, DockerSandbox] = {}
+        self._lock_fd = -1
+        self.shell = "/bin/bash" if os.path.lexists(base.path / "bin/bash") else "/bin/sh"
+        self.fork_method = "copy-upper" if config.docker_fork in ("auto", "copy-upper") else "commit"
+
+    def open(self) -> dict[str, Any] | None:
+        """Lock, recover; returns HEAD's content (None for a new store)."""
+        self.path.mkdir(parents=True, exist_ok=True)
+        self._lock_fd = lock_state_dir(self.path)
+        try:
+            id_file = self.path / "ID"
+            if not id_file.exists():
+                write_atomic(id_file, new_id().encode())
+            self.id = id_file.read_text().strip()
+            if self.ephemeral:
+                (self.path / "EPHEMERAL").touch()
+            (self.path / "s").mkdir(exist_ok=True)
+            unmounted = _fs.unmount_all_under(str(self.path))
+            _fs.mount("tmpfs", str(self.path / "s"), "tmpfs", _fs.MS_NOSUID | _fs.MS_NODEV, "size=16m,mode=0700")
+            self.image = ensure_base_image(self.client, self.base)
+            head = self._read_head()
+            keep = head["container"] if head else None
+            removed = []
+            for c in self.client.containers.list(all=True, filters={"label": f"{_LABEL_STORE}={self.id}"}):
+                if c.id != keep:
+                    removed.append(c.id[:12])
+                    c.remove(force=True, v=True)
+            for img in self.client.images.list(filters={"label": f"{_LABEL_STORE}={self.id}"}):
+                with contextlib.suppress(Exception):
+                    self.client.images.remove(img.id, force=True)
+            self.recovery = RecoveryReport(unmounted=tuple(unmounted), containers=tuple(removed))
+            return head
+        except BaseException:
+            self.close()
+            raise
+
+    def _read_head(self) -> dict[str, Any] | None:
+        head = self.path / "HEAD"
+        if not head.exists():
+            return None
+        try:
+            data = json.loads(head.read_text())
+            missing = [k for k in ("version", "container", "base_version", "upper") if k not in data]
+            if missing:
+                raise KeyError(", ".join(missing))
+        except (ValueError, KeyError, TypeError) as exc:
+            raise SandboxError(f"{head}: unreadable HEAD ({exc}); the state directory is damaged") from None
+        if data["base_version"] != self.base.version:
+            raise SandboxError(
+                f"state directory {self.path} was created from a base with version {data['base_version']}, "
+                f"not {self.base.version}; open it with the same base or use a new state dir"
+            )
+        return data
+
+    def write_head(self, version: str, container_id: str, tracker: UpperTracker) -> None:
+        data = {
+            "schema": _HEAD_SCHEMA,
+            "backend": "docker",
+            "version": version,
+            "container": container_id,
+            "base_version": self.base.version,
+            "upper": tracker.snapshot(),
+        }
+        write_atomic(self.path / "HEAD", json.dumps(data).encode(), durable=self.config.durable)
+
+    def create_box(self, image: str, *, image_owned: str | None = None, upper_from: _Box | None = None) -> _Box:
+        """Create (and start) a container; with ``upper_from``, seed its upper with a copy
+        of that container's upper first (copy-upper fork)."""
+        cfg = self.config
+        lim = cfg.limits
+        docker = require("docker", "docker")
+        ulimits = []
+        for name, value in (("fsize", lim.file_size_bytes), ("nofile", lim.open_files), ("cpu", lim.cpu_time_s)):
+            if value is not None:
+                ulimits.append(docker.types.Ulimit(name=name, soft=value, hard=value))
+        sid = new_id()
+        try:
+            container = self.client.containers.create(
+                image,
+                command=_IDLE,
+                name=f"aospec-{self.id}-{sid}",
+                init=True,
+                hostname="sandbox",
+                network_mode="bridge" if cfg.network else "none",
+                cap_drop=["ALL"],
+                cap_add=list(cfg.cap_add) or None,
+                security_opt=["no-new-privileges"],
+                pids_limit=lim.pids,
+                mem_limit=lim.memory_bytes,
+                memswap_limit=lim.memory_bytes,
+                nano_cpus=int(lim.cpus * 1e9) if lim.cpus is not None else None,
+                ulimits=ulimits or None,
+                volumes={b.source: {"bind": b.target, "mode": "rw" if b.writable else "ro"} for b in cfg.binds} or None,
+                labels={_LABEL_STORE: self.id, "aospec.state_dir": str(self.path)},
+                detach=True,
+            )
+        except Exception as exc:
+            raise SandboxError(f"docker could not create a container: {exc}") from None
+        box_dir = self.path / "s" / sid
+        box_dir.mkdir()
+        try:
+            box = _Box(self, container, box_dir, image_owned)
+            if upper_from is not None:
+                _fs.copy_tree(upper_from.upper, box.upper, merge=True)
+            container.start()
+            box.started()
+        except BaseException:
+            with contextlib.suppress(Exception):
+                container.remove(force=True, v=True)
+            _fs.remove_tree(box_dir)
+            raise
+        return box
+
+    def close(self) -> None:
+        with contextlib.suppress(Exception):
+            self.client.close()
+        with contextlib.suppress(Exception):
+            _fs.unmount_all_under(str(self.path))
+        if self.ephemeral and self.path.exists():
+            _fs.remove_tree(self.path)
+        if self._lock_fd >= 0:
+            os.close(self._lock_fd)
+            self._lock_fd = -1
+
+
+class DockerSandbox:
+    """A container sandbox; same API as :class:`runtime.overlay.OverlaySandbox`."""
+
+    def __init__(
+        self,
+        store: DockerStore,
+        box: _Box,
+        *,
+        version: str,
+        is_root: bool,
+        formatter: ObservationFormatter,
+        lineage: tuple[str, ...] = (),
+    ) -> None:
+        self.store = store
+        self.sid = new_id()
+        self.is_root = is_root
+        self._box = box
+        self._version = version
+        self._formatter = formatter
+        self._lineage = lineage
+        self._lock = anyio.Lock()
+        self._closed = False
+        self.last_layer: Layer = EMPTY_LAYER
+        self._stats = {"commands": 0, "forks": 0, "commits": 0}
+        store.live[self.sid] = self
+
+    @property
+    def version(self) -> str:
+        return self._version
+
+    @property
+    def container_id(self) -> str:
+        return str(self._box.container.id)
+
+    async def execute(self, action: Action) -> str:
+        command = action.command
+        if command is None:
+            raise SandboxError(f"the docker sandbox runs bash actions only, not tool {action.tool!r}")
+        result = await self.run(command)
+        return self._formatter.format(action, result)
+
+    async def fork(self) -> DockerSandbox:
+        self._check_open()
+        async with self._lock:
+            self._check_open()
+            child_box = await anyio.to_thread.run_sync(self._fork_blocking)
+            child = DockerSandbox(
+                self.store,
+                child_box,
+                version=self._version,
+                is_root=False,
+                formatter=self._formatter,
+                lineage=(*self._lineage, self.sid),
+            )
+            self._stats["forks"] += 1
+            return child
+
+    def _fork_blocking(self) -> _Box:
+        parent = self._box
+        if self.store.fork_method == "commit":
+            image = parent.container.commit(
+                repository=f"aospec/fork-{self.store.id}",
+                tag=new_id(),
+                conf={"Labels": {_LABEL_STORE: self.store.id}},
+            )
+            box = self.store.create_box(image.id, image_owned=image.id)
+            box.tracker.adopt()
+        else:
+            image = (
+                parent.container.attrs.get("Image")
+                or self.store.client.api.inspect_container(parent.container.id)["Image"]
+            )
+            box = self.store.create_box(image, upper_from=parent)
+            box.tracker.adopt(known=parent.tracker.states())
+        return box
+
+    async def commit(self, fork: DockerSandbox) -> None:
+        self._check_open()
+        if not isinstance(fork, DockerSandbox) or fork.store is not self.store:
+            raise SandboxError("commit: the fork does not belong to this sandbox's store")
+        if fork._closed:
+            raise SandboxError("commit: the fork was already committed or discarded")
+        if self.sid not in fork._lineage:
+            raise SandboxError("commit: the sandbox was not forked from this one")
+        async with self._lock, fork._lock:
+            self._check_open()
+            if fork._closed:
+                raise SandboxError("commit: the fork was already committed or discarded")
+            with anyio.CancelScope(shield=True):
+                old = self._box
+                self._box, self._version = fork._box, fork._version
+                self.last_layer = fork.last_layer
+                fork._closed = True
+                self.store.live.pop(fork.sid, None)
+                if self.is_root:
+                    await anyio.to_thread.run_sync(self._write_head)
+                await anyio.to_thread.run_sync(old.remove)
+                self._stats["commits"] += 1
+
+    async def discard(self) -> None:
+        if self._closed:
+            return
+        if self.is_root:
+            await self.aclose()
+            return
+        with anyio.CancelScope(shield=True):
+            for child in [sb for sb in self.store.live.values() if self.sid in sb._lineage]:
+                await child.discard()
+            async with self._lock:
+                if self._closed:
+                    return
+                self._closed = True
+                self.store.live.pop(self.sid, None)
+                await anyio.to_thread.run_sync(self._box.remove)
+
+    async def run(
+        self,
+        command: str,
+        *,
+        timeout: float | None = None,
+        env: Mapping[str, str] | None = None,
+        cwd: str | None = None,
+    ) -> CommandResult:
+        self._check_open()
+        cfg = self.store.config
+        full_env = {"PATH": DEFAULT_PATH, "HOME": "/root", **cfg.env, **(env or {})}
+        limit = timeout if timeout is not None else cfg.timeout_s
+        async with self._lock:
+            self._check_open()
+            box = self._box
+            await anyio.to_thread.run_sync(self._ensure_running)
+            await anyio.to_thread.run_sync(check_workdir, str(box.merged), cwd or cfg.workdir)
+            before = await anyio.to_thread.run_sync(box.counters)
+            out = _Output(cfg.max_output_bytes)
+            timed_out = False
+            done = anyio.Event()
+            started = time.perf_counter()
+            try:
+                exec_id = await anyio.to_thread.run_sync(
+                    lambda: self.store.client.api.exec_create(
+                        box.container.id,
+                        # one pipe for stdout and stderr keeps their interleaving (a
+                        # docker exec otherwise multiplexes two streams)
+                        [self.store.shell, "-c", 'exec "$0" -c "$1" 2>&1', self.store.shell, command],
+                        stdout=True,
+                        stderr=True,
+                        environment=full_env,
+                        workdir=cwd or cfg.workdir,
+                    )["Id"]
+                )
+
+                async def watchdog() -> None:
+                    nonlocal timed_out
+                    try:
+                        await anyio.sleep(limit)
+                        timed_out = True
+                    finally:
+                        # on timeout *and* when cancelled: killing the command's
+                        # processes is what makes the blocking reader below return
+                        if not done.is_set():
+                            with anyio.CancelScope(shield=True):
+                                await anyio.to_thread.run_sync(box.kill_strays)
+
+                async with anyio.create_task_group() as tg:
+                    tg.start_soon(watchdog)
+                    await anyio.to_thread.run_sync(self._read_exec, exec_id, out)
+                    done.set()
+                    tg.cancel_scope.cancel()
+                info = await anyio.to_thread.run_sync(self.store.client.api.exec_inspect, exec_id)
+                rc = info.get("ExitCode")
+            finally:
+                with anyio.CancelScope(shield=True):
+                    await anyio.to_thread.run_sync(box.kill_strays)
+                    await self._after_change()
+            after = await anyio.to_thread.run_sync(box.counters)
+            hit = ["timeout"] if timed_out else []
+            hit += [k for k, v in after.items() if v > before.get(k, 0)]
+            if rc == 128 + signal.SIGXFSZ:
+                hit.append("file_size")
+            text, truncated = out.text()
+            self._stats["commands"] += 1
+            return CommandResult(
+                returncode=rc if rc is not None else -1,
+                output=text,
+                timed_out=timed_out,
+                duration_s=time.perf_counter() - started,
+                limits_hit=tuple(hit),
+                truncated=truncated,
+            )
+
+    def _read_exec(self, exec_id: str, out: _Output) -> None:
+        for chunk in self.store.client.api.exec_start(exec_id, stream=True, demux=False):
+            out.add(chunk)
+
+    def _ensure_running(self) -> None:
+        box = self._box
+        if not box.running():
+            # a command killed the idle process (kill -9 -1): the container stopped, its
+            # filesystem did not change; start it again
+            box.container.start()
+            box.started()
+
+    async def _after_change(self) -> None:
+        layer = await anyio.to_thread.run_sync(self._box.tracker.diff)
+        self._version = layer.apply_to(self._version)
+        self.last_layer = layer
+        if self.is_root and layer:
+            await anyio.to_thread.run_sync(self._write_head)
+
+    def _write_head(self) -> None:
+        self.store.write_head(self._version, self._box.container.id, self._box.tracker)
+
+    async def read_file(self, path: str) -> bytes:
+        self._check_open()
+        async with self._lock:
+            self._check_open()
+            await anyio.to_thread.run_sync(self._ensure_running)
+            return await anyio.to_thread.run_sync(read_in_root, str(self._box.merged), path)
+
+    async def write_file(self, path: str, data: bytes | str, *, mode: int = 0o644) -> None:
+        self._check_open()
+        raw = data.encode() if isinstance(data, str) else data
+        async with self._lock:
+            self._check_open()
+            await anyio.to_thread.run_sync(self._ensure_running)
+            try:
+                await anyio.to_thread.run_sync(write_in_root, str(self._box.merged), path, raw, mode)
+            finally:
+                with anyio.CancelScope(shield=True):
+                    await self._after_change()
+
+    async def aclose(self) -> None:
+        if not self.is_root:
+            await self.discard()
+            return
+        if self._closed:
+            return
+        with anyio.CancelScope(shield=True):
+            for child in list(self.store.live.values()):
+                if child is not self:
+                    await child.discard()
+            async with self._lock:
+                self._closed = True
+                if self.store.ephemeral:
+                    await anyio.to_thread.run_sync(self._box.remove)
+                else:
+                    await anyio.to_thread.run_sync(self._stop_blocking)
+                await anyio.to_thread.run_sync(self.store.close)
+
+    def _stop_blocking(self) -> None:
+        self._write_head()
+        with contextlib.suppress(Exception):
+            self._box.container.stop(timeout=1)
+
+    async def __aenter__(self) -> DockerSandbox:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+    def statistics(self) -> SandboxStatistics:
+        return SandboxStatistics(**self._stats)
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise SandboxError("the sandbox was already discarded, committed or closed")
+
+
+@asynccontextmanager
+async def open_docker(config: SandboxConfig | None = None, **overrides: Any) -> AsyncIterator[DockerSandbox]:
+    """Open a docker sandbox session (the yielded sandbox is the committed root)."""
+    config = (config or SandboxConfig()).replace(**overrides) if overrides else (config or SandboxConfig())
+    if os.geteuid() != 0:
+        raise SandboxUnavailableError("the docker backend reads container layers on the host and needs root")
+    client = await anyio.to_thread.run_sync(docker_client)
+    base = await anyio.to_thread.run_sync(lambda: open_base(config.base))
+    if config.state_dir is None:
+        root = default_state_root()
+        root.mkdir(parents=True, exist_ok=True)
+        path, ephemeral = root / f"d-{os.getpid()}-{new_id()}", True
+    else:
+        path, ephemeral = Path(config.state_dir).resolve(), False
+    store = DockerStore(path, base, config, client, ephemeral=ephemeral)
+    head = await anyio.to_thread.run_sync(store.open)
+    try:
+        box, version, note = await anyio.to_thread.run_sync(_open_root_box, store, head)
+        if note:
+            store.recovery = RecoveryReport(
+                unmounted=store.recovery.unmounted, containers=store.recovery.containers, note=note
+            )
+        sandbox = DockerSandbox(store, box, version=version, is_root=True, formatter=get_formatter(config.formatter))
+        if head is None or note:
+            await anyio.to_thread.run_sync(sandbox._write_head)
+    except BaseException:
+        await anyio.to_thread.run_sync(store.close)
+        raise
+    try:
+        yield sandbox
+    finally:
+        await sandbox.aclose()
+
+
+def _open_root_box(store: DockerStore, head: dict[str, Any] | None) -> tuple[_Box, str, str]:
+    if head is None:
+        box = store.create_box(store.image)
+        box.tracker.adopt()
+        return box, store.base.version, ""
+    try:
+        container = store.client.containers.get(head["container"])
+    except Exception:
+        raise SandboxError(
+            f"{store.path}/HEAD names container {head['container'][:12]}, which no longer exists; "
+            "the committed state is lost (use a new state dir)"
+        ) from None
+    sid = new_id()
+    box_dir = store.path / "s" / sid
+    box_dir.mkdir()
+    box = _Box(store, container, box_dir, None)
+    if not box.running():
+        container.start()
+    box.started()
+    box.kill_strays()
+    box.tracker.restore(head["upper"])
+    layer = box.tracker.diff()
+    version = layer.apply_to(head["version"])
+    note = ""
+    if layer:
+        note = (
+            f"the committed container changed after HEAD was written (a command was interrupted); "
+            f"{len(layer.records)} path(s) differ, version moved from {head['version']} to {version}"
+        )
+    return box, version, note

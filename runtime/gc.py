@@ -1,0 +1,157 @@
+"""Cleaning up after sessions that died without closing (``aospec sandbox gc``).
+
+A state directory whose lock no live process holds is stale. A private (ephemeral) one
+is deleted with its mounts, cgroups and containers; a persistent one keeps its committed
+state (HEAD and its layers/container) and loses only its mounts and cgroups; the rest
+is recovered when it is next opened.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from runtime import _fs
+from runtime._state import default_state_root, state_dir_in_use
+from runtime.isolation import MARKER_ENV, OWNER_ENV, host_support, process_identity
+
+__all__ = ["GcReport", "collect_garbage"]
+
+
+@dataclass(slots=True)
+class GcReport:
+    """What ``collect_garbage`` removed (or would remove, on a dry run)."""
+
+    state_dirs: list[str] = field(default_factory=list)
+    unmounted: list[str] = field(default_factory=list)
+    cgroups: list[str] = field(default_factory=list)
+    processes: list[int] = field(default_factory=list)
+    containers: list[str] = field(default_factory=list)
+    skipped_in_use: list[str] = field(default_factory=list)
+
+    def to_json(self) -> dict[str, list[str]]:
+        return {
+            "state_dirs": self.state_dirs,
+            "unmounted": self.unmounted,
+            "cgroups": self.cgroups,
+            "processes": self.processes,
+            "containers": self.containers,
+            "skipped_in_use": self.skipped_in_use,
+        }
+
+
+def collect_garbage(state_root: Path | None = None, *, dry_run: bool = False, docker: bool = True) -> GcReport:
+    """Clean stale state directories under ``state_root`` (default: default_state_root())."""
+    root = state_root or default_state_root()
+    report = GcReport()
+    stale_ids: set[str] = set()
+    live_ids: set[str] = set()
+    if root.is_dir():
+        for d in sorted(root.iterdir()):
+            if not d.is_dir() or not (d / "lock").exists():
+                continue
+            sid = (d / "ID").read_text().strip() if (d / "ID").exists() else ""
+            if state_dir_in_use(d):
+                report.skipped_in_use.append(str(d))
+                live_ids.add(sid)
+                continue
+            stale_ids.add(sid)
+            points = _fs.mounts_under(str(d))
+            report.unmounted += points
+            ephemeral = (d / "EPHEMERAL").exists()
+            if ephemeral:
+                report.state_dirs.append(str(d))
+            if dry_run:
+                continue
+            _fs.unmount_all_under(str(d))
+            if ephemeral:
+                _fs.remove_tree(d)
+    report.processes += _kill_orphans(live_ids, dry_run=dry_run)
+    _, cgroups = host_support()
+    if cgroups is not None:
+        for croot in set(cgroups.roots.values()):
+            for cg in croot.glob("aospec-*"):
+                store_id = cg.name.split("-")[1] if cg.name.count("-") >= 2 else ""
+                if store_id in live_ids:
+                    continue
+                if store_id in stale_ids or not _store_id_known(root, store_id):
+                    report.cgroups.append(str(cg))
+                    if not dry_run:
+                        cgroups.remove_stale(cg.name)
+    if docker:
+        report.containers += _gc_containers(live_ids, dry_run=dry_run)
+    return report
+
+
+def _kill_orphans(live_ids: set[str], *, dry_run: bool) -> list[int]:
+    """Sandbox processes (marked by their environment) whose owning session is gone:
+    the process that started them (identified by PID and start time) no longer runs."""
+    found = []
+    needle = f"{MARKER_ENV}=aospec-".encode()
+    owner_key = f"{OWNER_ENV}=".encode()
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        marks = [item for item in env if item.startswith(needle)]
+        if not marks:
+            continue
+        store_id = marks[0][len(needle) :].split(b"-")[0].decode(errors="replace")
+        owners = [item[len(owner_key) :].decode(errors="replace") for item in env if item.startswith(owner_key)]
+        owner = owners[0] if owners else ""
+        owner_alive = bool(owner) and process_identity(int(owner.split(":")[0])) == owner
+        if store_id in live_ids or owner_alive:
+            continue
+        found.append(int(pid))
+        if not dry_run:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(int(pid), signal.SIGKILL)
+    return found
+
+
+def _store_id_known(root: Path, store_id: str) -> bool:
+    if not root.is_dir():
+        return False
+    for d in root.iterdir():
+        with contextlib.suppress(OSError):
+            if (d / "ID").read_text().strip() == store_id:
+                return True
+    return False
+
+
+def _gc_containers(live_ids: set[str], *, dry_run: bool) -> list[str]:
+    """Containers of ephemeral stores whose owner is gone (persistent HEAD containers are kept)."""
+    try:
+        from runtime.docker import docker_client
+
+        client = docker_client()
+    except Exception:
+        return []
+    removed = []
+    try:
+        _remove_stale_containers(client, live_ids, removed, dry_run=dry_run)
+    finally:
+        client.close()
+    return removed
+
+
+def _remove_stale_containers(client: object, live_ids: set[str], removed: list[str], *, dry_run: bool) -> None:
+    for c in client.containers.list(all=True, filters={"label": "aospec.store"}):  # type: ignore[attr-defined]
+        labels = c.labels or {}
+        store_id = labels.get("aospec.store", "")
+        state_dir = Path(labels.get("aospec.state_dir", "/nonexistent"))
+        if store_id in live_ids:
+            continue
+        if state_dir.exists() and state_dir_in_use(state_dir):
+            continue
+        head = state_dir / "HEAD"
+        if head.exists() and c.id in head.read_text():
+            continue  # the committed container of a persistent store
+        removed.append(c.id[:12])
+        if not dry_run:
+            with contextlib.suppress(Exception):
+                c.remove(force=True, v=True)

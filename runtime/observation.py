@@ -1,0 +1,125 @@
+"""Command results and how they become observation text.
+
+A formatter is anything with ``format(action, result) -> str``; ``mini-swe-agent`` (the
+default) reproduces mini-swe-agent 1.7's templates byte for byte, so observations match
+recorded traces; ``raw`` returns the output alone.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
+
+from aospec._lazy import import_object
+from aospec.types import Action
+
+__all__ = [
+    "FORMATTERS",
+    "CommandResult",
+    "MiniSweAgentFormatter",
+    "ObservationFormatter",
+    "RawFormatter",
+    "SandboxStatistics",
+    "get_formatter",
+]
+
+
+@dataclass(frozen=True, slots=True)
+class CommandResult:
+    """What one command did. ``output`` is stdout and stderr interleaved as written.
+
+    ``limits_hit`` names the limits the command ran into (``timeout``, ``memory``,
+    ``pids``, ``disk``, ``file_size``); ``truncated`` is True when the output exceeded the
+    capture cap and its middle was dropped.
+    """
+
+    returncode: int
+    output: str
+    timed_out: bool
+    duration_s: float
+    limits_hit: tuple[str, ...] = ()
+    truncated: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class SandboxStatistics:
+    """Counters of one sandbox (``sandbox.statistics()``)."""
+
+    commands: int
+    forks: int
+    commits: int
+    freezes: int = 0
+    stack_depth: int = 0
+    compactions: int = 0
+
+
+@runtime_checkable
+class ObservationFormatter(Protocol):
+    """Turns an executed action and its result into the observation text."""
+
+    def format(self, action: Action, result: CommandResult) -> str: ...
+
+
+_TOO_LONG = (
+    "<warning>\n"
+    "The output of your last command was too long.\n"
+    "Please try a different command that produces less output.\n"
+    "If you're looking at a file you can try use head, tail or sed to view a smaller number of lines selectively.\n"
+    "If you're using grep or find and it produced too much output, you can use a more selective search pattern.\n"
+    "If you really need to see something from the full command's output, you can redirect output to a file and then search in that file.\n"
+    "</warning>"
+)
+
+
+class MiniSweAgentFormatter:
+    """mini-swe-agent 1.7's ``action_observation_template`` and ``timeout_template``."""
+
+    def __init__(self, max_chars: int = 10000) -> None:
+        self.max_chars = max_chars
+
+    def format(self, action: Action, result: CommandResult) -> str:
+        out = result.output
+        if result.timed_out:
+            cmd = action.command if action.command is not None else action.key
+            return (
+                f"The last command <command>{cmd}</command> timed out and has been killed.\n"
+                f"The output of the command was:\n <output>\n{out}\n</output>\n"
+                "Please try another command and make sure to avoid those requiring interactive input."
+            )
+        head = f"<returncode>{result.returncode}</returncode>\n"
+        if len(out) < self.max_chars:
+            return head + _short(out)
+        elided = len(out) - self.max_chars
+        half = self.max_chars // 2
+        return (
+            f"{head}{_TOO_LONG}<output_head>\n{out[:half]}\n</output_head>\n"
+            f"<elided_chars>\n{elided} characters elided\n</elided_chars>\n"
+            f"<output_tail>\n{out[-half:]}\n</output_tail>"
+        )
+
+
+def _short(out: str) -> str:
+    # jinja's ``{{ output.output -}}`` strips the whitespace *after* the expression in the
+    # template (the newline before ``</output>``), not the output's own.
+    return f"<output>\n{out}</output>"
+
+
+class RawFormatter:
+    """The output alone (plus the timeout marker when the command timed out)."""
+
+    def format(self, action: Action, result: CommandResult) -> str:
+        return result.output + ("\n[timed out]" if result.timed_out else "")
+
+
+FORMATTERS = {
+    "mini-swe-agent": "runtime.observation:MiniSweAgentFormatter",
+    "raw": "runtime.observation:RawFormatter",
+}
+
+
+def get_formatter(spec: str | ObservationFormatter) -> ObservationFormatter:
+    """A formatter by registry name or dotted path (classes are instantiated), or as given."""
+    if not isinstance(spec, str):
+        return spec
+    obj = import_object(spec, FORMATTERS, "observation formatter")
+    return obj() if isinstance(obj, type) else obj

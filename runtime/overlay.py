@@ -1,0 +1,906 @@
+"""The overlay backend: sandboxes as stacks of immutable layers under one writable upper.
+
+State directory (one per session, ``SandboxConfig.state_dir``)::
+
+    HEAD        the committed state: {"version", "layers" (top first), "base", ...};
+                replaced atomically (write + rename): the only source of truth
+    lock        flock held by the owning process
+    ID          the store id (names its cgroups)
+    l/<id>/     immutable layers on disk (overlayfs upper format: whiteouts, opaque dirs)
+    ml/         a tmpfs of mount points: ml/m<id>/ is an immutable *memory layer*, the
+                read-only tmpfs that was a sandbox's upper (moved here, never copied)
+    s/          a tmpfs holding one directory per live sandbox: rw/ (a tmpfs of
+                ``disk_bytes``) with u/ (upper) and w/ (work), m/ (the merged root),
+                lv/ (read-only view of its lower stack)
+    u/<id>/     upper and work of a sandbox when ``disk_bytes`` is None (on disk)
+    trash/      disk layers and uppers no longer used, deleted in batches
+
+A command runs in ``m/``. Afterwards the upper's changes become a Layer and the version
+moves on (``runtime.versions``). Freezing an upper (the committed root does it after
+every command that wrote anything, a fork when it is forked again or committed) moves
+its tmpfs under ``ml/`` and remounts it read-only: O(1), so commits cost a few mounts and
+one HEAD write. Memory layers are merged into a disk layer (compaction, which keeps the
+version) when the stack gets deep, when they hold more than ``memory_layers_bytes``, and
+when a persistent state directory is closed. Every write of HEAD names complete,
+immutable layers, so a crash at any instant leaves the committed state intact; memory
+layers survive the crash of the process (not a reboot: use ``durable=True``, which keeps
+the committed state on disk and fsyncs it). Opening a state directory recovers it: every
+mount below it but HEAD's memory layers is detached, every sandbox directory,
+unreferenced layer and stale cgroup removed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import stat
+import threading
+from collections.abc import AsyncIterator, Mapping
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import anyio
+
+from aospec.errors import SandboxError, SandboxUnavailableError
+from aospec.types import Action
+from runtime import _fs
+from runtime._files import check_workdir, read_in_root, write_in_root
+from runtime._state import RecoveryReport, default_state_root, lock_state_dir, new_id, write_atomic
+from runtime.base import BaseFS, open_base
+from runtime.config import SandboxConfig
+from runtime.isolation import DEFAULT_PATH, bwrap_argv, host_support, kill_marked, run_bwrap
+from runtime.observation import CommandResult, ObservationFormatter, SandboxStatistics, get_formatter
+from runtime.versions import EMPTY_LAYER, Layer, UpperTracker
+
+__all__ = ["OverlaySandbox", "OverlayStore", "RecoveryReport", "default_state_root", "open_overlay"]
+
+_MOUNT_OPTS = "redirect_dir=off,metacopy=off,index=off,xino=off"
+_HEAD_SCHEMA = 1
+_MAX_LOWERDIR = 3000  # the whole mount option string must fit in one 4 KiB page
+
+
+def _is_memory(lid: str) -> bool:
+    return lid.startswith("m")
+
+
+class OverlayStore:
+    """A state directory: layers, HEAD, live sandboxes' mounts. Owned by one process."""
+
+    def __init__(self, path: Path, base: BaseFS, config: SandboxConfig, *, ephemeral: bool) -> None:
+        self.path = path
+        self.base = base
+        self.config = config
+        self.ephemeral = ephemeral
+        self.id = ""
+        self.recovery = RecoveryReport()
+        self._lock_fd = -1
+        self._refs: dict[str, int] = {}
+        self.mem_bytes: dict[str, int] = {}
+        self.head_version = base.version
+        self.head_layers: tuple[str, ...] = ()
+        self.shell = "/bin/bash" if os.path.lexists(base.path / "bin/bash") else "/bin/sh"
+        self._cg_counter = 0
+        self.compactions = 0
+        self.live: dict[str, OverlaySandbox] = {}
+        # read-only views of layer stacks, shared by the sandboxes on the same stack
+        # (sibling forks); used from worker threads, hence the lock
+        self._views: dict[tuple[str, ...], list[Any]] = {}
+        self._views_lock = threading.Lock()
+
+    # -- lifecycle -------------------------------------------------------------------------
+
+    def open(self) -> None:
+        """Lock, recover and load (blocking)."""
+        self.path.mkdir(parents=True, exist_ok=True)
+        self._lock_fd = lock_state_dir(self.path)
+        try:
+            id_file = self.path / "ID"
+            if not id_file.exists():
+                write_atomic(id_file, new_id().encode())
+            self.id = id_file.read_text().strip()
+            if self.ephemeral:
+                (self.path / "EPHEMERAL").touch()
+            for d in ("l", "s", "u", "trash", "ml"):
+                (self.path / d).mkdir(exist_ok=True)
+            (self.path / "b").unlink(missing_ok=True)
+            os.symlink(self.base.path, self.path / "b")
+            self._load_head()
+            self.recovery = self._recover()
+            # sandbox directories live on a tmpfs: creating and deleting them (and their
+            # mount points) must not touch the disk
+            _fs.mount("tmpfs", str(self.path / "s"), "tmpfs", _fs.MS_NOSUID | _fs.MS_NODEV, "size=16m,mode=0700")
+        except BaseException:
+            self.close()
+            raise
+
+    def _load_head(self) -> None:
+        head = self.path / "HEAD"
+        if not head.exists():
+            self.write_head(self.base.version, ())
+            return
+        try:
+            data = json.loads(head.read_text())
+            version, layers, base_version = data["version"], tuple(data["layers"]), data["base_version"]
+        except (ValueError, KeyError, TypeError) as exc:
+            raise SandboxError(f"{head}: unreadable HEAD ({exc}); the state directory is damaged") from None
+        if base_version != self.base.version:
+            raise SandboxError(
+                f"state directory {self.path} was created from a base with version {base_version}, "
+                f"not {self.base.version} ({self.base.path}); open it with the same base or use a new state dir"
+            )
+        missing = [lid for lid in layers if not _is_memory(lid) and not (self.path / "l" / lid).is_dir()]
+        if missing:
+            raise SandboxError(f"{head}: layers {missing} are missing; the state directory is damaged")
+        self.head_version, self.head_layers = version, layers
+
+    def _recover(self) -> RecoveryReport:
+        ml = str(self.path / "ml")
+        keep = {ml} | {f"{ml}/{lid}" for lid in self.head_layers if _is_memory(lid)}
+        sandboxes = [d.name for d in (self.path / "s").iterdir()] + [d.name for d in (self.path / "u").iterdir()]
+        # a session killed while bwrap was setting up can leave its sandbox init blocked
+        # forever (its parent died before releasing it): find them by their marker
+        orphans = kill_marked(f"aospec-{self.id}-")
+        unmounted = _fs.unmount_all_under(str(self.path), keep=keep)
+        if ml not in _fs.mounts_under(ml):
+            _fs.mount("tmpfs", ml, "tmpfs", _fs.MS_NOSUID | _fs.MS_NODEV, "size=4m,mode=0700")
+        mounted = set(_fs.mounts_under(ml))
+        lost = [lid for lid in self.head_layers if _is_memory(lid) and f"{ml}/{lid}" not in mounted]
+        if lost:
+            raise SandboxError(
+                f"{self.path}/HEAD names in-memory layers {lost} that no longer exist (the machine restarted?); "
+                "the committed state is lost: use a new state dir (durable=True keeps it on disk)"
+            )
+        for lid in self.head_layers:
+            if _is_memory(lid):
+                self.mem_bytes[lid] = _tmpfs_used(self.path / "ml" / lid)
+        _, cgroups = host_support()
+        cgs = cgroups.remove_stale(f"aospec-{self.id}-") if cgroups else []
+        layers = []
+        for d in (self.path / "ml").iterdir():
+            if d.name not in self.head_layers:
+                d.rmdir()
+                layers.append(d.name)
+        for d in (self.path / "s").iterdir():
+            _fs.remove_tree(d)
+        for d in (self.path / "u").iterdir():
+            self.trash(d)
+        for d in (self.path / "l").iterdir():
+            if d.name not in self.head_layers:
+                self.trash(d)
+                layers.append(d.name)
+        for f in self.path.glob("*.tmp"):
+            f.unlink()
+        self.purge_trash()
+        return RecoveryReport(tuple(unmounted), tuple(sandboxes), tuple(layers), tuple(cgs), processes=tuple(orphans))
+
+    def trash(self, path: Path) -> None:
+        """Move ``path`` out of the way now; it is deleted by ``purge_trash`` (deleting on
+        a disk can cost milliseconds per directory)."""
+        os.rename(path, self.path / "trash" / f"{path.name}-{new_id()}")
+
+    def purge_trash(self, *, above: int = 0) -> None:
+        entries = list((self.path / "trash").iterdir())
+        if len(entries) > above:
+            for d in entries:
+                _fs.remove_tree(d)
+
+    def spill_head(self) -> None:
+        """Move HEAD's memory layers into a disk layer (before closing a persistent store)."""
+        mem = [i for i, lid in enumerate(self.head_layers) if _is_memory(lid)]
+        if not mem:
+            return
+        k = mem[-1] + 1
+        merged = self.compact(self.head_layers, k)
+        old = self.head_layers
+        self.write_head(self.head_version, (merged, *old[k:]))
+        self._refs.pop(merged, None)
+
+    def close(self) -> None:
+        """Detach every mount, drop the lock; delete everything when ephemeral."""
+        if self.path.exists():
+            _fs.unmount_all_under(str(self.path))
+            if self.ephemeral:
+                _fs.remove_tree(self.path)
+            else:
+                for d in (self.path / "u").iterdir() if (self.path / "u").exists() else ():
+                    self.trash(d)
+                for d in (self.path / "ml").iterdir() if (self.path / "ml").exists() else ():
+                    d.rmdir()
+                self._gc_layers()
+                self.purge_trash()
+        if self._lock_fd >= 0:
+            os.close(self._lock_fd)
+            self._lock_fd = -1
+
+    # -- layers ---------------------------------------------------------------------------------
+
+    def layer_ids(self) -> list[str]:
+        """Every layer present in the state directory (disk and memory), sorted."""
+        return sorted([d.name for d in (self.path / "l").iterdir()] + [d.name for d in (self.path / "ml").iterdir()])
+
+    def layer_dir(self, lid: str) -> Path:
+        return self.path / "ml" / lid / "u" if _is_memory(lid) else self.path / "l" / lid
+
+    def lowerdir(self, stack: tuple[str, ...]) -> str:
+        return ":".join([*(str(self.layer_dir(lid)) for lid in stack), f"{self.path}/b"])
+
+    def ref(self, stack: tuple[str, ...]) -> None:
+        for lid in stack:
+            self._refs[lid] = self._refs.get(lid, 0) + 1
+
+    def unref(self, stack: tuple[str, ...]) -> list[str]:
+        """Drop references; returns layers nobody uses any more (not HEAD's)."""
+        dead = []
+        for lid in stack:
+            n = self._refs.get(lid, 0) - 1
+            if n <= 0:
+                self._refs.pop(lid, None)
+                if lid not in self.head_layers:
+                    dead.append(lid)
+            else:
+                self._refs[lid] = n
+        return dead
+
+    def delete_layers(self, lids: list[str]) -> None:
+        for lid in lids:
+            if _is_memory(lid):
+                _fs.umount(str(self.path / "ml" / lid), detach=True)
+                (self.path / "ml" / lid).rmdir()
+                self.mem_bytes.pop(lid, None)
+            else:
+                self.trash(self.layer_dir(lid))
+        self.purge_trash(above=256)
+
+    def _gc_layers(self) -> None:
+        keep = set(self._refs) | set(self.head_layers)
+        for d in (self.path / "l").iterdir():
+            if d.name not in keep:
+                self.trash(d)
+
+    def new_layer_from(self, upper: Path, *, rename: bool) -> str:
+        """Freeze an unmounted upper directory into a new disk layer."""
+        while True:
+            lid = new_id()
+            if not self.layer_dir(lid).exists():
+                break
+        if rename:
+            os.rename(upper, self.layer_dir(lid))
+        else:
+            tmp = self.path / "l" / f"{lid}.tmp"
+            _fs.copy_tree(upper, tmp)
+            if self.config.durable:
+                _fs.sync_tree(tmp)
+            os.rename(tmp, self.layer_dir(lid))
+        return lid
+
+    def new_memory_layer(self, rw: Path) -> str:
+        """Turn a sandbox's tmpfs (upper in ``u/``) into a memory layer: move the mount
+        under ``ml/`` and make it read-only. O(1) in the size of the changes."""
+        while True:
+            lid = "m" + new_id()
+            target = self.path / "ml" / lid
+            try:
+                target.mkdir()
+                break
+            except FileExistsError:
+                continue
+        _fs.mount(str(rw), str(target), "", _fs.MS_MOVE)
+        _fs.mount("", str(target), "", _fs.MS_REMOUNT | _fs.MS_RDONLY)
+        self.mem_bytes[lid] = _tmpfs_used(target)
+        return lid
+
+    def write_head(self, version: str, layers: tuple[str, ...]) -> None:
+        data = {
+            "schema": _HEAD_SCHEMA,
+            "version": version,
+            "layers": list(layers),
+            "base": str(self.base.path),
+            "base_version": self.base.version,
+        }
+        write_atomic(self.path / "HEAD", (json.dumps(data) + "\n").encode(), durable=self.config.durable)
+        self.head_version, self.head_layers = version, layers
+
+    def compaction_size(self, stack: tuple[str, ...]) -> tuple[int, bool]:
+        """How many top layers of ``stack`` to merge now (0: none), and whether the merged
+        layer may stay in memory (a deep stack of small changes) or must go to disk
+        (memory layers hold more than ``memory_layers_bytes``)."""
+        k = 0
+        if len(stack) > self.config.compact_at or len(self.lowerdir(stack)) > _MAX_LOWERDIR:
+            k = max(2, min(self.config.compact_at, len(stack)) // 2)
+        mem = [i for i, lid in enumerate(stack) if _is_memory(lid)]
+        if mem and sum(self.mem_bytes.get(lid, 0) for lid in self._live_memory()) > self.config.memory_layers_bytes:
+            return min(max(k, mem[-1] + 1), len(stack)), False
+        return min(k, len(stack)), not self.config.durable
+
+    def _live_memory(self) -> set[str]:
+        return {lid for lid in self._refs if _is_memory(lid)} | {lid for lid in self.head_layers if _is_memory(lid)}
+
+    def compact(self, stack: tuple[str, ...], k: int, memory: bool = False) -> str:
+        """Merge the top ``k`` layers of ``stack`` into one new layer (blocking), on disk or
+        (``memory``) in a new memory layer. The merged layer over the rest of the stack
+        shows the same tree; the version is kept."""
+        top = stack[:k]
+        if memory:
+            lid = "m" + new_id()
+            mnt = self.path / "ml" / lid
+            mnt.mkdir()
+            _fs.mount("tmpfs", str(mnt), "tmpfs", _fs.MS_NOSUID | _fs.MS_NODEV, "mode=0755")
+            target = mnt / "u"
+        else:
+            lid = new_id()
+            target = self.path / "l" / f"{lid}.tmp"
+        try:
+            _fs.copy_tree(self.layer_dir(top[-1]), target)
+            for upper in reversed(top[:-1]):
+                _apply_layer(self.layer_dir(upper), target)
+        except BaseException:
+            if memory:
+                _fs.umount(str(mnt), detach=True)
+                mnt.rmdir()
+            else:
+                _fs.remove_tree(target)
+            raise
+        if memory:
+            _fs.mount("", str(mnt), "", _fs.MS_REMOUNT | _fs.MS_RDONLY)
+            self.mem_bytes[lid] = _tmpfs_used(mnt)
+        else:
+            if self.config.durable:
+                _fs.sync_tree(target)
+            os.rename(target, self.layer_dir(lid))
+        self.compactions += 1
+        return lid
+
+    def acquire_lower_view(self, stack: tuple[str, ...]) -> str:
+        """Mount (or share) a read-only overlay of ``stack``; release it when done."""
+        with self._views_lock:
+            view = self._views.get(stack)
+            if view is None:
+                path = self.path / "s" / f"lv-{new_id()}"
+                path.mkdir()
+                _fs.mount("overlay", str(path), "overlay", _fs.MS_RDONLY, f"lowerdir={self.lowerdir(stack)}")
+                view = self._views[stack] = [path, 0]
+            view[1] += 1
+            return str(view[0])
+
+    def lower_view_path(self, stack: tuple[str, ...]) -> str:
+        with self._views_lock:
+            return str(self._views[stack][0])
+
+    def release_lower_view(self, stack: tuple[str, ...]) -> None:
+        with self._views_lock:
+            view = self._views[stack]
+            view[1] -= 1
+            if view[1] == 0:
+                del self._views[stack]
+                _fs.umount(str(view[0]))
+                view[0].rmdir()
+
+    def next_cgroup(self, sid: str) -> str:
+        self._cg_counter += 1
+        return f"aospec-{self.id}-{sid}-{self._cg_counter}"
+
+
+def _tmpfs_used(path: Path) -> int:
+    st = os.statvfs(path)
+    return (st.f_blocks - st.f_bfree) * st.f_frsize
+
+
+def _is_opaque(path: Path) -> bool:
+    try:
+        return os.getxattr(path, _fs.OPAQUE_XATTR, follow_symlinks=False) in (b"y", b"x")
+    except OSError:
+        return False
+
+
+def _apply_layer(src: Path, dst: Path) -> None:
+    """Put layer ``src`` on top of the merged layer ``dst`` (overlayfs semantics)."""
+    for entry in os.scandir(src):
+        s, d = Path(entry.path), dst / entry.name
+        st = entry.stat(follow_symlinks=False)
+        d_st = None
+        with contextlib.suppress(FileNotFoundError):
+            d_st = os.lstat(d)
+        if _fs.is_whiteout(st):
+            if d_st is not None:
+                _fs.remove_tree(d)
+            os.mknod(d, stat.S_IFCHR | 0o000, 0)
+        elif stat.S_ISDIR(st.st_mode):
+            if not _is_opaque(s) and d_st is not None and stat.S_ISDIR(d_st.st_mode):
+                os.chown(d, st.st_uid, st.st_gid)
+                os.chmod(d, stat.S_IMODE(st.st_mode))
+                _apply_layer(s, d)
+                os.utime(d, ns=(st.st_atime_ns, st.st_mtime_ns))
+                continue
+            hid_lower = d_st is not None  # a whiteout or non-directory in the merged range
+            if d_st is not None:
+                _fs.remove_tree(d)
+            _fs.copy_tree(s, d)
+            if hid_lower and not _is_opaque(d):
+                os.setxattr(d, _fs.OPAQUE_XATTR, b"y")
+        else:
+            if d_st is not None:
+                _fs.remove_tree(d)
+            _fs.copy_entry(s, d)
+
+
+@dataclass(slots=True)
+class _Stats:
+    commands: int = 0
+    forks: int = 0
+    commits: int = 0
+    freezes: int = 0
+
+
+class OverlaySandbox:
+    """One sandbox of an OverlayStore: the committed root (the session) or a fork.
+
+    Implements :class:`aospec.protocols.Sandbox` (``version``, ``execute``, ``fork``,
+    ``commit``, ``discard``) plus ``run`` (a CommandResult), ``read_file``/``write_file``
+    and ``aclose``. Operations on one sandbox are serialised; different sandboxes run
+    concurrently.
+    """
+
+    def __init__(
+        self,
+        store: OverlayStore,
+        *,
+        stack: tuple[str, ...],
+        version: str,
+        is_root: bool,
+        formatter: ObservationFormatter,
+        lineage: tuple[str, ...] = (),
+    ) -> None:
+        self.store = store
+        self.sid = new_id()
+        self.is_root = is_root
+        self._stack = stack
+        self._version = version
+        self._formatter = formatter
+        self._lineage = lineage  # sids of the sandboxes this one was forked from
+        self._lock = anyio.Lock()
+        self._dir = store.path / "s" / self.sid
+        self._tmpfs = store.config.limits.disk_bytes is not None
+        self._rw = self._dir / "rw" if self._tmpfs else store.path / "u" / self.sid
+        self._upper = self._rw / "u"
+        self._work = self._rw / "w"
+        self._merged = self._dir / "m"
+        self._lv: tuple[str, ...] | None = None  # the stack whose shared lower view we hold
+        self._mounted = False
+        self._rw_mounted = False
+        self._closed = False
+        self.tracker = UpperTracker(self._upper, self._lower_view)
+        self.last_layer: Layer = EMPTY_LAYER
+        self._stats = _Stats()
+        store.live[self.sid] = self
+
+    # -- the Sandbox protocol ----------------------------------------------------------------
+
+    @property
+    def version(self) -> str:
+        """The filesystem version (up to date whenever no command is in flight)."""
+        return self._version
+
+    async def execute(self, action: Action) -> str:
+        """Run a ``bash`` action; the observation text comes from the formatter."""
+        command = action.command
+        if command is None:
+            raise SandboxError(f"the overlay sandbox runs bash actions only, not tool {action.tool!r}")
+        result = await self.run(command)
+        return self._formatter.format(action, result)
+
+    async def fork(self) -> OverlaySandbox:
+        """An isolated copy-on-write child at this sandbox's current version."""
+        self._check_open()
+        async with self._lock:
+            self._check_open()
+            await self._freeze()
+            child = OverlaySandbox(
+                self.store,
+                stack=self._stack,
+                version=self._version,
+                is_root=False,
+                formatter=self._formatter,
+                lineage=(*self._lineage, self.sid),
+            )
+            self.store.ref(self._stack)
+            try:
+                await anyio.to_thread.run_sync(child._mount)
+            except BaseException:
+                with anyio.CancelScope(shield=True):
+                    await child.discard()
+                raise
+            self._stats.forks += 1
+            return child
+
+    async def commit(self, fork: OverlaySandbox) -> None:
+        """Make ``fork``'s state this sandbox's state; the fork is consumed."""
+        self._check_open()
+        if not isinstance(fork, OverlaySandbox) or fork.store is not self.store:
+            raise SandboxError("commit: the fork does not belong to this sandbox's store")
+        if fork._closed:
+            raise SandboxError("commit: the fork was already committed or discarded")
+        if self.sid not in fork._lineage:
+            raise SandboxError("commit: the sandbox was not forked from this one")
+        async with self._lock, fork._lock:
+            self._check_open()
+            if fork._closed:
+                raise SandboxError("commit: the fork was already committed or discarded")
+            # shielded: a half-done commit would leave the two sandboxes inconsistent
+            with anyio.CancelScope(shield=True):
+                frozen, head_written = await anyio.to_thread.run_sync(self._commit_blocking, fork)
+                old_stack = self._stack
+                if frozen is not None:
+                    self.store.ref((frozen,))
+                    fork._stack = (frozen, *fork._stack)
+                # the fork's references on its layers pass to this sandbox
+                self._stack, self._version = fork._stack, fork._version
+                self.last_layer = fork.last_layer
+                fork._closed = True
+                self.store.live.pop(fork.sid, None)
+                if not head_written:
+                    k, memory = self.store.compaction_size(self._stack)
+                    spill = self._durable_spill_size()
+                    await self._compact(max(k, spill), memory and not spill)
+                dead = self.store.unref(old_stack)
+                if dead:
+                    await anyio.to_thread.run_sync(self.store.delete_layers, dead)
+                self._stats.commits += 1
+
+    def _commit_blocking(self, fork: OverlaySandbox) -> tuple[str | None, bool]:
+        """Freeze the fork's upper, tear the fork down, drop this sandbox's own pending
+        changes, and (root, nothing to compact) write HEAD: one worker-thread hop."""
+        frozen = fork._freeze_if_needed()
+        fork._teardown()
+        self._unmount()
+        self._reset_rw()
+        stack = (frozen, *fork._stack) if frozen is not None else fork._stack
+        spill = self.store.config.durable and any(lid.startswith("m") for lid in stack)
+        if self.is_root and not spill and self.store.compaction_size(stack)[0] == 0:
+            self.store.write_head(fork._version, stack)
+            return frozen, True
+        return frozen, False
+
+    async def discard(self) -> None:
+        """Throw this sandbox away and release its mounts, directories and layers."""
+        if self._closed:
+            return
+        if self.is_root:
+            await self.aclose()
+            return
+        with anyio.CancelScope(shield=True):
+            for child in [sb for sb in self.store.live.values() if self.sid in sb._lineage]:
+                await child.discard()
+            async with self._lock:
+                if self._closed:
+                    return
+                self._closed = True
+                self.store.live.pop(self.sid, None)
+                await anyio.to_thread.run_sync(self._teardown)
+                dead = self.store.unref(self._stack)
+                if dead:
+                    await anyio.to_thread.run_sync(self.store.delete_layers, dead)
+
+    # -- richer API -------------------------------------------------------------------------
+
+    async def run(
+        self,
+        command: str,
+        *,
+        timeout: float | None = None,
+        env: Mapping[str, str] | None = None,
+        cwd: str | None = None,
+    ) -> CommandResult:
+        """Run ``command`` with bash in the sandbox; returns its CommandResult."""
+        self._check_open()
+        cfg = self.store.config
+        full_env = {"PATH": DEFAULT_PATH, "HOME": "/root", **cfg.env, **(env or {})}
+        async with self._lock:
+            self._check_open()
+            done: dict[str, Any] = {}
+            try:
+                result, _ = await run_bwrap(
+                    lambda info_fd, block_fd: bwrap_argv(
+                        str(self._merged),
+                        command,
+                        shell=self.store.shell,
+                        cwd=cwd or cfg.workdir,
+                        env=full_env,
+                        network=cfg.network,
+                        binds=cfg.binds,
+                        cap_add=cfg.cap_add,
+                        info_fd=info_fd,
+                        block_fd=block_fd,
+                    ),
+                    cwd=str(self._merged),
+                    timeout_s=timeout if timeout is not None else cfg.timeout_s,
+                    limits=cfg.limits,
+                    cgroup_name=self.store.next_cgroup(self.sid),
+                    max_output_bytes=cfg.max_output_bytes,
+                    before=lambda: self._prepare(cwd or cfg.workdir),
+                    # also when cancelled: the version must describe what the command left
+                    after=lambda: self._record_changes(done),
+                )
+            finally:
+                with anyio.CancelScope(shield=True):
+                    await self._adopt_frozen(done.get("frozen"))
+            self._stats.commands += 1
+            return _with_limit(result, "disk") if done.get("disk_full") else result
+
+    def _prepare(self, cwd: str) -> None:
+        self._mount()
+        check_workdir(str(self._merged), cwd)
+
+    def _record_changes(self, done: dict[str, Any]) -> None:
+        """After a command or a write (blocking): the layer it made moves the version on;
+        the committed root also freezes its upper. What happened goes into ``done``."""
+        layer = self.tracker.diff()
+        self._version = layer.apply_to(self._version)
+        self.last_layer = layer
+        done["disk_full"] = self._tmpfs and self._disk_full()
+        if self.is_root:
+            done["frozen"] = self._freeze_if_needed()
+
+    async def read_file(self, path: str) -> bytes:
+        """The content of ``path`` inside the sandbox (symlinks resolved inside it)."""
+        self._check_open()
+        async with self._lock:
+            self._check_open()
+            await anyio.to_thread.run_sync(self._mount)
+            return await anyio.to_thread.run_sync(read_in_root, str(self._merged), path)
+
+    async def write_file(self, path: str, data: bytes | str, *, mode: int = 0o644) -> None:
+        """Write ``path`` inside the sandbox (parents must exist); the version moves on."""
+        self._check_open()
+        raw = data.encode() if isinstance(data, str) else data
+
+        def write(done: dict[str, Any]) -> None:
+            self._mount()
+            try:
+                write_in_root(str(self._merged), path, raw, mode)
+            finally:
+                self._record_changes(done)
+
+        async with self._lock:
+            self._check_open()
+            done: dict[str, Any] = {}
+            try:
+                await anyio.to_thread.run_sync(write, done)
+            finally:
+                with anyio.CancelScope(shield=True):
+                    await self._adopt_frozen(done.get("frozen"))
+
+    async def aclose(self) -> None:
+        """Close: forks are discarded; the root releases the whole store."""
+        if not self.is_root:
+            await self.discard()
+            return
+        if self._closed:
+            return
+        with anyio.CancelScope(shield=True):
+            for child in list(self.store.live.values()):
+                if child is not self:
+                    await child.discard()
+            async with self._lock:
+                self._closed = True
+                await anyio.to_thread.run_sync(self._teardown)
+                if not self.store.ephemeral:
+                    await anyio.to_thread.run_sync(self.store.spill_head)
+                await anyio.to_thread.run_sync(self.store.close)
+
+    async def __aenter__(self) -> OverlaySandbox:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+    @property
+    def stack_depth(self) -> int:
+        return len(self._stack)
+
+    @property
+    def root_path(self) -> Path:
+        """The merged root on the host (mounted while the sandbox is in use)."""
+        return self._merged
+
+    def statistics(self) -> SandboxStatistics:
+        return SandboxStatistics(
+            commands=self._stats.commands,
+            forks=self._stats.forks,
+            commits=self._stats.commits,
+            freezes=self._stats.freezes,
+            stack_depth=len(self._stack),
+            compactions=self.store.compactions,
+        )
+
+    # -- internals --------------------------------------------------------------------------
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise SandboxError("the sandbox was already discarded, committed or closed")
+
+    def _mount(self) -> None:
+        if self._mounted:
+            return
+        self._merged.mkdir(parents=True, exist_ok=True)
+        self._rw.mkdir(parents=True, exist_ok=True)
+        if not self._rw_mounted:
+            if self._tmpfs:
+                _fs.mount("tmpfs", str(self._rw), "tmpfs", 0, f"size={self.store.config.limits.disk_bytes},mode=0755")
+            self._rw_mounted = True
+            self._upper.mkdir(exist_ok=True)
+            self._work.mkdir(exist_ok=True)
+        opts = f"lowerdir={self.store.lowerdir(self._stack)},upperdir={self._upper},workdir={self._work},{_MOUNT_OPTS}"
+        try:
+            _fs.mount("overlay", str(self._merged), "overlay", _fs.MS_NODEV, opts)
+        except OSError as exc:
+            raise SandboxError(f"mounting the sandbox overlay failed: {exc}") from None
+        self._mounted = True
+
+    def _unmount(self) -> None:
+        if self._mounted:
+            _fs.umount(str(self._merged))
+            self._mounted = False
+        if self._lv is not None:
+            self.store.release_lower_view(self._lv)
+            self._lv = None
+
+    def _reset_rw(self) -> None:
+        """A fresh, empty upper (after a freeze or a commit)."""
+        if self._tmpfs:
+            if self._rw_mounted:
+                _fs.umount(str(self._rw))
+            self._rw_mounted = False
+        else:
+            for d in (self._upper, self._work):
+                if d.exists():
+                    self.store.trash(d)
+            self._rw_mounted = False
+        self.tracker.reset()
+
+    def _teardown(self) -> None:
+        self._unmount()
+        if self._rw_mounted and self._tmpfs:
+            _fs.umount(str(self._rw))
+        self._rw_mounted = False
+        _fs.remove_tree(self._dir)
+        if not self._tmpfs and self._rw.exists():
+            self.store.trash(self._rw)
+
+    def _lower_view(self) -> str:
+        """A read-only view of this sandbox's lower stack (what the upper sits on)."""
+        if not self._stack:
+            return str(self.store.base.path)
+        if self._lv != self._stack:
+            if self._lv is not None:
+                self.store.release_lower_view(self._lv)
+            path = self.store.acquire_lower_view(self._stack)
+            self._lv = self._stack
+            return path
+        return self.store.lower_view_path(self._stack)
+
+    def _upper_empty(self) -> bool:
+        if not self._rw_mounted:
+            return True
+        with os.scandir(self._upper) as it:
+            return next(it, None) is None
+
+    async def _freeze(self) -> None:
+        """Turn the pending upper into an immutable layer (the version does not change)."""
+        await self._adopt_frozen(await anyio.to_thread.run_sync(self._freeze_if_needed))
+
+    def _freeze_if_needed(self) -> str | None:
+        return None if self._upper_empty() else self._freeze_blocking()
+
+    async def _adopt_frozen(self, lid: str | None) -> None:
+        """Put a just-frozen layer on top of the stack; compact; rewrite HEAD (root)."""
+        if lid is None:
+            return
+        self.store.ref((lid,))
+        self._stack = (lid, *self._stack)
+        self._stats.freezes += 1
+        await self._compact(*self.store.compaction_size(self._stack))
+
+    async def _compact(self, k: int, memory: bool = False) -> None:
+        """Merge the top ``k`` layers of this sandbox's stack into one disk layer; HEAD
+        is rewritten (root) before the replaced layers are released."""
+        dead: list[str] = []
+        if k:
+            merged = await anyio.to_thread.run_sync(self.store.compact, self._stack, k, memory)
+            self.store.ref((merged,))
+            replaced = self._stack[:k]
+            self._stack = (merged, *self._stack[k:])
+            dead = replaced  # released below, after HEAD no longer names them
+        if self.is_root and (k or self._stack != self.store.head_layers):
+            await anyio.to_thread.run_sync(self.store.write_head, self._version, self._stack)
+        if dead:
+            gone = self.store.unref(dead)
+            if gone:
+                await anyio.to_thread.run_sync(self.store.delete_layers, gone)
+
+    def _durable_spill_size(self) -> int:
+        """With ``durable``, the root's stack must not name memory layers."""
+        mem = [i for i, lid in enumerate(self._stack) if lid.startswith("m")]
+        return mem[-1] + 1 if mem and self.store.config.durable and self.is_root else 0
+
+    def _freeze_blocking(self) -> str:
+        self._unmount()
+        cfg = self.store.config
+        if not self._tmpfs:
+            lid = self.store.new_layer_from(self._upper, rename=True)
+            self._reset_rw()
+        elif (self.is_root and cfg.durable) or cfg.memory_layers_bytes == 0:
+            lid = self.store.new_layer_from(self._upper, rename=False)
+            self._reset_rw()
+        else:
+            lid = self.store.new_memory_layer(self._rw)
+            self._rw_mounted = False
+            self.tracker.reset()
+        return lid
+
+    def _disk_full(self) -> bool:
+        if not self._rw_mounted:
+            return False
+        st = os.statvfs(self._rw)
+        return st.f_bavail * st.f_frsize < 64 * 1024
+
+
+def _with_limit(result: CommandResult, what: str) -> CommandResult:
+    if what in result.limits_hit:
+        return result
+    return CommandResult(
+        result.returncode,
+        result.output,
+        result.timed_out,
+        result.duration_s,
+        (*result.limits_hit, what),
+        result.truncated,
+    )
+
+
+def check_host() -> None:
+    """Raise SandboxUnavailableError saying what to do when the overlay backend cannot run."""
+    support, _ = host_support()
+    problems = support.problems()
+    if problems:
+        raise SandboxUnavailableError("; ".join(problems))
+
+
+@asynccontextmanager
+async def open_overlay(config: SandboxConfig | None = None, **overrides: Any) -> AsyncIterator[OverlaySandbox]:
+    """Open an overlay sandbox session: ``async with open_overlay(base="busybox") as sb``.
+
+    The yielded sandbox is the committed root; closing the session discards its forks and
+    unmounts everything (a private state dir is deleted, a given one kept for reopening).
+    """
+    config = (config or SandboxConfig()).replace(**overrides) if overrides else (config or SandboxConfig())
+    check_host()
+    base = await anyio.to_thread.run_sync(lambda: open_base(config.base))
+    if config.state_dir is None:
+        root = default_state_root()
+        root.mkdir(parents=True, exist_ok=True)
+        path = root / f"e-{os.getpid()}-{new_id()}"
+        ephemeral = True
+    else:
+        path = Path(config.state_dir).resolve()
+        ephemeral = False
+    store = OverlayStore(path, base, config, ephemeral=ephemeral)
+    await anyio.to_thread.run_sync(store.open)
+    try:
+        sandbox = OverlaySandbox(
+            store,
+            stack=store.head_layers,
+            version=store.head_version,
+            is_root=True,
+            formatter=get_formatter(config.formatter),
+        )
+        store.ref(store.head_layers)
+    except BaseException:
+        await anyio.to_thread.run_sync(store.close)
+        raise
+    try:
+        yield sandbox
+    finally:
+        await sandbox.aclose()

@@ -1,0 +1,74 @@
+"""The default formatter reproduces mini-swe-agent 1.7's templates exactly (rendered here
+with jinja2, as mini-swe-agent does), so observations match recorded traces."""
+
+from __future__ import annotations
+
+import pytest
+
+from aospec.errors import ConfigError
+from aospec.types import Action
+from runtime import CommandResult, MiniSweAgentFormatter, RawFormatter, get_formatter
+
+jinja2 = pytest.importorskip("jinja2")
+
+# mini-swe-agent 1.7.0, src/minisweagent/config/default.yaml (action_observation_template)
+# and agents/default.py (timeout_template), verbatim
+OBSERVATION_TEMPLATE = """<returncode>{{output.returncode}}</returncode>
+{% if output.output | length < 10000 -%}
+<output>
+{{ output.output -}}
+</output>
+{%- else -%}
+<warning>
+The output of your last command was too long.
+Please try a different command that produces less output.
+If you're looking at a file you can try use head, tail or sed to view a smaller number of lines selectively.
+If you're using grep or find and it produced too much output, you can use a more selective search pattern.
+If you really need to see something from the full command's output, you can redirect output to a file and then search in that file.
+</warning>
+{%- set elided_chars = output.output | length - 10000 -%}
+<output_head>
+{{ output.output[:5000] }}
+</output_head>
+<elided_chars>
+{{ elided_chars }} characters elided
+</elided_chars>
+<output_tail>
+{{ output.output[-5000:] }}
+</output_tail>
+{%- endif -%}
+"""
+TIMEOUT_TEMPLATE = (
+    "The last command <command>{{action['action']}}</command> timed out and has been killed.\n"
+    "The output of the command was:\n <output>\n{{output}}\n</output>\n"
+    "Please try another command and make sure to avoid those requiring interactive input."
+)
+
+
+def render(template: str, **kw: object) -> str:
+    return jinja2.Template(template, undefined=jinja2.StrictUndefined).render(**kw)
+
+
+@pytest.mark.parametrize(
+    "output",
+    ["", "one line\n", "no newline", "trailing blanks\n\n  ", "x" * 9999, "y" * 10000, "é" * 12345 + "\nend\n"],
+)
+def test_observations_match_mini_swe_agent_byte_for_byte(output: str) -> None:
+    result = CommandResult(returncode=2, output=output, timed_out=False, duration_s=0.1)
+    expected = render(OBSERVATION_TEMPLATE, output={"returncode": 2, "output": output})
+    assert MiniSweAgentFormatter().format(Action.bash("cmd"), result) == expected
+
+
+def test_timeouts_match_mini_swe_agent_byte_for_byte() -> None:
+    result = CommandResult(returncode=-9, output="partial\n", timed_out=True, duration_s=30.0)
+    expected = render(TIMEOUT_TEMPLATE, action={"action": "sleep 100"}, output="partial\n")
+    assert MiniSweAgentFormatter().format(Action.bash("sleep 100"), result) == expected
+
+
+def test_formatters_are_chosen_by_name_or_dotted_path() -> None:
+    assert isinstance(get_formatter("mini-swe-agent"), MiniSweAgentFormatter)
+    assert isinstance(get_formatter("runtime.observation:RawFormatter"), RawFormatter)
+    custom = RawFormatter()
+    assert get_formatter(custom) is custom
+    with pytest.raises(ConfigError, match="unknown observation formatter 'nope'"):
+        get_formatter("nope")

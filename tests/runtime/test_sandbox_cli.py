@@ -1,0 +1,131 @@
+"""``aospec sandbox``: exec, build-base, info, gc, and its one-line errors."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from runtime._fs import mounts_under
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def aospec(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    return subprocess.run(
+        [sys.executable, "-m", "aospec", "sandbox", *args], capture_output=True, text=True, timeout=timeout, env=env
+    )
+
+
+def test_exec_prints_the_output_and_exits_with_the_commands_status(backend: str) -> None:
+    proc = aospec("exec", "--backend", backend, "--", "echo", "hello world")
+    assert (proc.returncode, proc.stdout) == (0, "hello world\n")
+    assert f"[{backend}: exit 0" in proc.stderr
+    proc = aospec("exec", "--backend", backend, "--format", "json", "--", "echo out; exit 3")
+    assert proc.returncode == 3
+    data = json.loads(proc.stdout)
+    assert (data["output"], data["returncode"], data["version_before"]) == ("out\n", 3, data["version_after"])
+
+
+def test_exec_applies_the_isolation_defaults_and_options(overlay: str) -> None:
+    proc = aospec("exec", "--timeout", "1", "--", "sleep 10")
+    assert proc.returncode == 124 and "timed out" in proc.stderr
+    proc = aospec(
+        "exec", "--pids", "16", "--memory", "64M", "--env", "A=b", "--workdir", "/tmp", "--", "echo $A $(pwd)"
+    )
+    assert proc.stdout == "b /tmp\n"
+    proc = aospec("exec", "--", "cat /proc/net/dev | grep -c :")
+    assert proc.stdout == "1\n"  # loopback only
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["exec", "--backend", "nope", "--", "true"], "unknown sandbox backend 'nope'"),
+        (["exec", "--base", "/no/such/base", "--", "true"], "base directory '/no/such/base' does not exist"),
+        (["exec"], "no command given"),
+        (["exec", "--env", "NOEQUALS", "--", "true"], "expected K=V"),
+    ],
+)
+def test_bad_input_is_one_line_and_exit_status_2(overlay: str, args: list[str], message: str) -> None:
+    proc = aospec(*args)
+    assert proc.returncode == 2
+    assert proc.stderr.startswith("aospec: error: ") and message in proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1
+
+
+def test_build_base_and_info(overlay: str) -> None:
+    proc = aospec("build-base", "busybox", "--format", "json")
+    assert proc.returncode == 0
+    base = json.loads(proc.stdout)
+    assert Path(base["path"], "bin", "busybox").exists() and len(base["version"]) == 32
+    info = json.loads(aospec("info", "--format", "json").stdout)
+    assert info["overlay_backend"] == "ok" and info["root"] is True
+    assert "docker_checkpoint" in info or info["docker"].startswith("unavailable")
+
+
+def test_gc_removes_what_a_killed_session_left(backend: str, runtime_dirs: dict[str, Path]) -> None:
+    code = (
+        "import anyio\nfrom runtime import open_sandbox\n"
+        "async def main():\n"
+        f"    async with open_sandbox(backend={backend!r}) as sb:\n"
+        "        f = await sb.fork()\n        print('READY', sb.store.path, flush=True)\n"
+        "        await f.run('sleep 600', timeout=900)\n"
+        "anyio.run(main)\n"
+    )
+    proc = subprocess.Popen(
+        [sys.executable, "-c", code], stdout=subprocess.PIPE, text=True, env=dict(os.environ, PYTHONPATH=str(ROOT))
+    )
+    assert proc.stdout is not None
+    line = proc.stdout.readline()
+    assert line.startswith("READY"), line
+    state = Path(line.split()[1])
+    time.sleep(0.5)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    proc.stdout.close()
+    assert state.exists() and mounts_under(str(state))
+    report = json.loads(aospec("gc", "--format", "json").stdout)
+    assert str(state) in report["state_dirs"]
+    assert not state.exists() and not mounts_under(str(state))
+    if backend == "docker":
+        assert len(report["containers"]) == 2
+    assert json.loads(aospec("gc", "--format", "json").stdout)["state_dirs"] == []
+
+
+def test_an_unreachable_docker_daemon_is_one_clear_error(overlay: str) -> None:
+    env = dict(os.environ, PYTHONPATH=str(ROOT), DOCKER_HOST="unix:///nonexistent/docker.sock")
+    proc = subprocess.run(
+        [sys.executable, "-m", "aospec", "sandbox", "exec", "--backend", "docker", "--", "true"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+    )
+    assert proc.returncode == 2
+    assert proc.stderr.startswith("aospec: error: no Docker daemon is reachable")
+    assert "start dockerd" in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
+
+
+@pytest.mark.docker
+def test_a_docker_image_can_become_a_base(docker_backend: str) -> None:
+    from runtime import open_base
+    from runtime.docker import docker_client, ensure_base_image
+
+    client = docker_client()
+    image = ensure_base_image(client, open_base("busybox"))
+    tag = client.images.get(image).tags[0]
+    client.close()
+    proc = aospec("build-base", f"image:{tag}", "--format", "json")
+    assert proc.returncode == 0, proc.stderr
+    exported = json.loads(proc.stdout)
+    assert Path(exported["path"], "bin", "busybox").exists()
+    proc = aospec("exec", "--base", f"image:{tag}", "--", "cat /etc/os-release")
+    assert "aospec busybox base" in proc.stdout
