@@ -29,6 +29,22 @@ from aospec.types import SCHEMA_VERSION, Action, Effect, History, Step, Trace, T
 
 __version__ = "0.1.0"
 
+# The engine pulls in numpy; it is exported lazily so that `aospec --help` stays fast.
+_LAZY = {
+    "Engine": "aospec.engine",
+    "EngineConfig": "aospec.engine_config",
+    "EngineStatistics": "aospec.ledger",
+}
+
+
+def __getattr__(name: str) -> object:
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'aospec' has no attribute {name!r}")
+
+
 __all__ = [
     "SCHEMA_VERSION",
     "Action",
@@ -39,7 +55,10 @@ __all__ = [
     "ConfigError",
     "DrafterError",
     "Effect",
+    "Engine",
+    "EngineConfig",
     "EngineError",
+    "EngineStatistics",
     "History",
     "Kernel",
     "MissingDependencyError",

@@ -426,6 +426,8 @@ class DockerSandbox:
         return str(self._box.container.id)
 
     async def execute(self, action: Action) -> str:
+        if action.is_none:
+            return ""  # a reply without a tool call: nothing runs, the state is unchanged
         command = action.command
         if command is None:
             raise SandboxError(f"the docker sandbox runs bash actions only, not tool {action.tool!r}")

@@ -485,6 +485,8 @@ class OverlaySandbox:
 
     async def execute(self, action: Action) -> str:
         """Run a ``bash`` action; the observation text comes from the formatter."""
+        if action.is_none:
+            return ""  # a reply without a tool call: nothing runs, the state is unchanged
         command = action.command
         if command is None:
             raise SandboxError(f"the overlay sandbox runs bash actions only, not tool {action.tool!r}")

@@ -25,7 +25,7 @@ def parse_size(text: str) -> int:
 
 
 def register(subparsers: Any) -> None:
-    p = subparsers.add_parser("sandbox", help="copy-on-write sandboxes (runtime/)", description=__doc__)
+    p = subparsers.add_parser("sandbox", help="copy-on-write sandboxes (runtime/)", description="Build bases, run a command in a fresh sandbox, inspect the host, clean up after killed sessions.")
     sub = p.add_subparsers(dest="sandbox_command", required=True, metavar="SUBCOMMAND")
 
     b = sub.add_parser("build-base", help="build and cache a base filesystem")

@@ -41,6 +41,12 @@ async def test_non_bash_actions_are_rejected_clearly(sandbox) -> None:
         await sandbox.execute(Action("search", {"q": "x"}))
 
 
+async def test_a_reply_without_a_tool_call_runs_nothing(sandbox) -> None:
+    before = sandbox.version
+    assert await sandbox.execute(Action.none()) == ""
+    assert sandbox.version == before
+
+
 async def test_timeout_kills_the_command_and_says_so(sandbox) -> None:
     result = await sandbox.run("echo started; sleep 30 & sleep 31", timeout=1)
     assert result.timed_out and "timeout" in result.limits_hit
