@@ -38,9 +38,9 @@ import anyio
 
 from aospec._lazy import require
 from aospec.errors import SandboxError, SandboxUnavailableError
-from aospec.types import Action
 from runtime import _fs
 from runtime._files import check_workdir, read_in_root, write_in_root
+from runtime._session import SandboxSession
 from runtime._state import RecoveryReport, default_state_root, lock_state_dir, new_id, write_atomic
 from runtime.base import BaseFS, open_base
 from runtime.config import SandboxConfig
@@ -391,8 +391,10 @@ class DockerStore:
             self._lock_fd = -1
 
 
-class DockerSandbox:
+class DockerSandbox(SandboxSession):
     """A container sandbox; same API as :class:`runtime.overlay.OverlaySandbox`."""
+
+    backend = "docker"
 
     def __init__(
         self,
@@ -424,15 +426,6 @@ class DockerSandbox:
     @property
     def container_id(self) -> str:
         return str(self._box.container.id)
-
-    async def execute(self, action: Action) -> str:
-        if action.is_none:
-            return ""  # a reply without a tool call: nothing runs, the state is unchanged
-        command = action.command
-        if command is None:
-            raise SandboxError(f"the docker sandbox runs bash actions only, not tool {action.tool!r}")
-        result = await self.run(command)
-        return self._formatter.format(action, result)
 
     async def fork(self) -> DockerSandbox:
         self._check_open()
@@ -471,16 +464,10 @@ class DockerSandbox:
 
     async def commit(self, fork: DockerSandbox) -> None:
         self._check_open()
-        if not isinstance(fork, DockerSandbox) or fork.store is not self.store:
-            raise SandboxError("commit: the fork does not belong to this sandbox's store")
-        if fork._closed:
-            raise SandboxError("commit: the fork was already committed or discarded")
-        if self.sid not in fork._lineage:
-            raise SandboxError("commit: the sandbox was not forked from this one")
+        self._check_fork_committable(fork)
         async with self._lock, fork._lock:
             self._check_open()
-            if fork._closed:
-                raise SandboxError("commit: the fork was already committed or discarded")
+            self._check_fork_live(fork)
             with anyio.CancelScope(shield=True):
                 old = self._box
                 self._box, self._version = fork._box, fork._version
@@ -647,18 +634,9 @@ class DockerSandbox:
         with contextlib.suppress(Exception):
             self._box.container.stop(timeout=1)
 
-    async def __aenter__(self) -> DockerSandbox:
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        await self.aclose()
-
     def statistics(self) -> SandboxStatistics:
         return SandboxStatistics(**self._stats)
 
-    def _check_open(self) -> None:
-        if self._closed:
-            raise SandboxError("the sandbox was already discarded, committed or closed")
 
 
 @asynccontextmanager

@@ -45,9 +45,9 @@ from typing import Any
 import anyio
 
 from aospec.errors import SandboxError, SandboxUnavailableError
-from aospec.types import Action
 from runtime import _fs
 from runtime._files import check_workdir, read_in_root, write_in_root
+from runtime._session import SandboxSession
 from runtime._state import RecoveryReport, default_state_root, lock_state_dir, new_id, write_atomic
 from runtime.base import BaseFS, open_base
 from runtime.config import SandboxConfig
@@ -434,7 +434,7 @@ class _Stats:
     freezes: int = 0
 
 
-class OverlaySandbox:
+class OverlaySandbox(SandboxSession):
     """One sandbox of an OverlayStore: the committed root (the session) or a fork.
 
     Implements :class:`aospec.protocols.Sandbox` (``version``, ``execute``, ``fork``,
@@ -442,6 +442,8 @@ class OverlaySandbox:
     and ``aclose``. Operations on one sandbox are serialised; different sandboxes run
     concurrently.
     """
+
+    backend = "overlay"
 
     def __init__(
         self,
@@ -483,16 +485,6 @@ class OverlaySandbox:
         """The filesystem version (up to date whenever no command is in flight)."""
         return self._version
 
-    async def execute(self, action: Action) -> str:
-        """Run a ``bash`` action; the observation text comes from the formatter."""
-        if action.is_none:
-            return ""  # a reply without a tool call: nothing runs, the state is unchanged
-        command = action.command
-        if command is None:
-            raise SandboxError(f"the overlay sandbox runs bash actions only, not tool {action.tool!r}")
-        result = await self.run(command)
-        return self._formatter.format(action, result)
-
     async def fork(self) -> OverlaySandbox:
         """An isolated copy-on-write child at this sandbox's current version."""
         self._check_open()
@@ -520,16 +512,10 @@ class OverlaySandbox:
     async def commit(self, fork: OverlaySandbox) -> None:
         """Make ``fork``'s state this sandbox's state; the fork is consumed."""
         self._check_open()
-        if not isinstance(fork, OverlaySandbox) or fork.store is not self.store:
-            raise SandboxError("commit: the fork does not belong to this sandbox's store")
-        if fork._closed:
-            raise SandboxError("commit: the fork was already committed or discarded")
-        if self.sid not in fork._lineage:
-            raise SandboxError("commit: the sandbox was not forked from this one")
+        self._check_fork_committable(fork)
         async with self._lock, fork._lock:
             self._check_open()
-            if fork._closed:
-                raise SandboxError("commit: the fork was already committed or discarded")
+            self._check_fork_live(fork)
             # shielded: a half-done commit would leave the two sandboxes inconsistent
             with anyio.CancelScope(shield=True):
                 frozen, head_written = await anyio.to_thread.run_sync(self._commit_blocking, fork)
@@ -692,12 +678,6 @@ class OverlaySandbox:
                     await anyio.to_thread.run_sync(self.store.spill_head)
                 await anyio.to_thread.run_sync(self.store.close)
 
-    async def __aenter__(self) -> OverlaySandbox:
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        await self.aclose()
-
     @property
     def stack_depth(self) -> int:
         return len(self._stack)
@@ -718,10 +698,6 @@ class OverlaySandbox:
         )
 
     # -- internals --------------------------------------------------------------------------
-
-    def _check_open(self) -> None:
-        if self._closed:
-            raise SandboxError("the sandbox was already discarded, committed or closed")
 
     def _mount(self) -> None:
         if self._mounted:

@@ -1,0 +1,62 @@
+"""What the overlay and docker sandboxes share: the bash-action entry point, the checks
+around commit, and the ``async with`` lifecycle. Backend state lives in the subclasses."""
+
+from __future__ import annotations
+
+from typing import Any, Self
+
+from aospec.errors import SandboxError
+from aospec.types import Action
+from runtime.observation import CommandResult, ObservationFormatter
+
+
+class SandboxSession:
+    """Base of the concrete sandbox classes (not a protocol: the Sandbox seam stays
+    structural). Subclasses set ``store``, ``sid``, ``_lineage``, ``_formatter``,
+    ``_closed`` and implement ``run`` and ``aclose``."""
+
+    backend = "sandbox"
+    store: Any
+    sid: str
+    _lineage: tuple[str, ...]
+    _formatter: ObservationFormatter
+    _closed: bool
+
+    async def run(self, command: str, **kwargs: Any) -> CommandResult:
+        raise NotImplementedError
+
+    async def aclose(self) -> None:
+        raise NotImplementedError
+
+    async def execute(self, action: Action) -> str:
+        """Run a ``bash`` action; the observation text comes from the formatter."""
+        if action.is_none:
+            return ""  # a reply without a tool call: nothing runs, the state is unchanged
+        command = action.command
+        if command is None:
+            raise SandboxError(f"the {self.backend} sandbox runs bash actions only, not tool {action.tool!r}")
+        result = await self.run(command)
+        return self._formatter.format(action, result)
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise SandboxError("the sandbox was already discarded, committed or closed")
+
+    def _check_fork_committable(self, fork: object) -> None:
+        """Raise unless ``fork`` is a live fork (at any depth) of this sandbox."""
+        if type(fork) is not type(self) or fork.store is not self.store:  # type: ignore[attr-defined]
+            raise SandboxError("commit: the fork does not belong to this sandbox's store")
+        self._check_fork_live(fork)
+        if self.sid not in fork._lineage:  # type: ignore[attr-defined]
+            raise SandboxError("commit: the sandbox was not forked from this one")
+
+    @staticmethod
+    def _check_fork_live(fork: Any) -> None:
+        if fork._closed:
+            raise SandboxError("commit: the fork was already committed or discarded")
+
+    async def __aenter__(self) -> Self:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
