@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from typing import Any, Self
 
+import anyio
+
 from aospec.errors import SandboxError
 from aospec.types import Action
 from runtime.observation import CommandResult, ObservationFormatter
@@ -13,7 +15,7 @@ from runtime.observation import CommandResult, ObservationFormatter
 class SandboxSession:
     """Base of the concrete sandbox classes (not a protocol: the Sandbox seam stays
     structural). Subclasses set ``store``, ``sid``, ``_lineage``, ``_formatter``,
-    ``_closed`` and implement ``run`` and ``aclose``."""
+    ``_closed``, ``_lock``, ``is_root`` and implement ``run``, ``aclose`` and ``_release``."""
 
     backend = "sandbox"
     store: Any
@@ -21,12 +23,36 @@ class SandboxSession:
     _lineage: tuple[str, ...]
     _formatter: ObservationFormatter
     _closed: bool
+    _lock: anyio.Lock
+    is_root: bool
 
     async def run(self, command: str, **kwargs: Any) -> CommandResult:
         raise NotImplementedError
 
     async def aclose(self) -> None:
         raise NotImplementedError
+
+    async def _release(self) -> None:
+        """Free a discarded fork's backend resources (called once, shielded, under its lock)."""
+        raise NotImplementedError
+
+    async def discard(self) -> None:
+        """Throw this sandbox (a fork) and its own forks away; the root closes the session."""
+        if self._closed:
+            return
+        if self.is_root:
+            await self.aclose()
+            return
+        # shielded: a discard interrupted halfway would leak mounts or containers
+        with anyio.CancelScope(shield=True):
+            for child in [sb for sb in self.store.live.values() if self.sid in sb._lineage]:
+                await child.discard()
+            async with self._lock:
+                if self._closed:
+                    return
+                self._closed = True
+                self.store.live.pop(self.sid, None)
+                await self._release()
 
     async def execute(self, action: Action) -> str:
         """Run a ``bash`` action; the observation text comes from the formatter."""

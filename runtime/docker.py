@@ -479,21 +479,8 @@ class DockerSandbox(SandboxSession):
                 await anyio.to_thread.run_sync(old.remove)
                 self._stats["commits"] += 1
 
-    async def discard(self) -> None:
-        if self._closed:
-            return
-        if self.is_root:
-            await self.aclose()
-            return
-        with anyio.CancelScope(shield=True):
-            for child in [sb for sb in self.store.live.values() if self.sid in sb._lineage]:
-                await child.discard()
-            async with self._lock:
-                if self._closed:
-                    return
-                self._closed = True
-                self.store.live.pop(self.sid, None)
-                await anyio.to_thread.run_sync(self._box.remove)
+    async def _release(self) -> None:
+        await anyio.to_thread.run_sync(self._box.remove)
 
     async def run(
         self,

@@ -551,25 +551,12 @@ class OverlaySandbox(SandboxSession):
             return frozen, True
         return frozen, False
 
-    async def discard(self) -> None:
-        """Throw this sandbox away and release its mounts, directories and layers."""
-        if self._closed:
-            return
-        if self.is_root:
-            await self.aclose()
-            return
-        with anyio.CancelScope(shield=True):
-            for child in [sb for sb in self.store.live.values() if self.sid in sb._lineage]:
-                await child.discard()
-            async with self._lock:
-                if self._closed:
-                    return
-                self._closed = True
-                self.store.live.pop(self.sid, None)
-                await anyio.to_thread.run_sync(self._teardown)
-                dead = self.store.unref(self._stack)
-                if dead:
-                    await anyio.to_thread.run_sync(self.store.delete_layers, dead)
+    async def _release(self) -> None:
+        """Release this fork's mounts, directories and the layers only it referenced."""
+        await anyio.to_thread.run_sync(self._teardown)
+        dead = self.store.unref(self._stack)
+        if dead:
+            await anyio.to_thread.run_sync(self.store.delete_layers, dead)
 
     # -- richer API -------------------------------------------------------------------------
 
