@@ -16,7 +16,7 @@ from pathlib import Path
 
 from runtime import _fs
 from runtime._state import default_state_root, state_dir_in_use
-from runtime.isolation import MARKER_ENV, OWNER_ENV, host_support, process_identity
+from runtime.isolation import MARKER_ENV, OWNER_ENV, host_support, process_environments, process_identity
 
 __all__ = ["GcReport", "collect_garbage"]
 
@@ -92,11 +92,7 @@ def _kill_orphans(live_ids: set[str], *, dry_run: bool) -> list[int]:
     found = []
     needle = f"{MARKER_ENV}=aospec-".encode()
     owner_key = f"{OWNER_ENV}=".encode()
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
-        except OSError:
-            continue
+    for pid, env in process_environments():
         marks = [item for item in env if item.startswith(needle)]
         if not marks:
             continue
@@ -106,10 +102,10 @@ def _kill_orphans(live_ids: set[str], *, dry_run: bool) -> list[int]:
         owner_alive = bool(owner) and process_identity(int(owner.split(":")[0])) == owner
         if store_id in live_ids or owner_alive:
             continue
-        found.append(int(pid))
+        found.append(pid)
         if not dry_run:
             with contextlib.suppress(ProcessLookupError):
-                os.kill(int(pid), signal.SIGKILL)
+                os.kill(pid, signal.SIGKILL)
     return found
 
 

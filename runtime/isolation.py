@@ -22,7 +22,7 @@ import signal
 import subprocess
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TypeVar
@@ -41,6 +41,8 @@ __all__ = [
     "bwrap_argv",
     "host_support",
     "kill_marked",
+    "marked_processes",
+    "process_environments",
     "process_identity",
     "run_bwrap",
 ]
@@ -415,21 +417,35 @@ def _owner_identity() -> str:
     return _owner[1]
 
 
-def kill_marked(prefix: str, *, exact: bool = False) -> list[int]:
-    """SIGKILL every process whose environment marks it as a sandbox process of
-    ``prefix`` (bwrap processes orphaned when their session was killed mid-setup);
-    ``exact``: the marker of one run only."""
-    needle = f"{MARKER_ENV}={prefix}".encode()
-    killed = []
+def process_environments() -> Iterator[tuple[int, list[bytes]]]:
+    """(pid, environment items) of every process whose environment can be read."""
     for pid in filter(str.isdigit, os.listdir("/proc")):
         try:
             env = Path(f"/proc/{pid}/environ").read_bytes()
         except OSError:
             continue
-        if any(item == needle if exact else item.startswith(needle) for item in env.split(b"\0")):
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(int(pid), signal.SIGKILL)
-                killed.append(int(pid))
+        yield int(pid), env.split(b"\0")
+
+
+def marked_processes(prefix: str, *, exact: bool = False) -> list[int]:
+    """Processes whose environment marks them as sandbox processes of ``prefix`` (orphans
+    too); ``exact``: the marker of one run only."""
+    needle = f"{MARKER_ENV}={prefix}".encode()
+    return [
+        pid
+        for pid, env in process_environments()
+        if any(item == needle if exact else item.startswith(needle) for item in env)
+    ]
+
+
+def kill_marked(prefix: str, *, exact: bool = False) -> list[int]:
+    """SIGKILL every process :func:`marked_processes` finds (bwrap processes orphaned when
+    their session was killed mid-setup)."""
+    killed = []
+    for pid in marked_processes(prefix, exact=exact):
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+            killed.append(pid)
     return killed
 
 

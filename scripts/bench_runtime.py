@@ -32,7 +32,7 @@ import anyio
 from aospec.progress import progress
 from runtime import SandboxConfig, default_state_root, hash_file, open_sandbox
 from runtime._fs import mounts_under
-from runtime.isolation import host_support
+from runtime.isolation import host_support, marked_processes
 
 
 def pct(xs: list[float], q: float) -> float:
@@ -192,17 +192,6 @@ def _time(fn: Callable[[], Any]) -> float:
     return time.perf_counter() - t
 
 
-def marked_processes(store_id: str) -> int:
-    """The store's sandbox processes anywhere on the host (orphans too), by bwrap's marker."""
-    n = 0
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            n += f"AOSPEC_SANDBOX=aospec-{store_id}-".encode() in Path(f"/proc/{pid}/environ").read_bytes()
-        except OSError:
-            continue
-    return n
-
-
 def leak_snapshot() -> dict[str, int]:
     _, cgroups = host_support()
     root = default_state_root()
@@ -242,7 +231,7 @@ async def cycles(backend: str, n: int, bar: Any) -> dict[str, Any]:
     wall = time.perf_counter() - t0
     after = leak_snapshot()
     out: dict[str, Any] = {f"{backend}_cycles": n, f"{backend}_cycles_per_s": n / wall}
-    out[f"{backend}_leaked_sandbox_processes"] = marked_processes(store_id) if backend == "overlay" else 0
+    out[f"{backend}_leaked_sandbox_processes"] = len(marked_processes(f"aospec-{store_id}-")) if backend == "overlay" else 0
     for k in before:
         out[f"{backend}_leaked_{k}"] = after[k] - before[k]
     if containers_before is not None:

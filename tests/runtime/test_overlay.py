@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from aospec.errors import ConfigError, SandboxError, SandboxUnavailableError
 from runtime import Limits, SandboxConfig, open_base, open_sandbox
 from runtime._fs import mounts_under
-from runtime.isolation import HostSupport
+from runtime.isolation import HostSupport, marked_processes
 from runtime.versions import base_version, chain_version, tree_layer
 
 pytestmark = pytest.mark.anyio
@@ -233,17 +233,6 @@ async def test_memory_layers_spill_to_disk_past_their_budget(overlay: str) -> No
         assert (await sb.run("cat /tmp/blob* | wc -c")).output == "4000000\n"
 
 
-def _marked(store_id: str) -> list[str]:
-    out = []
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            if f"AOSPEC_SANDBOX=aospec-{store_id}-".encode() in Path(f"/proc/{pid}/environ").read_bytes():
-                out.append(pid)
-        except OSError:
-            continue
-    return out
-
-
 async def test_cancelling_at_any_moment_leaves_no_process(overlay: str) -> None:
     import random
 
@@ -256,5 +245,5 @@ async def test_cancelling_at_any_moment_leaves_no_process(overlay: str) -> None:
             with anyio.move_on_after(rng.uniform(0, 0.012)):
                 await fork.run("echo x > /tmp/x; sleep 5")
             await fork.discard()
-            assert not _marked(sb.store.id)
+            assert not marked_processes(f"aospec-{sb.store.id}-")
         assert (await sb.run("echo alive")).output == "alive\n"

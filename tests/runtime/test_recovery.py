@@ -16,7 +16,7 @@ import pytest
 
 from runtime import SandboxConfig, open_sandbox
 from runtime._fs import mounts_under, unmount_all_under
-from runtime.isolation import host_support
+from runtime.isolation import host_support, marked_processes
 
 pytestmark = pytest.mark.anyio
 
@@ -79,19 +79,6 @@ def _leftover_processes(marker: str) -> list[str]:
     return out
 
 
-def _marked_processes(store_id: str) -> list[str]:
-    """Sandbox processes of the store still alive (bwrap marks them in its environment)."""
-    out = []
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            env = Path(f"/proc/{pid}/environ").read_bytes()
-        except OSError:
-            continue
-        if f"AOSPEC_SANDBOX=aospec-{store_id}-".encode() in env:
-            out.append(pid)
-    return out
-
-
 def _aospec_cgroups(store_id: str) -> list[str]:
     _, cgroups = host_support()
     if cgroups is None:
@@ -113,7 +100,7 @@ async def test_overlay_recovers_from_sigkill_with_commands_in_flight(overlay: st
         out = await sb.run("cat /tmp/counter; ls /tmp")
         assert out.output == "2\ncounter\nd0\nd1\nd2\n"  # neither /tmp/fork nor /tmp/partial
         assert not _leftover_processes("sleep 98")
-        assert not _marked_processes(store_id)
+        assert not marked_processes(f"aospec-{store_id}-")
         assert not _aospec_cgroups(store_id)
     assert not mounts_under(str(state))
 
@@ -129,7 +116,7 @@ async def test_overlay_recovers_from_sigkill_at_random_moments(overlay: str, sta
         done, begun = child.last("DONE"), child.last("BEGIN")
         store_id = (state / "ID").read_text().strip()
         async with open_sandbox(SandboxConfig(backend=overlay, state_dir=str(state))) as sb:
-            assert not _marked_processes(store_id)
+            assert not marked_processes(f"aospec-{store_id}-")
             # the commit in progress either happened entirely or not at all
             assert sb.version in (done[2], begun[2])
             expected = done[1] if sb.version == done[2] else begun[1]

@@ -11,7 +11,7 @@ import pytest
 
 from runtime import SandboxConfig, default_state_root, open_sandbox
 from runtime._fs import mounts_under
-from runtime.isolation import host_support
+from runtime.isolation import host_support, marked_processes
 
 pytestmark = pytest.mark.anyio
 
@@ -29,18 +29,6 @@ def resources() -> dict[str, int]:
         "sockets": sum(link.startswith("socket:") for link in links),
         "state_dirs": len(list(default_state_root().iterdir())) if default_state_root().exists() else 0,
     }
-
-
-def sandbox_processes(store_id: str) -> list[str]:
-    """The store's sandbox processes anywhere on the host (orphans too), by bwrap's marker."""
-    out = []
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            if f"AOSPEC_SANDBOX=aospec-{store_id}-".encode() in Path(f"/proc/{pid}/environ").read_bytes():
-                out.append(pid)
-        except OSError:
-            continue
-    return out
 
 
 def _exists(fd: str) -> bool:
@@ -80,7 +68,7 @@ async def test_hundreds_of_overlay_cycles_leak_nothing(overlay: str) -> None:
         assert (await sb.run("cat /tmp/kept")).output == "275\n"
         store_id = sb.store.id
     _same(before, resources())
-    assert not sandbox_processes(store_id)
+    assert not marked_processes(f"aospec-{store_id}-")
 
 
 @pytest.mark.docker
