@@ -164,6 +164,24 @@ class Layer:
     def __bool__(self) -> bool:
         return bool(self.records)
 
+    @classmethod
+    def between(cls, before: Mapping[bytes, bytes], after: Mapping[bytes, bytes]) -> Layer:
+        """The layer that turns full-tree records ``before`` into ``after`` (path -> state,
+        as :func:`tree_layer` gives them). O(tree): the reference that the incremental
+        trackers are checked against; a deleted or replaced non-directory hides its subtree."""
+        records: list[tuple[bytes, bytes | None]] = []
+        gone: set[bytes] = set()
+        for p in sorted(set(before) | set(after), key=lambda p: p.split(b"/")):
+            parts = p.split(b"/")
+            if any(b"/".join(parts[:i]) in gone for i in range(1, len(parts))):
+                continue
+            state = after.get(p)
+            if before.get(p) != state:
+                records.append((p, state))
+                if state is None or state[:1] != b"d":
+                    gone.add(p)
+        return cls(tuple(records))
+
     def apply_to(self, version: str) -> str:
         """The version after this layer on top of ``version`` (unchanged when empty)."""
         return chain_version(version, self.digest) if self.records else version

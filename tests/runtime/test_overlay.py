@@ -14,7 +14,7 @@ from aospec.errors import ConfigError, SandboxError, SandboxUnavailableError
 from runtime import Limits, SandboxConfig, open_base, open_sandbox
 from runtime._fs import mounts_under
 from runtime.isolation import HostSupport, marked_processes
-from runtime.versions import base_version, chain_version, tree_layer
+from runtime.versions import Layer, base_version, chain_version, tree_layer
 
 pytestmark = pytest.mark.anyio
 
@@ -38,19 +38,7 @@ async def _snapshot_version(sb, parent_version: str, before: dict) -> tuple[str,
         after = {p: s for p, s in tree_layer(fork.root_path).records if not p.startswith((b"proc/", b"dev/"))}
     finally:
         await fork.discard()
-    changed = []
-    gone: set[bytes] = set()
-    for p in sorted(set(before) | set(after), key=lambda p: p.split(b"/")):
-        parts = p.split(b"/")
-        if any(b"/".join(parts[:i]) in gone for i in range(1, len(parts))):
-            continue
-        if before.get(p) != after.get(p):
-            changed.append((p, after.get(p)))
-            if after.get(p) is None or after[p][:1] != b"d":
-                gone.add(p)
-    from runtime.versions import Layer
-
-    layer = Layer(tuple(changed))
+    layer = Layer.between(before, after)
     return layer.apply_to(parent_version), after
 
 

@@ -46,21 +46,6 @@ def _snapshot(root: Path) -> dict[bytes, bytes]:
         reader.close()
 
 
-def _naive_layer(before: dict[bytes, bytes], after: dict[bytes, bytes]) -> Layer:
-    records = []
-    gone: set[bytes] = set()
-    for p in sorted(set(before) | set(after), key=lambda p: p.split(b"/")):
-        parts = p.split(b"/")
-        if any(b"/".join(parts[:i]) in gone for i in range(1, len(parts))):
-            continue
-        if before.get(p) != after.get(p):
-            s = after.get(p)
-            records.append((p, s))
-            if s is None or s[:1] != b"d":
-                gone.add(p)
-    return Layer(tuple(records))
-
-
 def _real_dir_chain(root: Path, rel: str) -> bool:
     """Every ancestor of ``rel`` is a real directory (never write through a symlink)."""
     cur = root
@@ -145,7 +130,7 @@ def test_the_tracked_layer_equals_the_whole_tree_difference(overlay_dirs: dict[s
             for op in batch:
                 _apply(merged, op)
             after = _snapshot(merged)
-            assert tracker.diff() == _naive_layer(before, after), batch
+            assert tracker.diff() == Layer.between(before, after), batch
     finally:
         _fs.umount(str(merged))
         _fs.remove_tree(work)
