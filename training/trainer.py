@@ -105,6 +105,8 @@ class TrainResult:
     top5: float | None
     seconds: float
     out: str
+    baseline_top1: float | None = None
+    baseline_top5: float | None = None
     final_loss: float | None = None
     evaluated: int = 0
     resumed_from: int | None = None
@@ -284,6 +286,27 @@ def evaluate(
         hit1 += bool(texts) and texts[0] == target
         hit5 += target in texts[:5]
     return hit1 / len(examples), hit5 / len(examples), len(examples)
+
+
+def frequency_baseline(
+    train: Sequence[Example], evals: Sequence[Example], *, kind: ExampleKind = "observation"
+) -> tuple[float | None, float | None]:
+    """Top-1 and top-5 exact match of always proposing the training set's most frequent
+    targets (for actions: first actions): the score a model must beat to have learned more
+    than the common case (an empty output, say)."""
+    if not evals:
+        return None, None
+    from collections import Counter
+
+    from drafters.prompts import ACTION_SEPARATOR
+
+    def first(target: str) -> str:
+        return target.split(ACTION_SEPARATOR)[0] if kind == "action" else target
+
+    common = [t for t, _ in Counter(first(e.target) for e in train).most_common(5)]
+    hits = [first(e.target) for e in evals]
+    return (sum(bool(common) and t == common[0] for t in hits) / len(hits),
+            sum(t in common for t in hits) / len(hits))
 
 
 def _pick_eval(examples: Sequence[Example], limit: int, seed: int) -> list[Example]:
@@ -469,7 +492,7 @@ def train(config: TrainConfig, *, traces: Sequence[Trace] | None = None) -> Trai
         previous = [tuple(x) for x in json.loads(metrics_path.read_text()).get("losses", []) if x[0] <= start]
     all_losses = [*previous, *losses]
 
-    top1 = top5 = None
+    top1 = top5 = base1 = base5 = None
     evaluated = 0
     if done >= config.steps or out_of_time:
         final = out / ("adapter" if mode == "lora" else "model")
@@ -488,11 +511,12 @@ def train(config: TrainConfig, *, traces: Sequence[Trace] | None = None) -> Trai
             backend, picked, samples=config.eval_samples, mode=config.eval_mode,
             max_new_tokens=config.target_tokens, kind=config.kind,
         )
+        base1, base5 = frequency_baseline(train_ex, picked, kind=config.kind)
     seconds = time.perf_counter() - started
     result = TrainResult(
         examples=len(train_ex) + len(eval_ex), train_examples=len(train_ex), eval_examples=len(eval_ex),
         steps=done, eval_tasks=tuple(eval_tasks), top1=top1, top5=top5, seconds=round(seconds, 3), out=str(out),
-        final_loss=all_losses[-1][1] if all_losses else None, evaluated=evaluated,
+        baseline_top1=base1, baseline_top5=base5, final_loss=all_losses[-1][1] if all_losses else None, evaluated=evaluated,
         resumed_from=start if ckpt is not None else None, losses=tuple(all_losses),
     )
     metrics_path.write_text(json.dumps({**result.summary(), "losses": [list(x) for x in all_losses]}, indent=1) + "\n")

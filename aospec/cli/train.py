@@ -107,6 +107,7 @@ def _run(args: argparse.Namespace) -> int:
         ("final loss", "-" if result.final_loss is None else f"{result.final_loss:.4f}"),
         (f"top-1 exact match ({result.evaluated} examples)", pct(result.top1)),
         ("top-5 exact match", pct(result.top5)),
+        ("most-frequent baseline top-1 / top-5", f"{pct(result.baseline_top1)} / {pct(result.baseline_top5)}"),
         ("seconds", f"{result.seconds:.1f}"),
     ]
     for k, v in rows:

@@ -8,7 +8,7 @@ from aospec.errors import ConfigError
 from aospec.types import Action, Step, Trace
 from drafters.prompts import ACTION_SEPARATOR, ELISION, PromptBudget, parse_action, render_action
 from replay import bundled_traces_path, load_traces
-from training.dataset import build_examples, expand_weights, split_by_task
+from training.dataset import Example, build_examples, expand_weights, split_by_task
 
 
 def words(text: str) -> int:
@@ -132,3 +132,17 @@ def test_bundled_traces_give_examples_within_budget(bundled: list[Trace]) -> Non
     ex = build_examples(bundled, count=words, budget=budget)
     assert len(ex) == sum(1 for t in bundled for s in t.steps if s.completed)
     assert all(sum(words(m["content"]) + 6 for m in e.chat()) <= budget.total for e in ex)
+
+
+def test_frequency_baseline_proposes_the_most_frequent_training_targets() -> None:
+    from training.trainer import frequency_baseline
+
+    def ex(task: str, target: str) -> Example:
+        return Example(task, f"{task}-t", 0, (), target, 1.0, 1)
+
+    train = [ex("a", "empty")] * 5 + [ex("a", "ok")] * 3 + [ex("a", f"rare{i}") for i in range(6)]
+    evals = [ex("b", "empty"), ex("b", "ok"), ex("b", "never seen"), ex("b", "empty")]
+    assert frequency_baseline(train, evals) == (0.5, 0.75)
+    assert frequency_baseline(train, []) == (None, None)
+    actions = [ex("a", "ls" + ACTION_SEPARATOR + "pwd")] * 2 + [ex("a", "cat x")]
+    assert frequency_baseline(actions, [ex("b", "ls" + ACTION_SEPARATOR + "whoami")], kind="action") == (1.0, 1.0)
