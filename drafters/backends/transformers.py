@@ -4,19 +4,24 @@ Decoding paths (``decode=``):
 
 - ``generate``: Hugging Face ``model.generate`` (eager, dynamic KV cache); the baseline.
 - ``dynamic``: our own decode loop over a dynamic KV cache.
-- ``static``: our loop over a preallocated static KV cache with an explicit attention
-  mask, so one decode step has fixed shapes and addresses.
+- ``static``: our loop over a preallocated static KV cache (one per batch size and
+  256-token length bucket) with an explicit attention mask, so one decode step has fixed
+  shapes and addresses.
 - ``compile``: ``static`` with the step compiled by ``torch.compile`` (CUDA graphs through
-  ``mode="reduce-overhead"`` on a GPU).
+  ``mode="reduce-overhead"`` on a GPU; those are recorded per thread, so a threaded
+  ``offload`` may record again in a new worker thread).
 - ``cuda_graph``: ``static`` with the decode step captured once per (batch, cache length)
   as a CUDA graph and replayed; sampling (Gumbel-max) stays outside the graph.
-- ``auto``: ``cuda_graph`` on a GPU (falling back to ``static`` if capture fails),
-  ``dynamic`` on a CPU.
+- ``auto``: ``cuda_graph`` on a GPU (falling back to ``static`` if capture fails; the
+  reason is kept in ``fallback_reason``), ``dynamic`` on a CPU or for a model with
+  sliding-window layers (the static paths need full attention in every layer).
 
-All paths draw the same way: N copies of the prompt decode as one batch; each row's
-log-probability is the sum of its tokens' log-probabilities under the model at
-temperature 1 (sampling itself may use another temperature). Seeds derive from the
-prompt, so a prompt's candidates are reproducible regardless of call order.
+All paths draw the same way: N copies of the prompt decode as one batch (our loops run
+the prompt once and copy its cache to every row); each row's log-probability is the sum of
+its tokens' log-probabilities under the model at temperature 1 (sampling itself may use
+another temperature). Seeds derive from the prompt, so a prompt's candidates are
+reproducible regardless of call order. Per decode step the host does not wait for the
+device except once every ``_CHECK_EVERY`` steps.
 """
 
 from __future__ import annotations
@@ -45,7 +50,12 @@ _CACHE_BUCKET = 256
 
 class _StaticRunner:
     """A static KV cache for (batch, max_len) with a decode step, optionally compiled or
-    captured as a CUDA graph."""
+    captured as a CUDA graph.
+
+    The cache tensors, the input token/position buffers and (for ``cuda_graph``) the
+    captured logits keep their addresses for the runner's life; :meth:`reset` zeroes them
+    in place, so a captured graph stays valid across prompts.
+    """
 
     def __init__(self, backend: TransformersBackend, batch: int, max_len: int, path: str) -> None:
         torch = backend._torch
@@ -53,7 +63,6 @@ class _StaticRunner:
         self.batch = batch
         self.max_len = max_len
         self.path = path
-        model = backend.model
         device = backend.device
         try:
             self.cache = backend._transformers.StaticCache(config=backend._config, max_cache_len=max_len)
@@ -68,18 +77,30 @@ class _StaticRunner:
         self.min_value = torch.finfo(backend.dtype).min
         self.graph: Any = None
         self.logits: Any = None
-        step = self._step
-        if path == "compile":
-            mode = "reduce-overhead" if device.startswith("cuda") else None
-            step = torch.compile(self._step, mode=mode, dynamic=False, fullgraph=False)
-        self.step_fn = step
-        del model
+        self.step_fn = self._step
+        if path == "static":
+            return
+        with torch.inference_mode():
+            # One eager step on the current stream allocates the cache's lazily created
+            # tensors here, outside any compiled region or capture, so their addresses are
+            # fixed before compilation (transformers marks them static only when eager).
+            self._step()
+        self.reset()
         if path == "cuda_graph":
             self._capture()
         elif path == "compile":
+            dynamo = torch._dynamo
+            for t in (self.token, self.pos, self.columns):
+                dynamo.mark_static_address(t)
+            mode = "reduce-overhead" if device.startswith("cuda") else None
+            self.step_fn = torch.compile(self._step, mode=mode, dynamic=False, fullgraph=False)
             # Compile now (several calls: CUDA-graph trees record on a later one), so that a
-            # model or library the compiler cannot handle fails here and falls back.
-            with torch.inference_mode():
+            # model or library the compiler cannot handle fails here and falls back. Every
+            # (batch, max_len) is one more compiled entry of the same code: lift the
+            # recompile limit so that later shapes are compiled too, not run eagerly.
+            name = "recompile_limit" if hasattr(dynamo.config, "recompile_limit") else "cache_size_limit"
+            limit = max(int(getattr(dynamo.config, name)), 64)
+            with dynamo.config.patch(**{name: limit}), torch.inference_mode():
                 for _ in range(3):
                     self.step_fn()
             self.reset()
@@ -105,9 +126,8 @@ class _StaticRunner:
 
     def _capture(self) -> None:
         torch = self.backend._torch
-        self.reset()
-        # Warm up on a side stream (allocates the cache's lazily created tensors and
-        # autotunes kernels), then capture; warm-up writes are undone by reset().
+        # Warm up on a side stream (autotuning, library handles and workspaces), then
+        # capture; warm-up writes are undone by reset().
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream), torch.inference_mode():
@@ -116,7 +136,9 @@ class _StaticRunner:
         torch.cuda.current_stream().wait_stream(stream)
         self.reset()
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph), torch.inference_mode():
+        # thread_local: an unsafe call (e.g. cudaMalloc) by another thread of the process
+        # meanwhile (another drafter, an encoder) is not an error that voids the capture.
+        with torch.cuda.graph(graph, capture_error_mode="thread_local"), torch.inference_mode():
             self.logits = self._step()
         self.graph = graph
         self.reset()
@@ -125,21 +147,37 @@ class _StaticRunner:
         self.cache.reset()
 
     def prefill(self, ids: Any) -> Any:
-        torch = self.backend._torch
+        """Run the prompt ``ids`` (shape (1, length)) into every row of the cache; the
+        last position's logits, shape (1, vocab) or (batch, vocab)."""
+        backend = self.backend
+        torch = backend._torch
         length = ids.shape[1]
-        positions = torch.arange(length, device=self.backend.device)
+        positions = torch.arange(length, device=backend.device)
+        if backend._shared_prefill:
+            # The prompt is the same for every row: run it once, then copy its keys and
+            # values into each row (through the cache's own update, which writes
+            # positions 0..length-1 of an empty cache).
+            cache = backend._dynamic_cache()
+            logits = backend.model(
+                input_ids=ids, position_ids=positions.view(1, -1), use_cache=True, logits_to_keep=1,
+                **{backend._cache_kw: cache},
+            ).logits[:, -1, :]
+            for i, layer in enumerate(cache.layers):
+                keys, values = (t.expand(self.batch, *t.shape[1:]).contiguous() for t in (layer.keys, layer.values))
+                self.cache.update(keys, values, i, {"cache_position": positions})
+            return logits
         allowed = (self.columns.view(1, -1) <= positions.view(-1, 1)).view(1, 1, length, self.max_len)
         kwargs = {
-            "input_ids": ids,
+            "input_ids": ids.expand(self.batch, length),
             "position_ids": positions.view(1, -1).expand(self.batch, length),
             "attention_mask": self._masks(allowed.expand(self.batch, 1, length, self.max_len)),
-            self.backend._cache_kw: self.cache,
+            backend._cache_kw: self.cache,
             "use_cache": True,
             "logits_to_keep": 1,
         }
-        if self.backend._takes_cache_position:
+        if backend._takes_cache_position:
             kwargs["cache_position"] = positions
-        return self.backend.model(**kwargs).logits[:, -1, :]
+        return backend.model(**kwargs).logits[:, -1, :]
 
     def decode(self, token: Any, position: int) -> Any:
         self.token.copy_(token.view(self.batch, 1))
@@ -200,18 +238,20 @@ class TransformersBackend:
         self.seed = seed
         self.offload = offload
         self.max_context = max_context
-        if decode == "auto":
-            decode = "cuda_graph" if self.device.startswith("cuda") else "dynamic"
-        if decode == "cuda_graph" and not self.device.startswith("cuda"):
-            raise ConfigError("transformers backend: decode='cuda_graph' needs a CUDA device")
-        self.decode = decode
-        self.fallback_reason: str | None = None
         base = self.model.get_base_model() if hasattr(self.model, "get_base_model") else self.model
         self._config = base.config
         params = inspect.signature(type(base).forward).parameters
         self._cache_kw = "past_key_values" if "past_key_values" in params else "cache"
         self._takes_cache_position = "cache_position" in params
         self._layer_types = tuple(sorted(set(getattr(self._config, "layer_types", None) or ["full_attention"])))
+        if decode == "auto":
+            static_ok = self._layer_types == ("full_attention",)
+            decode = "cuda_graph" if self.device.startswith("cuda") and static_ok else "dynamic"
+        if decode == "cuda_graph" and not self.device.startswith("cuda"):
+            raise ConfigError("transformers backend: decode='cuda_graph' needs a CUDA device")
+        self.decode = decode
+        self._check_static(decode)
+        self.fallback_reason: str | None = None
         self._valid_vocab = len(self.tokenizer)
         self._end_ids = self._find_end_ids()
         self._pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self._end_ids[0]
@@ -219,6 +259,22 @@ class TransformersBackend:
         self._lock = threading.Lock()
         self._counts: dict[str, int] = {}
         self._end_tensor = torch.tensor(self._end_ids, device=self.device)
+        # Static paths prefill once for all rows through a dynamic cache whose per-layer
+        # keys/values can be read (transformers 5).
+        self._shared_prefill = hasattr(self._dynamic_cache(), "layers")
+
+    def _dynamic_cache(self) -> Any:
+        cls = self._transformers.DynamicCache
+        if "config" in inspect.signature(cls.__init__).parameters:
+            return cls(config=self._config)
+        return cls()
+
+    def _check_static(self, decode: str) -> None:
+        if decode in ("static", "compile", "cuda_graph") and self._layer_types != ("full_attention",):
+            raise ConfigError(
+                f"transformers backend: decode={decode!r} needs full attention in every layer; model "
+                f"{self.spec!r} has {', '.join(self._layer_types)} layers: use decode='dynamic' or 'generate'"
+            )
 
     def _find_end_ids(self) -> tuple[int, ...]:
         ids = set()
@@ -337,16 +393,17 @@ class TransformersBackend:
         )
 
     def _logprobs(self, logits: Any) -> Any:
-        torch = self._torch
-        logits = logits.float()
+        """Float32 log-probabilities over the tokenizer's vocabulary (the model's may be
+        padded; those ids never come out)."""
         if logits.shape[-1] > self._valid_vocab:
-            logits[..., self._valid_vocab:] = -math.inf
-        return torch.log_softmax(logits, dim=-1)
+            logits = logits[..., : self._valid_vocab]
+        return self._torch.log_softmax(logits, dim=-1, dtype=self._torch.float32)
 
     def _runner(self, batch: int, max_len: int) -> _StaticRunner:
         key = (batch, max_len, self.decode)
         runner = self._runners.get(key)
         if runner is None:
+            self._check_static(self.decode)
             if len(self._runners) >= 8:
                 self._runners.popitem(last=False)
             try:
@@ -380,24 +437,27 @@ class TransformersBackend:
         device = self.device
         gen = torch.Generator(device=device)
         gen.manual_seed(self._seed(prompt, seed))
-        prompt_ids = torch.tensor([ids], device=device).expand(batch, len(ids))
+        prompt_ids = torch.tensor([ids], device=device)
         length = len(ids)
         if self.decode == "dynamic":
-            cache = self._transformers.DynamicCache(config=self._config) if "config" in inspect.signature(
-                self._transformers.DynamicCache.__init__).parameters else self._transformers.DynamicCache()
+            cache = self._dynamic_cache()
 
             def forward(tokens: Any, start: int) -> Any:
                 positions = torch.arange(start, start + tokens.shape[1], device=device).view(1, -1)
                 kwargs = {
                     "input_ids": tokens,
-                    "position_ids": positions.expand(batch, -1),
+                    "position_ids": positions.expand(tokens.shape[0], -1),
                     self._cache_kw: cache,
                     "use_cache": True,
                     "logits_to_keep": 1,
                 }
                 return self.model(**kwargs).logits[:, -1, :]
 
-            logits = forward(prompt_ids, 0)
+            if batch > 1 and hasattr(cache, "batch_repeat_interleave"):
+                logits = forward(prompt_ids, 0)  # the prompt once, its cache then copied per row
+                cache.batch_repeat_interleave(batch)
+            else:
+                logits = forward(prompt_ids.expand(batch, length), 0)
             step = lambda tok, pos: forward(tok.view(batch, 1), pos)  # noqa: E731
         else:
             max_len = min(self.max_context, -(-(length + max_new) // _CACHE_BUCKET) * _CACHE_BUCKET)
@@ -405,20 +465,28 @@ class TransformersBackend:
             runner.reset()
             logits = runner.prefill(prompt_ids)
             step = runner.decode
+        # Every per-step operation below stays on the device: the host waits for it only
+        # once every _CHECK_EVERY steps (the "all rows finished" test) and at the end.
         finished = torch.zeros(batch, dtype=torch.bool, device=device)
+        pad = torch.full((batch,), self._pad_id, dtype=torch.long, device=device)
+        ends = self._end_tensor.view(1, -1)
+        noise_shape = (batch, logits.shape[-1])
         out = []
         picked = []
         for t in range(max_new):
-            logp = self._logprobs(logits)
+            logp = self._logprobs(logits).expand(batch, -1)  # the prefill's may be one shared row
             if mode == "greedy":
                 tok = logp.argmax(dim=-1)
             else:
-                u = torch.rand(logp.shape, generator=gen, device=device).clamp_(1e-20, 1.0)
-                tok = (logp / temperature - torch.log(-torch.log(u))).argmax(dim=-1)
-            tok = torch.where(finished, torch.full_like(tok, self._pad_id), tok)
+                # Gumbel-max over the model's whole (padded) vocabulary, so that a seed draws
+                # the same noise whatever the tokenizer size.
+                u = torch.rand(noise_shape, generator=gen, device=device)[:, : logp.shape[-1]].clamp_(1e-20, 1.0)
+                scaled = logp if temperature == 1.0 else logp / temperature
+                tok = (scaled - torch.log(-torch.log(u))).argmax(dim=-1)
+            tok = torch.where(finished, pad, tok)
             out.append(tok)
             picked.append(logp.gather(1, tok.view(-1, 1)).view(-1))
-            finished |= torch.isin(tok, self._end_tensor)
+            finished |= (tok.view(-1, 1) == ends).any(dim=1)
             if t + 1 == max_new:
                 break
             if (t % _CHECK_EVERY == _CHECK_EVERY - 1 and bool(finished.all())) or (stop is not None and stop.is_set()):

@@ -4,6 +4,8 @@ sampling is reproducible, cancellation stops the model."""
 from __future__ import annotations
 
 import math
+import os
+import shutil
 import time
 
 import anyio
@@ -12,7 +14,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from aospec.errors import ConfigError, DrafterError  # noqa: E402
-from drafters.backends import LMBackend, make_backend, merge_completions  # noqa: E402
+from drafters.backends import Completion, LMBackend, make_backend, merge_completions  # noqa: E402
 from drafters.backends.transformers import TransformersBackend  # noqa: E402
 from replay import bundled_traces_path, load_traces  # noqa: E402
 
@@ -27,6 +29,20 @@ def backend() -> TransformersBackend:
 @pytest.fixture(scope="module")
 def prompt(backend: TransformersBackend) -> str:
     return backend.render([{"role": "system", "content": "task: list files"}, {"role": "user", "content": "ls -la"}])
+
+
+@pytest.fixture(scope="module")
+def long_prompt(backend: TransformersBackend) -> str:
+    """A prompt of 217..239 tokens: 16 new tokens keep its cache in the first 256-token
+    bucket, 40 cross into the next."""
+    traces = load_traces([bundled_traces_path()])
+    body = backend.encode("\n".join(s.observation for t in traces[:4] for s in t.steps))
+    for cut in range(200, 260):
+        prompt = backend.render([{"role": "system", "content": "task: fix the build"},
+                                 {"role": "user", "content": backend.tokenizer.decode(body[:cut])}])
+        if 216 < len(backend.encode(prompt)) < 240:
+            return prompt
+    raise AssertionError("no prompt of the wanted length")
 
 
 def with_path(backend: TransformersBackend, path: str):
@@ -97,8 +113,6 @@ def test_beam_candidates_are_ranked_with_exact_logprobs(backend: TransformersBac
 
 
 def test_merge_collapses_duplicates_and_ranks_finished_first() -> None:
-    from drafters.backends import Completion
-
     comps = [Completion("a", -3.0, 2, True), Completion("b", -1.0, 2, False), Completion("a", -3.0, 2, True),
              Completion("c", -2.0, 2, True)]
     assert [c.text for c in merge_completions(comps)] == ["c", "a", "b"]
@@ -174,3 +188,127 @@ def test_virtual_time_runs_inline_without_advancing_the_clock(backend: Transform
         return trio.current_time() - t0
 
     assert trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0)) == 0.0
+
+
+def assert_same(got: list[Completion], want: list[Completion], *, what: str) -> None:
+    assert [c.token_ids for c in got] == [c.token_ids for c in want], what
+    for x, y in zip(got, want, strict=True):
+        assert math.isclose(x.logprob, y.logprob, rel_tol=1e-4, abs_tol=1e-3), what
+        assert x.finished == y.finished and x.text == y.text, what
+
+
+# Requests in an order that reuses one runner (batch, 256-token bucket) for a shorter
+# prompt after a longer one (its cache still holds the longer prompt's keys beyond the
+# shorter one's end), then moves to the next bucket and back.
+SEQUENCE = [("long", 16), ("short", 24), ("long", 40), ("short", 24)]
+
+
+def run_sequence(backend: TransformersBackend, prompts: dict[str, str], batch: int,
+                 mode: str) -> list[list[Completion]]:
+    return [backend.complete_sync(prompts[name], n=batch, max_new_tokens=new, mode=mode, seed=7)
+            for name, new in SEQUENCE]
+
+
+def check_static_path(backend: TransformersBackend, prompt: str, long_prompt: str, path: str,
+                      cases: list[tuple[int, str]]) -> None:
+    prompts = {"short": prompt, "long": long_prompt}
+    reference = TransformersBackend(loaded=backend.loaded, decode="dynamic")
+    under_test = TransformersBackend(loaded=backend.loaded, decode=path)
+    for batch, mode in cases:
+        want = run_sequence(reference, prompts, batch, mode)
+        rows = 1 if mode == "greedy" else batch
+        first = None
+        got = []
+        for name, new in SEQUENCE:
+            got.append(under_test.complete_sync(prompts[name], n=batch, max_new_tokens=new, mode=mode, seed=7))
+            first = first or under_test._runners[(rows, 256, path)]
+            assert under_test._runners[(rows, 256, path)] is first  # the runner was reused, not rebuilt
+        assert under_test.fallback_reason is None and under_test.decode == path
+        assert {k[1] for k in under_test._runners if k[0] == rows} == {256, 512}
+        for i, (g, w) in enumerate(zip(got, want, strict=True)):
+            assert_same(g, w, what=f"{path} batch {batch} {mode}, request {i} {SEQUENCE[i]}")
+
+
+@pytest.mark.parametrize("batch", [1, 3, 8])
+def test_static_path_matches_dynamic_across_batches_buckets_and_reuse(
+        backend: TransformersBackend, prompt: str, long_prompt: str, batch: int) -> None:
+    check_static_path(backend, prompt, long_prompt, "static", [(batch, "sample")] + ([(1, "greedy")] if batch == 1 else []))
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not shutil.which(os.environ.get("CXX", "g++")),
+                    reason="torch.compile on a CPU needs a C++ compiler (g++ or $CXX)")
+def test_compiled_path_matches_dynamic_across_buckets_and_reuse(
+        backend: TransformersBackend, prompt: str, long_prompt: str) -> None:
+    check_static_path(backend, prompt, long_prompt, "compile", [(3, "sample")])
+
+
+def test_greedy_paths_agree_with_generate_on_a_long_prompt(backend: TransformersBackend, long_prompt: str) -> None:
+    results = {path: TransformersBackend(loaded=backend.loaded, decode=path).complete_sync(
+        long_prompt, n=1, max_new_tokens=40, mode="greedy") for path in ("generate", "dynamic", "static")}
+    for path in ("dynamic", "static"):
+        assert_same(results[path], results["generate"], what=path)
+
+
+def test_sliding_window_models_decode_dynamically(backend: TransformersBackend, long_prompt: str) -> None:
+    transformers = pytest.importorskip("transformers")
+    from training.model import LoadedModel, qwen3_config
+
+    config = qwen3_config("tiny", backend.tokenizer, use_sliding_window=True, sliding_window=32, max_window_layers=1)
+    assert "sliding_attention" in config.layer_types
+    torch.manual_seed(0)
+    loaded = LoadedModel(model=transformers.Qwen3ForCausalLM(config).eval(), tokenizer=backend.tokenizer,
+                         spec="sliding", meta={})
+    sliding = TransformersBackend(loaded=loaded)
+    assert sliding.decode == "dynamic"
+    comps = sliding.complete_sync(long_prompt, n=3, max_new_tokens=20, seed=1)
+    scored = sliding.score_ids(sliding.encode(long_prompt), [c.token_ids for c in comps])
+    for c, s in zip(comps, scored, strict=True):
+        assert math.isclose(c.logprob, s, rel_tol=1e-4, abs_tol=1e-3)
+    with pytest.raises(ConfigError, match="full attention in every layer"):
+        TransformersBackend(loaded=loaded, decode="static")
+    sliding.decode = "static"
+    with pytest.raises(ConfigError, match="use decode='dynamic'"):
+        sliding.complete_sync(long_prompt, n=2, max_new_tokens=4)
+
+
+# ----------------------------------------------------------------- GPU only (skipped here)
+
+gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+@gpu
+def test_auto_decodes_with_cuda_graphs_on_a_gpu(backend: TransformersBackend, prompt: str) -> None:
+    b = TransformersBackend("tiny", texts=["ls -la\n", "total 0\n"], vocab_size=300, device="cuda")
+    assert b.decode == "cuda_graph"
+    b.complete_sync(prompt, n=2, max_new_tokens=8)
+    assert b.fallback_reason is None and b.decode == "cuda_graph"
+
+
+@gpu
+@pytest.mark.parametrize(("path", "dtype", "cases"), [
+    ("cuda_graph", "float32", [(1, "greedy"), (8, "sample")]),
+    ("cuda_graph", "bfloat16", [(1, "greedy"), (8, "sample")]),  # the same kernels: same numbers
+    pytest.param("compile", "float32", [(8, "sample")], marks=pytest.mark.slow),
+])
+def test_gpu_paths_match_static_on_the_gpu(backend: TransformersBackend, prompt: str, long_prompt: str,
+                                           path: str, dtype: str, cases: list[tuple[int, str]]) -> None:
+    import copy
+
+    from training.model import LoadedModel
+
+    model = copy.deepcopy(backend.loaded.model).to(device="cuda", dtype=getattr(torch, dtype))
+    loaded = LoadedModel(model=model, tokenizer=backend.tokenizer, spec="tiny", meta={})
+    prompts = {"short": prompt, "long": long_prompt}
+    static = TransformersBackend(loaded=loaded, decode="static")
+    fast = TransformersBackend(loaded=loaded, decode=path)
+    for batch, mode in cases:
+        want = run_sequence(static, prompts, batch, mode)
+        got = run_sequence(fast, prompts, batch, mode)
+        assert fast.fallback_reason is None and fast.decode == path
+        rows = 1 if mode == "greedy" else batch
+        assert {k[1] for k in fast._runners if k[0] == rows} == {256, 512}
+        if path == "cuda_graph":
+            assert all(r.graph is not None for r in fast._runners.values())
+        for i, (g, w) in enumerate(zip(got, want, strict=True)):
+            assert_same(g, w, what=f"{path} {dtype} batch {batch} {mode}, request {i}")
