@@ -13,12 +13,16 @@
     .venv/bin/python scripts/bench_drafters.py --model out/train --sections latency,accuracy
     .venv/bin/python scripts/bench_drafters.py --sections actions --split loto --limit 0 \
         --traces ../shared/traces/tb1-mini-swe-agent-claude-sonnet-4
+
+On a CPU, pin the threads (``OMP_NUM_THREADS=1``) or the latency figures mostly measure
+contention with whatever else runs.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import sys
 import time
 from pathlib import Path
@@ -74,7 +78,12 @@ def bench_latency(args: argparse.Namespace, traces: list[Any], out: Path) -> dic
     i = min(len(trace) - 1, 8)
     prompt = backend.render(observation_messages(trace.history(i), trace.steps[i].action,
                                                  PromptBudget(args.prompt_tokens, 128, 192), backend.count_tokens))
-    paths = ["generate", "dynamic", "static"] + (["cuda_graph"] if backend.device.startswith("cuda") else [])
+    gpu = backend.device.startswith("cuda")
+    paths = [p for p in args.paths if p != "cuda_graph" or gpu]
+    if "compile" in paths and not gpu and not (shutil.which("cc") or shutil.which("gcc")):
+        print("latency: compile skipped (torch.compile on a CPU needs a C/C++ compiler: apt-get install g++)",
+              file=sys.stderr)
+        paths.remove("compile")
     rows, results = [], []
 
     def timed(fn: Any) -> tuple[float, Any]:
@@ -88,9 +97,13 @@ def bench_latency(args: argparse.Namespace, traces: list[Any], out: Path) -> dic
 
     for path in paths:
         backend.decode = path
+        backend.fallback_reason = None
         for batch in args.batches:
             t1, _ = timed(lambda b=batch: backend.complete_sync(prompt, n=b, max_new_tokens=1, mode="sample"))
             tn, comps = timed(lambda b=batch: backend.complete_sync(prompt, n=b, max_new_tokens=args.new_tokens))
+            if backend.decode != path:  # compile/capture failed: the backend went on with static
+                print(f"latency: {path} fell back to {backend.decode}: {backend.fallback_reason}", file=sys.stderr)
+                break
             steps = max(c.tokens for c in comps)
             step_ms = max(0.0, tn - t1) * 1e3 / max(1, steps - 1)
             rec = {"backend": f"transformers/{path}", "batch": batch, "ms_per_step": step_ms,
@@ -306,6 +319,8 @@ def main() -> int:
     p.add_argument("--device", default="cpu")
     p.add_argument("--sections", default="latency,accuracy,replay")
     p.add_argument("--out", default="out/bench-drafters")
+    p.add_argument("--paths", type=lambda s: s.split(","), default=["generate", "dynamic", "static", "compile", "cuda_graph"],
+                   help="transformers decode paths timed (cuda_graph only on a GPU; compile needs a C compiler on a CPU)")
     p.add_argument("--batches", type=lambda s: [int(x) for x in s.split(",")], default=[1, 2, 4, 8])
     p.add_argument("--widths-obs", type=lambda s: [int(x) for x in s.split(",")], default=[1, 2, 4, 8])
     p.add_argument("--new-tokens", type=int, default=64)

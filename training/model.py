@@ -29,6 +29,7 @@ __all__ = [
     "build_model",
     "is_shape",
     "load_model",
+    "make_portable",
     "qwen3_config",
     "resolve_device",
     "resolve_dtype",
@@ -140,6 +141,28 @@ def build_model(
         torch.manual_seed(seed)
         model = transformers.Qwen3ForCausalLM(config)
     return model.to(dtype=dtype or torch.float32)
+
+
+def make_portable(directory: str | Path) -> None:
+    """Make a model or tokenizer directory saved by transformers 5 loadable by transformers
+    4 too (vLLM releases often pin it): the tokenizer class is named as the fast tokenizer
+    both know, and the RoPE base, which transformers 5 keeps only inside
+    ``rope_parameters``, is restated at the top level where transformers 4 reads it
+    (transformers 5 reads either, to the same value)."""
+    path = Path(directory)
+    tok = path / "tokenizer_config.json"
+    if tok.is_file():
+        data = json.loads(tok.read_text())
+        if data.get("tokenizer_class") == "TokenizersBackend":
+            data["tokenizer_class"] = "PreTrainedTokenizerFast"
+            tok.write_text(json.dumps(data, indent=2) + "\n")
+    cfg = path / "config.json"
+    if cfg.is_file():
+        data = json.loads(cfg.read_text())
+        theta = (data.get("rope_parameters") or {}).get("rope_theta")
+        if "rope_theta" not in data and theta is not None:
+            data["rope_theta"] = theta
+            cfg.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
 
 
 def _read_meta(path: Path) -> dict[str, Any]:

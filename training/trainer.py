@@ -32,7 +32,7 @@ from aospec.errors import ConfigError
 from aospec.types import Trace
 from drafters.prompts import PromptBudget
 from training.dataset import Example, ExampleKind, build_examples, expand_weights, split_by_task
-from training.model import MODEL_META, is_shape, load_model, resolve_device, resolve_dtype
+from training.model import MODEL_META, is_shape, load_model, make_portable, resolve_device, resolve_dtype
 
 __all__ = ["TrainConfig", "TrainResult", "encode_example", "evaluate", "fit_examples", "train"]
 
@@ -408,9 +408,11 @@ def train(config: TrainConfig, *, traces: Sequence[Trace] | None = None) -> Trai
     base_dir = out / "base"
     if ckpt is None:
         tokenizer.save_pretrained(str(out / "tokenizer"))
+        make_portable(out / "tokenizer")
         if shape and mode == "lora":
             model.save_pretrained(str(base_dir))
             tokenizer.save_pretrained(str(base_dir))
+            make_portable(base_dir)
     if mode == "lora":
         peft = require("peft", "train", purpose="LoRA training")
         if ckpt is not None:
@@ -467,6 +469,7 @@ def train(config: TrainConfig, *, traces: Sequence[Trace] | None = None) -> Trai
         model.save_pretrained(str(tmp / ("adapter" if mode == "lora" else "model")))
         if mode == "full":
             tokenizer.save_pretrained(str(tmp / "model"))
+            make_portable(tmp / "model")
         torch.save({"step": step, "optimizer": opt.state_dict(), "scheduler": sched.state_dict()}, tmp / "state.pt")
         shutil.rmtree(target, ignore_errors=True)
         tmp.rename(target)  # a checkpoint exists only once it is complete
@@ -502,6 +505,7 @@ def train(config: TrainConfig, *, traces: Sequence[Trace] | None = None) -> Trai
             _fix_adapter_config(final, base_ref)
         else:
             tokenizer.save_pretrained(str(final))
+            make_portable(final)
         from drafters.backends.transformers import TransformersBackend
 
         backend = TransformersBackend(str(out), device=device, dtype=str(dtype).removeprefix("torch."),

@@ -11,8 +11,7 @@ import pytest
 pytest.importorskip("torch")
 pytest.importorskip("openai")
 
-from aospec.errors import ConfigError, DrafterError, MissingDependencyError
-from drafters.backends import make_backend
+from aospec.errors import ConfigError, DrafterError
 from drafters.backends.openai import OpenAIBackend, render_chatml
 from drafters.backends.server import CompletionServer
 from drafters.backends.transformers import TransformersBackend
@@ -74,14 +73,3 @@ def test_options_are_checked() -> None:
     with pytest.raises(ConfigError, match="beam"):
         anyio.run(lambda: OpenAIBackend("m").complete("x", n=2, max_new_tokens=2, mode="beam"))
     assert OpenAIBackend("m").count_tokens("12345678") == 2
-
-
-def test_vllm_backend_names_the_install_command_when_missing() -> None:
-    try:
-        import vllm  # noqa: F401
-    except ImportError:
-        pass
-    else:
-        pytest.skip("vllm is installed here")
-    with pytest.raises(MissingDependencyError, match=r"pip install 'aospec\[vllm\]'"):
-        make_backend("vllm", {"model": "/nonexistent"})

@@ -47,6 +47,16 @@ def test_full_fine_tune_reports_json_and_writes_every_artifact(tmp_path: Path, c
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step-000002", "step-000004"]
     metrics = json.loads((out / "metrics.json").read_text())
     assert [s for s, _ in metrics["losses"]] == [1, 2, 3, 4]
+    # Portable to transformers 4 (vLLM's pins): a tokenizer class both know, a top-level RoPE base.
+    for d in ("tokenizer", "model"):
+        assert json.loads((out / d / "tokenizer_config.json").read_text())["tokenizer_class"] == "PreTrainedTokenizerFast"
+    config = json.loads((out / "model" / "config.json").read_text())
+    assert config["rope_theta"] == config["rope_parameters"]["rope_theta"]
+    from training.model import load_model
+
+    loaded = load_model(str(out))
+    assert loaded.model.config.rope_parameters["rope_theta"] == config["rope_theta"]
+    assert type(loaded.tokenizer).__name__ in ("PreTrainedTokenizerFast", "TokenizersBackend")
 
 
 def test_lora_adapter_is_exported_in_peft_format_for_vllm(tmp_path: Path, capsys) -> None:
