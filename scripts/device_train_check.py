@@ -262,6 +262,20 @@ def vllm_stage(args: argparse.Namespace, work: Path) -> dict:
         dt = time.perf_counter() - t0
         out[f"b{n}"] = {"seconds": round(dt, 4), "steps": max(c.tokens for c in comps),
                         "ms_per_step_upper_bound": round(dt * 1e3 / max(1, max(c.tokens for c in comps)), 3)}
+    # Same weights, same greedy decode: the two backends should agree token for token (up
+    # to numerics late in the sequence: vLLM may run another dtype/kernels).
+    from drafters.backends.transformers import TransformersBackend
+
+    ref = TransformersBackend(str(work / "train"), device=args.device, decode="dynamic", max_context=2048)
+    mine = backend.complete_sync(prompt, n=1, max_new_tokens=32, mode="greedy")[0].token_ids
+    theirs = ref.complete_sync(prompt, n=1, max_new_tokens=32, mode="greedy")[0].token_ids
+    same = next((i for i, (a, b) in enumerate(zip(mine, theirs, strict=False)) if a != b), min(len(mine), len(theirs)))
+    out["greedy_prefix_agreement_with_transformers"] = f"{same}/{len(theirs)}"
+    try:
+        beams = backend.complete_sync(prompt, n=4, max_new_tokens=16, mode="beam")
+        out["beam"] = {"ok": True, "candidates": len(beams)}
+    except Exception as exc:  # reported, not fatal: beam search differs across vLLM releases
+        out["beam"] = {"ok": False, "error": f"{type(exc).__name__}: {exc}"[:300]}
     return out
 
 
