@@ -222,6 +222,7 @@ def train_stage(args: argparse.Namespace, traces: list[Any], work: Path, deadlin
     summary["train_time_limit_s"] = round(time_limit, 1)
     if os.environ.get("OUT"):
         out = Path(os.environ["OUT"])
+        out.mkdir(parents=True, exist_ok=True)
         for name in ("metrics.json", "loss.png"):
             src = Path(config.out) / name
             if src.exists():
