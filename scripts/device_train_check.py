@@ -177,7 +177,7 @@ def latency_stage(
     params = sum(p.numel() for p in model.parameters())
     words = " ".join(texts)[: prompt_tokens * 8]
     ids = backend.encode(words)[:prompt_tokens]
-    prompt = backend.render([{"role": "system", "content": "env"}, {"role": "user", "content": backend._decode_text(ids)}])
+    prompt = backend.render([{"role": "system", "content": "env"}, {"role": "user", "content": backend.decode_text(ids)}])
     if paths is None:
         paths = ["generate", "dynamic", "static"] + (["cuda_graph"] if device.startswith("cuda") else [])
     result = {

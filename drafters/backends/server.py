@@ -65,7 +65,7 @@ class CompletionServer:
                 cut = text.find(s) if s else -1
                 if cut >= 0:
                     text, reason = text[:cut], "stop"
-            pieces = [self.backend._decode_text([t]) for t in ids]
+            pieces = [self.backend.decode_text([t]) for t in ids]
             offsets = [sum(len(p) for p in pieces[:k]) for k in range(len(pieces))]
             completion_tokens += len(ids)
             choices.append({

@@ -30,14 +30,13 @@ import inspect
 import math
 import threading
 from collections import OrderedDict
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from typing import Any, Literal
-
-import xxhash
 
 from aospec._lazy import require
 from aospec.errors import ConfigError, DrafterError
 from drafters.backends import Completion, DecodeMode, Offload, run_blocking
+from drafters.backends._text import TokenizerText, end_token_ids, prompt_seed
 
 __all__ = ["DECODE_PATHS", "TransformersBackend"]
 
@@ -188,7 +187,7 @@ class _StaticRunner:
         return self.step_fn()
 
 
-class TransformersBackend:
+class TransformersBackend(TokenizerText):
     """A causal LM run in-process with PyTorch.
 
     ``model``: a shape name (``tiny``, ``small``, ``qwen3-0.6b``: random init with a
@@ -253,7 +252,9 @@ class TransformersBackend:
         self._check_static(decode)
         self.fallback_reason: str | None = None
         self._valid_vocab = len(self.tokenizer)
-        self._end_ids = self._find_end_ids()
+        self._end_ids = end_token_ids(
+            self.tokenizer, getattr(getattr(self.model, "generation_config", None), "eos_token_id", None), model=self.spec
+        )
         self._pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self._end_ids[0]
         self._runners: OrderedDict[tuple[int, int, str], _StaticRunner] = OrderedDict()
         self._lock = threading.Lock()
@@ -276,24 +277,6 @@ class TransformersBackend:
                 f"{self.spec!r} has {', '.join(self._layer_types)} layers: use decode='dynamic' or 'generate'"
             )
 
-    def _find_end_ids(self) -> tuple[int, ...]:
-        ids = set()
-        eos = self.tokenizer.eos_token_id
-        if isinstance(eos, int):
-            ids.add(eos)
-        for tok in ("<|im_end|>", "<|endoftext|>"):
-            tid = self.tokenizer.convert_tokens_to_ids(tok)
-            if isinstance(tid, int) and tid != self.tokenizer.unk_token_id:
-                ids.add(tid)
-        gen_eos = getattr(getattr(self.model, "generation_config", None), "eos_token_id", None)
-        if isinstance(gen_eos, int):
-            ids.add(gen_eos)
-        elif isinstance(gen_eos, (list, tuple)):
-            ids.update(int(i) for i in gen_eos)
-        if not ids:
-            raise DrafterError(f"model {self.spec!r}: its tokenizer has no end-of-message token")
-        return tuple(sorted(ids))
-
     def reset_compiled(self) -> None:
         """Drop static caches and captured graphs (after the weights changed, e.g. by fit)."""
         with self._lock:
@@ -308,25 +291,8 @@ class TransformersBackend:
         tok = self.tokenizer.convert_ids_to_tokens(self.tokenizer.eos_token_id)
         return tok if isinstance(tok, str) else "<|im_end|>"
 
-    def render(self, messages: Sequence[Mapping[str, str]]) -> str:
-        return self.tokenizer.apply_chat_template(list(messages), tokenize=False, add_generation_prompt=True)
-
-    def count_tokens(self, text: str) -> int:
-        n = self._counts.get(text)
-        if n is None:
-            if len(self._counts) >= 65536:
-                self._counts.clear()
-            n = self._counts[text] = len(self.encode(text))
-        return n
-
-    def encode(self, text: str) -> list[int]:
-        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
-
-    def _decode_text(self, ids: Sequence[int]) -> str:
-        return self.tokenizer.decode(list(ids), skip_special_tokens=False, clean_up_tokenization_spaces=False)
-
     def _seed(self, prompt: str, seed: int) -> int:
-        return xxhash.xxh64_intdigest(prompt.encode(), seed=(self.seed * 1_000_003 + seed) & 0xFFFFFFFFFFFFFFFF) & 0x7FFFFFFFFFFFFFFF
+        return prompt_seed(prompt, self.seed, seed)
 
     # ----------------------------------------------------------------- decoding
 
@@ -389,7 +355,7 @@ class TransformersBackend:
         finished = bool(tokens) and tokens[-1] in self._end_ids
         body = tokens[:-1] if finished else tokens
         return Completion(
-            self._decode_text(body), float(logprob), len(tokens), finished, tuple(tokens), tuple(token_logprobs)
+            self.decode_text(body), float(logprob), len(tokens), finished, tuple(tokens), tuple(token_logprobs)
         )
 
     def _logprobs(self, logits: Any) -> Any:

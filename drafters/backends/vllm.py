@@ -25,11 +25,10 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-import xxhash
-
 from aospec._lazy import require
 from aospec.errors import ConfigError, DrafterError
-from drafters.backends import Completion, DecodeMode, Offload, run_blocking
+from drafters.backends import Completion, DecodeMode, Offload, _text, run_blocking
+from drafters.backends._text import TokenizerText, prompt_seed
 
 __all__ = [
     "VLLMBackend",
@@ -46,7 +45,6 @@ __all__ = [
 LORA_RANK_SLOTS = (8, 16, 32, 64, 128, 256, 320, 512)
 #: Context length used when ``max_model_len`` is not given (capped by the model's own).
 DEFAULT_MAX_MODEL_LEN = 4096
-_END_TOKENS = ("<|im_end|>", "<|endoftext|>")
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 
 
@@ -155,31 +153,16 @@ def hf_overrides_for(config: Mapping[str, Any], transformers_version: str) -> di
     return {"rope_theta": rope["rope_theta"]}
 
 
-def _eos_ids(value: Any) -> set[int]:
-    if isinstance(value, int):
-        return {value}
-    if isinstance(value, (list, tuple)):
-        return {int(i) for i in value}
-    return set()
-
-
 def end_token_ids(tokenizer: Any, model_dir: str | Path) -> tuple[int, ...]:
-    """Token ids that end a reply: the tokenizer's EOS, ``<|im_end|>`` and ``<|endoftext|>``
-    when the vocabulary has them, and the model's ``generation_config`` EOS ids (the same
-    set as the transformers backend)."""
-    ids = _eos_ids(tokenizer.eos_token_id)
-    for tok in _END_TOKENS:
-        tid = tokenizer.convert_tokens_to_ids(tok)
-        if isinstance(tid, int) and tid != tokenizer.unk_token_id:
-            ids.add(tid)
+    """Token ids that end a reply (the same set as the transformers backend): the
+    tokenizer's and the model's generation-config EOS ids and the chat end tokens."""
     model_dir = Path(model_dir)
+    eos = None
     for name in ("generation_config.json", "config.json"):
         if (model_dir / name).is_file():
-            ids |= _eos_ids(_read_json(model_dir / name, name).get("eos_token_id"))
+            eos = _read_json(model_dir / name, name).get("eos_token_id")
             break
-    if not ids:
-        raise DrafterError(f"model {str(model_dir)!r}: its tokenizer has no end-of-message token")
-    return tuple(sorted(ids))
+    return _text.end_token_ids(tokenizer, eos, model=str(model_dir))
 
 
 def completion_from_output(
@@ -251,7 +234,7 @@ def _load_tokenizer(transformers: Any, path: str) -> Any:
         ) from None
 
 
-class VLLMText:
+class VLLMText(TokenizerText):
     """The tokenizer side of :class:`VLLMBackend` (no vLLM needed): chat rendering, token
     counting, end tokens, and turning generated ids into :class:`Completion`."""
 
@@ -263,26 +246,9 @@ class VLLMText:
         self.end_ids = end_token_ids(self.tokenizer, spec.model)
         self._counts: dict[str, int] = {}
 
-    def render(self, messages: Sequence[Mapping[str, str]]) -> str:
-        return self.tokenizer.apply_chat_template(list(messages), tokenize=False, add_generation_prompt=True)
-
-    def encode(self, text: str) -> list[int]:
-        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
-
-    def count_tokens(self, text: str) -> int:
-        n = self._counts.get(text)
-        if n is None:
-            if len(self._counts) >= 65536:
-                self._counts.clear()
-            n = self._counts[text] = len(self.encode(text))
-        return n
-
-    def decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
-
     def completion(self, token_ids: Sequence[int], token_logprobs: Sequence[float], finish_reason: str | None) -> Completion:
         """:func:`completion_from_output` with this model's end tokens and decoding."""
-        return completion_from_output(token_ids, token_logprobs, finish_reason, end_ids=self.end_ids, decode=self.decode)
+        return completion_from_output(token_ids, token_logprobs, finish_reason, end_ids=self.end_ids, decode=self.decode_text)
 
 
 class VLLMBackend:
@@ -363,7 +329,7 @@ class VLLMBackend:
 
     def _seed(self, prompt: str, seed: int) -> int:
         # 31 bits: vLLM gives the k-th of n samples seed + k.
-        return xxhash.xxh64_intdigest(prompt.encode(), seed=(self.seed * 1_000_003 + seed) & 0xFFFFFFFFFFFFFFFF) & 0x7FFFFFFF
+        return prompt_seed(prompt, self.seed, seed, bits=31)
 
     # ----------------------------------------------------------------- decoding
 
