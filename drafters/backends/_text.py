@@ -9,7 +9,7 @@ from typing import Any
 
 import xxhash
 
-from aospec.errors import DrafterError
+from aospec.errors import ConfigError, DrafterError
 
 __all__ = ["TokenizerText", "end_token_ids", "prompt_seed"]
 
@@ -71,3 +71,24 @@ class TokenizerText:
     def decode_text(self, ids: Sequence[int]) -> str:
         """``ids`` as text, byte for byte (special tokens and spaces kept as generated)."""
         return self.tokenizer.decode(list(ids), skip_special_tokens=False, clean_up_tokenization_spaces=False)
+
+    def request_ids(
+        self, prompt: str, *, n: int, max_new_tokens: int, mode: str, temperature: float, limit: int, limit_name: str
+    ) -> list[int]:
+        """The token ids of ``prompt`` for a ``complete`` call, after checking the call:
+        one clear error for bad arguments or a prompt that does not fit ``limit`` tokens."""
+        if n < 1 or max_new_tokens < 1:
+            raise ConfigError(f"complete: n and max_new_tokens must be >= 1 (got {n}, {max_new_tokens})")
+        if mode not in ("sample", "greedy", "beam"):
+            raise ConfigError(f"complete: unknown mode {mode!r} (sample, greedy or beam)")
+        if mode == "sample" and not temperature > 0:
+            raise ConfigError("complete: sampling needs temperature > 0")
+        ids = self.encode(prompt)
+        if not ids:
+            raise DrafterError("complete: empty prompt")
+        if len(ids) + max_new_tokens > limit:
+            raise DrafterError(
+                f"prompt of {len(ids)} tokens + {max_new_tokens} new tokens exceeds {limit_name}={limit}; "
+                f"lower the drafter's prompt budget or raise {limit_name}"
+            )
+        return ids

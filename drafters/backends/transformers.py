@@ -34,7 +34,7 @@ from collections.abc import Sequence
 from typing import Any, Literal
 
 from aospec._lazy import require
-from aospec.errors import ConfigError, DrafterError
+from aospec.errors import ConfigError
 from drafters.backends import Completion, DecodeMode, Offload, run_blocking
 from drafters.backends._text import TokenizerText, end_token_ids, prompt_seed
 
@@ -327,20 +327,8 @@ class TransformersBackend(TokenizerText):
         stop: threading.Event | None = None,
     ) -> list[Completion]:
         """Blocking version of :meth:`complete`: ``n`` rows (1 for greedy), in row order."""
-        if n < 1 or max_new_tokens < 1:
-            raise ConfigError(f"complete: n and max_new_tokens must be >= 1 (got {n}, {max_new_tokens})")
-        if mode not in ("sample", "greedy", "beam"):
-            raise ConfigError(f"complete: unknown mode {mode!r} (sample, greedy or beam)")
-        if mode == "sample" and not temperature > 0:
-            raise ConfigError("complete: sampling needs temperature > 0")
-        ids = self.encode(prompt)
-        if not ids:
-            raise DrafterError("complete: empty prompt")
-        if len(ids) + max_new_tokens > self.max_context:
-            raise DrafterError(
-                f"prompt of {len(ids)} tokens + {max_new_tokens} new tokens exceeds max_context={self.max_context}; "
-                "lower the drafter's prompt budget or raise max_context"
-            )
+        ids = self.request_ids(prompt, n=n, max_new_tokens=max_new_tokens, mode=mode, temperature=temperature,
+                              limit=self.max_context, limit_name="max_context")
         with self._lock, self._torch.inference_mode():
             if mode == "beam":
                 return self._beam(ids, n, max_new_tokens)

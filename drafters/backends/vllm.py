@@ -362,20 +362,8 @@ class VLLMBackend:
     ) -> list[Completion]:
         """Blocking completions (1 for greedy); the sequence log-probability sums the
         generated tokens' (end token included)."""
-        if n < 1 or max_new_tokens < 1:
-            raise ConfigError(f"complete: n and max_new_tokens must be >= 1 (got {n}, {max_new_tokens})")
-        if mode not in ("sample", "greedy", "beam"):
-            raise ConfigError(f"complete: unknown mode {mode!r} (sample, greedy or beam)")
-        if mode == "sample" and not temperature > 0:
-            raise ConfigError("complete: sampling needs temperature > 0")
-        ids = self.text.encode(prompt)
-        if not ids:
-            raise DrafterError("complete: empty prompt")
-        if len(ids) + max_new_tokens > self.max_model_len:
-            raise DrafterError(
-                f"prompt of {len(ids)} tokens + {max_new_tokens} new tokens exceeds max_model_len={self.max_model_len}; "
-                "lower the drafter's prompt budget or raise max_model_len"
-            )
+        ids = self.text.request_ids(prompt, n=n, max_new_tokens=max_new_tokens, mode=mode, temperature=temperature,
+                              limit=self.max_model_len, limit_name="max_model_len")
         with self._lock:
             if mode == "beam":
                 return self._beam(ids, n, max_new_tokens)
