@@ -18,6 +18,7 @@ from typing import Any, Literal, Protocol, TypeVar, runtime_checkable
 import anyio
 
 __all__ = [
+    "BlockingCompletions",
     "Completion",
     "DecodeMode",
     "LMBackend",
@@ -144,3 +145,29 @@ async def run_blocking(work: Callable[[threading.Event | None], T], offload: Off
             while not done.is_set():
                 await anyio.sleep(0.001)
         raise
+
+
+class BlockingCompletions:
+    """``complete`` for a backend whose work is its blocking ``complete_sync``: run off the
+    event loop through :func:`run_blocking` (inline in replay's virtual time). A backend
+    that can stop mid-generation honours ``stop``; one that cannot makes a cancelled caller
+    wait for the generation to end."""
+
+    offload: Offload
+
+    def complete_sync(
+        self, prompt: str, *, n: int, max_new_tokens: int, mode: DecodeMode = "sample", temperature: float = 1.0,
+        seed: int = 0, stop: threading.Event | None = None,
+    ) -> list[Completion]:
+        raise NotImplementedError
+
+    async def complete(
+        self, prompt: str, *, n: int, max_new_tokens: int, mode: DecodeMode = "sample", temperature: float = 1.0,
+        seed: int = 0,
+    ) -> list[Completion]:
+        """``n`` completions of ``prompt`` (see ``complete_sync``)."""
+        def work(stop: threading.Event | None) -> list[Completion]:
+            return self.complete_sync(prompt, n=n, max_new_tokens=max_new_tokens, mode=mode, temperature=temperature,
+                                      seed=seed, stop=stop)
+
+        return await run_blocking(work, self.offload)

@@ -35,7 +35,7 @@ from typing import Any, Literal
 
 from aospec._lazy import require
 from aospec.errors import ConfigError
-from drafters.backends import Completion, DecodeMode, Offload, run_blocking
+from drafters.backends import BlockingCompletions, Completion, DecodeMode, Offload
 from drafters.backends._text import TokenizerText, end_token_ids, prompt_seed
 
 __all__ = ["DECODE_PATHS", "TransformersBackend"]
@@ -187,7 +187,7 @@ class _StaticRunner:
         return self.step_fn()
 
 
-class TransformersBackend(TokenizerText):
+class TransformersBackend(TokenizerText, BlockingCompletions):
     """A causal LM run in-process with PyTorch.
 
     ``model``: a shape name (``tiny``, ``small``, ``qwen3-0.6b``: random init with a
@@ -295,25 +295,6 @@ class TransformersBackend(TokenizerText):
         return prompt_seed(prompt, self.seed, seed)
 
     # ----------------------------------------------------------------- decoding
-
-    async def complete(
-        self,
-        prompt: str,
-        *,
-        n: int,
-        max_new_tokens: int,
-        mode: DecodeMode = "sample",
-        temperature: float = 1.0,
-        seed: int = 0,
-    ) -> list[Completion]:
-        """``n`` completions of ``prompt`` (see :meth:`complete_sync`), off the event loop
-        unless running in virtual time."""
-        def work(stop: threading.Event | None) -> list[Completion]:
-            return self.complete_sync(
-                prompt, n=n, max_new_tokens=max_new_tokens, mode=mode, temperature=temperature, seed=seed, stop=stop
-            )
-
-        return await run_blocking(work, self.offload)
 
     def complete_sync(
         self,

@@ -27,7 +27,7 @@ from typing import Any
 
 from aospec._lazy import require
 from aospec.errors import ConfigError, DrafterError
-from drafters.backends import Completion, DecodeMode, Offload, _text, run_blocking
+from drafters.backends import BlockingCompletions, Completion, DecodeMode, Offload, _text
 from drafters.backends._text import TokenizerText, prompt_seed
 
 __all__ = [
@@ -251,7 +251,7 @@ class VLLMText(TokenizerText):
         return completion_from_output(token_ids, token_logprobs, finish_reason, end_ids=self.end_ids, decode=self.decode_text)
 
 
-class VLLMBackend:
+class VLLMBackend(BlockingCompletions):
     """Sampling through an in-process ``vllm.LLM``.
 
     ``adapter`` (a PEFT LoRA directory, implied by an ``aospec train`` LoRA directory),
@@ -333,23 +333,6 @@ class VLLMBackend:
 
     # ----------------------------------------------------------------- decoding
 
-    async def complete(
-        self,
-        prompt: str,
-        *,
-        n: int,
-        max_new_tokens: int,
-        mode: DecodeMode = "sample",
-        temperature: float = 1.0,
-        seed: int = 0,
-    ) -> list[Completion]:
-        # vLLM's generate cannot be interrupted: a cancelled caller waits for it (run_blocking).
-        def work(stop: threading.Event | None) -> list[Completion]:
-            return self.complete_sync(prompt, n=n, max_new_tokens=max_new_tokens, mode=mode,
-                                      temperature=temperature, seed=seed)
-
-        return await run_blocking(work, self.offload)
-
     def complete_sync(
         self,
         prompt: str,
@@ -359,9 +342,11 @@ class VLLMBackend:
         mode: DecodeMode = "sample",
         temperature: float = 1.0,
         seed: int = 0,
+        stop: threading.Event | None = None,
     ) -> list[Completion]:
         """Blocking completions (1 for greedy); the sequence log-probability sums the
-        generated tokens' (end token included)."""
+        generated tokens' (end token included). vLLM's ``generate`` cannot be interrupted:
+        ``stop`` is not consulted (a cancelled caller waits for the generation)."""
         ids = self.text.request_ids(prompt, n=n, max_new_tokens=max_new_tokens, mode=mode, temperature=temperature,
                               limit=self.max_model_len, limit_name="max_model_len")
         with self._lock:
