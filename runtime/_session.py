@@ -15,7 +15,7 @@ from runtime.observation import CommandResult, ObservationFormatter
 class SandboxSession:
     """Base of the concrete sandbox classes (not a protocol: the Sandbox seam stays
     structural). Subclasses set ``store``, ``sid``, ``_lineage``, ``_formatter``,
-    ``_closed``, ``_lock``, ``is_root`` and implement ``run``, ``aclose`` and ``_release``."""
+    ``_closed``, ``_lock``, ``is_root`` and implement ``run``, ``_close_root`` and ``_release``."""
 
     backend = "sandbox"
     store: Any
@@ -30,6 +30,23 @@ class SandboxSession:
         raise NotImplementedError
 
     async def aclose(self) -> None:
+        """Close: a fork is discarded; the root discards its live forks, then releases the
+        whole store (shielded: a close interrupted halfway would leak them)."""
+        if not self.is_root:
+            await self.discard()
+            return
+        if self._closed:
+            return
+        with anyio.CancelScope(shield=True):
+            for child in list(self.store.live.values()):
+                if child is not self:
+                    await child.discard()
+            async with self._lock:
+                self._closed = True
+                await anyio.to_thread.run_sync(self._close_root)
+
+    def _close_root(self) -> None:
+        """Release the root's backend resources and the store (blocking, in a worker thread)."""
         raise NotImplementedError
 
     async def _release(self) -> None:

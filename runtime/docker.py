@@ -598,23 +598,12 @@ class DockerSandbox(SandboxSession):
                 with anyio.CancelScope(shield=True):
                     await self._after_change()
 
-    async def aclose(self) -> None:
-        if not self.is_root:
-            await self.discard()
-            return
-        if self._closed:
-            return
-        with anyio.CancelScope(shield=True):
-            for child in list(self.store.live.values()):
-                if child is not self:
-                    await child.discard()
-            async with self._lock:
-                self._closed = True
-                if self.store.ephemeral:
-                    await anyio.to_thread.run_sync(self._box.remove)
-                else:
-                    await anyio.to_thread.run_sync(self._stop_blocking)
-                await anyio.to_thread.run_sync(self.store.close)
+    def _close_root(self) -> None:
+        if self.store.ephemeral:
+            self._box.remove()
+        else:
+            self._stop_blocking()
+        self.store.close()
 
     def _stop_blocking(self) -> None:
         self._write_head()

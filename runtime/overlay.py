@@ -647,23 +647,11 @@ class OverlaySandbox(SandboxSession):
                 with anyio.CancelScope(shield=True):
                     await self._adopt_frozen(done.get("frozen"))
 
-    async def aclose(self) -> None:
-        """Close: forks are discarded; the root releases the whole store."""
-        if not self.is_root:
-            await self.discard()
-            return
-        if self._closed:
-            return
-        with anyio.CancelScope(shield=True):
-            for child in list(self.store.live.values()):
-                if child is not self:
-                    await child.discard()
-            async with self._lock:
-                self._closed = True
-                await anyio.to_thread.run_sync(self._teardown)
-                if not self.store.ephemeral:
-                    await anyio.to_thread.run_sync(self.store.spill_head)
-                await anyio.to_thread.run_sync(self.store.close)
+    def _close_root(self) -> None:
+        self._teardown()
+        if not self.store.ephemeral:
+            self.store.spill_head()
+        self.store.close()
 
     @property
     def stack_depth(self) -> int:
