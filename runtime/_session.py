@@ -9,7 +9,9 @@ import anyio
 
 from aospec.errors import SandboxError
 from aospec.types import Action
+from runtime._state import new_id
 from runtime.observation import CommandResult, ObservationFormatter
+from runtime.versions import EMPTY_LAYER, Layer
 
 
 class SandboxSession:
@@ -25,6 +27,20 @@ class SandboxSession:
     _closed: bool
     _lock: anyio.Lock
     is_root: bool
+
+    def _init_session(
+        self, store: Any, *, version: str, is_root: bool, formatter: ObservationFormatter, lineage: tuple[str, ...]
+    ) -> None:
+        """Set the fields every sandbox has; the subclass registers in ``store.live`` last."""
+        self.store = store
+        self.sid = new_id()
+        self.is_root = is_root
+        self._version = version
+        self._formatter = formatter
+        self._lineage = lineage  # sids of the sandboxes this one was forked from
+        self._lock = anyio.Lock()
+        self._closed = False
+        self.last_layer: Layer = EMPTY_LAYER
 
     async def run(self, command: str, **kwargs: Any) -> CommandResult:
         raise NotImplementedError

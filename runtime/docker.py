@@ -46,7 +46,7 @@ from runtime.base import BaseFS, open_base
 from runtime.config import SandboxConfig
 from runtime.isolation import DEFAULT_PATH, _Output
 from runtime.observation import CommandResult, ObservationFormatter, SandboxStatistics, get_formatter
-from runtime.versions import EMPTY_LAYER, Layer, UpperTracker
+from runtime.versions import UpperTracker
 
 __all__ = ["DockerSandbox", "checkpoint_support", "docker_client", "ensure_base_image", "open_docker"]
 
@@ -406,16 +406,8 @@ class DockerSandbox(SandboxSession):
         formatter: ObservationFormatter,
         lineage: tuple[str, ...] = (),
     ) -> None:
-        self.store = store
-        self.sid = new_id()
-        self.is_root = is_root
+        self._init_session(store, version=version, is_root=is_root, formatter=formatter, lineage=lineage)
         self._box = box
-        self._version = version
-        self._formatter = formatter
-        self._lineage = lineage
-        self._lock = anyio.Lock()
-        self._closed = False
-        self.last_layer: Layer = EMPTY_LAYER
         self._stats = {"commands": 0, "forks": 0, "commits": 0}
         store.live[self.sid] = self
 

@@ -53,7 +53,7 @@ from runtime.base import BaseFS, open_base
 from runtime.config import SandboxConfig
 from runtime.isolation import DEFAULT_PATH, bwrap_argv, host_support, kill_marked, run_bwrap
 from runtime.observation import CommandResult, ObservationFormatter, SandboxStatistics, get_formatter
-from runtime.versions import EMPTY_LAYER, Layer, UpperTracker
+from runtime.versions import UpperTracker
 
 __all__ = ["OverlaySandbox", "OverlayStore", "RecoveryReport", "default_state_root", "open_overlay"]
 
@@ -455,14 +455,8 @@ class OverlaySandbox(SandboxSession):
         formatter: ObservationFormatter,
         lineage: tuple[str, ...] = (),
     ) -> None:
-        self.store = store
-        self.sid = new_id()
-        self.is_root = is_root
+        self._init_session(store, version=version, is_root=is_root, formatter=formatter, lineage=lineage)
         self._stack = stack
-        self._version = version
-        self._formatter = formatter
-        self._lineage = lineage  # sids of the sandboxes this one was forked from
-        self._lock = anyio.Lock()
         self._dir = store.path / "s" / self.sid
         self._tmpfs = store.config.limits.disk_bytes is not None
         self._rw = self._dir / "rw" if self._tmpfs else store.path / "u" / self.sid
@@ -472,9 +466,7 @@ class OverlaySandbox(SandboxSession):
         self._lv: tuple[str, ...] | None = None  # the stack whose shared lower view we hold
         self._mounted = False
         self._rw_mounted = False
-        self._closed = False
         self.tracker = UpperTracker(self._upper, self._lower_view)
-        self.last_layer: Layer = EMPTY_LAYER
         self._stats = _Stats()
         store.live[self.sid] = self
 
