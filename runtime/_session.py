@@ -3,6 +3,7 @@ around commit, and the ``async with`` lifecycle. Backend state lives in the subc
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any, Self
 
 import anyio
@@ -10,6 +11,7 @@ import anyio
 from aospec.errors import SandboxError
 from aospec.types import Action
 from runtime._state import new_id
+from runtime.isolation import DEFAULT_PATH
 from runtime.observation import CommandResult, ObservationFormatter
 from runtime.versions import EMPTY_LAYER, Layer
 
@@ -44,6 +46,10 @@ class SandboxSession:
 
     async def run(self, command: str, **kwargs: Any) -> CommandResult:
         raise NotImplementedError
+
+    def _command_env(self, env: Mapping[str, str] | None) -> dict[str, str]:
+        """A command's environment: PATH and HOME, then the sandbox's, then the call's."""
+        return {"PATH": DEFAULT_PATH, "HOME": "/root", **self.store.config.env, **(env or {})}
 
     async def aclose(self) -> None:
         """Close: a fork is discarded; the root discards its live forks, then releases the

@@ -44,7 +44,7 @@ from runtime._session import SandboxSession
 from runtime._state import RecoveryReport, default_state_root, lock_state_dir, new_id, write_atomic
 from runtime.base import BaseFS, open_base
 from runtime.config import SandboxConfig
-from runtime.isolation import DEFAULT_PATH, _Output
+from runtime.isolation import _Output
 from runtime.observation import CommandResult, ObservationFormatter, SandboxStatistics, get_formatter
 from runtime.versions import UpperTracker
 
@@ -484,7 +484,7 @@ class DockerSandbox(SandboxSession):
     ) -> CommandResult:
         self._check_open()
         cfg = self.store.config
-        full_env = {"PATH": DEFAULT_PATH, "HOME": "/root", **cfg.env, **(env or {})}
+        full_env = self._command_env(env)
         limit = timeout if timeout is not None else cfg.timeout_s
         async with self._lock:
             self._check_open()

@@ -51,7 +51,7 @@ from runtime._session import SandboxSession
 from runtime._state import RecoveryReport, default_state_root, lock_state_dir, new_id, write_atomic
 from runtime.base import BaseFS, open_base
 from runtime.config import SandboxConfig
-from runtime.isolation import DEFAULT_PATH, bwrap_argv, host_support, kill_marked, run_bwrap
+from runtime.isolation import bwrap_argv, host_support, kill_marked, run_bwrap
 from runtime.observation import CommandResult, ObservationFormatter, SandboxStatistics, get_formatter
 from runtime.versions import UpperTracker
 
@@ -563,7 +563,7 @@ class OverlaySandbox(SandboxSession):
         """Run ``command`` with bash in the sandbox; returns its CommandResult."""
         self._check_open()
         cfg = self.store.config
-        full_env = {"PATH": DEFAULT_PATH, "HOME": "/root", **cfg.env, **(env or {})}
+        full_env = self._command_env(env)
         async with self._lock:
             self._check_open()
             done: dict[str, Any] = {}
