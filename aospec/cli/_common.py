@@ -7,7 +7,7 @@ import json
 import sys
 from typing import Any
 
-__all__ = ["add_format_option", "print_json"]
+__all__ = ["add_format_option", "print_fields", "print_json"]
 
 
 def add_format_option(parser: argparse.ArgumentParser) -> None:
@@ -22,3 +22,13 @@ def add_format_option(parser: argparse.ArgumentParser) -> None:
 def print_json(obj: Any) -> None:
     sys.stdout.write(json.dumps(obj, sort_keys=False) + "\n")
     sys.stdout.flush()
+
+
+def print_fields(fields: dict[str, Any], fmt: str, *, width: int) -> None:
+    """``fields`` as one JSON object (``--format json``) or one ``key value`` line each,
+    keys padded to ``width``."""
+    if fmt == "json":
+        print_json(fields)
+    else:
+        for k, v in fields.items():
+            print(f"{k:{width}} {v}")

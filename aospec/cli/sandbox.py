@@ -8,7 +8,7 @@ import shlex
 import sys
 from typing import Any
 
-from aospec.cli._common import add_format_option, print_json
+from aospec.cli._common import add_format_option, print_fields, print_json
 from aospec.errors import ConfigError
 
 __all__ = ["register"]
@@ -89,11 +89,7 @@ def _build_base(args: argparse.Namespace) -> int:
             out["docker_image"] = ensure_base_image(client, base)
         finally:
             client.close()
-    if args.format == "json":
-        print_json(out)
-    else:
-        for k, v in out.items():
-            print(f"{k:13} {v}")
+    print_fields(out, args.format, width=13)
     return 0
 
 
@@ -195,11 +191,7 @@ def _info(args: argparse.Namespace) -> int:
         out["docker_checkpoint"] = "available" if ok else f"unavailable: {why}"
     except Exception as exc:
         out["docker"] = f"unavailable: {exc}"
-    if args.format == "json":
-        print_json(out)
-    else:
-        for k, v in out.items():
-            print(f"{k:20} {v}")
+    print_fields(out, args.format, width=20)
     return 0
 
 
