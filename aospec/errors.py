@@ -73,12 +73,25 @@ class TraceFormatError(AospecError):
 
 
 class TraceImportError(TraceFormatError):
-    """Importing several files failed; ``errors`` holds one TraceFormatError per bad file."""
+    """Importing files failed; ``errors`` holds one TraceFormatError per bad file.
 
-    def __init__(self, errors: Sequence[TraceFormatError]) -> None:
+    The message is the one error on one line, or a count followed by the first
+    ``MAX_LISTED`` errors and the number left out; ``hint`` (optional) says what to do.
+    """
+
+    MAX_LISTED = 20
+
+    def __init__(self, errors: Sequence[TraceFormatError], *, hint: str | None = None) -> None:
         self.errors = tuple(errors)
-        lines = [f"{len(self.errors)} file(s) could not be imported:"]
-        lines += [f"  {e}" for e in self.errors]
+        self.hint = hint
+        note = f" ({hint})" if hint else ""
+        if len(self.errors) == 1:
+            lines = [f"{self.errors[0]}{note}"]
+        else:
+            lines = [f"{len(self.errors)} file(s) could not be imported{note}:"]
+            lines += [f"  {e}" for e in self.errors[: self.MAX_LISTED]]
+            if len(self.errors) > self.MAX_LISTED:
+                lines.append(f"  ... and {len(self.errors) - self.MAX_LISTED} more")
         self.message = "\n".join(lines)
         self.path = self.line = self.field = None
         Exception.__init__(self, self.message)

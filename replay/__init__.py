@@ -2,6 +2,7 @@
 
 ``load_traces(paths)`` reads files and directories of every supported format (canonical
 JSONL, tb1 step files, mini-swe-agent ``*.traj.json``, tau-bench trajectories);
+``import_traces(paths, skip_invalid=True)`` also returns the bad files it skipped;
 ``write_jsonl``/``read_jsonl`` write and read the canonical JSONL of docs/trace-format.md;
 ``trace_stats`` summarises a trace set; ``bundled_traces_path()`` is the small tb1 sample
 shipped in the package.
@@ -12,14 +13,16 @@ from __future__ import annotations
 from importlib import resources
 from pathlib import Path
 
-from replay.io import FORMATS, dump_jsonl, load_traces, read_jsonl, write_jsonl
+from replay.io import FORMATS, LoadedTraces, dump_jsonl, import_traces, load_traces, read_jsonl, write_jsonl
 from replay.stats import TraceStats, trace_stats
 
 __all__ = [
     "FORMATS",
+    "LoadedTraces",
     "TraceStats",
     "bundled_traces_path",
     "dump_jsonl",
+    "import_traces",
     "load_traces",
     "read_jsonl",
     "trace_stats",

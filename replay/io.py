@@ -9,16 +9,27 @@ per step. ``write_jsonl`` always writes every field in a fixed order, so
 JSONL, tb1 step files, mini-swe-agent ``*.traj.json``, tau-bench trajectory JSON),
 detects the format of each file, and returns the traces sorted by id. A file that fails
 to import never yields partial results: every bad file is reported in one
-:class:`~aospec.errors.TraceImportError`.
+:class:`~aospec.errors.TraceImportError` (or, with ``import_traces(..., skip_invalid=True)``,
+skipped and named in the result).
+
+Every input is untrusted: only regular files are read (a FIFO or a device is refused, not
+opened for reading), at most ``max_file_bytes`` each; JSON must be strict (no NaN or
+Infinity, no number that overflows a float, no lone UTF-16 surrogate, no duplicate key, at
+most ``MAX_JSON_DEPTH`` levels); durations and token counts must lie within the bounds
+below, which keep a replay's virtual time exact.
 """
 
 from __future__ import annotations
 
+import errno
 import json
 import math
 import os
+import re
+import stat
 import tempfile
 from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from types import MappingProxyType
 from typing import Any
@@ -28,8 +39,14 @@ from aospec.types import SCHEMA_VERSION, Action, Step, Trace
 
 __all__ = [
     "FORMATS",
+    "MAX_DURATION_S",
+    "MAX_FILE_BYTES",
+    "MAX_OUTPUT_TOKENS",
+    "MAX_TIME_S",
+    "LoadedTraces",
     "dump_jsonl",
     "freeze_json",
+    "import_traces",
     "load_traces",
     "parse_json",
     "read_jsonl",
@@ -60,8 +77,26 @@ _STEP_FIELDS = (
 )
 _STEP_REQUIRED = frozenset(("type", "action", "observation", "output_tokens"))
 
+#: Largest trace file read by default (``--max-file-mb`` / ``max_file_bytes`` raise it).
+MAX_FILE_BYTES = 256 * 2**20
+#: Largest accepted step duration (tool time, model latency): about 116 days.
+MAX_DURATION_S = 1e7
+#: Largest accepted magnitude of a timestamp (``started_at_s`` and the like): about 317 years.
+MAX_TIME_S = 1e10
+#: Largest accepted output token count of one step.
+MAX_OUTPUT_TOKENS = 10_000_000
+
 
 # ---------------------------------------------------------------- JSON helpers
+
+
+class JSONValueError(ValueError):
+    """Strict-JSON violation; ``field`` is the JSON path of the offending value when known
+    (``meta.x``, ``traj[3].content``)."""
+
+    def __init__(self, message: str, field: str | None = None) -> None:
+        super().__init__(message)
+        self.field = field
 
 
 def _reject_constant(name: str) -> Any:
@@ -86,26 +121,70 @@ _decoder = json.JSONDecoder(parse_constant=_reject_constant, object_pairs_hook=_
 MAX_JSON_DEPTH = 100
 
 
+_SURROGATE = re.compile("[\ud800-\udfff]")
+_NON_FINITE = "a number too large for a 64-bit float (it overflows to infinity)"
+_LONE_SURROGATE = "a lone UTF-16 surrogate (e.g. \\ud800) is not Unicode text"
+
+
+def _json_path(node: Any) -> str | None:
+    """The JSON path of a node of parse_json's walk: a (parent, key) chain, None at the root."""
+    keys: list[Any] = []
+    while node is not None:
+        node, key = node
+        keys.append(key)
+    out = ""
+    for key in reversed(keys):
+        out += f"[{key}]" if isinstance(key, int) else (f".{key}" if out else str(key))
+    return out or None
+
+
 def parse_json(text: str) -> Any:
-    """Strict JSON: no NaN/Infinity, no duplicate object keys, at most MAX_JSON_DEPTH levels
-    of nesting. Raises ValueError."""
+    """Strict JSON: no NaN/Infinity, no number that overflows a float, no lone surrogate in a
+    string or key, no duplicate object keys, at most MAX_JSON_DEPTH levels of nesting.
+    Raises ValueError (a JSONValueError naming the value's path where it can)."""
     try:
         value = _decoder.decode(text)
     except RecursionError:
         raise ValueError(f"nested deeper than {MAX_JSON_DEPTH} levels") from None
-    stack = [(value, 1)]
+    # Only a \u escape (or text that already held one) can produce a lone surrogate.
+    surrogates = "\\u" in text or _SURROGATE.search(text) is not None
+    if isinstance(value, float) and not math.isfinite(value):
+        raise JSONValueError(_NON_FINITE)
+    if surrogates and isinstance(value, str) and _SURROGATE.search(value):
+        raise JSONValueError(_LONE_SURROGATE)
+    stack: list[tuple[Any, int, Any]] = [(value, 1, None)]
     while stack:
-        v, depth = stack.pop()
+        v, depth, node = stack.pop()
         if isinstance(v, dict):
-            children = v.values()
+            items: Iterable[tuple[Any, Any]] = v.items()
         elif isinstance(v, list):
-            children = v
+            items = enumerate(v)
         else:
             continue
         if depth > MAX_JSON_DEPTH:
             raise ValueError(f"nested deeper than {MAX_JSON_DEPTH} levels")
-        stack.extend((c, depth + 1) for c in children if isinstance(c, (dict, list)))
+        for k, c in items:
+            if surrogates and isinstance(k, str) and _SURROGATE.search(k):
+                raise JSONValueError(f"{_LONE_SURROGATE} (in a key)", _json_path(node))
+            if isinstance(c, (dict, list)):
+                stack.append((c, depth + 1, (node, k)))
+            elif isinstance(c, float):
+                if not math.isfinite(c):
+                    raise JSONValueError(_NON_FINITE, _json_path((node, k)))
+            elif surrogates and isinstance(c, str) and _SURROGATE.search(c):
+                raise JSONValueError(_LONE_SURROGATE, _json_path((node, k)))
     return value
+
+
+def json_error(exc: ValueError, *, path: str, line: int | None = None, field: str | None = None) -> TraceFormatError:
+    """The TraceFormatError for a parse_json failure: ``field`` (the path of the record the text
+    was) prefixes the JSON path of the offending value."""
+    if not isinstance(exc, JSONValueError):
+        return TraceFormatError(f"invalid JSON: {exc}", path=path, line=line, field=field)
+    inner = exc.field
+    if inner is not None:
+        field = f"{field}.{inner}" if field and not inner.startswith("[") else f"{field or ''}{inner}"
+    return TraceFormatError(str(exc), path=path, line=line, field=field)
 
 
 def freeze_json(value: Any) -> Any:
@@ -231,25 +310,28 @@ class _Fields:
             raise self.error(name, f"expected true or false{' or null' if optional else ''}, got {_kind(v)}")
         return v
 
-    def int(self, name: str) -> int:
+    def int(self, name: str, *, maximum: int) -> int:
         v = self.rec.get(name)
         if isinstance(v, bool) or not isinstance(v, int):
             raise self.error(name, f"expected an integer, got {_kind(v)}")
         if v < 0:
             raise self.error(name, f"must be >= 0, got {v}")
+        if v > maximum:
+            raise self.error(name, f"{_short_number(v)} is beyond the limit of {maximum:,}")
         return v
 
-    def seconds(self, name: str, *, allow_negative: bool = False) -> float | None:
+    def seconds(self, name: str, *, timestamp: bool = False) -> float | None:
+        """A duration (>= 0, at most MAX_DURATION_S) or, with ``timestamp``, a time of either
+        sign (magnitude at most MAX_TIME_S); null is None."""
         v = self.rec.get(name)
         if v is None:
             return None
         if isinstance(v, bool) or not isinstance(v, (int, float)):
             raise self.error(name, f"expected a number of seconds or null, got {_kind(v)}")
-        v = float(v)
-        if not math.isfinite(v):
-            raise self.error(name, "must be finite")
-        if v < 0 and not allow_negative:
-            raise self.error(name, f"must be >= 0, got {v}")
+        v = as_float(v)
+        problem = check_seconds(v, timestamp=timestamp)
+        if problem:
+            raise self.error(name, problem)
         return v
 
     def mapping(self, name: str) -> Mapping[str, Any]:
@@ -265,6 +347,30 @@ class _Fields:
         missing = [k for k in allowed if k in required and k not in self.rec]
         if missing:
             raise self.error(missing[0], "missing required field")
+
+
+def as_float(v: int | float) -> float:
+    """``float(v)``, infinite (of ``v``'s sign) for an integer too large for a float."""
+    try:
+        return float(v)
+    except OverflowError:
+        return math.copysign(math.inf, v)
+
+
+def check_seconds(v: float, *, timestamp: bool = False) -> str | None:
+    """Why ``v`` seconds cannot be replayed (None when it can): non-finite, negative for a
+    duration, or beyond MAX_DURATION_S (MAX_TIME_S in magnitude for a timestamp)."""
+    if not math.isfinite(v):
+        return "must be finite"
+    if timestamp:
+        return None if abs(v) <= MAX_TIME_S else f"{v:g} s is beyond the limit of +-{MAX_TIME_S:g} s"
+    if v < 0:
+        return f"must be >= 0, got {v}"
+    return None if v <= MAX_DURATION_S else f"{v:g} s is beyond the limit of {MAX_DURATION_S:g} s (about 116 days)"
+
+
+def _short_number(v: int) -> str:
+    return str(v) if v.bit_length() <= 64 else f"an integer of about {int(v.bit_length() * 0.30103) + 1} digits"
 
 
 def _kind(v: Any) -> str:
@@ -308,7 +414,7 @@ def _parse_step(f: _Fields) -> Step:
     return Step(
         action=action,
         observation=f.str("observation"),  # type: ignore[arg-type]
-        output_tokens=f.int("output_tokens"),
+        output_tokens=f.int("output_tokens", maximum=MAX_OUTPUT_TOKENS),
         output_tokens_estimated=f.bool("output_tokens_estimated", False),  # type: ignore[arg-type]
         tool_duration_s=f.seconds("tool_duration_s"),
         model_latency_s=f.seconds("model_latency_s"),
@@ -317,7 +423,7 @@ def _parse_step(f: _Fields) -> Step:
         version_after=f.str("version_after", optional=True),
         reply=f.str("reply", optional=True),
         completed=f.bool("completed", True),  # type: ignore[arg-type]
-        started_at_s=f.seconds("started_at_s", allow_negative=True),
+        started_at_s=f.seconds("started_at_s", timestamp=True),
         extra=f.mapping("extra"),
     )
 
@@ -333,7 +439,7 @@ def parse_jsonl_text(text: str, path: str) -> list[Trace]:
         try:
             rec = parse_json(line)
         except ValueError as exc:
-            raise TraceFormatError(f"invalid JSON: {exc}", path=path, line=lineno) from None
+            raise json_error(exc, path=path, line=lineno) from None
         if not isinstance(rec, dict):
             raise TraceFormatError(f"expected a JSON object, got {_kind(rec)}", path=path, line=lineno)
         f = _Fields(rec, path, lineno)
@@ -354,35 +460,97 @@ def parse_jsonl_text(text: str, path: str) -> list[Trace]:
     return traces
 
 
-def read_text(path: Path) -> str:
-    """The UTF-8 text of ``path``; TraceFormatError (naming the line) when unreadable."""
+def _not_regular(mode: int) -> str:
+    kinds = (
+        (stat.S_ISDIR, "a directory"),
+        (stat.S_ISFIFO, "a FIFO"),
+        (stat.S_ISSOCK, "a socket"),
+        (stat.S_ISCHR, "a character device"),
+        (stat.S_ISBLK, "a block device"),
+    )
+    kind = next((name for test, name in kinds if test(mode)), "not a regular file")
+    return f"{kind}, not a regular file: only regular files are read"
+
+
+def _os_problem(exc: OSError, path: str | os.PathLike[str]) -> str:
+    if exc.errno == errno.ELOOP:
+        return "symlink loop (too many levels of symbolic links)"
+    if exc.errno == errno.ENOENT and os.path.islink(path):
+        return f"dangling symlink (to {os.readlink(path)!r})"
+    return f"cannot read: {exc.strerror or exc}"
+
+
+def _too_large(size: int, max_bytes: int) -> str:
+    mib = 2**20
+    return (
+        f"{'over ' if size > max_bytes else ''}{size / mib:,.1f} MiB, larger than the {max_bytes / mib:g} MiB "
+        "limit for one trace file; raise it with --max-file-mb (max_file_bytes=)"
+    )
+
+
+def read_bytes(path: str | os.PathLike[str], *, max_bytes: int = MAX_FILE_BYTES) -> bytes:
+    """The content of the regular file ``path`` (symlinks followed), at most ``max_bytes``.
+
+    Anything else (a FIFO, a device, a directory, a symlink loop) or a larger file is a
+    TraceFormatError naming the path, raised without reading (a FIFO is never opened for
+    reading, so this never blocks).
+    """
+    spath = str(path)
     try:
-        data = path.read_bytes()
+        st = os.stat(path)
     except OSError as exc:
-        raise TraceFormatError(f"cannot read: {exc.strerror or exc}", path=str(path)) from None
+        raise TraceFormatError(_os_problem(exc, path), path=spath) from None
+    if not stat.S_ISREG(st.st_mode):
+        raise TraceFormatError(_not_regular(st.st_mode), path=spath)
+    if st.st_size > max_bytes:
+        raise TraceFormatError(_too_large(st.st_size, max_bytes), path=spath)
     try:
-        return data.decode("utf-8")
+        # O_NONBLOCK: should the path have been swapped for a FIFO since the stat, opening
+        # it must not wait for a writer; fstat below then refuses it.
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError as exc:
+        raise TraceFormatError(_os_problem(exc, path), path=spath) from None
+    with os.fdopen(fd, "rb") as f:
+        st = os.fstat(f.fileno())
+        if not stat.S_ISREG(st.st_mode):
+            raise TraceFormatError(_not_regular(st.st_mode), path=spath)
+        try:
+            data = f.read(max_bytes + 1)
+        except OSError as exc:
+            raise TraceFormatError(_os_problem(exc, path), path=spath) from None
+    if len(data) > max_bytes:
+        raise TraceFormatError(_too_large(len(data), max_bytes), path=spath)
+    return data
+
+
+def read_text(path: str | os.PathLike[str], *, max_bytes: int = MAX_FILE_BYTES) -> str:
+    """The UTF-8 text of the regular file ``path`` (see :func:`read_bytes`); a leading
+    byte-order mark is dropped. TraceFormatError (naming the line) when not UTF-8."""
+    data = read_bytes(path, max_bytes=max_bytes)
+    try:
+        text = data.decode("utf-8")
     except UnicodeDecodeError as exc:
         line = data[: exc.start].count(b"\n") + 1
         raise TraceFormatError(f"not UTF-8 text (byte offset {exc.start})", path=str(path), line=line) from None
+    return text[1:] if text.startswith("\ufeff") else text
 
 
-def read_jsonl(path: str | os.PathLike[str]) -> list[Trace]:
+def read_jsonl(path: str | os.PathLike[str], *, max_file_bytes: int = MAX_FILE_BYTES) -> list[Trace]:
     """Read a canonical JSONL file. Raises TraceFormatError naming the path, line and field."""
     p = Path(path)
-    return parse_jsonl_text(read_text(p), str(p))
+    return parse_jsonl_text(read_text(p, max_bytes=max_file_bytes), str(p))
 
 
 # ---------------------------------------------------------------- any format
 
 
-def _import_with(fmt: str, path: Path, text: str) -> list[Trace]:
+def _import_with(fmt: str, path: Path, text: str, max_file_bytes: int) -> list[Trace]:
     if fmt == "aospec":
         return parse_jsonl_text(text, str(path))
     if fmt == "tb1":
         from replay.importers.tb1 import parse_tb1_text
 
-        return parse_tb1_text(path, text)
+        return parse_tb1_text(path, text, max_file_bytes=max_file_bytes)
     if fmt == "mini-swe-agent":
         from replay.importers.minisweagent import parse_traj_text
 
@@ -397,20 +565,26 @@ def detect_format(path: Path, text: str) -> str:
     stripped = text.lstrip()
     if not stripped:
         raise TraceFormatError("empty file", path=str(path))
+    first_line = stripped.split("\n", 1)[0]
     try:
-        first = parse_json(stripped.split("\n", 1)[0])
-    except ValueError:
-        first = None
+        first = parse_json(first_line)
+    except ValueError as exc:
+        first, problem = None, exc
     if isinstance(first, dict):
         if first.get("type") in ("trace", "step"):
             return "aospec"
         if "step" in first and "action" in first and "response_text" in first:
             return "tb1"
     if path.name.endswith(".jsonl"):
+        line = text[: len(text) - len(stripped)].count("\n") + 1
+        if first is None:
+            # Say what is wrong with the record rather than that no importer knows it.
+            raise json_error(problem, path=str(path), line=line)
         raise TraceFormatError(
-            "unrecognised JSONL: the first record is neither an aospec trace header nor a tb1 step",
+            "unrecognised JSONL: the first record is neither an aospec trace header "
+            '({"type": "trace", ...}) nor a tb1 step ({"step": 1, "action": ..., "response_text": ...})',
             path=str(path),
-            line=1,
+            line=line,
         )
     if stripped.startswith("["):
         return "tau-bench"
@@ -422,9 +596,15 @@ def detect_format(path: Path, text: str) -> str:
 _TRACE_SUFFIXES = (".jsonl", ".json")
 
 
-def _walk(root: Path) -> list[Path]:
+def _walk(root: Path, errors: list[TraceFormatError]) -> list[Path]:
+    """Trace files under ``root`` in a fixed order; symlinked directories are not followed
+    (so a symlink loop among directories cannot recur), an unreadable directory is an error."""
+
+    def unreadable(exc: OSError) -> None:
+        errors.append(TraceFormatError(f"cannot list directory: {exc.strerror or exc}", path=str(exc.filename)))
+
     files: list[Path] = []
-    for dirpath, dirnames, filenames in os.walk(root):
+    for dirpath, dirnames, filenames in os.walk(root, onerror=unreadable):
         dirnames[:] = sorted(d for d in dirnames if not d.startswith("."))
         for name in sorted(filenames):
             if name.startswith(".") or not name.endswith(_TRACE_SUFFIXES):
@@ -436,56 +616,119 @@ def _walk(root: Path) -> list[Path]:
     return files
 
 
+@dataclass(frozen=True, slots=True)
+class LoadedTraces:
+    """What :func:`import_traces` read: the traces (sorted by id), how many files they came
+    from, and one error per file skipped as invalid (``skip_invalid=True`` only)."""
+
+    traces: tuple[Trace, ...]
+    files: int
+    skipped: tuple[TraceFormatError, ...] = ()
+
+
+def _file_key(p: Path) -> Any:
+    try:
+        st = os.stat(p)
+    except OSError:
+        return os.path.abspath(p)
+    return (st.st_dev, st.st_ino)
+
+
+def import_traces(
+    paths: str | os.PathLike[str] | Iterable[str | os.PathLike[str]],
+    format: str = "auto",
+    *,
+    max_file_bytes: int = MAX_FILE_BYTES,
+    skip_invalid: bool = False,
+) -> LoadedTraces:
+    """Import every trace under ``paths`` (files and directories, searched recursively).
+
+    ``format`` is ``"auto"`` (detect each file) or one of ``FORMATS``; each file may hold at
+    most ``max_file_bytes``. Trace ids must be unique. By default any bad file raises one
+    TraceImportError listing every bad file (and nothing is returned). With
+    ``skip_invalid``, a bad file (unreadable, malformed, or repeating a trace id of an
+    earlier file) is left out whole and its error kept in ``skipped``; the paths themselves
+    (missing, a directory without trace files, an unknown format) must still be right, and
+    an import that leaves no trace at all still raises.
+    """
+    if format not in FORMATS:
+        raise TraceImportError([TraceFormatError(f"unknown format {format!r}; choose from {', '.join(FORMATS)}")])
+    if max_file_bytes < 1:
+        raise TraceImportError([TraceFormatError(f"max_file_bytes must be >= 1, got {max_file_bytes}")])
+    if isinstance(paths, (str, os.PathLike)):
+        paths = [paths]
+    fatal: list[TraceFormatError] = []
+    bad: list[TraceFormatError] = []
+    files: list[Path] = []
+    seen: set[Any] = set()
+    for raw in paths:
+        p = Path(raw)
+        try:
+            is_dir = stat.S_ISDIR(os.stat(p).st_mode)
+        except OSError as exc:
+            if exc.errno == errno.ENOENT and not os.path.islink(p):
+                fatal.append(TraceFormatError("no such file or directory", path=str(p)))
+                continue
+            is_dir = False  # a symlink loop or a dangling link: reported when read, as a bad file
+        if is_dir:
+            unlisted = len(bad)
+            found = _walk(p, bad)
+            if not found and len(bad) == unlisted:
+                fatal.append(TraceFormatError("no trace files (*.jsonl, *.json) in this directory", path=str(p)))
+        else:
+            found = [p]
+        for f in found:
+            key = _file_key(f)
+            if key not in seen:
+                seen.add(key)
+                files.append(f)
+    if fatal:
+        raise TraceImportError(fatal + bad)
+    traces: list[Trace] = []
+    origin: dict[str, Path] = {}
+    imported = 0
+    for f in files:
+        try:
+            text = read_text(f, max_bytes=max_file_bytes)
+            fmt = detect_format(f, text) if format == "auto" else format
+            loaded = _import_with(fmt, f, text, max_file_bytes)
+        except TraceFormatError as exc:
+            bad.append(exc)
+            continue
+        ids: dict[str, Path] = {}
+        clash = None
+        for t in loaded:
+            if t.id in origin or t.id in ids:
+                clash = TraceFormatError(
+                    f"duplicate trace id {t.id!r} (also in {origin.get(t.id, f)})", path=str(f)
+                )
+                break
+            ids[t.id] = f
+        if clash is not None:
+            bad.append(clash)
+            continue
+        origin.update(ids)
+        traces.extend(loaded)
+        imported += 1
+    if bad and not skip_invalid:
+        others = len(files) > len(bad)
+        raise TraceImportError(bad, hint="--skip-invalid (skip_invalid=True) imports the rest" if others else None)
+    if bad and not traces:
+        raise TraceImportError(bad, hint="no file was valid")
+    traces.sort(key=lambda t: t.id)
+    return LoadedTraces(tuple(traces), imported, tuple(bad))
+
+
 def load_traces(
     paths: str | os.PathLike[str] | Iterable[str | os.PathLike[str]],
     format: str = "auto",
+    *,
+    max_file_bytes: int = MAX_FILE_BYTES,
 ) -> list[Trace]:
     """Load every trace under ``paths`` (files and directories, searched recursively).
 
     ``format`` is ``"auto"`` (detect each file) or one of ``FORMATS``. Traces are returned
     sorted by id; ids must be unique. Any failure raises one TraceImportError listing every
-    bad file (and nothing is returned).
+    bad file (and nothing is returned). See :func:`import_traces` to skip bad files instead.
     """
-    if format not in FORMATS:
-        raise TraceImportError([TraceFormatError(f"unknown format {format!r}; choose from {', '.join(FORMATS)}")])
-    if isinstance(paths, (str, os.PathLike)):
-        paths = [paths]
-    errors: list[TraceFormatError] = []
-    files: list[Path] = []
-    seen: set[Path] = set()
-    for raw in paths:
-        p = Path(raw)
-        if p.is_dir():
-            found = _walk(p)
-            if not found:
-                errors.append(TraceFormatError("no trace files (*.jsonl, *.json) in this directory", path=str(p)))
-        elif p.exists():
-            found = [p]
-        else:
-            errors.append(TraceFormatError("no such file or directory", path=str(p)))
-            continue
-        for f in found:
-            key = f.resolve()
-            if key not in seen:
-                seen.add(key)
-                files.append(f)
-    traces: list[Trace] = []
-    origin: dict[str, Path] = {}
-    for f in files:
-        try:
-            text = read_text(f)
-            fmt = detect_format(f, text) if format == "auto" else format
-            loaded = _import_with(fmt, f, text)
-        except TraceFormatError as exc:
-            errors.append(exc)
-            continue
-        for t in loaded:
-            if t.id in origin:
-                errors.append(TraceFormatError(f"duplicate trace id {t.id!r} (also in {origin[t.id]})", path=str(f)))
-            else:
-                origin[t.id] = f
-                traces.append(t)
-    if errors:
-        raise TraceImportError(errors)
-    traces.sort(key=lambda t: t.id)
-    return traces
+    return list(import_traces(paths, format, max_file_bytes=max_file_bytes).traces)

@@ -16,7 +16,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from aospec.cli._common import add_format_option, print_json
+from aospec.cli._common import add_format_option, add_trace_input_options, load_trace_inputs, print_json
 
 __all__ = ["register"]
 
@@ -74,6 +74,7 @@ def _add_inputs(parser: argparse.ArgumentParser, *, default_bundled: bool = Fals
         default="auto",
         help="format of the inputs (default: detect each file)",
     )
+    add_trace_input_options(parser)
 
 
 def _fmt_s(v: float | None) -> str:
@@ -87,25 +88,30 @@ def _fmt_pct(v: float | None) -> str:
 
 
 def _stats(args: argparse.Namespace) -> int:
-    from replay import bundled_traces_path, load_traces, trace_stats
+    from replay import bundled_traces_path, trace_stats
 
     if not args.paths:
         args.paths = [str(bundled_traces_path())]
-    traces = load_traces(args.paths, format=args.input_format)
+    loaded = load_trace_inputs(args.paths, args, format=args.input_format)
+    traces = list(loaded.traces)
     stats = trace_stats(traces)
     plot = _plot(traces, stats, args.plot) if args.plot else None
+    skipped = len(loaded.skipped) if args.skip_invalid else None
     if args.format == "json":
         out: dict[str, Any] = stats.to_json()
         out["paths"] = [str(p) for p in args.paths]
+        if skipped is not None:
+            out["skipped_files"] = skipped
+            out["skipped"] = [str(e) for e in loaded.skipped]
         if plot:
             out["plot"] = str(plot)
         print_json(out)
         return 0
-    _print_table(stats, args.paths, plot)
+    _print_table(stats, args.paths, plot, skipped)
     return 0
 
 
-def _print_table(stats: Any, paths: list[str], plot: Path | None) -> None:
+def _print_table(stats: Any, paths: list[str], plot: Path | None, skipped: int | None = None) -> None:
     from rich.console import Console
     from rich.table import Table
 
@@ -130,6 +136,8 @@ def _print_table(stats: Any, paths: list[str], plot: Path | None) -> None:
         ("effects recorded / classified", f"{stats.effects_recorded} / {stats.effects_classified}"),
         ("incomplete steps", f"{stats.incomplete_steps}"),
     ]  # fmt: skip
+    if skipped is not None:
+        rows.insert(0, ("invalid files skipped", f"{skipped}"))
     for k, v in rows:
         table.add_row(k, v)
     console = Console()
@@ -184,19 +192,27 @@ def _plot(traces: list, stats: Any, path: Path) -> Path:
 
 
 def _convert(args: argparse.Namespace) -> int:
-    from replay import dump_jsonl, load_traces, write_jsonl
+    from replay import dump_jsonl, write_jsonl
 
-    traces = load_traces(args.paths, format=args.input_format)
+    loaded = load_trace_inputs(args.paths, args, format=args.input_format)
+    traces = loaded.traces
     steps = sum(len(t) for t in traces)
     if args.output == "-":
         sys.stdout.write(dump_jsonl(traces))
         sys.stdout.flush()
+        if args.skip_invalid:
+            print(f"aospec: {len(loaded.skipped)} invalid files skipped", file=sys.stderr)
         return 0
     out = write_jsonl(traces, args.output)
     if args.format == "json":
-        print_json({"traces": len(traces), "steps": steps, "output": str(out)})
+        summary: dict[str, Any] = {"traces": len(traces), "steps": steps, "output": str(out)}
+        if args.skip_invalid:
+            summary["skipped_files"] = len(loaded.skipped)
+            summary["skipped"] = [str(e) for e in loaded.skipped]
+        print_json(summary)
     else:
         from rich.console import Console
 
-        Console().print(f"Wrote {len(traces)} traces ({steps} steps) to {out}")
+        note = f"; {len(loaded.skipped)} invalid files skipped" if args.skip_invalid else ""
+        Console().print(f"Wrote {len(traces)} traces ({steps} steps) to {out}{note}")
     return 0

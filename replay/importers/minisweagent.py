@@ -23,24 +23,53 @@ Output tokens come from the stored model response's usage (``completion_tokens``
 and its tool calls (``output_tokens_estimated=True``). Several commands from one reply
 share one decode: the first step carries the reply's tokens and latency, the rest 0 and
 None. The last command of a submitted run has no observation (``""``, duration None).
+
+Only the trajectory formats in ``TRAJECTORY_FORMATS`` are read. The v1 ``action_regex`` a
+file carries is untrusted input: it runs on the ``regex`` engine with a time budget of
+``ACTION_REGEX_BUDGET_S`` per file (as does the default pattern), and a pattern that
+exceeds it (catastrophic backtracking, e.g. ``(a|aa)+$``) is an error naming the field,
+never a hang and never a silent fallback to another pattern.
 """
 
 from __future__ import annotations
 
 import math
-import re
+import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+import regex
+
 from aospec.errors import TraceFormatError
 from aospec.types import Action, Step, Trace
-from replay.io import freeze_json, parse_json, read_text
+from replay.io import (
+    MAX_FILE_BYTES,
+    MAX_OUTPUT_TOKENS,
+    as_float,
+    check_seconds,
+    freeze_json,
+    json_error,
+    parse_json,
+    read_text,
+)
 
-__all__ = ["DEFAULT_ACTION_REGEX", "HARNESS", "parse_traj_text", "read_traj"]
+__all__ = [
+    "ACTION_REGEX_BUDGET_S",
+    "DEFAULT_ACTION_REGEX",
+    "HARNESS",
+    "TRAJECTORY_FORMATS",
+    "parse_traj_text",
+    "read_traj",
+]
 
 HARNESS = "mini-swe-agent"
 DEFAULT_ACTION_REGEX = r"```bash\s*\n(.*?)\n```"
+#: ``trajectory_format`` values this importer reads (mini-swe-agent 1.x and 2.x).
+TRAJECTORY_FORMATS = ("mini-swe-agent-1", "mini-swe-agent-1.1")
+#: Time all action-regex matching of one file may take, in seconds.
+ACTION_REGEX_BUDGET_S = 2.0
+_REGEX_FIELD = "info.config.agent.action_regex"
 
 
 class _Msg:
@@ -71,9 +100,25 @@ class _Msg:
 class _Ctx:
     def __init__(self, path: Path) -> None:
         self.path = str(path)
+        self.regex_deadline = time.monotonic() + ACTION_REGEX_BUDGET_S
 
     def error(self, field: str, message: str) -> TraceFormatError:
         return TraceFormatError(message, path=self.path, field=field)
+
+    def find_actions(self, pattern: regex.Pattern[str], text: str, where: str) -> list[str]:
+        """``pattern.findall(text)`` within what is left of the file's time budget."""
+        left = self.regex_deadline - time.monotonic()
+        try:
+            if left <= 0:
+                raise TimeoutError
+            return pattern.findall(text, timeout=left)
+        except TimeoutError:
+            raise self.error(
+                _REGEX_FIELD,
+                f"matching the pattern against {where} took over {ACTION_REGEX_BUDGET_S:g} s in all "
+                "(catastrophic backtracking?); the pattern is not run further: fix it in the file "
+                f"(mini-swe-agent's default is {DEFAULT_ACTION_REGEX!r})",
+            ) from None
 
 
 def _content_text(ctx: _Ctx, content: Any, where: str) -> str | None:
@@ -96,7 +141,7 @@ def _content_text(ctx: _Ctx, content: Any, where: str) -> str | None:
 
 
 def _number(v: Any) -> float | None:
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(as_float(v)):
         return None
     return float(v)
 
@@ -155,7 +200,7 @@ def _normalise(ctx: _Ctx, i: int, m: Any) -> list[_Msg]:
     return [_Msg(i, role, text, calls=calls, call_id=call_id, extra=extra, ts=ts)]
 
 
-def _usage_tokens(response: Any) -> int | None:
+def _usage_tokens(ctx: _Ctx, response: Any, where: str) -> int | None:
     if not isinstance(response, dict):
         return None
     usage = response.get("usage")
@@ -164,6 +209,8 @@ def _usage_tokens(response: Any) -> int | None:
     for key in ("completion_tokens", "output_tokens"):
         v = usage.get(key)
         if isinstance(v, int) and not isinstance(v, bool) and v >= 0:
+            if v > MAX_OUTPUT_TOKENS:
+                raise ctx.error(f"{where}.usage.{key}", f"beyond the limit of {MAX_OUTPUT_TOKENS:,} tokens")
             return v
     return None
 
@@ -177,13 +224,17 @@ def _response_text(response: Any) -> str | None:
         return None
 
 
-def _delta(a: float | None, b: float | None) -> float | None:
-    if a is None or b is None or b < a:
+def _delta(ctx: _Ctx, a: float | None, b: _Msg) -> float | None:
+    """Seconds from ``a`` to message ``b``'s time (None when either is unknown or b is earlier)."""
+    if a is None or b.ts is None or b.ts < a:
         return None
-    return b - a
+    problem = check_seconds(b.ts - a)
+    if problem:
+        raise ctx.error(f"messages[{b.index}].timestamp", f"the time since the previous message: {problem}")
+    return b.ts - a
 
 
-def _actions_of(ctx: _Ctx, msg: _Msg, regex: re.Pattern[str]) -> list[tuple[Action, str | None]]:
+def _actions_of(ctx: _Ctx, msg: _Msg, pattern: regex.Pattern[str]) -> list[tuple[Action, str | None]]:
     """(action, tool_call_id) of every command an assistant message issued."""
     where = f"messages[{msg.index}]"
     listed = msg.extra.get("actions")
@@ -203,7 +254,7 @@ def _actions_of(ctx: _Ctx, msg: _Msg, regex: re.Pattern[str]) -> list[tuple[Acti
             try:
                 args = parse_json(raw) if raw.strip() else {}
             except ValueError as exc:
-                raise ctx.error(f"{where}.tool_calls[{k}].function.arguments", f"invalid JSON: {exc}") from None
+                raise json_error(exc, path=ctx.path, field=f"{where}.tool_calls[{k}].function.arguments") from None
             if not isinstance(args, dict):
                 raise ctx.error(f"{where}.tool_calls[{k}].function.arguments", "expected a JSON object")
             if name == "bash" and set(args) == {"command"} and isinstance(args["command"], str):
@@ -213,7 +264,7 @@ def _actions_of(ctx: _Ctx, msg: _Msg, regex: re.Pattern[str]) -> list[tuple[Acti
             else:
                 out.append((Action(name, args), cid))
         return out
-    found = [a.strip() for a in regex.findall(msg.text or "")]
+    found = [a.strip() for a in ctx.find_actions(pattern, msg.text or "", where)]
     return [(Action.bash(found[0]), None)] if len(found) == 1 else []
 
 
@@ -228,27 +279,43 @@ def parse_traj_text(path: Path, text: str) -> list[Trace]:
     try:
         obj = parse_json(text)
     except ValueError as exc:
-        raise TraceFormatError(f"invalid JSON: {exc}", path=str(path)) from None
+        raise json_error(exc, path=str(path)) from None
     if isinstance(obj, list):
         obj = {"messages": obj}  # the bare message list some tools write
     if not isinstance(obj, dict):
         raise TraceFormatError("expected a JSON object with 'messages'", path=str(path))
     raw_messages = obj.get("messages")
     if not isinstance(raw_messages, list):
-        raise ctx.error("messages", "expected a list of messages (is this a mini-swe-agent trajectory?)")
+        if "messages" not in obj and ("traj" in obj or "task_id" in obj):
+            raise TraceFormatError(
+                "an object with task_id/traj: one tau-bench record, not a mini-swe-agent trajectory; "
+                "a tau-bench file is a JSON list of records (wrap it in [ ])",
+                path=str(path),
+            )
+        if "messages" not in obj:
+            keys = ", ".join(sorted(obj)[:8]) or "(none)"
+            raise ctx.error(
+                "messages",
+                "missing: not a mini-swe-agent trajectory (an object with a 'messages' list) nor a tau-bench "
+                f"file (a list of records); top-level keys: {keys}",
+            )
+        raise ctx.error("messages", "expected a list of messages")
     info = obj.get("info") or {}
     if not isinstance(info, dict):
         raise ctx.error("info", "expected an object")
     fmt = obj.get("trajectory_format")
-    if fmt is not None and (not isinstance(fmt, str) or not fmt.startswith("mini-swe-agent")):
-        raise ctx.error("trajectory_format", f"not a mini-swe-agent trajectory format: {fmt!r}")
+    if fmt is not None and fmt not in TRAJECTORY_FORMATS:
+        raise ctx.error(
+            "trajectory_format",
+            f"unsupported trajectory format {fmt!r:.60}; this aospec reads {' and '.join(TRAJECTORY_FORMATS)}",
+        )
     config = info.get("config") if isinstance(info.get("config"), dict) else {}
     agent_cfg = config.get("agent") if isinstance(config.get("agent"), dict) else {}
     model_cfg = config.get("model") if isinstance(config.get("model"), dict) else {}
     try:
-        regex = re.compile(agent_cfg.get("action_regex") or DEFAULT_ACTION_REGEX, re.DOTALL)
-    except (re.error, TypeError) as exc:
-        raise ctx.error("info.config.agent.action_regex", f"invalid regex: {exc}") from None
+        pattern = regex.compile(agent_cfg.get("action_regex") or DEFAULT_ACTION_REGEX, regex.DOTALL)
+    except (regex.error, TypeError, ValueError) as exc:
+        raise ctx.error(_REGEX_FIELD, f"invalid regex: {exc}") from None
 
     msgs = [m for i, raw in enumerate(raw_messages) for m in _normalise(ctx, i, raw)]
     t0 = next((m.ts for m in msgs if m.ts is not None), None)
@@ -276,7 +343,7 @@ def parse_traj_text(path: Path, text: str) -> list[Trace]:
                 response = m.extra.get("response")
                 reply = m.extra.get("model_response")
                 reply = reply if isinstance(reply, str) else _response_text(response)
-                counted = _usage_tokens(response)
+                counted = _usage_tokens(ctx, response, f"messages[{m.index}].extra.response")
                 steps.append(
                     Step(
                         action=Action.none(),
@@ -292,11 +359,14 @@ def parse_traj_text(path: Path, text: str) -> list[Trace]:
             i += 1
             continue
         # assistant
-        actions = _actions_of(ctx, m, regex)
-        counted = _usage_tokens(m.extra.get("response"))
+        actions = _actions_of(ctx, m, pattern)
+        counted = _usage_tokens(ctx, m.extra.get("response"), f"messages[{m.index}].extra.response")
         tokens = counted if counted is not None else _estimate(m)
-        latency = _delta(prev.ts, m.ts) if prev is not None and prev.role != "system" else None
+        latency = _delta(ctx, prev.ts, m) if prev is not None and prev.role != "system" else None
         started = None if latency is None or t0 is None or prev is None or prev.ts is None else prev.ts - t0
+        problem = None if started is None else check_seconds(started, timestamp=True)
+        if problem:
+            raise ctx.error(f"messages[{prev.index}].timestamp", f"the time since the first message: {problem}")
         j = i + 1
         answers: list[_Msg] = []
         while j < len(msgs) and msgs[j].role in ("user", "tool") and msgs[j].extra.get("interrupt_type") is None:
@@ -333,7 +403,7 @@ def parse_traj_text(path: Path, text: str) -> list[Trace]:
                 step_extra["exit_status"] = exit_status
             exit_status = step_extra.get("exit_status")
             completed = obs is not None or exit_status == "Submitted"
-            duration = _delta(last_ts, obs.ts) if obs is not None else None
+            duration = _delta(ctx, last_ts, obs) if obs is not None else None
             if obs is not None and obs.ts is not None:
                 last_ts = obs.ts
             steps.append(
@@ -396,7 +466,7 @@ def _exit_status_after(msgs: list[_Msg], j: int) -> str | None:
     return None
 
 
-def read_traj(path: str | Path) -> Trace:
+def read_traj(path: str | Path, *, max_file_bytes: int = MAX_FILE_BYTES) -> Trace:
     """Read one mini-swe-agent ``*.traj.json`` file."""
     p = Path(path)
-    return parse_traj_text(p, read_text(p))[0]
+    return parse_traj_text(p, read_text(p, max_bytes=max_file_bytes))[0]

@@ -29,7 +29,7 @@ from typing import Any
 
 from aospec.errors import TraceFormatError
 from aospec.types import Action, Step, Trace
-from replay.io import freeze_json, parse_json, read_text
+from replay.io import MAX_FILE_BYTES, freeze_json, json_error, parse_json, read_text
 
 __all__ = ["HARNESS", "RESPOND_TOOL", "parse_taubench_text", "read_taubench"]
 
@@ -77,7 +77,7 @@ def _parse_call(rec: _Record, call: Any, where: str) -> tuple[str, Action, int]:
     try:
         args = parse_json(raw_args) if raw_args.strip() else {}
     except ValueError as exc:
-        raise rec.error(f"{where}.function.arguments", f"invalid JSON: {exc}") from None
+        raise json_error(exc, path=rec.path, line=rec.number, field=f"{where}.function.arguments") from None
     if not isinstance(args, dict):
         raise rec.error(f"{where}.function.arguments", "expected a JSON object")
     try:
@@ -206,20 +206,44 @@ def _parse_record(obj: Any, path: Path, rec: _Record) -> Trace:
     )
 
 
+_RECORD_INDEX = re.compile(r"^\[(\d+)\]\.?")
+
+
 def parse_taubench_text(path: Path, text: str) -> list[Trace]:
     """Parse a tau-bench trajectory file's content ``text``: one trace per record."""
     try:
         obj = parse_json(text)
     except ValueError as exc:
-        raise TraceFormatError(f"invalid JSON: {exc}", path=str(path)) from None
+        inner = getattr(exc, "field", None)
+        m = _RECORD_INDEX.match(inner or "")
+        if m:  # name the record as its line, the rest as the field, like every other record error
+            exc.field = inner[m.end() :] or None  # type: ignore[attr-defined]
+            raise json_error(exc, path=str(path), line=int(m.group(1)) + 1) from None
+        raise json_error(exc, path=str(path)) from None
+    if isinstance(obj, dict):
+        hint = (
+            "this looks like one record: wrap it in [ ] to make a file of records"
+            if "traj" in obj or "task_id" in obj
+            else "this looks like a mini-swe-agent trajectory (read it with --input-format mini-swe-agent)"
+            if "messages" in obj
+            else f"got an object with keys {', '.join(sorted(obj)[:8]) or '(none)'}"
+        )
+        raise TraceFormatError(f"expected a JSON list of tau-bench trajectory records; {hint}", path=str(path))
     if not isinstance(obj, list):
         raise TraceFormatError("expected a JSON list of trajectory records", path=str(path))
     if not obj:
         raise TraceFormatError("no trajectory records (empty list)", path=str(path))
+    if isinstance(obj[0], dict) and "role" in obj[0] and "traj" not in obj[0]:
+        raise TraceFormatError(
+            "a list of chat messages, not of tau-bench records (a bare mini-swe-agent message list? "
+            "read it with --input-format mini-swe-agent)",
+            path=str(path),
+            line=1,
+        )
     return [_parse_record(r, path, _Record(str(path), n)) for n, r in enumerate(obj, start=1)]
 
 
-def read_taubench(path: str | Path) -> list[Trace]:
+def read_taubench(path: str | Path, *, max_file_bytes: int = MAX_FILE_BYTES) -> list[Trace]:
     """Read a tau-bench historical trajectory file."""
     p = Path(path)
-    return parse_taubench_text(p, read_text(p))
+    return parse_taubench_text(p, read_text(p, max_bytes=max_file_bytes))

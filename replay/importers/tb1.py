@@ -24,13 +24,24 @@ the file name), and ``meta`` keeps the results file's other fields (``is_resolve
 
 from __future__ import annotations
 
+import math
+import os
 import re
 from pathlib import Path
 from typing import Any
 
 from aospec.errors import TraceFormatError
 from aospec.types import Action, Step, Trace
-from replay.io import freeze_json, parse_json, read_text
+from replay.io import (
+    MAX_FILE_BYTES,
+    MAX_OUTPUT_TOKENS,
+    as_float,
+    check_seconds,
+    freeze_json,
+    json_error,
+    parse_json,
+    read_text,
+)
 
 __all__ = ["ACTOR_MODEL", "HARNESS", "NEGATIVE_TOLERANCE_S", "SOURCE", "parse_tb1_text", "read_tb1"]
 
@@ -61,6 +72,8 @@ _FIELDS = {
 }
 _NULLABLE = frozenset(("t_obs", "tool_duration_s"))
 _FLOATS = frozenset(k for k, t in _FIELDS.items() if t in (float, float | None))
+_TIMESTAMPS = frozenset(("t_query_start", "t_response", "t_obs"))
+_DURATIONS = frozenset(("llm_latency_s", "tool_duration_s"))
 _TRIAL_RE = re.compile(r"^(?P<task>.+?)\.\d+-of-\d+\.(?P<run>[^/]+)$")
 
 
@@ -87,29 +100,39 @@ def _check(rec: Any, path: str, line: int) -> dict[str, Any]:
             want = "a string"
         if not ok:
             raise TraceFormatError(f"expected {want}, got {v!r:.40}", path=path, line=line, field=key)
+        if key not in _FLOATS:
+            continue
+        if not math.isfinite(as_float(v)):
+            raise TraceFormatError("must be a finite number", path=path, line=line, field=key)
         floor = -NEGATIVE_TOLERANCE_S if key == "tool_duration_s" else 0.0
-        if key in _FLOATS and v < floor and key not in ("t_query_start", "t_response", "t_obs"):
+        if v < floor and key not in _TIMESTAMPS:
             raise TraceFormatError(f"must be >= {floor:g}, got {v}", path=path, line=line, field=key)
+        if key in _TIMESTAMPS or key in _DURATIONS:
+            # A duration within the negative tolerance is read as 0 s (see the module doc).
+            problem = check_seconds(float(v) if key in _TIMESTAMPS else max(float(v), 0.0), timestamp=key in _TIMESTAMPS)
+            if problem:
+                raise TraceFormatError(problem, path=path, line=line, field=key)
     if rec["est_output_tokens"] < 0:
         raise TraceFormatError("must be >= 0", path=path, line=line, field="est_output_tokens")
+    if rec["est_output_tokens"] > MAX_OUTPUT_TOKENS:
+        raise TraceFormatError(
+            f"beyond the limit of {MAX_OUTPUT_TOKENS:,} tokens", path=path, line=line, field="est_output_tokens"
+        )
     return rec
 
 
-def _results(step_path: Path) -> dict[str, Any] | None:
+def _results(step_path: Path, max_file_bytes: int) -> dict[str, Any] | None:
     """The trial's results.json, or None when it is absent or empty (the harness wrote nothing)."""
     rpath = step_path.with_name(step_path.name[: -len(".jsonl")] + ".results.json")
-    if not step_path.name.endswith(".jsonl") or not rpath.exists():
+    if not step_path.name.endswith(".jsonl") or not os.path.lexists(rpath):
         return None
-    try:
-        text = rpath.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as exc:
-        raise TraceFormatError(f"cannot read results file: {exc}", path=str(rpath)) from None
+    text = read_text(rpath, max_bytes=max_file_bytes)
     if not text.strip():
         return None
     try:
         obj = parse_json(text)
     except ValueError as exc:
-        raise TraceFormatError(f"invalid JSON: {exc}", path=str(rpath)) from None
+        raise json_error(exc, path=str(rpath)) from None
     if not isinstance(obj, dict):
         raise TraceFormatError("expected a JSON object", path=str(rpath))
     for key in ("task_id", "trial_name", "instruction"):
@@ -118,8 +141,9 @@ def _results(step_path: Path) -> dict[str, Any] | None:
     return obj
 
 
-def parse_tb1_text(path: Path, text: str) -> list[Trace]:
-    """Parse one tb1 step file (its content ``text``), reading the results.json beside it."""
+def parse_tb1_text(path: Path, text: str, *, max_file_bytes: int = MAX_FILE_BYTES) -> list[Trace]:
+    """Parse one tb1 step file (its content ``text``), reading the results.json beside it
+    (a regular file of at most ``max_file_bytes``)."""
     spath = str(path)
     name = path.name[: -len(".jsonl")] if path.name.endswith(".jsonl") else path.stem
     steps: list[Step] = []
@@ -130,7 +154,7 @@ def parse_tb1_text(path: Path, text: str) -> list[Trace]:
         try:
             rec = _check(parse_json(line), spath, lineno)
         except ValueError as exc:
-            raise TraceFormatError(f"invalid JSON: {exc}", path=spath, line=lineno) from None
+            raise json_error(exc, path=spath, line=lineno) from None
         if rec["step"] != len(steps) + 1:
             raise TraceFormatError(
                 f"step numbers must run 1, 2, ...; expected {len(steps) + 1}, got {rec['step']}",
@@ -176,7 +200,7 @@ def parse_tb1_text(path: Path, text: str) -> list[Trace]:
                 line=i + 1,
                 field="tool_duration_s",
             )
-    results = _results(path)
+    results = _results(path, max_file_bytes)
     m = _TRIAL_RE.match(name)
     meta: dict[str, Any] = {"cast_epoch_start": epoch, "run": path.parent.name}
     if results is None:
@@ -209,7 +233,7 @@ def parse_tb1_text(path: Path, text: str) -> list[Trace]:
     ]
 
 
-def read_tb1(path: str | Path) -> Trace:
+def read_tb1(path: str | Path, *, max_file_bytes: int = MAX_FILE_BYTES) -> Trace:
     """Read one tb1 trial (``<trial>.jsonl`` and the ``<trial>.results.json`` beside it)."""
     p = Path(path)
-    return parse_tb1_text(p, read_text(p))[0]
+    return parse_tb1_text(p, read_text(p, max_bytes=max_file_bytes), max_file_bytes=max_file_bytes)[0]
