@@ -21,6 +21,7 @@ from __future__ import annotations
 import math
 from collections import OrderedDict
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 from aospec.errors import ConfigError
@@ -86,6 +87,50 @@ class _LMDrafter:
         self._backend: LMBackend | None = None
         self._cache: OrderedDict[str, Any] = OrderedDict()
         self.fitted_examples = 0
+
+    def check_config(self) -> None:
+        """Raise ConfigError (MissingDependencyError for a missing extra) now if the backend
+        cannot be built as configured: an unknown backend or option, a model that is neither
+        a shape nor a local model directory, a missing package. Loads no model, so a sweep
+        can call it before any work starts instead of failing on every drafting call."""
+        import importlib.util
+        import inspect
+
+        from aospec.errors import MissingDependencyError
+        from drafters import resolve
+
+        name, options = self.backend_name, self.backend_options
+        cls = resolve("LM backend", name)
+        try:
+            inspect.signature(cls).bind(**options)
+        except TypeError as exc:
+            raise ConfigError(f"{type(self).__name__}: LM backend {name!r}: {exc}") from None
+        needs = {"transformers": (("torch", "train"), ("transformers", "train")), "vllm": (("vllm", "vllm"),)}
+        for module, extra in needs.get(name, ()):
+            if importlib.util.find_spec(module) is None:
+                raise MissingDependencyError(
+                    f"{module} is not installed for the {name} drafter backend; install it with: "
+                    f"pip install 'aospec[{extra}]'"
+                )
+        model = str(options.get("model", self.model_spec))
+        if name == "transformers" and not self.shape:
+            from training.model import MODEL_META, SHAPES
+
+            path = Path(model).expanduser()
+            if not ((path / "config.json").is_file() or (path / MODEL_META).is_file()):
+                raise ConfigError(
+                    f"{type(self).__name__}: model {model!r} is neither a shape ({', '.join(SHAPES)}) "
+                    "nor a local model directory (one with config.json, or an aospec train output)"
+                )
+            adapter = options.get("adapter")
+            if adapter is not None and not (Path(str(adapter)) / "adapter_config.json").is_file():
+                raise ConfigError(f"{type(self).__name__}: adapter {adapter!r} holds no adapter_config.json")
+        if name == "vllm":
+            from drafters.backends.vllm import resolve_model
+
+            resolve_model(model, options.get("adapter"))
+        if name == "openai":
+            self.backend  # noqa: B018  (cheap: checks the package and base_url, connects nowhere)
 
     @property
     def backend(self) -> LMBackend:

@@ -14,6 +14,8 @@
   ``wasted_decode_s``: total decoding of cancelled provisional continuations.
 - ``mean_ceiling_saving``: the same mean for the policy's matching ceiling (NaN when
   ceilings were not checked).
+- ``drafter_failures``: drafting calls that failed (their candidates were dropped), summed
+  over traces; ``drafter_error`` the first such error.
 """
 
 from __future__ import annotations
@@ -59,6 +61,8 @@ class PolicySummary:
     mean_ceiling_saving: float
     unknown_tool_steps: int
     obs_canonical_hit_rate: float = 0.0
+    drafter_failures: int = 0
+    drafter_error: str = ""
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -115,6 +119,8 @@ def summarize(results: Iterable[TraceResult]) -> list[PolicySummary]:
                     mean_ceiling_saving=float(np.mean(ceilings)),
                     unknown_tool_steps=sum(r.unknown_tool_steps for r in rs),
                     obs_canonical_hit_rate=sum(r.drafts_canonical_hit for r in rs) / executed,
+                    drafter_failures=sum(r.drafter_failures for r in rs),
+                    drafter_error=next((r.drafter_error for r in rs if r.drafter_error), ""),
                 )
             )
     return out

@@ -12,6 +12,10 @@ drafters are joined with ``+``; ``oracle`` is the recorded truth (ceilings only)
 ``aospec:accept=canonical`` accepts drafts equal to the real observation once
 canonicalised (``:canonicalizer=all`` or ``=pids+times`` picks the fields); the replay actor
 then treats canonically equal histories as the recorded one (docs/replay.md).
+
+A drafter's configuration is checked before a sweep starts (:func:`check_drafters`); a
+drafting call that fails during a run loses only that drafter's candidates and is counted
+(:class:`DrafterFailures`).
 """
 
 from __future__ import annotations
@@ -24,7 +28,7 @@ from typing import Any
 
 from aospec.config import from_mapping
 from aospec.engine_config import EngineConfig, load_canonicalizer
-from aospec.errors import ConfigError
+from aospec.errors import AospecError, ConfigError
 from aospec.evd import EVDEstimator
 from aospec.protocols import ActionDraft, ActionDrafter, ObservationCanonicalizer, ObservationDraft, ObservationDrafter
 from aospec.types import Action, History, Trace
@@ -37,12 +41,14 @@ __all__ = [
     "UNBOUNDED",
     "ChargedActionDrafter",
     "ChargedObservationDrafter",
+    "DrafterFailures",
     "DrafterSet",
     "OracleActionDrafter",
     "OracleObservationDrafter",
     "Policy",
     "PolicyConfig",
     "check_drafter_names",
+    "check_drafters",
     "parse_policies",
     "parse_policy",
 ]
@@ -210,6 +216,35 @@ def check_drafter_names(policies: Sequence[Policy]) -> None:
             load_canonicalizer(p.engine.canonicalizer)
 
 
+def _drafter_names(policies: Sequence[Policy]) -> list[tuple[str, str]]:
+    """(kind, name) of every drafter and kernel the policies build, oracle excluded."""
+    out: dict[tuple[str, str], None] = {}
+    for p in policies:
+        for name in p.config.obs_names:
+            if name != "oracle":
+                out[("observation drafter", name)] = None
+        for name in p.config.action_names:
+            if name != "oracle":
+                out[("action drafter", name)] = None
+        if p.config.obs_names and p.engine.rank != "likelihood":
+            out[("EVD kernel", p.config.kernel)] = None
+    return list(out)
+
+
+def check_drafters(policies: Sequence[Policy], options: Mapping[str, Mapping[str, Any]] | None = None) -> None:
+    """Build every drafter and kernel the policies use once with its ``options`` (not fit)
+    and run its ``check_config()`` if it has one, so that a configuration error (bad
+    options, a model that does not exist, a missing package) stops a sweep before it
+    starts instead of failing every drafting call."""
+    check_drafter_names(policies)
+    probe = DrafterSet((), options)
+    for kind, name in _drafter_names(policies):
+        drafter = probe.construct(kind, name)
+        check = getattr(drafter, "check_config", None)
+        if callable(check):
+            check()
+
+
 def parse_policies(text: str | Sequence[str]) -> list[Policy]:
     """Comma-separated policy specs (or a sequence of them); names must be unique."""
     specs = [s for s in (text.split(",") if isinstance(text, str) else text) if s.strip()]
@@ -262,20 +297,48 @@ class OracleActionDrafter:
         return out
 
 
+class DrafterFailures:
+    """Drafting calls that failed in one run (an AospecError from a drafter: its candidates
+    are dropped, the run goes on) and the first such error."""
+
+    __slots__ = ("count", "first")
+
+    def __init__(self) -> None:
+        self.count = 0
+        self.first = ""
+
+    def record(self, drafter: object, exc: AospecError) -> None:
+        self.count += 1
+        if not self.first:
+            self.first = f"{type(drafter).__name__}: {exc}"
+
+
 class ChargedObservationDrafter:
     """Consults ``inners`` (one or more drafters, merged) and charges the cost in virtual
     time: ``call_ns + max tokens * tpot_ns``. Several drafters count as one call made side
-    by side, and candidates as one batch."""
+    by side, and candidates as one batch. A drafter that fails loses only its own
+    candidates; the failure is counted in ``failures``."""
 
-    __slots__ = ("call_ns", "clock", "inners", "tpot_ns")
+    __slots__ = ("call_ns", "clock", "failures", "inners", "tpot_ns")
 
-    def __init__(self, inners: Sequence[ObservationDrafter], clock: VirtualClock, call_ns: int, tpot_ns: int) -> None:
+    def __init__(
+        self,
+        inners: Sequence[ObservationDrafter],
+        clock: VirtualClock,
+        call_ns: int,
+        tpot_ns: int,
+        failures: DrafterFailures | None = None,
+    ) -> None:
         self.inners, self.clock, self.call_ns, self.tpot_ns = tuple(inners), clock, call_ns, tpot_ns
+        self.failures = failures if failures is not None else DrafterFailures()
 
     async def draft(self, history: History, action: Action, n: int) -> Sequence[ObservationDraft]:
         drafts: list[ObservationDraft] = []
         for inner in self.inners:
-            drafts.extend(await inner.draft(history, action, n))
+            try:
+                drafts.extend(await inner.draft(history, action, n))
+            except AospecError as exc:
+                self.failures.record(inner, exc)
         await self.clock.sleep_ns(self.call_ns + max((d.tokens for d in drafts), default=0) * self.tpot_ns)
         return drafts
 
@@ -283,15 +346,26 @@ class ChargedObservationDrafter:
 class ChargedActionDrafter:
     """Like :class:`ChargedObservationDrafter`, for action drafters."""
 
-    __slots__ = ("call_ns", "clock", "inners", "tpot_ns")
+    __slots__ = ("call_ns", "clock", "failures", "inners", "tpot_ns")
 
-    def __init__(self, inners: Sequence[ActionDrafter], clock: VirtualClock, call_ns: int, tpot_ns: int) -> None:
+    def __init__(
+        self,
+        inners: Sequence[ActionDrafter],
+        clock: VirtualClock,
+        call_ns: int,
+        tpot_ns: int,
+        failures: DrafterFailures | None = None,
+    ) -> None:
         self.inners, self.clock, self.call_ns, self.tpot_ns = tuple(inners), clock, call_ns, tpot_ns
+        self.failures = failures if failures is not None else DrafterFailures()
 
     async def propose(self, history: History, width: int, depth: int) -> Sequence[ActionDraft]:
         drafts: list[ActionDraft] = []
         for inner in self.inners:
-            drafts.extend(await inner.propose(history, width, depth))
+            try:
+                drafts.extend(await inner.propose(history, width, depth))
+            except AospecError as exc:
+                self.failures.record(inner, exc)
         await self.clock.sleep_ns(self.call_ns + max((d.tokens for d in drafts), default=0) * self.tpot_ns)
         return drafts
 
@@ -311,7 +385,9 @@ class DrafterSet:
         self._evd: dict[str, EVDEstimator] = {}
         self._canon: dict[str, ObservationCanonicalizer] = {}
 
-    def _build(self, kind: str, name: str) -> Any:
+    def construct(self, kind: str, name: str) -> Any:
+        """A new ``kind`` (a registry kind of :mod:`drafters`) named ``name``, built with its
+        options and not fit."""
         from drafters import resolve
 
         cls = resolve(kind, name)
@@ -319,9 +395,12 @@ class DrafterSet:
         if not isinstance(opts, Mapping):
             raise ConfigError(f"drafter options for {name!r} must be an object, got {type(opts).__name__}")
         try:
-            obj = cls(**opts)
+            return cls(**opts)
         except TypeError as exc:
             raise ConfigError(f"{kind} {name!r}: bad options {dict(opts)!r}: {exc}") from None
+
+    def _build(self, kind: str, name: str) -> Any:
+        obj = self.construct(kind, name)
         fit = getattr(obj, "fit", None)
         if callable(fit) and kind != "EVD kernel":
             fit(self.train)
@@ -351,9 +430,17 @@ class DrafterSet:
         return self._canon[spec]
 
     def charged(
-        self, policy: Policy, clock: VirtualClock, trace: Trace, actor: ReplayActor, world: ReplayWorld
+        self,
+        policy: Policy,
+        clock: VirtualClock,
+        trace: Trace,
+        actor: ReplayActor,
+        world: ReplayWorld,
+        failures: DrafterFailures | None = None,
     ) -> tuple[list[Any], list[Any]]:
-        """The policy's observation and action drafters for one run, costs charged."""
+        """The policy's observation and action drafters for one run, costs charged, failed
+        calls counted in ``failures``."""
+        failures = failures if failures is not None else DrafterFailures()
         c = policy.config
         call_ns, tpot_ns = ms_to_ns(c.draft_call_ms), ms_to_ns(c.draft_tpot_ms)
         obs: list[Any] = []
@@ -363,11 +450,11 @@ class DrafterSet:
                 obs.append(OracleObservationDrafter(trace, actor))
             real = [self.observation(n) for n in c.obs_names if n != "oracle"]
             if real:
-                obs.append(ChargedObservationDrafter(real, clock, call_ns, tpot_ns))
+                obs.append(ChargedObservationDrafter(real, clock, call_ns, tpot_ns, failures))
         if policy.engine.fork_width > 0 and c.action_names:
             if "oracle" in c.action_names:
                 act.append(OracleActionDrafter(trace, actor, world))
             real_a = [self.action(n) for n in c.action_names if n != "oracle"]
             if real_a:
-                act.append(ChargedActionDrafter(real_a, clock, call_ns, tpot_ns))
+                act.append(ChargedActionDrafter(real_a, clock, call_ns, tpot_ns, failures))
         return obs, act

@@ -11,7 +11,7 @@ from typing import Any
 from replay.metrics import PolicySummary
 from replay.sweep import TraceResult
 
-__all__ = ["PLOTS", "markdown_summary", "print_table", "write_report"]
+__all__ = ["PLOTS", "drafter_failure_note", "markdown_summary", "print_table", "write_report"]
 
 #: Files written by :func:`write_report` besides results.jsonl and summary.md.
 PLOTS = ("saving_vs_tpot.png", "latency_percentiles.png", "hidden_tool_time.png", "hit_rates.png", "waste.png")
@@ -42,10 +42,27 @@ _HEADER = (
 
 
 def _header(summaries: Sequence[PolicySummary]) -> tuple[str, ...]:
-    """The table's columns; "canonical hit" only when some policy accepts canonically."""
+    """The table's columns; "canonical hit" only when some policy accepts canonically,
+    "drafter fails" only when some drafting call failed."""
+    header = _HEADER
     if any(s.obs_canonical_hit_rate for s in summaries):
-        return (*_HEADER[:9], "canonical hit", *_HEADER[9:])
-    return _HEADER
+        header = (*header[:9], "canonical hit", *header[9:])
+    if any(s.drafter_failures for s in summaries):
+        header = (*header, "drafter fails")
+    return header
+
+
+def drafter_failure_note(summaries: Sequence[PolicySummary]) -> str | None:
+    """One line on failed drafting calls (None when there were none)."""
+    failed = [s for s in summaries if s.drafter_failures]
+    if not failed:
+        return None
+    total = sum(s.drafter_failures for s in failed)
+    policies = list(dict.fromkeys(s.policy for s in failed))
+    return (
+        f"{total} drafting calls failed and lost their candidates (policies: {', '.join(policies)}); "
+        f"first error: {failed[0].drafter_error}"
+    )
 
 
 def _row(s: PolicySummary, columns: Sequence[str] = _HEADER) -> list[str]:
@@ -64,6 +81,8 @@ def _row(s: PolicySummary, columns: Sequence[str] = _HEADER) -> list[str]:
     ]
     if "canonical hit" in columns:
         row.insert(9, _pct(s.obs_canonical_hit_rate))
+    if "drafter fails" in columns:
+        row.append(str(s.drafter_failures))
     return row
 
 
@@ -99,6 +118,9 @@ def markdown_summary(summaries: Sequence[PolicySummary], meta: dict[str, Any]) -
         f"Steps with unknown tool time (counted as 0 s): {unknown}.",
         "",
     ]
+    note = drafter_failure_note(summaries)
+    if note:
+        lines[-1:-1] = [f"drafter fails: {note}."]
     return "\n".join(lines)
 
 

@@ -9,7 +9,11 @@ time and checks the invariants on every run:
 - no policy beats its matching ceiling (the same engine configuration with free oracle
   drafters, :meth:`replay.policies.Policy.twin`).
 
-A broken invariant raises EngineError naming the trace and the policy.
+A broken invariant raises EngineError naming the trace and the policy. A drafting call
+that fails (an AospecError from a drafter) only loses its candidates; such calls are
+counted in ``TraceResult.drafter_failures`` (with the first error in ``drafter_error``).
+Virtual time is exact only below 2**53 ns (replay/actor.py): a trace whose serial replay
+would come near it is refused with a ConfigError before it runs.
 
 :func:`run_sweep` does this for a set of evaluation traces, fitting drafters only on
 training traces: leave-one-task-out when no training set is given, else the given set.
@@ -18,6 +22,7 @@ Work is spread over ``jobs`` processes (one trace per work item).
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ProcessPoolExecutor, as_completed
@@ -29,14 +34,18 @@ import anyio
 from aospec.engine import Engine
 from aospec.errors import ConfigError, EngineError
 from aospec.types import Trace
-from replay.actor import ReplayActor, VirtualClock, ms_to_ns
-from replay.policies import DrafterSet, Policy, check_drafter_names
+from replay.actor import ReplayActor, VirtualClock, estimate_tokens, ms_to_ns, seconds_to_ns
+from replay.policies import DrafterFailures, DrafterSet, Policy, check_drafters
 from replay.sandbox import ReplayWorld
 
 __all__ = ["DEFAULT_TPOTS_MS", "TraceResult", "check_ceiling", "check_trajectory", "replay_trace", "run_sweep"]
 
 #: Model speeds of a default sweep (ms per output token).
 DEFAULT_TPOTS_MS = (20.0, 15.0, 10.0, 5.0, 1.0)
+
+#: Longest serial replay accepted, in virtual nanoseconds: half of the 2**53 ns below which
+#: the clock is exact, leaving room for speculative work that outlasts the serial path.
+MAX_VIRTUAL_NS = 2**52
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,6 +74,8 @@ class TraceResult:
     wasted_decode_ns: int
     unknown_tool_steps: int
     drafts_canonical_hit: int = 0
+    drafter_failures: int = 0
+    drafter_error: str = ""
 
     @property
     def saving(self) -> float:
@@ -95,14 +106,15 @@ async def _run_one(
     tpot_ns: int,
     drafters: DrafterSet,
     prefill_ns_per_token: int,
-) -> tuple[Any, ReplayActor, ReplayWorld, Engine]:
+) -> tuple[Any, ReplayActor, ReplayWorld, Engine, DrafterFailures]:
     clock = VirtualClock()
     canon = drafters.canonicalizer(policy.engine.canonicalizer) if policy.engine.accept == "canonical" else None
     actor = ReplayActor(
         trace, tpot_ns=tpot_ns, clock=clock, prefill_ns_per_token=prefill_ns_per_token, canonicalizer=canon
     )
     world = ReplayWorld(trace, clock)
-    obs, act = drafters.charged(policy, clock, trace, actor, world)
+    failures = DrafterFailures()
+    obs, act = drafters.charged(policy, clock, trace, actor, world, failures)
     evd = drafters.evd(policy.config.kernel) if obs and policy.engine.rank != "likelihood" else None
     engine = Engine(
         actor,
@@ -116,7 +128,7 @@ async def _run_one(
         canonicalizer=canon,
     )
     history = await engine.run(trace.history(0), steps=len(trace))
-    return history, actor, world, engine
+    return history, actor, world, engine, failures
 
 
 def check_trajectory(trace: Trace, history: Any, where: str) -> None:
@@ -139,7 +151,14 @@ def check_ceiling(trace_id: str, policy: str, tpot_ms: float, latency_ns: int, c
 
 
 def _check_and_record(
-    trace: Trace, policy: Policy, tpot_ms: float, history: Any, actor: ReplayActor, world: ReplayWorld, engine: Engine
+    trace: Trace,
+    policy: Policy,
+    tpot_ms: float,
+    history: Any,
+    actor: ReplayActor,
+    world: ReplayWorld,
+    engine: Engine,
+    failures: DrafterFailures,
 ) -> TraceResult:
     where = f"trace {trace.id!r}, policy {policy.name!r}, TPOT {tpot_ms:g} ms"
     check_trajectory(trace, history, where)
@@ -178,6 +197,8 @@ def _check_and_record(
         wasted_decode_ns=round(st.provisional_decode_wasted_s * 1e9),
         unknown_tool_steps=len(world.unknown_tool_steps),
         drafts_canonical_hit=st.drafts_canonical_hit,
+        drafter_failures=failures.count,
+        drafter_error=failures.first,
     )
 
 
@@ -200,7 +221,9 @@ def replay_trace(
 
     if not trace.steps:
         raise ConfigError(f"trace {trace.id!r} has no steps")
+    check_tpots(tpots_ms, prefill_ms_per_ktok)
     prefill_ns = ms_to_ns(prefill_ms_per_ktok) // 1000
+    check_virtual_time(trace, max(tpots_ms), prefill_ns)
     runs: dict[Any, Policy] = {}
     for p in policies:
         runs.setdefault(p.key, p)
@@ -213,8 +236,8 @@ def replay_trace(
             tpot_ns = ms_to_ns(tpot_ms)
             by_key: dict[Any, TraceResult] = {}
             for key, policy in runs.items():
-                history, actor, world, engine = await _run_one(trace, policy, tpot_ns, drafters, prefill_ns)
-                by_key[key] = _check_and_record(trace, policy, tpot_ms, history, actor, world, engine)
+                history, actor, world, engine, failures = await _run_one(trace, policy, tpot_ns, drafters, prefill_ns)
+                by_key[key] = _check_and_record(trace, policy, tpot_ms, history, actor, world, engine, failures)
             for p in policies:
                 r = by_key[p.key]
                 if check_ceilings:
@@ -228,6 +251,41 @@ def replay_trace(
 
     _seed_trio_scheduler(seed)
     return anyio.run(main, backend="trio", backend_options={"clock": MockClock(autojump_threshold=0)})
+
+
+def check_tpots(tpots_ms: Sequence[float], prefill_ms_per_ktok: float = 0.0) -> None:
+    """ConfigError unless the TPOTs are positive, finite and distinct (a repeated TPOT would
+    count every trace twice in its summary) and the prefill rate is finite and >= 0."""
+    if not tpots_ms:
+        raise ConfigError("no TPOTs given")
+    bad = [t for t in tpots_ms if not (isinstance(t, (int, float)) and math.isfinite(t) and t > 0)]
+    if bad:
+        raise ConfigError(f"TPOTs must be positive finite numbers of ms, got {bad[0]!r}")
+    repeated = sorted({t for t in tpots_ms if list(tpots_ms).count(t) > 1})
+    if repeated:
+        raise ConfigError(f"TPOT {repeated[0]:g} ms listed twice (each TPOT once)")
+    if not (math.isfinite(prefill_ms_per_ktok) and prefill_ms_per_ktok >= 0):
+        raise ConfigError(f"prefill ms per 1k tokens must be finite and >= 0, got {prefill_ms_per_ktok!r}")
+
+
+def check_virtual_time(trace: Trace, tpot_ms: float, prefill_ns_per_token: int = 0) -> None:
+    """ConfigError if replaying ``trace`` serially at ``tpot_ms`` would take more than
+    MAX_VIRTUAL_NS (an over-estimate of the prefill model counts every text in full)."""
+    tpot_ns = ms_to_ns(tpot_ms)
+    total = 0
+    for s in trace.steps:
+        total += s.output_tokens * tpot_ns
+        if s.tool_duration_s is not None:
+            total += seconds_to_ns(s.tool_duration_s)
+        if prefill_ns_per_token:
+            total += estimate_tokens(s.observation) * prefill_ns_per_token
+    if prefill_ns_per_token:
+        total += estimate_tokens(trace.instruction or trace.task) * prefill_ns_per_token
+    if total > MAX_VIRTUAL_NS:
+        raise ConfigError(
+            f"trace {trace.id!r} would replay for {total / 8.64e13:,.0f} days of virtual time at {tpot_ms:g} ms/token; "
+            f"replay is exact only up to {MAX_VIRTUAL_NS / 8.64e13:.0f} days: split the trace or fix its durations"
+        )
 
 
 def _seed_trio_scheduler(seed: int) -> None:
@@ -316,7 +374,11 @@ def run_sweep(
         raise ConfigError("leave-one-task-out needs traces of at least two tasks; give a training set with --train")
     if jobs < 1:
         raise ConfigError(f"--jobs must be >= 1, got {jobs}")
-    check_drafter_names(policies)
+    check_tpots(tpots_ms, prefill_ms_per_ktok)
+    prefill_ns = ms_to_ns(prefill_ms_per_ktok) // 1000
+    for t in traces:
+        check_virtual_time(t, max(tpots_ms), prefill_ns)
+    check_drafters(policies, drafter_options)
     order = sorted(range(len(traces)), key=lambda i: (traces[i].task, traces[i].id))
     state = {
         "eval": traces,

@@ -3,14 +3,13 @@
 from __future__ import annotations
 
 import argparse
-import json
+import math
 import os
 import sys
 import time
-from pathlib import Path
 from typing import Any
 
-from aospec.cli._common import add_format_option, print_json
+from aospec.cli._common import add_format_option, add_trace_input_options, load_trace_inputs, print_json
 
 _DEFAULT_POLICIES = "serial,oracle-action,ceiling,spec-actions,spechop-cache,aospec,obs-only,action-only"
 
@@ -58,6 +57,7 @@ def register(sub: argparse._SubParsersAction) -> None:
             help="prefill model: ms per 1000 new context tokens (default 0: off)",
         )
         p.add_argument("--no-progress", action="store_true", help="no progress bar")
+        add_trace_input_options(p)
         add_format_option(p)
         p.set_defaults(func=_sweep if name == "sweep" else _replay)
 
@@ -69,13 +69,18 @@ def _drafter_options(text: str | None) -> dict[str, Any]:
         return {}
     where = "--drafter-options"
     if text.startswith("@"):
+        from aospec.errors import TraceFormatError
+        from replay.io import parse_json, read_text
+
         where = text[1:]
         try:
-            text = Path(where).read_text(encoding="utf-8")
-        except OSError as exc:
-            raise ConfigError(f"--drafter-options: cannot read {where}: {exc.strerror}") from None
+            text = read_text(where, max_bytes=2**24)
+        except TraceFormatError as exc:
+            raise ConfigError(f"--drafter-options: {exc}") from None
+    else:
+        from replay.io import parse_json
     try:
-        value = json.loads(text)
+        value = parse_json(text)
     except ValueError as exc:
         raise ConfigError(f"{where}: not valid JSON: {exc}") from None
     if not isinstance(value, dict) or not all(isinstance(v, dict) for v in value.values()):
@@ -84,28 +89,37 @@ def _drafter_options(text: str | None) -> dict[str, Any]:
 
 
 def _floats(text: str, what: str) -> list[float]:
+    """Comma-separated positive, finite, distinct numbers (ConfigError otherwise)."""
     from aospec.errors import ConfigError
 
     try:
         values = [float(x) for x in text.split(",") if x.strip()]
     except ValueError:
         raise ConfigError(f"{what}: expected comma-separated numbers, got {text!r}") from None
-    if not values or any(v <= 0 for v in values):
-        raise ConfigError(f"{what}: expected positive numbers, got {text!r}")
+    if not values or not all(math.isfinite(v) and v > 0 for v in values):
+        raise ConfigError(f"{what}: expected positive finite numbers, got {text!r}")
+    repeated = sorted({v for v in values if values.count(v) > 1})
+    if repeated:
+        raise ConfigError(f"{what}: {', '.join(f'{v:g}' for v in repeated)} listed twice (each value once)")
     return values
 
 
-def _load(args: argparse.Namespace) -> tuple[list[Any], list[Any] | None, str]:
+def _load(args: argparse.Namespace) -> tuple[list[Any], list[Any] | None, str, int]:
     from aospec.errors import ConfigError
-    from replay import bundled_traces_path, load_traces
+    from replay import bundled_traces_path
 
     sources: list[Any] = list(args.paths) + list(args.eval)
     if args.bundled:
         sources.append(bundled_traces_path())
     if not sources:
         raise ConfigError("no traces: give PATH..., --eval DIR or --bundled")
-    eval_traces = load_traces(sources)
-    train = load_traces(args.train) if args.train else None
+    loaded = load_trace_inputs(sources, args)
+    eval_traces = list(loaded.traces)
+    skipped = len(loaded.skipped)
+    train = None
+    if args.train:
+        loaded = load_trace_inputs(args.train, args)
+        train, skipped = list(loaded.traces), skipped + len(loaded.skipped)
     if train is not None:
         overlap = {t.id for t in train} & {t.id for t in eval_traces}
         if overlap:
@@ -113,17 +127,20 @@ def _load(args: argparse.Namespace) -> tuple[list[Any], list[Any] | None, str]:
                 f"{len(overlap)} trace(s) are in both --train and the evaluation set, e.g. {sorted(overlap)[0]!r}"
             )
     split = "given training set" if train is not None else "leave-one-task-out"
-    return eval_traces, train, split
+    return eval_traces, train, split, skipped
 
 
 def _run(args: argparse.Namespace, tpots: list[float]) -> tuple[list[Any], list[Any], dict[str, Any]]:
+    from aospec.errors import ConfigError
     from aospec.progress import progress
     from replay.policies import parse_policies
     from replay.sweep import run_sweep
 
+    if not (math.isfinite(args.prefill_ms_per_ktok) and args.prefill_ms_per_ktok >= 0):
+        raise ConfigError(f"--prefill-ms-per-ktok must be a finite number >= 0, got {args.prefill_ms_per_ktok:g}")
     policies = parse_policies(args.policies)
     options = _drafter_options(args.drafter_options)
-    eval_traces, train, split = _load(args)
+    eval_traces, train, split, skipped = _load(args)
     jobs = args.jobs if args.jobs is not None else (os.cpu_count() or 1)
     started = time.perf_counter()
     with progress(disable=True if args.no_progress else None) as bar:
@@ -148,23 +165,29 @@ def _run(args: argparse.Namespace, tpots: list[float]) -> tuple[list[Any], list[
         "prefill model (ms per 1k tokens)": f"{args.prefill_ms_per_ktok:g}",
         "wall time (s)": f"{time.perf_counter() - started:.1f}",
     }
+    if args.skip_invalid:
+        meta["invalid files skipped"] = skipped
     return results, policies, meta
 
 
 def _sweep(args: argparse.Namespace) -> int:
     from replay.metrics import summarize
-    from replay.report import print_table, write_report
+    from replay.report import drafter_failure_note, print_table, write_report
 
     tpots = _floats(args.tpots, "--tpots")
     results, _, meta = _run(args, tpots)
     summaries = summarize(results)
     written = write_report(args.out, results, summaries, meta)
+    note = drafter_failure_note(summaries)
+    if note:
+        print(f"aospec: warning: {note}", file=sys.stderr)
     if args.format == "json":
         for s in summaries:
             print_json(s.to_json())
     else:
         print_table(summaries)
-        print(f"wrote {len(written)} files to {args.out}/ (summary.md, results.jsonl, plots)", file=sys.stderr)
+        note = f"; {meta['invalid files skipped']} invalid trace files skipped" if args.skip_invalid else ""
+        print(f"wrote {len(written)} files to {args.out}/ (summary.md, results.jsonl, plots){note}", file=sys.stderr)
     return 0
 
 
@@ -173,13 +196,16 @@ def _replay(args: argparse.Namespace) -> int:
     from rich.table import Table
 
     from replay.metrics import summarize
-    from replay.report import print_table
+    from replay.report import drafter_failure_note, print_table
 
-    if args.tpot_ms <= 0:
+    if not (math.isfinite(args.tpot_ms) and args.tpot_ms > 0):
         from aospec.errors import ConfigError
 
-        raise ConfigError(f"--tpot-ms must be positive, got {args.tpot_ms}")
-    results, policies, _ = _run(args, [args.tpot_ms])
+        raise ConfigError(f"--tpot-ms must be a positive finite number, got {args.tpot_ms}")
+    results, policies, meta = _run(args, [args.tpot_ms])
+    note = drafter_failure_note(summarize(results))
+    if note:
+        print(f"aospec: warning: {note}", file=sys.stderr)
     if args.format == "json":
         for r in results:
             print_json(r.to_json())
@@ -198,4 +224,6 @@ def _replay(args: argparse.Namespace) -> int:
         table.add_row(trace_id, str(steps), f"{serial:.1f}", *cells)
     Console(width=None if sys.stdout.isatty() else 200).print(table)
     print_table(summarize(results))
+    if args.skip_invalid:
+        print(f"aospec: {meta['invalid files skipped']} invalid trace files skipped", file=sys.stderr)
     return 0
