@@ -354,14 +354,14 @@ def as_float(v: int | float) -> float:
     try:
         return float(v)
     except OverflowError:
-        return math.copysign(math.inf, v)
+        return math.inf if v > 0 else -math.inf
 
 
 def check_seconds(v: float, *, timestamp: bool = False) -> str | None:
     """Why ``v`` seconds cannot be replayed (None when it can): non-finite, negative for a
     duration, or beyond MAX_DURATION_S (MAX_TIME_S in magnitude for a timestamp)."""
     if not math.isfinite(v):
-        return "must be finite"
+        return "out of range (not a finite number of seconds)"
     if timestamp:
         return None if abs(v) <= MAX_TIME_S else f"{v:g} s is beyond the limit of +-{MAX_TIME_S:g} s"
     if v < 0:

@@ -140,9 +140,15 @@ def _content_text(ctx: _Ctx, content: Any, where: str) -> str | None:
     raise ctx.error(f"{where}.content", "expected a string, null or a list of text parts")
 
 
-def _number(v: Any) -> float | None:
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(as_float(v)):
+def _timestamp(ctx: _Ctx, m: dict[str, Any], extra: dict[str, Any], where: str) -> float | None:
+    """A message's time (v2 ``extra.timestamp``, v1 ``timestamp``); None when absent or not a number."""
+    field = f"{where}.extra.timestamp" if "timestamp" in extra else f"{where}.timestamp"
+    v = extra.get("timestamp", m.get("timestamp"))
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
         return None
+    problem = check_seconds(as_float(v), timestamp=True)
+    if problem:
+        raise ctx.error(field, problem)
     return float(v)
 
 
@@ -153,7 +159,7 @@ def _normalise(ctx: _Ctx, i: int, m: Any) -> list[_Msg]:
     extra = m.get("extra") or {}
     if not isinstance(extra, dict):
         raise ctx.error(f"{where}.extra", "expected an object")
-    ts = _number(extra.get("timestamp", m.get("timestamp")))
+    ts = _timestamp(ctx, m, extra, where)
     if m.get("object") == "response":  # Responses API assistant output
         output = m.get("output")
         if not isinstance(output, list):
@@ -230,7 +236,7 @@ def _delta(ctx: _Ctx, a: float | None, b: _Msg) -> float | None:
         return None
     problem = check_seconds(b.ts - a)
     if problem:
-        raise ctx.error(f"messages[{b.index}].timestamp", f"the time since the previous message: {problem}")
+        raise ctx.error(f"messages[{b.index}]", f"its timestamp, measured from the message before: {problem}")
     return b.ts - a
 
 
@@ -366,7 +372,7 @@ def parse_traj_text(path: Path, text: str) -> list[Trace]:
         started = None if latency is None or t0 is None or prev is None or prev.ts is None else prev.ts - t0
         problem = None if started is None else check_seconds(started, timestamp=True)
         if problem:
-            raise ctx.error(f"messages[{prev.index}].timestamp", f"the time since the first message: {problem}")
+            raise ctx.error(f"messages[{prev.index}]", f"its timestamp, measured from the first message: {problem}")
         j = i + 1
         answers: list[_Msg] = []
         while j < len(msgs) and msgs[j].role in ("user", "tool") and msgs[j].extra.get("interrupt_type") is None:

@@ -178,6 +178,33 @@ def test_absurd_output_tokens_are_rejected_on_read_not_in_the_engine(tmp_path: P
     assert err.field == "messages[2].extra.response.usage.completion_tokens"
 
 
+@pytest.mark.parametrize(
+    ("key", "value", "message"),
+    [
+        ("tool_duration_s", 10**400, "out of range"),  # an integer no float can hold
+        ("model_latency_s", 1e300, "beyond the limit of 1e+07 s"),
+        ("started_at_s", -(10**400), "out of range"),
+        ("started_at_s", 1e11, "beyond the limit of +-1e+10 s"),
+    ],
+)
+def test_canonical_absurd_times_are_rejected(tmp_path: Path, key: str, value: float, message: str) -> None:
+    path = _canonical(tmp_path / "t.jsonl", None, STEP, {**STEP, key: value})
+    err = _one_error(path)
+    assert (err.line, err.field) == (3, key) and message in err.message
+
+
+def test_mini_swe_agent_absurd_timestamps_are_rejected_not_ignored(tmp_path: Path) -> None:
+    traj = json.loads(V1.read_text())
+    traj["messages"][3]["timestamp"] = 10**400
+    path = tmp_path / "x.traj.json"
+    path.write_text(json.dumps(traj))
+    assert _one_error(path).field == "messages[3].timestamp"
+    traj["messages"][3]["timestamp"] = traj["messages"][2]["timestamp"] + 2e7  # a 231-day command
+    path.write_text(json.dumps(traj))
+    err = _one_error(path)
+    assert err.field == "messages[3]" and "beyond the limit of 1e+07 s" in err.message
+
+
 def test_a_trace_too_long_for_exact_virtual_time_is_refused_before_replay(tmp_path: Path) -> None:
     steps = [{**STEP, "tool_duration_s": 9e6} for _ in range(10)]  # each valid, 90e6 s in all
     traces = load_traces(_canonical(tmp_path / "long.jsonl", None, *steps))
