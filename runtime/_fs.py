@@ -6,27 +6,33 @@ Everything here is blocking; async callers go through ``anyio.to_thread``.
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
 import ctypes.util
 import errno
 import os
-import shutil
 import stat
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 
 __all__ = [
     "OPAQUE_XATTR",
+    "DirPath",
+    "WalkedDir",
     "copy_entry",
+    "copy_entry_at",
     "copy_tree",
     "is_whiteout",
     "mount",
     "mounts_under",
+    "open_dir_at",
     "open_in_root",
+    "remove_entry_at",
     "remove_tree",
     "sync_tree",
     "umount",
     "unmount_all_under",
+    "walk_names",
+    "walk_tree",
 ]
 
 OPAQUE_XATTR = "trusted.overlay.opaque"
@@ -108,11 +114,143 @@ def is_whiteout(st: os.stat_result) -> bool:
     return stat.S_ISCHR(st.st_mode) and st.st_rdev == 0
 
 
-def _copy_xattrs(src: bytes, dst: bytes, *, is_link: bool) -> None:
-    if is_link:
-        return
+_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+_KEEP_OPEN = 64  # directory descriptors a DirPath keeps open, whatever the depth
+
+
+class DirPath:
+    """The open directories from a root down to the current one, for walking trees of any
+    depth without ever naming a path longer than one component (a sandbox can build trees
+    whose paths exceed PATH_MAX). Only the deepest ``keep`` stay open; an ancestor closed
+    on the way down is reopened through ``..`` of its child on the way back up, and must
+    be the same directory. The root descriptor belongs to the caller."""
+
+    __slots__ = ("_fds", "_ids", "_keep", "names")
+
+    def __init__(self, root_fd: int, *, keep: int = _KEEP_OPEN) -> None:
+        self._fds: list[int | None] = [root_fd]
+        self._ids: list[tuple[int, int] | None] = [None]
+        self._keep = keep
+        self.names: list[bytes] = []
+
+    @property
+    def depth(self) -> int:
+        return len(self.names)
+
+    @property
+    def fd(self) -> int:
+        fd = self._fds[-1]
+        assert fd is not None
+        return fd
+
+    def push(self, name: bytes) -> int:
+        """Open the subdirectory ``name`` of the current directory and make it current."""
+        fd = os.open(name, _DIR_FLAGS, dir_fd=self.fd)
+        self._fds.append(fd)
+        self._ids.append(None)
+        self.names.append(name)
+        old = len(self._fds) - 1 - self._keep
+        if old >= 1 and self._fds[old] is not None:
+            st = os.fstat(self._fds[old])  # type: ignore[arg-type]
+            self._ids[old] = (st.st_dev, st.st_ino)
+            os.close(self._fds[old])  # type: ignore[arg-type]
+            self._fds[old] = None
+        return fd
+
+    def pop(self) -> None:
+        """Close the current directory; its parent becomes current."""
+        fd = self._fds.pop()
+        self._ids.pop()
+        self.names.pop()
+        assert fd is not None
+        try:
+            if self._fds[-1] is None:
+                up = os.open(b"..", _DIR_FLAGS, dir_fd=fd)
+                st = os.fstat(up)
+                if (st.st_dev, st.st_ino) != self._ids[-1]:
+                    os.close(up)
+                    raise OSError(errno.ESTALE, "a directory moved while its tree was being read")
+                self._fds[-1] = up
+        finally:
+            os.close(fd)
+
+    def close(self) -> None:
+        """Close every descriptor this path opened (not the root)."""
+        for fd in self._fds[1:]:
+            if fd is not None:
+                os.close(fd)
+        del self._fds[1:], self._ids[1:], self.names[:]
+
+
+@dataclass(slots=True)
+class WalkedDir:
+    """One directory of a :func:`walk_tree`: ``fd`` is open for this step only; remove a
+    directory from ``entries`` to keep the walk out of it."""
+
+    rel: bytes
+    name: bytes
+    depth: int
+    fd: int
+    st: os.stat_result
+    entries: list[os.DirEntry[str]]  # names are str: os.fsencode them
+
+
+def _entries(fd: int) -> list[os.DirEntry[str]]:
+    with os.scandir(fd) as it:
+        return list(it)
+
+
+def walk_tree(root_fd: int) -> Iterator[WalkedDir]:
+    """Every directory of the tree at ``root_fd`` (the root first, parents before
+    children), with its entries; never follows a symlink and works at any depth with a
+    bounded number of descriptors. A directory that vanished since it was listed is
+    skipped."""
+    path = DirPath(root_fd)
     try:
-        names = os.listxattr(src, follow_symlinks=False)
+        step = WalkedDir(b"", b"", 0, root_fd, os.fstat(root_fd), _entries(root_fd))
+        yield step
+        todo = [[os.fsencode(e.name) for e in reversed(step.entries) if e.is_dir(follow_symlinks=False)]]
+        rels = [b""]
+        while todo:
+            if not todo[-1]:
+                todo.pop()
+                rels.pop()
+                if todo:
+                    path.pop()
+                continue
+            name = todo[-1].pop()
+            try:
+                fd = path.push(name)
+            except OSError as exc:
+                if exc.errno in (errno.ENOENT, errno.ENOTDIR):
+                    continue
+                raise
+            rel = rels[-1] + b"/" + name if rels[-1] else name
+            step = WalkedDir(rel, name, path.depth, fd, os.fstat(fd), _entries(fd))
+            yield step
+            todo.append([os.fsencode(e.name) for e in reversed(step.entries) if e.is_dir(follow_symlinks=False)])
+            rels.append(rel)
+    finally:
+        path.close()
+
+
+def open_dir_at(root_fd: int, rel: bytes) -> int:
+    """A new descriptor of the directory ``rel`` below ``root_fd``, opened one component
+    at a time (never following a symlink)."""
+    fd = os.open(b".", _DIR_FLAGS, dir_fd=root_fd)
+    for part in rel.split(b"/") if rel else ():
+        try:
+            nxt = os.open(part, _DIR_FLAGS, dir_fd=fd)
+        finally:
+            os.close(fd)
+        fd = nxt
+    return fd
+
+
+def _copy_xattrs(src: int | bytes, dst: int | bytes) -> None:
+    """Copy extended attributes between two descriptors (or /proc/self/fd paths)."""
+    try:
+        names = os.listxattr(src)
     except OSError:
         return
     for name in names:
@@ -121,7 +259,7 @@ def _copy_xattrs(src: bytes, dst: bytes, *, is_link: bool) -> None:
         if name.startswith("trusted.overlay.") and name != OPAQUE_XATTR:
             continue
         try:
-            os.setxattr(dst, name, os.getxattr(src, name, follow_symlinks=False), follow_symlinks=False)
+            os.setxattr(dst, name, os.getxattr(src, name))
         except OSError as exc:
             if name == OPAQUE_XATTR:
                 raise
@@ -129,136 +267,265 @@ def _copy_xattrs(src: bytes, dst: bytes, *, is_link: bool) -> None:
                 raise
 
 
-def _copy_file(src: bytes, dst: bytes, st: os.stat_result) -> None:
-    fin = os.open(src, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
-    try:
-        fout = os.open(dst, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+def _copy_data(fin: int, fout: int, size: int) -> None:
+    remaining = size
+    while remaining > 0:
         try:
-            remaining = st.st_size
-            while remaining > 0:
-                try:
-                    n = os.copy_file_range(fin, fout, min(remaining, 1 << 30))
-                except OSError as exc:
-                    if exc.errno not in (errno.EXDEV, errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP):
-                        raise
-                    n = os.sendfile(fout, fin, None, min(remaining, 1 << 30))
-                if n == 0:
-                    break
-                remaining -= n
+            n = os.copy_file_range(fin, fout, min(remaining, 1 << 30))
+        except OSError as exc:
+            if exc.errno not in (errno.EXDEV, errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP):
+                raise
+            n = os.sendfile(fout, fin, None, min(remaining, 1 << 30))
+        if n == 0:
+            break
+        remaining -= n
+
+
+def _set_meta_fd(src_fd: int | bytes, dst_fd: int, st: os.stat_result) -> None:
+    # chown first: it clears set-id bits and file capabilities, which chmod and the
+    # xattrs then restore
+    os.fchown(dst_fd, st.st_uid, st.st_gid)
+    os.fchmod(dst_fd, stat.S_IMODE(st.st_mode))
+    _copy_xattrs(src_fd, dst_fd)
+
+
+def _copy_nondir_at(sfd: int, name: bytes, dfd: int, st: os.stat_result, new: bytes | None = None) -> bool:
+    """Copy the non-directory ``name`` of directory ``sfd`` to ``new`` (default: the same
+    name) in directory ``dfd``; False for a type that cannot be copied."""
+    new = name if new is None else new
+    mode = st.st_mode
+    times = (st.st_atime_ns, st.st_mtime_ns)
+    if stat.S_ISREG(mode):
+        fin = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=sfd)
+        try:
+            fout = os.open(new, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600, dir_fd=dfd)
+            try:
+                _copy_data(fin, fout, st.st_size)
+                _set_meta_fd(fin, fout, st)
+                os.utime(fout, ns=times)
+            finally:
+                os.close(fout)
         finally:
-            os.close(fout)
+            os.close(fin)
+        return True
+    if stat.S_ISLNK(mode):
+        os.symlink(os.readlink(name, dir_fd=sfd), new, dir_fd=dfd)
+        os.chown(new, st.st_uid, st.st_gid, dir_fd=dfd, follow_symlinks=False)
+        os.utime(new, ns=times, dir_fd=dfd, follow_symlinks=False)
+        return True
+    if stat.S_ISCHR(mode) or stat.S_ISBLK(mode) or stat.S_ISFIFO(mode):
+        os.mknod(new, mode, st.st_rdev, dir_fd=dfd)
+        os.chown(new, st.st_uid, st.st_gid, dir_fd=dfd, follow_symlinks=False)
+        os.chmod(new, stat.S_IMODE(mode), dir_fd=dfd)
+        if not (stat.S_ISCHR(mode) and st.st_rdev == 0):  # a whiteout carries no attributes
+            # no *xattr call takes a directory descriptor: go through O_PATH descriptors
+            s = os.open(name, os.O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=sfd)
+            try:
+                d = os.open(new, os.O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dfd)
+                try:
+                    _copy_xattrs(b"/proc/self/fd/%d" % s, b"/proc/self/fd/%d" % d)
+                finally:
+                    os.close(d)
+            finally:
+                os.close(s)
+        os.utime(new, ns=times, dir_fd=dfd, follow_symlinks=False)
+        return True
+    return False  # sockets are not state
+
+
+def _copy_dir_contents(sfd: int, dfd: int, *, merge: bool = False) -> None:
+    """Copy everything inside directory ``sfd`` into directory ``dfd`` (whose own
+    metadata is the caller's business), at any depth. With ``merge``, existing
+    directories are merged and any other existing entry is replaced."""
+    dst = DirPath(dfd)
+    times: list[tuple[int, int]] = []  # per open dst level below the root
+    links: dict[tuple[int, int], bytes] = {}  # hard-linked inode -> its first copy (rel)
+    try:
+        for step in walk_tree(sfd):
+            while dst.depth >= max(step.depth, 1):
+                os.utime(dst.fd, ns=times.pop())  # its children are complete
+                dst.pop()
+            if step.depth:
+                dst.push(step.name)
+                _set_meta_fd(step.fd, dst.fd, step.st)
+                times.append((step.st.st_atime_ns, step.st.st_mtime_ns))
+            descend = []
+            for entry in step.entries:
+                name = os.fsencode(entry.name)
+                st = entry.stat(follow_symlinks=False)
+                if merge:
+                    try:
+                        old = os.stat(name, dir_fd=dst.fd, follow_symlinks=False)
+                    except FileNotFoundError:
+                        pass
+                    else:
+                        if stat.S_ISDIR(st.st_mode) and stat.S_ISDIR(old.st_mode):
+                            descend.append(entry)
+                            continue
+                        remove_entry_at(dst.fd, name)
+                if stat.S_ISDIR(st.st_mode):
+                    os.mkdir(name, 0o700, dir_fd=dst.fd)
+                    descend.append(entry)
+                    continue
+                rel = step.rel + b"/" + name if step.rel else name
+                key = (st.st_dev, st.st_ino)
+                if st.st_nlink > 1 and key in links:
+                    first_parent, _, first = links[key].rpartition(b"/")
+                    pfd = open_dir_at(dfd, first_parent)
+                    try:
+                        os.link(first, name, src_dir_fd=pfd, dst_dir_fd=dst.fd, follow_symlinks=False)
+                    finally:
+                        os.close(pfd)
+                    continue
+                if _copy_nondir_at(step.fd, name, dst.fd, st) and st.st_nlink > 1:
+                    links[key] = rel
+            step.entries[:] = descend
+        while dst.depth:
+            os.utime(dst.fd, ns=times.pop())
+            dst.pop()
     finally:
-        os.close(fin)
+        dst.close()
 
 
 def copy_tree(src: str | bytes, dst: str | bytes, *, merge: bool = False) -> None:
     """Copy an overlay layer (or any tree) preserving type, mode, owner, times, symlinks,
-    hard links, device nodes (whiteouts included) and the opaque marker; never follows
-    symlinks. ``dst`` must not exist unless ``merge`` (then it must be a directory and
-    entries are overwritten)."""
+    hard links, device nodes (whiteouts included), FIFOs and the opaque marker;
+    never follows symlinks, works at any depth. ``dst`` must not exist unless ``merge``
+    (then it must be a directory and entries are overwritten)."""
     src_b, dst_b = os.fsencode(src), os.fsencode(dst)
-    links: dict[tuple[int, int], bytes] = {}
-    dir_times: list[tuple[bytes, os.stat_result]] = []
-    st = os.lstat(src_b)
-    if not merge or not os.path.isdir(dst_b):
-        os.mkdir(dst_b, 0o700)
-    _copy_meta(src_b, dst_b, st)
-    dir_times.append((dst_b, st))
-    _copy_children(src_b, dst_b, links, dir_times, merge)
-    for path, dst_st in reversed(dir_times):
-        os.utime(path, ns=(dst_st.st_atime_ns, dst_st.st_mtime_ns), follow_symlinks=False)
+    sfd = os.open(src_b, _DIR_FLAGS)
+    try:
+        if not merge or not os.path.isdir(dst_b):
+            os.mkdir(dst_b, 0o700)
+        dfd = os.open(dst_b, _DIR_FLAGS)
+        try:
+            st = os.fstat(sfd)
+            _set_meta_fd(sfd, dfd, st)
+            _copy_dir_contents(sfd, dfd, merge=merge)
+            os.utime(dfd, ns=(st.st_atime_ns, st.st_mtime_ns))
+        finally:
+            os.close(dfd)
+    finally:
+        os.close(sfd)
 
 
-def _copy_meta(src: bytes, dst: bytes, st: os.stat_result) -> None:
-    is_link = stat.S_ISLNK(st.st_mode)
-    os.chown(dst, st.st_uid, st.st_gid, follow_symlinks=False)
-    if not is_link:
-        os.chmod(dst, stat.S_IMODE(st.st_mode))
-    _copy_xattrs(src, dst, is_link=is_link)
+def copy_entry_at(sfd: int, name: bytes, dfd: int, new: bytes | None = None) -> None:
+    """Copy the entry ``name`` of directory ``sfd`` (a directory with its whole tree) to
+    ``new`` (default: the same name) in directory ``dfd``, preserving what copy_tree does."""
+    new = name if new is None else new
+    st = os.stat(name, dir_fd=sfd, follow_symlinks=False)
+    if not stat.S_ISDIR(st.st_mode):
+        _copy_nondir_at(sfd, name, dfd, st, new)
+        return
+    os.mkdir(new, 0o700, dir_fd=dfd)
+    s = os.open(name, _DIR_FLAGS, dir_fd=sfd)
+    try:
+        d = os.open(new, _DIR_FLAGS, dir_fd=dfd)
+        try:
+            _set_meta_fd(s, d, st)
+            _copy_dir_contents(s, d)
+            os.utime(d, ns=(st.st_atime_ns, st.st_mtime_ns))
+        finally:
+            os.close(d)
+    finally:
+        os.close(s)
 
 
-def _copy_children(
-    src: bytes,
-    dst: bytes,
-    links: dict[tuple[int, int], bytes],
-    dir_times: list[tuple[bytes, os.stat_result]],
-    merge: bool,
-) -> None:
-    with os.scandir(src) as it:
-        entries = list(it)
-    for entry in entries:
-        s = entry.path
-        d = os.path.join(dst, entry.name)
-        st = entry.stat(follow_symlinks=False)
-        if merge and os.path.lexists(d):
-            if stat.S_ISDIR(st.st_mode) and os.path.isdir(d) and not os.path.islink(d):
-                _copy_meta(s, d, st)
-                dir_times.append((d, st))
-                _copy_children(s, d, links, dir_times, merge)
-                continue
-            remove_tree(d)
-        mode = st.st_mode
-        if stat.S_ISDIR(mode):
-            os.mkdir(d, 0o700)
-            _copy_meta(s, d, st)
-            dir_times.append((d, st))
-            _copy_children(s, d, links, dir_times, merge)
-            continue
-        key = (st.st_dev, st.st_ino)
-        if st.st_nlink > 1 and key in links:
-            os.link(links[key], d, follow_symlinks=False)
-            continue
-        if _copy_nondir(s, d, st) and st.st_nlink > 1:
-            links[key] = d
-
-
-def _copy_nondir(s: bytes, d: bytes, st: os.stat_result) -> bool:
-    mode = st.st_mode
-    if stat.S_ISREG(mode):
-        _copy_file(s, d, st)
-    elif stat.S_ISLNK(mode):
-        os.symlink(os.readlink(s), d)
-    elif stat.S_ISCHR(mode) or stat.S_ISBLK(mode) or stat.S_ISFIFO(mode):
-        os.mknod(d, mode, st.st_rdev)
-    else:
-        return False  # sockets are not state
-    _copy_meta(s, d, st)
-    os.utime(d, ns=(st.st_atime_ns, st.st_mtime_ns), follow_symlinks=False)
-    return True
+def _split(path: bytes) -> tuple[bytes, bytes]:
+    parent, _, name = os.path.abspath(path).rpartition(b"/")
+    return parent or b"/", name
 
 
 def copy_entry(src: str | bytes | os.PathLike[str], dst: str | bytes | os.PathLike[str]) -> None:
     """Copy one entry (a directory with its whole tree) preserving what copy_tree does."""
-    s, d = os.fsencode(src), os.fsencode(dst)
-    st = os.lstat(s)
-    if stat.S_ISDIR(st.st_mode):
-        copy_tree(s, d)
-    else:
-        _copy_nondir(s, d, st)
+    (s_parent, s_name), (d_parent, d_name) = _split(os.fsencode(src)), _split(os.fsencode(dst))
+    sfd = os.open(s_parent, _DIR_FLAGS)
+    try:
+        dfd = os.open(d_parent, _DIR_FLAGS)
+        try:
+            copy_entry_at(sfd, s_name, dfd, d_name)
+        finally:
+            os.close(dfd)
+    finally:
+        os.close(sfd)
 
 
 def sync_tree(path: str | bytes) -> None:
     """fsync every file and directory below ``path`` (for durable layers)."""
-    p = os.fsencode(path)
-    for root, dirs, files in os.walk(p):
-        for name in files:
-            full = os.path.join(root, name)
-            if os.path.isfile(full) and not os.path.islink(full):
-                fd = os.open(full, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
-                try:
-                    os.fsync(fd)
-                finally:
-                    os.close(fd)
-        fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        del dirs
+    root = os.open(os.fsencode(path), _DIR_FLAGS)
+    try:
+        for step in walk_tree(root):
+            for entry in step.entries:
+                if entry.is_file(follow_symlinks=False):
+                    fd = os.open(entry.name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=step.fd)
+                    try:
+                        os.fsync(fd)
+                    finally:
+                        os.close(fd)
+            os.fsync(step.fd)
+    finally:
+        os.close(root)
+
+
+def _retry_writable(op: Callable[[], object], fd: int, name: bytes | None = None) -> None:
+    """Run ``op``; on EACCES (a directory chmod-ed 0 inside a sandbox, when we are not
+    all-powerful) make the directory ``name`` of ``fd`` (or ``fd`` itself) 0700 and retry."""
+    try:
+        op()
+    except PermissionError:
+        if name is None:
+            os.fchmod(fd, 0o700)
+        else:
+            os.chmod(name, 0o700, dir_fd=fd)
+        op()
+
+
+def _clear_dir(root_fd: int) -> None:
+    """Remove everything inside the directory ``root_fd``, at any depth."""
+    path = DirPath(root_fd)
+    try:
+        todo: list[list[bytes]] = []
+        while True:
+            subdirs = []
+            for entry in _entries(path.fd):
+                if entry.is_dir(follow_symlinks=False):
+                    subdirs.append(os.fsencode(entry.name))
+                else:
+                    _retry_writable(lambda n=entry.name: os.unlink(n, dir_fd=path.fd), path.fd)
+            todo.append(subdirs)
+            while not todo[-1]:
+                todo.pop()
+                if not todo:
+                    return
+                name = path.names[-1]
+                path.pop()
+                _retry_writable(lambda n=name: os.rmdir(n, dir_fd=path.fd), path.fd)
+                todo[-1].pop()
+            _retry_writable(lambda n=todo[-1][-1]: path.push(n), path.fd, todo[-1][-1])
+    finally:
+        path.close()
+
+
+def remove_entry_at(dfd: int, name: bytes) -> None:
+    """Remove the entry ``name`` of directory ``dfd`` (a directory with its whole tree)."""
+    try:
+        st = os.stat(name, dir_fd=dfd, follow_symlinks=False)
+    except FileNotFoundError:
+        return
+    if not stat.S_ISDIR(st.st_mode):
+        os.unlink(name, dir_fd=dfd)
+        return
+    fd = os.open(name, _DIR_FLAGS, dir_fd=dfd)
+    try:
+        _clear_dir(fd)
+    finally:
+        os.close(fd)
+    os.rmdir(name, dir_fd=dfd)
 
 
 def remove_tree(path: str | bytes) -> None:
-    """Remove a file or directory tree; missing is fine. Refuses to cross into mounts."""
+    """Remove a file or directory tree (any depth); missing is fine. Refuses to delete a
+    mount point."""
     p = os.fsencode(path)
     try:
         st = os.lstat(p)
@@ -269,14 +536,12 @@ def remove_tree(path: str | bytes) -> None:
         return
     if os.path.ismount(p):
         raise OSError(errno.EBUSY, f"refusing to delete a mounted directory: {os.fsdecode(p)}")
-    # make read-only dirs (chmod 0 inside a sandbox) removable
-    for root, dirs, _files in os.walk(p):
-        for d in dirs:
-            full = os.path.join(root, d)
-            with contextlib.suppress(OSError):
-                if not os.path.islink(full):
-                    os.chmod(full, 0o700)
-    shutil.rmtree(p)
+    parent, name = _split(p)
+    pfd = os.open(parent, _DIR_FLAGS)
+    try:
+        remove_entry_at(pfd, name)
+    finally:
+        os.close(pfd)
 
 
 class _OpenHow(ctypes.Structure):
@@ -301,13 +566,13 @@ def open_in_root(root: str, path: str, flags: int, mode: int = 0o644) -> int:
 
 
 def walk_names(root: bytes) -> Iterator[bytes]:
-    """Relative paths of every entry below ``root`` (not following symlinks), parents first."""
-    stack = [b""]
-    while stack:
-        rel = stack.pop()
-        with os.scandir(os.path.join(root, rel) if rel else root) as it:
-            for entry in it:
-                child = rel + b"/" + entry.name if rel else entry.name
-                yield child
-                if entry.is_dir(follow_symlinks=False):
-                    stack.append(child)
+    """Relative paths of every entry below ``root`` (not following symlinks), parents
+    first, at any depth."""
+    fd = os.open(root, _DIR_FLAGS)
+    try:
+        for step in walk_tree(fd):
+            prefix = step.rel + b"/" if step.rel else b""
+            for entry in step.entries:
+                yield prefix + os.fsencode(entry.name)
+    finally:
+        os.close(fd)

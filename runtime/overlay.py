@@ -32,6 +32,7 @@ unreferenced layer and stale cgroup removed.
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import os
 import stat
@@ -332,10 +333,17 @@ class OverlayStore:
         else:
             lid = new_id()
             target = self.path / "l" / f"{lid}.tmp"
+        rest = stack[k:]
         try:
             _fs.copy_tree(self.layer_dir(top[-1]), target)
             for upper in reversed(top[:-1]):
                 _apply_layer(self.layer_dir(upper), target)
+            below = self.acquire_lower_view(rest) if rest else str(self.base.path)
+            try:
+                _drop_dead_whiteouts(target, below)
+            finally:
+                if rest:
+                    self.release_lower_view(rest)
         except BaseException:
             if memory:
                 _fs.umount(str(mnt), detach=True)
@@ -388,42 +396,121 @@ def _tmpfs_used(path: Path) -> int:
     return (st.f_blocks - st.f_bfree) * st.f_frsize
 
 
-def _is_opaque(path: Path) -> bool:
+_DIR = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+
+
+def _is_opaque_at(dir_fd: int, name: bytes) -> bool:
+    """Whether the entry ``name`` of ``dir_fd`` is a directory with the opaque marker."""
     try:
-        return os.getxattr(path, _fs.OPAQUE_XATTR, follow_symlinks=False) in (b"y", b"x")
+        fd = os.open(name, _DIR, dir_fd=dir_fd)
     except OSError:
         return False
+    try:
+        return os.getxattr(fd, _fs.OPAQUE_XATTR) in (b"y", b"x")
+    except OSError:
+        return False
+    finally:
+        os.close(fd)
 
 
 def _apply_layer(src: Path, dst: Path) -> None:
-    """Put layer ``src`` on top of the merged layer ``dst`` (overlayfs semantics)."""
-    for entry in os.scandir(src):
-        s, d = Path(entry.path), dst / entry.name
-        st = entry.stat(follow_symlinks=False)
-        d_st = None
-        with contextlib.suppress(FileNotFoundError):
-            d_st = os.lstat(d)
-        if _fs.is_whiteout(st):
-            if d_st is not None:
-                _fs.remove_tree(d)
-            os.mknod(d, stat.S_IFCHR | 0o000, 0)
-        elif stat.S_ISDIR(st.st_mode):
-            if not _is_opaque(s) and d_st is not None and stat.S_ISDIR(d_st.st_mode):
-                os.chown(d, st.st_uid, st.st_gid)
-                os.chmod(d, stat.S_IMODE(st.st_mode))
-                _apply_layer(s, d)
-                os.utime(d, ns=(st.st_atime_ns, st.st_mtime_ns))
-                continue
-            hid_lower = d_st is not None  # a whiteout or non-directory in the merged range
-            if d_st is not None:
-                _fs.remove_tree(d)
-            _fs.copy_tree(s, d)
-            if hid_lower and not _is_opaque(d):
-                os.setxattr(d, _fs.OPAQUE_XATTR, b"y")
-        else:
-            if d_st is not None:
-                _fs.remove_tree(d)
-            _fs.copy_entry(s, d)
+    """Put layer ``src`` on top of the merged layer ``dst`` (overlayfs semantics), at any
+    depth (directory descriptors, never long paths)."""
+    sfd = os.open(src, _DIR)
+    dfd = os.open(dst, _DIR)
+    out = _fs.DirPath(dfd)
+    times: list[tuple[int, int]] = []  # per open level of ``out`` below the root
+    try:
+        for step in _fs.walk_tree(sfd):
+            while out.depth >= max(step.depth, 1):
+                os.utime(out.fd, ns=times.pop())
+                out.pop()
+            if step.depth:  # a directory of src merged into the same directory of dst
+                out.push(step.name)
+                os.fchown(out.fd, step.st.st_uid, step.st.st_gid)
+                os.fchmod(out.fd, stat.S_IMODE(step.st.st_mode))
+                times.append((step.st.st_atime_ns, step.st.st_mtime_ns))
+            descend = []
+            for entry in step.entries:
+                name = os.fsencode(entry.name)
+                st = entry.stat(follow_symlinks=False)
+                try:
+                    d_st: os.stat_result | None = os.stat(name, dir_fd=out.fd, follow_symlinks=False)
+                except FileNotFoundError:
+                    d_st = None
+                if _fs.is_whiteout(st):
+                    if d_st is not None:
+                        _fs.remove_entry_at(out.fd, name)
+                    os.mknod(name, stat.S_IFCHR | 0o000, 0, dir_fd=out.fd)
+                    continue
+                if stat.S_ISDIR(st.st_mode):
+                    if d_st is not None and stat.S_ISDIR(d_st.st_mode) and not _is_opaque_at(step.fd, name):
+                        descend.append(entry)
+                        continue
+                    hid_lower = d_st is not None  # a whiteout or non-directory in the merged range
+                    if d_st is not None:
+                        _fs.remove_entry_at(out.fd, name)
+                    _fs.copy_entry_at(step.fd, name, out.fd)
+                    if hid_lower and not _is_opaque_at(out.fd, name):
+                        fd = os.open(name, _DIR, dir_fd=out.fd)
+                        try:
+                            os.setxattr(fd, _fs.OPAQUE_XATTR, b"y")
+                        finally:
+                            os.close(fd)
+                    continue
+                if d_st is not None:
+                    _fs.remove_entry_at(out.fd, name)
+                _fs.copy_entry_at(step.fd, name, out.fd)
+            step.entries[:] = descend
+        while out.depth:
+            os.utime(out.fd, ns=times.pop())
+            out.pop()
+    finally:
+        out.close()
+        os.close(dfd)
+        os.close(sfd)
+
+
+def _drop_dead_whiteouts(layer: Path, below: str) -> None:
+    """Remove the whiteouts of the merged layer ``layer`` that hide nothing in ``below``
+    (the tree the layer will sit on). Overlayfs hides whiteouts only in a directory it
+    merges with a lower one; in a directory only this layer has (new in the merged range,
+    opaque, or over a non-directory below) it lists them as entries that cannot be
+    opened, so a merged layer must not keep a whiteout its directory no longer needs."""
+    lfd = os.open(layer, _DIR)
+    bfd = os.open(below, _DIR)
+    under = _fs.DirPath(bfd)
+    try:
+        for step in _fs.walk_tree(lfd):
+            if step.depth:
+                while under.depth >= step.depth:
+                    under.pop()
+                opaque = False
+                with contextlib.suppress(OSError):
+                    opaque = os.getxattr(step.fd, _fs.OPAQUE_XATTR) in (b"y", b"x")
+                if under.depth == step.depth - 1 and not opaque:
+                    try:
+                        under.push(step.name)
+                    except OSError as exc:
+                        if exc.errno not in (errno.ENOENT, errno.ENOTDIR, errno.ELOOP):
+                            raise
+            merged = under.depth == step.depth  # this directory shows ``below``'s too
+            for entry in step.entries:
+                if entry.is_dir(follow_symlinks=False) or not _fs.is_whiteout(entry.stat(follow_symlinks=False)):
+                    continue
+                if merged:
+                    try:
+                        hidden = os.stat(entry.name, dir_fd=under.fd, follow_symlinks=False)
+                    except FileNotFoundError:
+                        pass
+                    else:
+                        if not _fs.is_whiteout(hidden):
+                            continue
+                os.unlink(entry.name, dir_fd=step.fd)
+    finally:
+        under.close()
+        os.close(bfd)
+        os.close(lfd)
 
 
 @dataclass(slots=True)

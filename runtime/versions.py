@@ -21,13 +21,14 @@ import errno
 import os
 import stat
 import struct
+from collections import OrderedDict
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import xxhash
 
-from runtime._fs import OPAQUE_XATTR, is_whiteout
+from runtime._fs import OPAQUE_XATTR, is_whiteout, walk_tree
 
 __all__ = [
     "EMPTY_LAYER",
@@ -115,23 +116,6 @@ def _state(dirfd: int, name: bytes, st: os.stat_result) -> bytes:
     return head
 
 
-def _state_at(path: bytes, st: os.stat_result) -> bytes:
-    """Like _state, for a path whose every ancestor is known to be a real directory."""
-    head = _header(st)
-    fmt = stat.S_IFMT(st.st_mode)
-    if fmt == stat.S_IFREG:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
-        try:
-            return head + hash_fd(fd, st.st_size)
-        finally:
-            os.close(fd)
-    if fmt == stat.S_IFLNK:
-        return head + os.readlink(path)
-    if fmt in (stat.S_IFCHR, stat.S_IFBLK):
-        return head + struct.pack("<II", os.major(st.st_rdev), os.minor(st.st_rdev))
-    return head
-
-
 def chain_version(parent: str, layer_digest: bytes) -> str:
     """``H(parent_version, H(layer))`` as 32 hex digits."""
     return xxhash.xxh3_128_hexdigest(_VERSION_TAG + bytes.fromhex(parent) + layer_digest)
@@ -171,9 +155,9 @@ class Layer:
         trackers are checked against; a deleted or replaced non-directory hides its subtree."""
         records: list[tuple[bytes, bytes | None]] = []
         gone: set[bytes] = set()
-        for p in sorted(set(before) | set(after), key=lambda p: p.split(b"/")):
-            parts = p.split(b"/")
-            if any(b"/".join(parts[:i]) in gone for i in range(1, len(parts))):
+        memo: dict[bytes, bool] = {}
+        for p in sorted(set(before) | set(after), key=_sort_key):
+            if _below_gone(gone, memo, p):
                 continue
             state = after.get(p)
             if before.get(p) != state:
@@ -203,36 +187,72 @@ class Layer:
 EMPTY_LAYER = Layer(())
 
 
+_MAX_OPEN_DIRS = 128  # directory descriptors a _TreeReader keeps (the rest reopen on demand)
+
+
 class _TreeReader:
     """Reads a directory tree by relative path without ever following a symlink out of it
-    (each component is opened O_NOFOLLOW relative to its parent)."""
+    (each component is opened O_NOFOLLOW relative to its parent), at any depth: no path
+    longer than one component reaches the kernel, and at most ``_MAX_OPEN_DIRS``
+    directories stay open (least recently used ones are closed)."""
 
     def __init__(self, root: bytes | None) -> None:
-        self._fds: dict[bytes, int | None] = {}
-        if root is not None:
-            self._fds[b""] = os.open(root, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
-        else:
-            self._fds[b""] = None
+        self._root = None if root is None else os.open(root, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+        self._open: OrderedDict[bytes, int] = OrderedDict()
+        self._absent: set[bytes] = set()  # directories known not to exist
 
     def close(self) -> None:
-        for fd in self._fds.values():
-            if fd is not None:
-                os.close(fd)
-        self._fds.clear()
+        for fd in self._open.values():
+            os.close(fd)
+        self._open.clear()
+        if self._root is not None:
+            os.close(self._root)
+            self._root = None
 
     def dir_fd(self, rel: bytes) -> int | None:
-        if rel in self._fds:
-            return self._fds[rel]
-        parent, _, name = rel.rpartition(b"/")
-        pfd = self.dir_fd(parent)
-        fd = None
-        if pfd is not None:
+        """A descriptor of directory ``rel`` (valid until the next call), None if absent."""
+        if not rel:
+            return self._root
+        fd = self._open.get(rel)
+        if fd is not None:
+            self._open.move_to_end(rel)
+            return fd
+        if rel in self._absent:
+            return None
+        # the deepest ancestor already known, then one component at a time from there
+        cut = len(rel)
+        while True:
+            cut = rel.rfind(b"/", 0, cut)
+            if cut < 0:
+                fd, done = self._root, 0
+                break
+            if rel[:cut] in self._absent:
+                self._absent.add(rel)
+                return None
+            fd = self._open.get(rel[:cut])
+            if fd is not None:
+                done = cut + 1
+                break
+        while fd is not None:
+            end = rel.find(b"/", done)
+            end = len(rel) if end < 0 else end
+            prefix = rel[:end]
             try:
-                fd = os.open(name, os.O_PATH | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=pfd)
+                fd = os.open(rel[done:end], os.O_PATH | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=fd)
             except OSError as exc:
                 if exc.errno not in (errno.ENOENT, errno.ENOTDIR, errno.ELOOP, errno.EACCES):
                     raise
-        self._fds[rel] = fd
+                self._absent.add(prefix)
+                fd = None
+                break
+            self._open[prefix] = fd
+            if len(self._open) > _MAX_OPEN_DIRS:  # never the one just opened
+                os.close(self._open.popitem(last=False)[1])
+            if end == len(rel):
+                break
+            done = end + 1
+        if fd is None:
+            self._absent.add(rel)
         return fd
 
     def lstat(self, rel: bytes) -> tuple[int, bytes, os.stat_result] | None:
@@ -278,24 +298,58 @@ def _fingerprint(st: os.stat_result, opaque: bool) -> tuple[int, ...]:
     return (st.st_mode, st.st_uid, st.st_gid, st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino, st.st_rdev, opaque)
 
 
-def _is_opaque(path: bytes) -> bool:
+def _is_opaque(dir_fd: int) -> bool:
     try:
-        return os.getxattr(path, OPAQUE_XATTR, follow_symlinks=False) in (b"y", b"x")
+        return os.getxattr(dir_fd, OPAQUE_XATTR) in (b"y", b"x")
     except OSError as exc:
-        if exc.errno in (errno.ENODATA, errno.ENOTSUP, errno.ENOENT):
+        if exc.errno in (errno.ENODATA, errno.ENOTSUP):
             return False
         raise
 
 
-def _hides_lower(seen: dict[bytes, _Seen], path: bytes, *, include_self: bool) -> bool:
-    """Whether the upper entries in ``seen`` hide the lower view at ``path``."""
-    parts = path.split(b"/")
-    upto = len(parts) if include_self else len(parts) - 1
-    for i in range(1, upto + 1):
-        entry = seen.get(b"/".join(parts[:i]))
-        if entry is not None and (entry.state is None or not entry.is_dir or entry.opaque):
-            return True
-    return False
+class _Hiding:
+    """Whether the upper entries in ``seen`` hide the lower view at a path (a whiteout,
+    a non-directory or an opaque directory at it or above it), memoised per directory
+    so that deep paths cost O(length), not O(depth x length)."""
+
+    def __init__(self, seen: Mapping[bytes, _Seen]) -> None:
+        self._seen = seen
+        self._memo: dict[bytes, bool] = {b"": False}
+
+    def at_or_above(self, path: bytes) -> bool:
+        memo = self._memo
+        if path in memo:
+            return memo[path]
+        todo = []
+        while path not in memo:
+            todo.append(path)
+            path = path.rpartition(b"/")[0]
+        hidden = memo[path]
+        for p in reversed(todo):
+            if not hidden:
+                entry = self._seen.get(p)
+                hidden = entry is not None and (entry.state is None or not entry.is_dir or entry.opaque)
+            memo[p] = hidden
+        return hidden
+
+    def above(self, path: bytes) -> bool:
+        return self.at_or_above(path.rpartition(b"/")[0])
+
+
+def _below_gone(gone: set[bytes], memo: dict[bytes, bool], path: bytes) -> bool:
+    """Whether a strict ancestor of ``path`` is in ``gone``, for paths visited parents
+    first (``memo[d]``: d or an ancestor of d is in ``gone``; stable once computed, since
+    a directory is visited, and added to ``gone`` or not, before anything below it)."""
+    d = path.rpartition(b"/")[0]
+    todo = []
+    while d and d not in memo:
+        todo.append(d)
+        d = d.rpartition(b"/")[0]
+    found = memo[d] if d else False
+    for p in reversed(todo):
+        found = found or p in gone
+        memo[p] = found
+    return found
 
 
 class UpperTracker:
@@ -317,42 +371,53 @@ class UpperTracker:
         """Forget everything: the upper is empty again (after a freeze)."""
         self._seen = {}
 
-    def _scan(self) -> dict[bytes, tuple[os.stat_result, bool]]:
+    def _scan(
+        self, old: Mapping[bytes, _Seen], known: Mapping[bytes, bytes | None] | None = None
+    ) -> tuple[dict[bytes, tuple[os.stat_result, bool]], dict[bytes, _Seen]]:
+        """Every upper entry's (lstat, opaque), and a fresh _Seen for each entry whose
+        fingerprint differs from ``old`` (its state read now, through its directory's
+        descriptor: any depth works). ``known`` gives states already computed for some
+        non-directories (a copied upper)."""
         now: dict[bytes, tuple[os.stat_result, bool]] = {}
-        stack = [b""]
-        upper = self.upper
-        while stack:
-            rel = stack.pop()
-            with os.scandir(upper + b"/" + rel if rel else upper) as it:
-                for entry in it:
-                    child = rel + b"/" + entry.name if rel else entry.name
+        new: dict[bytes, _Seen] = {}
+        known = known or {}
+        root = os.open(self.upper, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        try:
+            for step in walk_tree(root):
+                if step.depth:
+                    op = _is_opaque(step.fd)
+                    now[step.rel] = (step.st, op)
+                    fp = _fingerprint(step.st, op)
+                    seen = old.get(step.rel)
+                    if seen is None or seen.fp != fp:
+                        new[step.rel] = _Seen(fp, _header(step.st), True, op)
+                prefix = step.rel + b"/" if step.rel else b""
+                for entry in step.entries:
                     st = entry.stat(follow_symlinks=False)
                     if stat.S_ISDIR(st.st_mode):
-                        now[child] = (st, _is_opaque(entry.path))
-                        stack.append(child)
-                    else:
-                        now[child] = (st, False)
-        return now
+                        continue  # recorded at its own step, with its opaque marker
+                    name = os.fsencode(entry.name)
+                    p = prefix + name
+                    now[p] = (st, False)
+                    fp = _fingerprint(st, False)
+                    seen = old.get(p)
+                    if seen is None or seen.fp != fp:
+                        if is_whiteout(st):
+                            state = None
+                        elif known.get(p) is not None:
+                            state = known[p]
+                        else:
+                            state = _state(step.fd, name, st)
+                        new[p] = _Seen(fp, state, False, False)
+        finally:
+            os.close(root)
+        return now, new
 
     def adopt(self, known: Mapping[bytes, bytes | None] | None = None) -> None:
         """Take the upper's current content as the starting state (nothing recorded).
         ``known`` gives states already computed for some paths (a copied upper)."""
-        now = self._scan()
-        known = known or {}
-        upper = _TreeReader(self.upper)
-        try:
-            seen = {}
-            for p, (st, op) in now.items():
-                if is_whiteout(st):
-                    state = None
-                elif p in known and known[p] is not None and known[p][:1] != b"d":
-                    state = known[p]
-                else:
-                    state = upper.state(p)
-                seen[p] = _Seen(_fingerprint(st, op), state, stat.S_ISDIR(st.st_mode), op)
-            self._seen = seen
-        finally:
-            upper.close()
+        known = {p: s for p, s in (known or {}).items() if s is not None and s[:1] != b"d"}
+        self._seen = self._scan({}, known)[1]
 
     def states(self) -> dict[bytes, bytes | None]:
         """The state of every upper entry as last seen (None for a whiteout)."""
@@ -375,31 +440,21 @@ class UpperTracker:
 
     def diff(self) -> Layer:
         """The Layer of changes since the last ``diff``/``adopt``/``reset``."""
-        now = self._scan()
         old = self._seen
-        changed = [p for p, (st, op) in now.items() if p not in old or old[p].fp != _fingerprint(st, op)]
+        now, new = self._scan(old)
         removed = [p for p in old if p not in now]
-        if not changed and not removed:
+        if not new and not removed:
             return EMPTY_LAYER
-        # every ancestor of a scanned upper entry is a real directory of the upper (the
-        # scan never follows symlinks and the sandbox's processes are gone), so upper
-        # entries are read by full path; the lower view is read component by component
         lower_root = self._lower()
         lower = _TreeReader(os.fsencode(lower_root) if lower_root is not None else None)
         try:
-            new: dict[bytes, _Seen] = {}
-            base = self.upper + b"/"
-            for p in changed:
-                st, op = now[p]
-                state = None if is_whiteout(st) else _state_at(base + p, st)
-                new[p] = _Seen(_fingerprint(st, op), state, stat.S_ISDIR(st.st_mode), op)
             seen_now = {p: new.get(p) or old[p] for p in now}
-            candidates = set(changed) | set(removed)
+            candidates = set(new) | set(removed)
             # A directory that now hides the lower view (opaque) while it did not before:
             # everything below it in the lower view may have vanished.
-            for p in changed:
-                entry = new[p]
-                if entry.is_dir and entry.opaque and not _hides_lower(old, p, include_self=True):
+            hidden_before = _Hiding(old)
+            for p, entry in new.items():
+                if entry.is_dir and entry.opaque and not hidden_before.at_or_above(p):
                     self._lower_subtree(lower, p, seen_now, candidates)
             records = self._records(sorted(candidates, key=_sort_key), old, seen_now, now, lower)
             self._seen = seen_now
@@ -429,15 +484,16 @@ class UpperTracker:
     ) -> tuple[tuple[bytes, bytes | None], ...]:
         records: list[tuple[bytes, bytes | None]] = []
         gone: set[bytes] = set()  # recorded paths whose subtree went with them
+        gone_memo: dict[bytes, bool] = {}
+        hidden_now, hidden_before = _Hiding(seen_now), _Hiding(old)
         for p in paths:
-            parts = p.split(b"/")
-            if any(b"/".join(parts[:i]) in gone for i in range(1, len(parts))):
+            if _below_gone(gone, gone_memo, p):
                 continue
             # state after
             if p in seen_now:
                 after = seen_now[p].state
                 after_st = now[p][0]
-            elif _hides_lower(seen_now, p, include_self=False):
+            elif hidden_now.above(p):
                 after, after_st = None, None
             else:
                 found = lower.lstat(p)
@@ -447,7 +503,7 @@ class UpperTracker:
             # and size match the new one
             if p in old:
                 differs = old[p].state != after
-            elif _hides_lower(old, p, include_self=False):
+            elif hidden_before.above(p):
                 differs = after is not None
             else:
                 found = lower.lstat(p)
