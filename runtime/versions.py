@@ -393,9 +393,9 @@ class UpperTracker:
                         new[step.rel] = _Seen(fp, _header(step.st), True, op)
                 prefix = step.rel + b"/" if step.rel else b""
                 for entry in step.entries:
-                    st = entry.stat(follow_symlinks=False)
-                    if stat.S_ISDIR(st.st_mode):
+                    if entry.is_dir(follow_symlinks=False):
                         continue  # recorded at its own step, with its opaque marker
+                    st = entry.stat(follow_symlinks=False)
                     name = os.fsencode(entry.name)
                     p = prefix + name
                     now[p] = (st, False)
