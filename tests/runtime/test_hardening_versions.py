@@ -212,39 +212,43 @@ def test_trees_deeper_than_path_max_and_the_recursion_limit_are_walked_copied_an
     levels = max(3000, sys.getrecursionlimit() + 100)  # paths of 6000 bytes, more levels than fds kept
     src = tmp_path / "src"
     src.mkdir()
-    _make_deep(src, levels)
-    fds = _open_fds()
-
-    names = list(_fs.walk_names(os.fsencode(src)))
-    assert len(names) == levels + 2 and len(max(names, key=len)) > 4096
-    layer = tree_layer(src)
-    assert len(layer.records) == levels + 1  # the whiteout is a deletion of nothing: not recorded
-    deepest = max(layer.records, key=lambda r: len(r[0]))
-    assert deepest[0].endswith(b"/leaf") and deepest[1] is not None and deepest[1][:1] == b"f"
-
-    _fs.copy_tree(src, tmp_path / "copy")
-    assert tree_layer(tmp_path / "copy") == layer
-    assert sorted(_fs.walk_names(os.fsencode(tmp_path / "copy"))) == sorted(names)  # whiteout and all
-    _fs.sync_tree(tmp_path / "copy")
-
-    tracker = UpperTracker(tmp_path / "copy", lambda: None)
-    tracker.adopt()
-    top = os.open(tmp_path / "copy", os.O_RDONLY)
-    leaf_dir = _fs.open_dir_at(top, b"/".join([b"d"] * levels))
-    os.close(top)
     try:
-        fd = os.open(b"leaf", os.O_WRONLY | os.O_APPEND, dir_fd=leaf_dir)
-        os.write(fd, b"er")
-        os.close(fd)
-    finally:
-        os.close(leaf_dir)
-    changed = tracker.diff()
-    assert [p for p, _ in changed.records] == [deepest[0]]
+        _make_deep(src, levels)
+        fds = _open_fds()
 
-    _fs.remove_tree(tmp_path / "copy")
-    _fs.remove_tree(src)
-    assert os.listdir(tmp_path) == []
-    assert _open_fds() == fds
+        names = list(_fs.walk_names(os.fsencode(src)))
+        assert len(names) == levels + 2 and len(max(names, key=len)) > 4096
+        layer = tree_layer(src)
+        assert len(layer.records) == levels + 1  # the whiteout is a deletion of nothing: not recorded
+        deepest = max(layer.records, key=lambda r: len(r[0]))
+        assert deepest[0].endswith(b"/leaf") and deepest[1] is not None and deepest[1][:1] == b"f"
+
+        _fs.copy_tree(src, tmp_path / "copy")
+        assert tree_layer(tmp_path / "copy") == layer
+        assert sorted(_fs.walk_names(os.fsencode(tmp_path / "copy"))) == sorted(names)  # whiteout and all
+        _fs.sync_tree(tmp_path / "copy")
+
+        tracker = UpperTracker(tmp_path / "copy", lambda: None)
+        tracker.adopt()
+        top = os.open(tmp_path / "copy", os.O_RDONLY)
+        leaf_dir = _fs.open_dir_at(top, b"/".join([b"d"] * levels))
+        os.close(top)
+        try:
+            fd = os.open(b"leaf", os.O_WRONLY | os.O_APPEND, dir_fd=leaf_dir)
+            os.write(fd, b"er")
+            os.close(fd)
+        finally:
+            os.close(leaf_dir)
+        changed = tracker.diff()
+        assert [p for p, _ in changed.records] == [deepest[0]]
+
+        _fs.remove_tree(tmp_path / "copy")
+        _fs.remove_tree(src)
+        assert os.listdir(tmp_path) == []
+        assert _open_fds() == fds
+    finally:  # pytest's own cleanup (shutil.rmtree) recurses once per level: too deep for it
+        _fs.remove_tree(tmp_path / "copy")
+        _fs.remove_tree(src)
 
 
 @pytest.mark.anyio
