@@ -1,0 +1,744 @@
+"""Losslessness, measured: the live engine on real sandboxes, serial against speculative.
+
+One *case* is a pure function of ``(seed, config)`` (:func:`make_case`): a setup command,
+a pool of random shell actions (write, append, remove, copy, move, hard and symbolic
+links, chmod, mkdir/rmdir, FIFOs, failures, timeouts, background writes, reads whose
+output depends on the state), an actor that picks from the pool by a hash of the whole
+history (:meth:`aospec.testing.ScriptedActor.hashing`), a random engine configuration and
+a sandbox configuration by name (:data:`SANDBOX_CONFIGS`).
+
+:func:`check_case` runs it three ways on fresh sandboxes from the same base:
+
+- *reference*: serial (no drafters) on the default in-memory sandbox configuration;
+- *serial*: serial on the case's sandbox configuration;
+- *speculative*: on the case's configuration, with drafters that mix right and wrong
+  guesses: the observation drafter knows the serial run's observations (as if it had run
+  the action beforehand and cached the result) and proposes the true one with some
+  probability next to wrong ones; the action drafter proposes the serial run's actual
+  future actions with some probability, at their true or at random step offsets, and
+  random pool actions otherwise.
+
+and compares the committed trajectories (actions and observations), the final versions and
+a content snapshot of the final filesystem (:func:`snapshot_tree`: every path's type,
+mode, owner, content hash, symlink target, device number and hard-link group, walked on
+the host through a fresh fork's merged root with directory file descriptors). With
+``durable`` the speculative state directory is reopened afterwards and must show the
+same version and snapshot. Every sandbox session must leave no mount behind.
+
+A minimised reproduction (:func:`minimise`) replaces the hashing actor by the serial run's
+own action sequence (still a pure function of the history) and drops actions, steps and
+speculation knobs while the same kind of failure persists.
+
+Used by tests/runtime/test_lossless_property.py (CI) and scripts/check_lossless.py (long
+runs).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import errno
+import json
+import os
+import random
+import stat
+import tempfile
+import traceback
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import anyio
+import xxhash
+
+from aospec.engine import Engine
+from aospec.engine_config import EngineConfig
+from aospec.protocols import ActionDraft, ObservationDraft
+from aospec.testing import ScriptedActionDrafter, ScriptedActor, ScriptedObservationDrafter
+from aospec.types import Action, History, canonical_json
+from runtime import _fs, open_sandbox
+from runtime._state import default_state_root
+from runtime.config import Limits, SandboxConfig
+
+__all__ = [
+    "SANDBOX_CONFIGS",
+    "CaseOutcome",
+    "LosslessCase",
+    "RunRecord",
+    "check_case",
+    "compare_runs",
+    "diff_snapshots",
+    "make_case",
+    "minimise",
+    "run_engine",
+    "snapshot_sandbox",
+    "snapshot_tree",
+]
+
+#: Sandbox configurations under test, by name: keyword overrides of SandboxConfig.
+#: ``durable`` also uses a persistent state directory, reopened after the run.
+SANDBOX_CONFIGS: dict[str, dict[str, Any]] = {
+    "memory": {},
+    "disk": {"memory_layers_bytes": 0, "limits": Limits(disk_bytes=None)},
+    "durable": {"durable": True},
+    "compact": {"compact_at": 4},
+}
+
+#: The configuration the reference (serial) run uses.
+REFERENCE_CONFIG = "memory"
+
+#: Per-command timeout (seconds) of a case whose pool holds a command that sleeps past it,
+#: and of every other case (nothing but the sleeping commands comes near either).
+SHORT_TIMEOUT_S = 1.0
+TIMEOUT_S = 20.0
+
+TASK = "lossless"
+
+# Paths that ordinary commands write, link, move and read. Background writes use their own
+# paths (RACE) so two writers never race on one file; the FIFO has its own path and is never
+# opened (a read or write of a FIFO would block until the timeout).
+PATHS = ("/w/a", "/w/b", "/w/c", "/w/d", "/w/d/e", "/w/d/f", "/w/h", "/w/l", "/tmp/t")
+RACE = ("/w/r1", "/w/r2")
+FIFO = "/w/p"
+LINK_TARGETS = ("a", "d", "../nowhere", "/w/b", "/w/d/e", "l")
+WORDS = ("one", "two", "x y", "", "3")
+MODES = ("600", "644", "755", "000", "4755", "1777")
+
+SETUP = (
+    "mkdir -p /w/d && echo seed > /w/a && ln /w/a /w/h && echo e > /w/d/e "
+    "&& ln -s a /w/l && echo b > /w/b && chmod 640 /w/b"
+)
+
+
+def _q(word: str) -> str:
+    return "'" + word.replace("'", "'\\''") + "'"
+
+
+def _race(rng: random.Random, p: str, q: str, w: str) -> str:
+    r1, r2 = RACE if rng.random() < 0.5 else RACE[::-1]
+    if rng.random() < 0.5:
+        return f"echo {w} > {r1} & cat {p} > {r2} 2>&1 & wait; cat {r1} {r2}"
+    return f"(for i in 1 2 3; do echo $i >> {r1}; done) & rm -f {r2} & wait; wc -l < {r1}"
+
+
+# One template per kind of command: (rng, path, other path, quoted word) -> command.
+TEMPLATES: tuple[Callable[[random.Random, str, str, str], str], ...] = (
+    lambda r, p, q, w: f"echo {w} > {p}",
+    lambda r, p, q, w: f"printf {w} > {p}",
+    lambda r, p, q, w: f"echo {w} >> {p}",
+    lambda r, p, q, w: f"rm {p}",
+    lambda r, p, q, w: f"rm -rf {p}",
+    lambda r, p, q, w: f"cp {p} {q}",
+    lambda r, p, q, w: f"cp -a {p} {q}",
+    lambda r, p, q, w: f"mv {p} {q}",
+    lambda r, p, q, w: f"ln {p} {q}",
+    lambda r, p, q, w: f"ln -sf {r.choice(LINK_TARGETS)} {q}",
+    lambda r, p, q, w: f"chmod {r.choice(MODES)} {p}",
+    lambda r, p, q, w: f"mkdir {p}",
+    lambda r, p, q, w: f"mkdir -p {p}/x && echo {w} > {p}/x/y",
+    lambda r, p, q, w: f"rmdir {p}",
+    lambda r, p, q, w: f"mkfifo {FIFO}" if r.random() < 0.7 else f"rm {FIFO}",
+    lambda r, p, q, w: f"touch {p}",
+    lambda r, p, q, w: f"truncate -s {r.randrange(4)} {p}",
+    lambda r, p, q, w: r.choice(["false", "exit 3", f"cat {p} && exit 4", f"echo {w} > {p}; exit 1", "ls /nowhere"]),
+    _race,
+    lambda r, p, q, w: f"cat {p}",
+    lambda r, p, q, w: "ls -1F /w /w/d",
+    lambda r, p, q, w: "find /w /tmp | sort",
+    lambda r, p, q, w: f"stat -c '%n %F %a %u' {p} {q}",
+    lambda r, p, q, w: f"test {p} -ef {q} && echo same || echo other",
+    lambda r, p, q, w: f"md5sum {p}; wc -c < {p}",
+    lambda r, p, q, w: f"test -s {p} && echo full || echo empty",
+)
+
+
+def random_command(rng: random.Random) -> str:
+    """One random shell command (see TEMPLATES)."""
+    template = rng.choice(TEMPLATES)
+    p, q, w = rng.choice(PATHS), rng.choice(PATHS), _q(rng.choice(WORDS))
+    return template(rng, p, q, w)
+
+
+def _timeout_command(rng: random.Random) -> str:
+    return f"echo {_q(rng.choice(WORDS))} >> {rng.choice(PATHS)}; sleep 30"
+
+
+@dataclass(frozen=True, slots=True)
+class LosslessCase:
+    """One randomized check: everything a run depends on (see the module docstring).
+
+    ``script`` (a minimised reproduction) replaces the hashing actor: the actor emits
+    ``script[len(history)]``. ``p_obs``/``p_action`` are how often the drafters propose the
+    true observation / the true future action.
+    """
+
+    seed: int
+    config: str
+    pool: tuple[str, ...]
+    steps: int
+    engine: Mapping[str, Any]
+    timeout_s: float = TIMEOUT_S
+    setup: str = SETUP
+    actor_delay_ms: int = 0
+    draft_delay_ms: int = 0
+    p_obs: float = 0.5
+    p_action: float = 0.5
+    script: tuple[str, ...] | None = None
+
+    def engine_config(self) -> EngineConfig:
+        return EngineConfig(**self.engine)
+
+    def sandbox_config(self, config: str | None = None, state_dir: str | None = None) -> SandboxConfig:
+        name = config or self.config
+        if name not in SANDBOX_CONFIGS:
+            raise ValueError(f"unknown sandbox configuration {name!r}; known: {', '.join(SANDBOX_CONFIGS)}")
+        return SandboxConfig(
+            backend="overlay", base="busybox", timeout_s=self.timeout_s, state_dir=state_dir, **SANDBOX_CONFIGS[name]
+        )
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "seed": self.seed,
+            "config": self.config,
+            "pool": list(self.pool),
+            "steps": self.steps,
+            "engine": dict(self.engine),
+            "timeout_s": self.timeout_s,
+            "setup": self.setup,
+            "actor_delay_ms": self.actor_delay_ms,
+            "draft_delay_ms": self.draft_delay_ms,
+            "p_obs": self.p_obs,
+            "p_action": self.p_action,
+            "script": None if self.script is None else list(self.script),
+        }
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> LosslessCase:
+        fields = {f.name for f in dataclasses.fields(cls)}
+        unknown = set(data) - fields
+        if unknown:
+            raise ValueError(f"lossless case: unknown keys {sorted(unknown)}")
+        kw = dict(data)
+        kw["pool"] = tuple(kw["pool"])
+        if kw.get("script") is not None:
+            kw["script"] = tuple(kw["script"])
+        return cls(**kw)
+
+
+def make_case(seed: int, config: str) -> LosslessCase:
+    """The case of ``seed`` on sandbox configuration ``config`` (the same seed gives the same
+    pool, steps and engine configuration on every sandbox configuration)."""
+    if config not in SANDBOX_CONFIGS:
+        raise ValueError(f"unknown sandbox configuration {config!r}; known: {', '.join(SANDBOX_CONFIGS)}")
+    rng = random.Random(seed)
+    pool = [random_command(rng) for _ in range(rng.randint(6, 14))]
+    timeout_s = TIMEOUT_S
+    if rng.random() < 0.15:
+        pool.append(_timeout_command(rng))
+        timeout_s = SHORT_TIMEOUT_S
+    if rng.random() < 0.1:
+        pool.append("")  # the actor's reply held no tool call: Action.none()
+    branch_budget = rng.choice((0, 1, 2, 3))
+    engine = {
+        "branch_budget": branch_budget,
+        "draft_candidates": rng.randint(branch_budget, branch_budget + 2),
+        "obs_depth": rng.choice((1, 1, 2)),
+        "rank": rng.choice(("evd", "likelihood", "tooltime")),
+        "fork_width": rng.choice((0, 1, 2, 4)),
+        "depth": rng.choice((1, 2, 3)),
+        "provisional_targets": rng.random() < 0.7,
+        "max_live_forks": rng.choice((1, 2, 4, 8)),
+    }
+    return LosslessCase(
+        seed=seed,
+        config=config,
+        pool=tuple(pool),
+        steps=rng.randint(4, 9),
+        engine=engine,
+        timeout_s=timeout_s,
+        actor_delay_ms=rng.choice((0, 2, 10)),
+        draft_delay_ms=rng.choice((0, 1, 5)),
+        p_obs=rng.choice((0.2, 0.5, 0.9)),
+        p_action=rng.choice((0.2, 0.5, 0.9)),
+    )
+
+
+def _action(command: str) -> Action:
+    return Action.bash(command) if command else Action.none()
+
+
+# ---------------------------------------------------------------------------------- snapshots
+
+
+def _entry(dirfd: int, name: str, st: os.stat_result) -> tuple[Any, ...]:
+    fmt = stat.S_IFMT(st.st_mode)
+    head = (stat.filemode(st.st_mode)[0], stat.S_IMODE(st.st_mode), st.st_uid, st.st_gid)
+    if fmt == stat.S_IFREG:
+        fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dirfd)
+        try:
+            h = xxhash.xxh3_128()
+            while chunk := os.read(fd, 1 << 20):
+                h.update(chunk)
+        finally:
+            os.close(fd)
+        return (*head, h.hexdigest())
+    if fmt == stat.S_IFLNK:
+        return (*head, os.readlink(name, dir_fd=dirfd))
+    if fmt in (stat.S_IFCHR, stat.S_IFBLK):
+        return (*head, os.major(st.st_rdev), os.minor(st.st_rdev))
+    return head
+
+
+def snapshot_tree(root: str | os.PathLike[str]) -> dict[str, tuple[Any, ...]]:
+    """The content of the tree at ``root``: relative path -> (type, permission bits, uid,
+    gid, content xxh3-128 | symlink target | device numbers[, hard-link group]).
+
+    Never follows symlinks, never opens anything but regular files (FIFOs would block),
+    walks with directory file descriptors (no path length limit), and records an entry
+    the kernel lists but cannot stat (a stray whiteout) as ``("?", errno name)``. The
+    hard-link group of a file with other names is the first of its names in sorted order;
+    mtimes, inode numbers and link counts are left out, as in versions."""
+    out: dict[str, tuple[Any, ...]] = {}
+    inodes: dict[tuple[int, int], list[str]] = {}
+
+    def walk(dirfd: int, prefix: str) -> None:
+        with os.scandir(dirfd) as it:
+            names = sorted(e.name for e in it)
+        for name in names:
+            rel = prefix + name
+            try:
+                st = os.stat(name, dir_fd=dirfd, follow_symlinks=False)
+            except OSError as exc:
+                out[rel] = ("?", errno.errorcode.get(exc.errno or 0, str(exc.errno)))
+                continue
+            try:
+                out[rel] = _entry(dirfd, name, st)
+            except OSError as exc:
+                out[rel] = ("?", errno.errorcode.get(exc.errno or 0, str(exc.errno)))
+                continue
+            if stat.S_ISDIR(st.st_mode):
+                fd = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dirfd)
+                try:
+                    walk(fd, rel + "/")
+                finally:
+                    os.close(fd)
+            elif st.st_nlink > 1:
+                inodes.setdefault((st.st_dev, st.st_ino), []).append(rel)
+
+    top = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        walk(top, "")
+    finally:
+        os.close(top)
+    for names in inodes.values():
+        if len(names) > 1:
+            group = min(names)
+            for name in names:
+                out[name] = (*out[name], f"link:{group}")
+    return out
+
+
+def _snapshot_digest(snapshot: Mapping[str, tuple[Any, ...]]) -> str:
+    return xxhash.xxh3_128_hexdigest(canonical_json(sorted(snapshot.items())).encode())
+
+
+def diff_snapshots(a: Mapping[str, tuple[Any, ...]], b: Mapping[str, tuple[Any, ...]], limit: int = 8) -> list[str]:
+    """Human-readable differences between two snapshots (the first ``limit``)."""
+    lines = []
+    for path in sorted(set(a) | set(b)):
+        if a.get(path) != b.get(path):
+            lines.append(f"/{path}: {a.get(path, 'absent')} != {b.get(path, 'absent')}")
+    if len(lines) > limit:
+        lines = [*lines[:limit], f"... and {len(lines) - limit} more"]
+    return lines
+
+
+async def snapshot_sandbox(sb: Any) -> dict[str, tuple[Any, ...]]:
+    """Snapshot the committed sandbox through a fresh fork's merged root (a fork mounts
+    it, and never changes the committed state)."""
+    fork = await sb.fork()
+    try:
+        return await anyio.to_thread.run_sync(snapshot_tree, fork.root_path)
+    finally:
+        await fork.discard()
+
+
+# ---------------------------------------------------------------------------------- runs
+
+
+@dataclass(slots=True)
+class RunRecord:
+    """What one engine run committed and left."""
+
+    trajectory: list[tuple[str, str]]
+    version: str
+    snapshot: dict[str, tuple[Any, ...]]
+    forks_launched: int = 0
+    forks_reused: int = 0
+    drafts_hit: int = 0
+    reopened: tuple[str, dict[str, tuple[Any, ...]]] | None = None
+
+    @property
+    def digest(self) -> str:
+        return _snapshot_digest(self.snapshot)
+
+
+def _rng(*parts: object) -> random.Random:
+    return random.Random(xxhash.xxh3_64_intdigest("\x1f".join(map(str, parts)).encode()))
+
+
+def _history_digests(history: History) -> list[str]:
+    """Running digests of a history's turns: ``[d0, d1, ...]``, ``d_k`` covering turns < k."""
+    h = xxhash.xxh3_64()
+    out = [h.hexdigest()]
+    for t in history.turns:
+        h.update(f"{t.action.key}\x1f{t.observation}\x1e".encode())
+        out.append(h.hexdigest())
+    return out
+
+
+class _Truth:
+    """The serial run's trajectory, for drafters that guess right part of the time."""
+
+    def __init__(self, trajectory: History) -> None:
+        self.turns = trajectory.turns
+        self.prefix = _history_digests(trajectory)
+
+    def position(self, history: History) -> int | None:
+        """k when ``history`` equals the first k turns of the serial run, else None."""
+        k = len(history)
+        if k > len(self.turns) or _history_digests(history)[-1] != self.prefix[k]:
+            return None
+        return k
+
+
+def _drafters(
+    case: LosslessCase, truth: _Truth, pool: Sequence[Action]
+) -> tuple[ScriptedObservationDrafter, ScriptedActionDrafter]:
+    """Drafters that are pure functions of their inputs, right with the case's odds."""
+    observations = sorted({t.observation for t in truth.turns})
+    depth = case.engine_config().depth
+
+    def observe(history: History, action: Action) -> list[ObservationDraft]:
+        rng = _rng(case.seed, "obs", _history_digests(history)[-1], action.key)
+        k = truth.position(history)
+        true_obs = truth.turns[k].observation if k is not None and k < len(truth.turns) else None
+        if true_obs is not None and truth.turns[k].action != action:
+            true_obs = None
+        drafts: list[ObservationDraft] = []
+        if true_obs is not None and rng.random() < case.p_obs:
+            drafts.append(ObservationDraft(true_obs, rng.random()))
+        for _ in range(rng.randint(0, 3)):
+            kind = rng.randrange(4)
+            if kind == 0 and observations:
+                text = rng.choice(observations)  # a real observation of some other step
+            elif kind == 1 and true_obs is not None:
+                text = true_obs + "\n"  # almost right
+            elif kind == 2:
+                text = f"<returncode>{rng.choice((0, 1))}</returncode>\n<output>\n</output>"
+            else:
+                text = f"<returncode>0</returncode>\n<output>\n{rng.choice(WORDS)}\n</output>"
+            drafts.append(ObservationDraft(text, rng.random()))
+        rng.shuffle(drafts)
+        return drafts
+
+    def propose(history: History) -> list[ActionDraft]:
+        rng = _rng(case.seed, "act", _history_digests(history)[-1])
+        k = truth.position(history)
+        drafts: list[ActionDraft] = []
+        if k is not None:
+            for offset in range(depth):
+                if k + offset < len(truth.turns) and rng.random() < case.p_action:
+                    # the actual future action, mostly at its true offset
+                    at = offset if rng.random() < 0.8 else rng.randrange(depth)
+                    drafts.append(ActionDraft(truth.turns[k + offset].action, at, rng.random()))
+        for _ in range(rng.randint(0, 3)):
+            drafts.append(ActionDraft(rng.choice(pool), rng.randrange(depth), rng.random()))
+        return drafts
+
+    delay = case.draft_delay_ms / 1000
+    return ScriptedObservationDrafter(observe, delay), ScriptedActionDrafter(propose, delay)
+
+
+def _actor(case: LosslessCase, pool: Sequence[Action]) -> ScriptedActor:
+    def delay(history: History) -> float:
+        if not case.actor_delay_ms:
+            return 0.0
+        return _rng(case.seed, "delay", _history_digests(history)[-1]).random() * case.actor_delay_ms / 1000
+
+    if case.script is None:
+        return ScriptedActor.hashing(pool, seed=case.seed, delay_s=delay)
+    script = tuple(_action(c) for c in case.script)
+
+    def choose(history: History) -> Action:
+        return script[len(history)] if len(history) < len(script) else Action.none()
+
+    return ScriptedActor(choose, delay)
+
+
+async def run_engine(
+    case: LosslessCase,
+    *,
+    config: str | None = None,
+    truth: History | None = None,
+    state_root: Path | None = None,
+) -> RunRecord:
+    """Run ``case`` once on a fresh sandbox of ``config`` (default: the case's): serial
+    when ``truth`` is None, else speculative with drafters that know ``truth``."""
+    name = config or case.config
+    pool = [_action(c) for c in case.pool]
+    steps = case.steps if case.script is None else min(case.steps, len(case.script))
+    state_dir = None
+    if name == "durable":
+        root = state_root or default_state_root()
+        root.mkdir(parents=True, exist_ok=True)
+        state_dir = tempfile.mkdtemp(prefix="lossless-", dir=root)
+    sb_config = case.sandbox_config(name, state_dir)
+    try:
+        async with open_sandbox(sb_config) as sb:
+            await sb.execute(Action.bash(case.setup))
+            if truth is None:
+                engine = Engine(_actor(case, pool), sb, config=case.engine_config())
+            else:
+                obs_drafter, action_drafter = _drafters(case, _Truth(truth), pool)
+                engine = Engine(
+                    _actor(case, pool),
+                    sb,
+                    observation_drafters=[obs_drafter],
+                    action_drafters=[action_drafter],
+                    config=case.engine_config(),
+                )
+            history = await engine.run(History(TASK), steps=steps)
+            stats = engine.statistics()
+            record = RunRecord(
+                trajectory=[(t.action.key, t.observation) for t in history.turns],
+                version=sb.version,
+                snapshot=await snapshot_sandbox(sb),
+                forks_launched=stats.forks_launched,
+                forks_reused=stats.forks_reused,
+                drafts_hit=stats.drafts_hit,
+            )
+        if state_dir is not None:
+            async with open_sandbox(sb_config) as sb:
+                record.reopened = (sb.version, await snapshot_sandbox(sb))
+        return record
+    finally:
+        if state_dir is not None:
+            await anyio.to_thread.run_sync(_fs.remove_tree, state_dir)
+
+
+def _history(record: RunRecord) -> History:
+    history = History(TASK)
+    for key, observation in record.trajectory:
+        history = history.extend(Action.from_json(json.loads(key)), observation)
+    return history
+
+
+# ---------------------------------------------------------------------------------- checks
+
+
+@dataclass(slots=True)
+class CaseOutcome:
+    """The verdict on one case: ``kind`` is ``ok``, ``divergence`` (``where`` says which
+    comparison), ``aborted`` (a run raised; ``where`` names the run) or ``leak`` (mounts
+    left under the state root)."""
+
+    case: LosslessCase
+    kind: str = "ok"
+    where: str = ""
+    details: list[str] = field(default_factory=list)
+    forks_launched: int = 0
+    forks_reused: int = 0
+    drafts_hit: int = 0
+    serial_actions: list[str] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return self.kind == "ok"
+
+    @property
+    def signature(self) -> tuple[str, str]:
+        return (self.kind, self.where)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "kind": self.kind,
+            "where": self.where,
+            "details": self.details,
+            "case": self.case.to_json(),
+            "serial_actions": self.serial_actions,
+            "forks_launched": self.forks_launched,
+            "forks_reused": self.forks_reused,
+            "drafts_hit": self.drafts_hit,
+        }
+
+    def summary(self) -> str:
+        head = f"seed {self.case.seed} [{self.case.config}]: {self.kind}"
+        if self.where:
+            head += f" ({self.where})"
+        return "\n".join([head, *("  " + d for d in self.details)])
+
+
+def compare_runs(a: RunRecord, b: RunRecord, label: str) -> list[str]:
+    """What differs between two runs that must be equal (empty: nothing)."""
+    out: list[str] = []
+    for i, (x, y) in enumerate(zip(a.trajectory, b.trajectory, strict=False)):
+        if x != y:
+            which = "action" if x[0] != y[0] else "observation"
+            out.append(f"{label}: trajectories differ at step {i} ({which}): {x!r} != {y!r}")
+            break
+    else:
+        if len(a.trajectory) != len(b.trajectory):
+            out.append(f"{label}: trajectory lengths differ: {len(a.trajectory)} != {len(b.trajectory)}")
+    if a.version != b.version:
+        out.append(f"{label}: versions differ: {a.version} != {b.version}")
+    if a.digest != b.digest:
+        out.append(f"{label}: filesystem contents differ:")
+        out.extend("    " + line for line in diff_snapshots(a.snapshot, b.snapshot))
+    return out
+
+
+def _reopen_problems(record: RunRecord, label: str) -> list[str]:
+    if record.reopened is None:
+        return []
+    version, snap = record.reopened
+    out = []
+    if version != record.version:
+        out.append(f"{label}: reopened state has version {version}, not {record.version}")
+    if _snapshot_digest(snap) != record.digest:
+        out.append(f"{label}: reopened state's contents differ from the closed state's:")
+        out.extend("    " + line for line in diff_snapshots(record.snapshot, snap))
+    return out
+
+
+def _leaks(state_root: Path) -> list[str]:
+    return _fs.mounts_under(str(state_root)) if state_root.exists() else []
+
+
+async def check_case(
+    case: LosslessCase,
+    *,
+    reference: RunRecord | None = None,
+    state_root: Path | None = None,
+) -> tuple[CaseOutcome, RunRecord | None]:
+    """Run the reference (unless given: it depends on the seed only), serial and
+    speculative runs of ``case`` and compare them; returns the outcome and the reference
+    record (to reuse for the same seed on other configurations)."""
+    root = state_root or default_state_root()
+    outcome = CaseOutcome(case)
+
+    async def run(name: str, **kw: Any) -> RunRecord | None:
+        try:
+            record = await run_engine(case, state_root=root, **kw)
+        except Exception as exc:  # whatever the engine or a sandbox raises is the finding
+            tb = traceback.extract_tb(exc.__traceback__)
+            if tb and tb[-1].filename == __file__:
+                raise  # a fault of this check itself, not of what it checks
+            outcome.kind, outcome.where = "aborted", f"{name} run"
+            outcome.details = [f"{type(exc).__name__}: {exc}", *(f"at {f.filename}:{f.lineno} in {f.name}" for f in tb[-3:])]
+            return None
+        leaked = _leaks(root)
+        if leaked:
+            outcome.kind, outcome.where = "leak", f"{name} run"
+            outcome.details = [f"mounts left under {root}: {leaked[:4]}"]
+            _fs.unmount_all_under(str(root))
+            return None
+        return record
+
+    if reference is None:
+        reference = await run("reference", config=REFERENCE_CONFIG)
+        if reference is None:
+            return outcome, None
+    serial = reference if case.config == REFERENCE_CONFIG else await run("serial")
+    if serial is None:
+        return outcome, reference
+    spec = await run("speculative", truth=_history(serial))
+    if spec is None:
+        return outcome, reference
+    outcome.serial_actions = [_command_of(key) for key, _ in serial.trajectory]
+    outcome.forks_launched, outcome.forks_reused = spec.forks_launched, spec.forks_reused
+    outcome.drafts_hit = spec.drafts_hit
+    checks = [
+        ("speculative vs serial", compare_runs(serial, spec, "speculative vs serial")),
+        (
+            f"{case.config} vs {REFERENCE_CONFIG}",
+            compare_runs(reference, serial, f"serial on {case.config} vs serial on {REFERENCE_CONFIG}"),
+        ),
+        ("reopen", _reopen_problems(spec, "speculative") + _reopen_problems(serial, "serial")),
+    ]
+    for where, problems in checks:
+        if problems:
+            outcome.kind, outcome.where, outcome.details = "divergence", where, problems
+            break
+    return outcome, reference
+
+
+def _command_of(key: str) -> str:
+    action = Action.from_json(json.loads(key))
+    return action.command if action.command is not None else ""
+
+
+# ---------------------------------------------------------------------------------- minimising
+
+
+async def minimise(
+    outcome: CaseOutcome,
+    *,
+    attempts: int = 2,
+    budget: int = 40,
+    state_root: Path | None = None,
+    progress: Callable[[str], None] | None = None,
+) -> CaseOutcome:
+    """A smaller case failing the same way as ``outcome`` (same kind and comparison): the
+    actor replays the serial run's actions (``script``), then steps, actions and
+    speculation knobs are dropped one at a time while the failure persists (each candidate
+    tried up to ``attempts`` times: some failures are races). At most ``budget`` checks."""
+    if outcome.ok:
+        return outcome
+    want = outcome.signature
+    spent = 0
+
+    async def fails(case: LosslessCase) -> CaseOutcome | None:
+        nonlocal spent
+        for _ in range(attempts):
+            if spent >= budget:
+                return None
+            spent += 1
+            got, _ = await check_case(case, state_root=state_root)
+            if got.signature == want:
+                return got
+        return None
+
+    best = outcome
+    script = tuple(outcome.serial_actions) if outcome.serial_actions else None
+    if script is not None:
+        candidate = dataclasses.replace(outcome.case, script=script, steps=len(script))
+        if (got := await fails(candidate)) is not None:
+            best = got
+    if best.case.script is not None:
+        i = len(best.case.script) - 1
+        while i >= 0 and spent < budget:
+            script = best.case.script[:i] + best.case.script[i + 1 :]
+            if script:
+                candidate = dataclasses.replace(best.case, script=script, steps=len(script))
+                if (got := await fails(candidate)) is not None:
+                    best = got
+                    if progress:
+                        progress(f"minimise: {len(script)} actions")
+            i -= 1
+    for knob, value in (
+        ("branch_budget", 0),
+        ("fork_width", 0),
+        ("provisional_targets", False),
+        ("obs_depth", 1),
+        ("depth", 1),
+    ):
+        if spent >= budget or best.case.engine.get(knob) == value:
+            continue
+        engine = {**best.case.engine, knob: value}
+        if knob == "branch_budget":
+            engine["draft_candidates"] = min(engine["draft_candidates"], 2)
+        candidate = dataclasses.replace(best.case, engine=engine)
+        if (got := await fails(candidate)) is not None:
+            best = got
+    return best

@@ -1,0 +1,237 @@
+#!/usr/bin/env python3
+"""Long randomized losslessness runs: the live engine on real overlay sandboxes, each
+case run serially on the in-memory reference configuration, serially on its own sandbox
+configuration and speculatively with right and wrong drafts; trajectories, versions and
+filesystem contents must be equal (see runtime/lossless.py). Needs root and overlayfs.
+
+Usage::
+
+    scripts/check_lossless.py --runs 300                       # seeds 0.., all four configs
+    scripts/check_lossless.py --runs 10000 --seed 1000 --jobs 2 --json > lossless.json
+    scripts/check_lossless.py --runs 40 --configs compact,durable
+    scripts/check_lossless.py --repro lossless-repro-17-compact.json   # rerun a reproduction
+
+Run ``i`` is seed ``S + i // len(configs)`` on ``configs[i % len(configs)]``, so one seed
+covers every configuration and shares one reference run. A progress line goes to stderr;
+the summary (runs, divergences, aborted runs and leaks per configuration, runs/s) to stdout,
+or one JSON document with ``--json``. Each failure is minimised (the serial action sequence
+replayed, then actions and speculation knobs dropped while it still fails the same way;
+``--no-minimise`` skips it) and written to ``--out/lossless-repro-SEED-CONFIG.json``.
+Exit status: 0 when every run passed, 1 when any diverged, aborted or leaked a mount, 2 on
+bad arguments.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
+from pathlib import Path
+from typing import Any
+
+import anyio
+
+from runtime import _fs
+from runtime.lossless import SANDBOX_CONFIGS, LosslessCase, check_case, make_case, minimise
+
+KINDS = ("divergence", "aborted", "leak")
+
+
+def _private_state_root() -> Path:
+    root = Path(tempfile.mkdtemp(prefix="aospec-lossless-", dir="/var/tmp"))
+    os.environ["AOSPEC_STATE_ROOT"] = str(root)
+    return root
+
+
+def _check_seed(seed: int, configs: Sequence[str], minimise_failures: bool) -> list[dict[str, Any]]:
+    """Every configuration of one seed (in a worker process); one result dict per run."""
+    root = _private_state_root()
+
+    async def main() -> list[dict[str, Any]]:
+        results = []
+        reference = None
+        for config in configs:
+            started = time.perf_counter()
+            outcome, reference = await check_case(make_case(seed, config), reference=reference, state_root=root)
+            result: dict[str, Any] = {"seed": seed, "config": config, **outcome.to_json()}
+            result["elapsed_s"] = round(time.perf_counter() - started, 3)
+            if not outcome.ok and minimise_failures:
+                small = await minimise(outcome, state_root=root)
+                result["minimised"] = small.to_json()
+            results.append(result)
+        return results
+
+    try:
+        return anyio.run(main)
+    finally:
+        _fs.unmount_all_under(str(root))
+        _fs.remove_tree(str(root))
+
+
+def _write_repro(out: Path, result: dict[str, Any]) -> Path:
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / f"lossless-repro-{result['seed']}-{result['config']}.json"
+    small = result.get("minimised") or result
+    doc = {
+        "kind": small["kind"],
+        "where": small["where"],
+        "details": small["details"],
+        "case": small["case"],
+        "original": {k: result[k] for k in ("kind", "where", "details", "case", "serial_actions")},
+        "rerun": f"scripts/check_lossless.py --repro {path}",
+    }
+    path.write_text(json.dumps(doc, indent=2) + "\n")
+    return path
+
+
+def _summary_table(counts: dict[str, dict[str, int]]) -> str:
+    lines = [f"{'config':<10}{'runs':>7}{'ok':>7}{'diverged':>10}{'aborted':>9}{'leaks':>7}"]
+    for config, c in counts.items():
+        lines.append(
+            f"{config:<10}{c['runs']:>7}{c['ok']:>7}{c['divergence']:>10}{c['aborted']:>9}{c['leak']:>7}"
+        )
+    return "\n".join(lines)
+
+
+def _run(args: argparse.Namespace, configs: list[str]) -> int:
+    seeds_needed = -(-args.runs // len(configs))
+    plan = []  # (seed, configs of that seed), exactly args.runs runs in all
+    left = args.runs
+    for i in range(seeds_needed):
+        take = configs[: min(len(configs), left)]
+        plan.append((args.seed + i, take))
+        left -= len(take)
+    counts = {c: {"runs": 0, "ok": 0, "divergence": 0, "aborted": 0, "leak": 0} for c in configs}
+    failures: list[dict[str, Any]] = []
+    done = 0
+    started = time.perf_counter()
+    tty = sys.stderr.isatty()
+
+    def progress(final: bool = False) -> None:
+        elapsed = time.perf_counter() - started
+        rate = done / elapsed if elapsed else 0.0
+        bad = {k: sum(c[k] for c in counts.values()) for k in KINDS}
+        line = (
+            f"{done}/{args.runs} runs  {rate:.2f} runs/s  divergences {bad['divergence']}  "
+            f"aborted {bad['aborted']}  leaks {bad['leak']}"
+        )
+        if tty:
+            print("\r" + line, end="\n" if final else "", file=sys.stderr, flush=True)
+        elif final or done % 20 == 0:
+            print(line, file=sys.stderr, flush=True)
+
+    def take(results: list[dict[str, Any]]) -> None:
+        nonlocal done
+        for r in results:
+            done += 1
+            c = counts[r["config"]]
+            c["runs"] += 1
+            c[r["kind"]] += 1
+            if r["kind"] != "ok":
+                r["repro"] = str(_write_repro(Path(args.out), r))
+                failures.append(r)
+                print(f"\n{r['kind']}: seed {r['seed']} [{r['config']}] ({r['where']}) -> {r['repro']}", file=sys.stderr)
+                for d in r["details"][:6]:
+                    print(f"  {d}", file=sys.stderr)
+        progress()
+
+    minimise_failures = not args.no_minimise
+    if args.jobs <= 1:
+        for seed, cfgs in plan:
+            take(_check_seed(seed, cfgs, minimise_failures))
+    else:
+        with ProcessPoolExecutor(max_workers=args.jobs) as pool:
+            pending: set[Future[list[dict[str, Any]]]] = set()
+            todo = iter(plan)
+            for seed, cfgs in todo:
+                pending.add(pool.submit(_check_seed, seed, cfgs, minimise_failures))
+                if len(pending) >= 2 * args.jobs:
+                    break
+            while pending:
+                finished, pending = wait(pending, return_when=FIRST_COMPLETED)
+                for fut in finished:
+                    take(fut.result())
+                    nxt = next(todo, None)
+                    if nxt is not None:
+                        pending.add(pool.submit(_check_seed, nxt[0], nxt[1], minimise_failures))
+    progress(final=True)
+    elapsed = time.perf_counter() - started
+    if args.json:
+        doc = {
+            "runs": done,
+            "seed": args.seed,
+            "configs": counts,
+            "elapsed_s": round(elapsed, 1),
+            "runs_per_s": round(done / elapsed, 3) if elapsed else None,
+            "failures": [
+                {k: r.get(k) for k in ("seed", "config", "kind", "where", "details", "repro")} for r in failures
+            ],
+        }
+        print(json.dumps(doc, indent=2))
+    else:
+        print(_summary_table(counts))
+        print(f"{done} runs in {elapsed:.0f} s ({done / elapsed:.2f} runs/s)" if elapsed else f"{done} runs")
+        for r in failures:
+            print(f"{r['kind']}: seed {r['seed']} [{r['config']}] ({r['where']}): {r['repro']}")
+    return 1 if failures else 0
+
+
+def _repro(args: argparse.Namespace) -> int:
+    path = Path(args.repro)
+    try:
+        doc = json.loads(path.read_text())
+        case = LosslessCase.from_json(doc["case"])
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        print(f"check_lossless: {path}: not a reproduction file ({exc})", file=sys.stderr)
+        return 2
+    root = _private_state_root()
+
+    async def main() -> list[Any]:
+        return [(await check_case(case, state_root=root))[0] for _ in range(max(1, args.runs))]
+
+    try:
+        outcomes = anyio.run(main)
+    finally:
+        _fs.unmount_all_under(str(root))
+        _fs.remove_tree(str(root))
+    failed = [o for o in outcomes if not o.ok]
+    if args.json:
+        print(json.dumps({"runs": len(outcomes), "failed": len(failed), "outcomes": [o.to_json() for o in outcomes]}))
+    else:
+        for o in outcomes:
+            print(o.summary())
+        print(f"{len(failed)} of {len(outcomes)} runs failed")
+    return 1 if failed else 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
+    parser.add_argument("--runs", type=int, default=100, help="runs in all (default 100; with --repro: reruns)")
+    parser.add_argument("--seed", type=int, default=0, help="first seed (default 0)")
+    parser.add_argument("--configs", default=",".join(SANDBOX_CONFIGS), help="comma-separated sandbox configurations")
+    parser.add_argument("--jobs", type=int, default=1, help="worker processes (default 1)")
+    parser.add_argument("--json", action="store_true", help="print one JSON document instead of the table")
+    parser.add_argument("--out", default=".", help="directory for reproduction files (default .)")
+    parser.add_argument("--no-minimise", action="store_true", help="write failures as found, unminimised")
+    parser.add_argument("--repro", metavar="FILE", help="rerun the case of a reproduction file")
+    args = parser.parse_args(argv)
+    if args.runs < 1 or args.jobs < 1 or args.seed < 0:
+        parser.error("--runs and --jobs must be >= 1, --seed >= 0")
+    configs = [c.strip() for c in args.configs.split(",") if c.strip()]
+    unknown = [c for c in configs if c not in SANDBOX_CONFIGS]
+    if unknown or not configs or len(set(configs)) != len(configs):
+        parser.error(f"--configs: give distinct names among {', '.join(SANDBOX_CONFIGS)} (got {args.configs!r})")
+    if os.geteuid() != 0:
+        parser.error("needs root (overlayfs mounts)")
+    if args.repro:
+        return _repro(args)
+    return _run(args, configs)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
