@@ -82,6 +82,14 @@ class SandboxConfig:
     (tmpfs) until they exceed ``memory_layers_bytes`` (0: always on disk); ``durable``
     keeps the committed state on disk and fsyncs it (survives power loss, slower).
     ``docker_fork``: how the docker backend forks (``auto`` picks copy-upper).
+
+    ``memory_budget_bytes`` bounds the host memory the whole session (the root and all
+    its forks, across commands) holds: their processes and every in-memory layer they
+    wrote (uppers on tmpfs, frozen memory layers). ``sandbox_memory_budget_bytes`` bounds
+    one sandbox the same way (None: only the session's budget). A write past a budget
+    fails: the command is killed (``limits_hit`` names ``memory``). Overlay backend, with
+    a writable memory cgroup. ``seccomp``: the overlay backend's syscall filter,
+    ``default``, ``none`` or the path of a JSON profile (``runtime.seccomp``).
     """
 
     backend: str = "overlay"
@@ -100,6 +108,9 @@ class SandboxConfig:
     compact_at: int = 16
     memory_layers_bytes: int = 512 * MiB
     docker_fork: str = "auto"
+    memory_budget_bytes: int | None = 8 * GiB
+    sandbox_memory_budget_bytes: int | None = None
+    seccomp: str = "default"
 
     def __post_init__(self) -> None:
         if self.timeout_s <= 0:
@@ -110,6 +121,17 @@ class SandboxConfig:
             raise ValueError("compact_at must be at least 4")
         if self.memory_layers_bytes < 0:
             raise ValueError("memory_layers_bytes must be >= 0")
+        for name in ("memory_budget_bytes", "sandbox_memory_budget_bytes"):
+            v = getattr(self, name)
+            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v <= 0):
+                raise ValueError(f"{name} must be a positive number of bytes or null, got {v!r}")
+        if self.memory_budget_bytes is not None and self.memory_layers_bytes >= self.memory_budget_bytes:
+            raise ValueError(
+                f"memory_layers_bytes ({self.memory_layers_bytes}) must be below memory_budget_bytes "
+                f"({self.memory_budget_bytes}): frozen changes spill to disk past the first, the second is a hard cap"
+            )
+        if not isinstance(self.seccomp, str) or not self.seccomp:
+            raise ValueError("seccomp must be default, none or the path of a JSON profile")
         if self.docker_fork not in ("auto", "commit", "copy-upper"):
             raise ValueError(f"docker_fork must be auto, commit or copy-upper, got {self.docker_fork!r}")
 

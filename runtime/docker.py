@@ -44,8 +44,14 @@ from runtime._session import SandboxSession
 from runtime._state import RecoveryReport, default_state_root, lock_state_dir, new_id, write_atomic
 from runtime.base import BaseFS, open_base
 from runtime.config import SandboxConfig
-from runtime.isolation import _Output
-from runtime.observation import CommandResult, ObservationFormatter, SandboxStatistics, get_formatter
+from runtime.isolation import _Output, reached_file_size
+from runtime.observation import (
+    TIMEOUT_RETURNCODE,
+    CommandResult,
+    ObservationFormatter,
+    SandboxStatistics,
+    get_formatter,
+)
 from runtime.versions import UpperTracker
 
 __all__ = ["DockerSandbox", "checkpoint_support", "docker_client", "ensure_base_image", "open_docker"]
@@ -536,7 +542,11 @@ class DockerSandbox(SandboxSession):
             after = await anyio.to_thread.run_sync(box.counters)
             hit = ["timeout"] if timed_out else []
             hit += [k for k, v in after.items() if v > before.get(k, 0)]
-            if rc == 128 + signal.SIGXFSZ:
+            if timed_out:
+                rc = TIMEOUT_RETURNCODE
+            if rc == 128 + signal.SIGXFSZ or reached_file_size(
+                str(box.upper), (p for p, st in self.last_layer.records if st is not None), cfg.limits.file_size_bytes
+            ):
                 hit.append("file_size")
             text, truncated = out.text()
             self._stats["commands"] += 1

@@ -16,7 +16,7 @@ from pathlib import Path
 
 from runtime import _fs
 from runtime._state import default_state_root, state_dir_in_use
-from runtime.isolation import MARKER_ENV, OWNER_ENV, host_support, process_environments, process_identity
+from runtime.isolation import MARKER_ENV, OWNER_ENV, host_support, live_owner_tokens, process_environments
 
 __all__ = ["GcReport", "collect_garbage"]
 
@@ -73,14 +73,16 @@ def collect_garbage(state_root: Path | None = None, *, dry_run: bool = False, do
     _, cgroups = host_support()
     if cgroups is not None:
         for croot in set(cgroups.roots.values()):
+            # a store's cgroup (aospec-STORE, its sandboxes' nested in it), or one of an
+            # older aospec (aospec-STORE-SANDBOX-N, flat)
             for cg in croot.glob("aospec-*"):
-                store_id = cg.name.split("-")[1] if cg.name.count("-") >= 2 else ""
+                store_id = cg.name.split("-")[1]
                 if store_id in live_ids:
                     continue
                 if store_id in stale_ids or not _store_id_known(root, store_id):
                     report.cgroups.append(str(cg))
                     if not dry_run:
-                        cgroups.remove_stale(cg.name)
+                        cgroups.remove(cg.name)
     if docker:
         report.containers += _gc_containers(live_ids, dry_run=dry_run)
     return report
@@ -88,10 +90,12 @@ def collect_garbage(state_root: Path | None = None, *, dry_run: bool = False, do
 
 def _kill_orphans(live_ids: set[str], *, dry_run: bool) -> list[int]:
     """Sandbox processes (marked by their environment) whose owning session is gone:
-    the process that started them (identified by PID and start time) no longer runs."""
+    the process that started them (identified by a hash of its PID and start time) no
+    longer runs."""
     found = []
     needle = f"{MARKER_ENV}=aospec-".encode()
     owner_key = f"{OWNER_ENV}=".encode()
+    live_tokens: set[str] | None = None
     for pid, env in process_environments():
         marks = [item for item in env if item.startswith(needle)]
         if not marks:
@@ -99,7 +103,9 @@ def _kill_orphans(live_ids: set[str], *, dry_run: bool) -> list[int]:
         store_id = marks[0][len(needle) :].split(b"-")[0].decode(errors="replace")
         owners = [item[len(owner_key) :].decode(errors="replace") for item in env if item.startswith(owner_key)]
         owner = owners[0] if owners else ""
-        owner_alive = bool(owner) and process_identity(int(owner.split(":")[0])) == owner
+        if live_tokens is None:
+            live_tokens = live_owner_tokens()
+        owner_alive = owner in live_tokens
         if store_id in live_ids or owner_alive:
             continue
         found.append(pid)

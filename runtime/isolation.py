@@ -19,6 +19,7 @@ import os
 import resource
 import shutil
 import signal
+import stat
 import subprocess
 import threading
 import time
@@ -28,10 +29,12 @@ from pathlib import Path
 from typing import TypeVar
 
 import anyio
+import xxhash
 
 from aospec.errors import SandboxError, SandboxUnavailableError
 from runtime.config import Bind, Limits
-from runtime.observation import CommandResult
+from runtime.observation import TIMEOUT_RETURNCODE, CommandResult
+from runtime.seccomp import program_fd
 
 __all__ = [
     "MARKER_ENV",
@@ -39,11 +42,17 @@ __all__ = [
     "Cgroups",
     "HostSupport",
     "bwrap_argv",
+    "check_binds",
     "host_support",
     "kill_marked",
+    "live_owner_tokens",
     "marked_processes",
+    "missing_bind_points",
+    "owner_token",
     "process_environments",
     "process_identity",
+    "reached_file_size",
+    "remove_bind_points",
     "run_bwrap",
 ]
 
@@ -114,6 +123,13 @@ class _Cgroup:
 class Cgroups:
     """Per-command cgroups under ``aospec/`` of the v1 controllers or the v2 hierarchy.
 
+    A command's cgroup nests in its sandbox's, which nests in its store's (session's):
+    ``aospec/aospec-S/aospec-S-X/aospec-S-X-N``. The two upper levels carry the memory
+    budgets. Why nest: what a command writes into its tmpfs stays charged to its cgroup
+    after the command ends and the cgroup is removed, and the kernel then counts those
+    pages in the parent; under a limited ancestor they stay inside a budget instead of
+    moving to an unlimited parent.
+
     ``detect()`` returns None when no writable cgroup hierarchy with the needed
     controllers exists (then memory/cpu/pids limits are not enforced; rlimits still are).
     """
@@ -157,33 +173,42 @@ class Cgroups:
     def controllers(self) -> tuple[str, ...]:
         return tuple(sorted(self.roots))
 
-    def create(self, name: str, limits: Limits) -> _Cgroup:
+    def _dirs(self, rel: str) -> list[tuple[str, Path]]:
+        """(controller, directory) of ``rel`` in every hierarchy (one for v2)."""
+        if self.version == 2:
+            return [("*", next(iter(self.roots.values())) / rel)]
+        return [(c, root / rel) for c, root in self.roots.items()]
+
+    def ensure_group(self, rel: str, memory_bytes: int | None, *, update: bool = False) -> None:
+        """Create the intermediate cgroup ``rel`` (its parent must exist) with a memory
+        limit; an existing one keeps its limit unless ``update``."""
+        for c, d in self._dirs(rel):
+            try:
+                d.mkdir()
+            except FileExistsError:
+                if not update:
+                    continue
+            if self.version == 2:
+                wanted = " ".join("+" + c for c in self.roots)
+                (d / "cgroup.subtree_control").write_text(wanted)
+            if c in ("memory", "*") and "memory" in self.roots:
+                _set_memory_limit(d, self.version, memory_bytes)
+
+    def create(self, rel: str, limits: Limits) -> _Cgroup:
+        """A command's cgroup ``rel`` (its parents must exist) with ``limits``."""
         dirs = []
         try:
-            if self.version == 2:
-                d = next(iter(self.roots.values())) / name
+            for c, d in self._dirs(rel):
                 d.mkdir()
                 dirs.append(d)
-                if limits.pids is not None and "pids" in self.roots:
+                if c in ("pids", "*") and "pids" in self.roots and limits.pids is not None:
                     (d / "pids.max").write_text(str(limits.pids))
-                if limits.memory_bytes is not None and "memory" in self.roots:
-                    (d / "memory.max").write_text(str(limits.memory_bytes))
-                    with contextlib.suppress(OSError):
-                        (d / "memory.swap.max").write_text("0")
-                if limits.cpus is not None and "cpu" in self.roots:
-                    (d / "cpu.max").write_text(f"{int(limits.cpus * 100000)} 100000")
-            else:
-                for c, root in self.roots.items():
-                    d = root / name
-                    d.mkdir()
-                    dirs.append(d)
-                    if c == "pids" and limits.pids is not None:
-                        (d / "pids.max").write_text(str(limits.pids))
-                    elif c == "memory" and limits.memory_bytes is not None:
-                        (d / "memory.limit_in_bytes").write_text(str(limits.memory_bytes))
-                        with contextlib.suppress(OSError):
-                            (d / "memory.memsw.limit_in_bytes").write_text(str(limits.memory_bytes))
-                    elif c == "cpu" and limits.cpus is not None:
+                if c in ("memory", "*") and "memory" in self.roots and limits.memory_bytes is not None:
+                    _set_memory_limit(d, self.version, limits.memory_bytes)
+                if c in ("cpu", "*") and "cpu" in self.roots and limits.cpus is not None:
+                    if self.version == 2:
+                        (d / "cpu.max").write_text(f"{int(limits.cpus * 100000)} 100000")
+                    else:
                         (d / "cpu.cfs_period_us").write_text("100000")
                         (d / "cpu.cfs_quota_us").write_text(str(int(limits.cpus * 100000)))
         except BaseException:
@@ -191,17 +216,65 @@ class Cgroups:
             raise
         return _Cgroup(self, dirs)
 
-    def remove_stale(self, prefix: str) -> list[str]:
-        """Kill and remove leftover cgroups whose name starts with ``prefix``."""
-        removed = []
-        for root in set(self.roots.values()):
-            for d in root.glob(prefix + "*"):
-                if d.is_dir():
-                    cg = _Cgroup(self, [d])
-                    cg.kill_all()
-                    cg.remove()
-                    removed.append(str(d))
+    def memory_usage(self, rel: str) -> int | None:
+        """Bytes charged to ``rel`` and everything below it (None: no memory controller)."""
+        if "memory" not in self.roots:
+            return None
+        d = self.roots["memory"] / rel
+        try:
+            return int((d / ("memory.current" if self.version == 2 else "memory.usage_in_bytes")).read_text())
+        except (OSError, ValueError):
+            return None
+
+    def remove(self, rel: str) -> list[str]:
+        """Kill every process in ``rel`` and below, and remove the cgroups (deepest
+        first); returns the removed directories."""
+        removed: list[str] = []
+        for _, d in self._dirs(rel):
+            _remove_tree(self, d, removed)
         return removed
+
+    def remove_stale(self, prefix: str, *, under: str = "") -> list[str]:
+        """Kill and remove leftover cgroups (and all below them) whose name starts with
+        ``prefix``, directly under ``under`` (a cgroup path relative to the roots)."""
+        removed: list[str] = []
+        for root in set(self.roots.values()):
+            for d in (root / under).glob(prefix + "*") if (root / under).is_dir() else ():
+                if d.is_dir():
+                    _remove_tree(self, d, removed)
+        return removed
+
+
+def _set_memory_limit(d: Path, version: int, value: int | None) -> None:
+    if version == 2:
+        (d / "memory.max").write_text("max" if value is None else str(value))
+        with contextlib.suppress(OSError):
+            (d / "memory.swap.max").write_text("0")
+        return
+    text = "-1" if value is None else str(value)
+    # the memory+swap limit may never be below the memory limit: raise it first when growing
+    try:
+        (d / "memory.limit_in_bytes").write_text(text)
+        with contextlib.suppress(FileNotFoundError):
+            (d / "memory.memsw.limit_in_bytes").write_text(text)
+    except OSError as exc:
+        if exc.errno != errno.EINVAL:
+            raise
+        (d / "memory.memsw.limit_in_bytes").write_text(text)
+        (d / "memory.limit_in_bytes").write_text(text)
+
+
+def _remove_tree(owner: Cgroups, d: Path, removed: list[str]) -> None:
+    try:
+        children = [c for c in d.iterdir() if c.is_dir()]
+    except FileNotFoundError:
+        return
+    for child in children:
+        _remove_tree(owner, child, removed)
+    cg = _Cgroup(owner, [d])
+    cg.kill_all()
+    cg.remove()
+    removed.append(str(d))
 
 
 @dataclass(frozen=True, slots=True)
@@ -227,9 +300,12 @@ class HostSupport:
             out.append("bubblewrap is not installed (apt-get install bubblewrap)")
         return out
 
-    def unenforced(self, limits: Limits) -> list[str]:
+    def unenforced(self, limits: Limits, memory_budget_bytes: int | None = None) -> list[str]:
+        """The limits (and the session memory budget) this host cannot enforce."""
         missing = []
         have = set(self.cgroup_controllers)
+        if memory_budget_bytes is not None and "memory" not in have:
+            missing.append("memory budget (no writable memory cgroup: host memory held by sandboxes is not bounded)")
         if limits.pids is not None and "pids" not in have:
             missing.append("pids")
         if limits.memory_bytes is not None and "memory" not in have:
@@ -326,6 +402,98 @@ def bwrap_argv(
     return argv
 
 
+def check_binds(binds: Sequence[Bind]) -> None:
+    """SandboxError naming the first bind whose host source does not exist."""
+    for b in binds:
+        if not os.path.exists(b.source):
+            raise SandboxError(
+                f"bind {b.source}:{b.target}: the source {b.source} does not exist on the host; "
+                "create it or remove the bind"
+            )
+
+
+def _walk_nofollow(root: str, parts: Sequence[str]) -> tuple[int, int]:
+    """Open the directories ``parts`` below ``root`` without following symlinks; returns
+    (fd of the deepest one reached, how many of ``parts`` were opened). Close the fd."""
+    fd = os.open(root, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+    for i, name in enumerate(parts):
+        try:
+            nxt = os.open(name, os.O_PATH | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=fd)
+        except OSError:
+            return fd, i
+        os.close(fd)
+        fd = nxt
+    return fd, len(parts)
+
+
+def missing_bind_points(root: str, binds: Sequence[Bind]) -> list[tuple[str, ...]]:
+    """The mount points bubblewrap will create in ``root`` for ``binds`` (each missing
+    target and its missing parents, outermost first), as path components."""
+    points: list[tuple[str, ...]] = []
+    for b in binds:
+        parts = [p for p in b.target.split("/") if p and p != "."]
+        if ".." in parts or not parts:
+            continue
+        fd, depth = _walk_nofollow(root, parts[:-1])
+        try:
+            if depth < len(parts) - 1:
+                try:
+                    os.stat(parts[depth], dir_fd=fd, follow_symlinks=False)
+                    continue  # a non-directory (or symlink) in the way: bwrap resolves it, not ours
+                except FileNotFoundError:
+                    pass
+            else:
+                try:
+                    os.stat(parts[-1], dir_fd=fd, follow_symlinks=False)
+                    continue  # the target exists
+                except FileNotFoundError:
+                    pass
+        finally:
+            os.close(fd)
+        for k in range(depth + 1, len(parts) + 1):
+            if tuple(parts[:k]) not in points:
+                points.append(tuple(parts[:k]))
+    return points
+
+
+def remove_bind_points(root: str, points: Sequence[tuple[str, ...]]) -> None:
+    """Remove the mount points :func:`missing_bind_points` listed, innermost first, where
+    they are still an empty directory or an empty file (a bind is not part of the
+    sandbox's state; what the command put beside them stays)."""
+    for parts in sorted(points, key=len, reverse=True):
+        fd, depth = _walk_nofollow(root, parts[:-1])
+        try:
+            if depth < len(parts) - 1:
+                continue
+            try:
+                st = os.stat(parts[-1], dir_fd=fd, follow_symlinks=False)
+                if stat.S_ISDIR(st.st_mode):
+                    os.rmdir(parts[-1], dir_fd=fd)
+                elif stat.S_ISREG(st.st_mode) and st.st_size == 0:
+                    os.unlink(parts[-1], dir_fd=fd)
+            except OSError:
+                pass  # gone, or not empty: the command's own doing
+        finally:
+            os.close(fd)
+
+
+def reached_file_size(upper: str, paths: Iterator[bytes], limit: int | None) -> bool:
+    """Whether a regular file among ``paths`` (relative to ``upper``) reached ``limit``
+    bytes: writes past RLIMIT_FSIZE fail (EFBIG, or SIGXFSZ that a shell survives), so a
+    file at the limit is the trace a command that ran into it leaves."""
+    if limit is None:
+        return False
+    base = os.fsencode(upper)
+    for rel in paths:
+        try:
+            st = os.lstat(base + b"/" + rel)
+        except OSError:
+            continue
+        if stat.S_ISREG(st.st_mode) and st.st_size >= limit:
+            return True
+    return False
+
+
 def _proc_masks() -> list[str]:
     """Keep host-global parts of /proc out of reach, as Docker does: the sandbox's uid 0 is
     the host's uid 0 (bubblewrap maps it so), which would let it write host sysctls."""
@@ -407,13 +575,24 @@ def process_identity(pid: int) -> str:
     return f"{pid}:{stat_line.rpartition(')')[2].split()[19]}"
 
 
+def owner_token(identity: str) -> str:
+    """What ``AOSPEC_OWNER`` holds: a hash of the owner's :func:`process_identity`, so
+    that a sandbox reading it learns nothing of the host (not the owner's pid)."""
+    return xxhash.xxh3_64_hexdigest(identity.encode())
+
+
+def live_owner_tokens() -> set[str]:
+    """The :func:`owner_token` of every running process."""
+    return {owner_token(i) for pid in os.listdir("/proc") if pid.isdigit() and (i := process_identity(int(pid)))}
+
+
 _owner: tuple[int, str] = (0, "")
 
 
 def _owner_identity() -> str:
     global _owner
     if _owner[0] != os.getpid():
-        _owner = (os.getpid(), process_identity(os.getpid()))
+        _owner = (os.getpid(), owner_token(process_identity(os.getpid())))
     return _owner[1]
 
 
@@ -449,15 +628,24 @@ def kill_marked(prefix: str, *, exact: bool = False) -> list[int]:
     return killed
 
 
-def _release(st: _Started, child: int, limits: Limits, cgroup_name: str) -> None:
-    """Put the blocked sandbox init in its cgroup with its rlimits. cgroupfs and prlimit
-    are in-memory and take microseconds: done inline, without a thread hop."""
+def _release(
+    st: _Started, child: int, limits: Limits, cgroup_name: str, cgroup_parents: Sequence[tuple[str, int | None]]
+) -> None:
+    """Put the blocked sandbox init in its cgroup (below ``cgroup_parents``, outermost
+    first: name and memory budget, created when missing) with its rlimits. cgroupfs and
+    prlimit are in-memory and take microseconds: done inline, without a thread hop."""
     _, cgroups = host_support()
     try:
         if cgroups is not None:
+            rel = ""
             try:
-                st.cg = cgroups.create(cgroup_name, limits)
+                for name, budget in cgroup_parents:
+                    rel += name + "/"
+                    cgroups.ensure_group(rel.rstrip("/"), budget)
+                st.cg = cgroups.create(rel + cgroup_name, limits)
                 st.cg.add(child)
+            except ProcessLookupError:
+                raise
             except OSError as exc:
                 raise SandboxError(f"cannot put the command in a cgroup ({exc}); see aospec sandbox info") from None
         for field, res in _RLIMITS:
@@ -494,11 +682,15 @@ async def run_bwrap(
     max_output_bytes: int,
     before: Callable[[], None],
     after: Callable[[], T],
+    cgroup_parents: Sequence[tuple[str, int | None]] = (),
+    seccomp: bytes | None = None,
 ) -> tuple[CommandResult, T]:
     """Run ``argv_for(info_fd, block_fd)`` (a bwrap command line, started in ``cwd``)
     to completion: ``before()`` first and ``after()`` last, both in worker threads;
     ``after`` runs also when the command fails or is cancelled. Returns the result and
-    what ``after`` returned.
+    what ``after`` returned. The command's cgroup ``cgroup_name`` nests in
+    ``cgroup_parents`` (see :meth:`Cgroups.ensure_group`); ``seccomp`` is a compiled
+    filter (:func:`runtime.seccomp.filter_program`) bwrap loads before the command.
 
     bwrap is spawned from the event loop's thread on purpose: ``--die-with-parent``
     ties the sandbox's life to the *thread* that spawned it, and a worker thread may
@@ -511,21 +703,25 @@ async def run_bwrap(
     timed_out = False
     limits_hit: list[str] = []
     st: _Started | None = None
-    info_r = info_w = block_r = block_w = -1
+    info_r = info_w = block_r = block_w = seccomp_r = -1
     try:
         await anyio.to_thread.run_sync(before)
         info_r, info_w = os.pipe2(os.O_CLOEXEC)
         block_r, block_w = os.pipe2(os.O_CLOEXEC)
+        argv = argv_for(info_w, block_r)
+        if seccomp is not None:
+            seccomp_r = program_fd(seccomp)
+            argv[argv.index("--") : argv.index("--")] = ["--seccomp", str(seccomp_r)]
         try:
             proc = subprocess.Popen(
-                argv_for(info_w, block_r),
+                argv,
                 stdin=subprocess.DEVNULL,
                 stdout=subprocess.PIPE,
                 stderr=subprocess.STDOUT,
                 # the markers let recovery and gc find this run's processes, even orphans
                 # (the sandbox can read them in /proc/1/environ: no host paths in them)
                 env={"PATH": DEFAULT_PATH, MARKER_ENV: cgroup_name, OWNER_ENV: _owner_identity()},
-                pass_fds=(info_w, block_r),
+                pass_fds=tuple(fd for fd in (info_w, block_r, seccomp_r) if fd >= 0),
                 cwd=cwd,
                 umask=0o022,
                 start_new_session=True,
@@ -535,9 +731,10 @@ async def run_bwrap(
         st = _Started(proc, os.pidfd_open(proc.pid))
         assert proc.stdout is not None
         os.set_blocking(proc.stdout.fileno(), False)
-        for fd in (info_w, block_r):
-            os.close(fd)
-        info_w = block_r = -1
+        for fd in (info_w, block_r, seccomp_r):
+            if fd >= 0:
+                os.close(fd)
+        info_w = block_r = seccomp_r = -1
         info = await _read_info(info_r)
         if info is None:
             # bwrap failed before starting the command; its message is the output
@@ -545,7 +742,7 @@ async def run_bwrap(
             raise SandboxError(f"bwrap could not start the command: {out.text()[0].strip()}")
         child = int(info["child-pid"])
         st.init_pidfd = os.pidfd_open(child)
-        _release(st, child, limits, cgroup_name)
+        _release(st, child, limits, cgroup_name, cgroup_parents)
         os.write(block_w, b"1")
         with anyio.move_on_after(timeout_s) as scope:
             await _drain(proc.stdout.fileno(), out)
@@ -565,7 +762,7 @@ async def run_bwrap(
         with anyio.CancelScope(shield=True):
             if st is not None:
                 await _reap(st, cgroup_name)
-            for fd in (info_r, info_w, block_r, block_w):
+            for fd in (info_r, info_w, block_r, block_w, seccomp_r):
                 if fd >= 0:
                     os.close(fd)
             hits, value = await anyio.to_thread.run_sync(_cleanup, st, after)
@@ -574,6 +771,8 @@ async def run_bwrap(
             limits_hit.append(what)
     text, truncated = out.text()
     rc = st.proc.returncode if st.proc.returncode is not None else -1
+    if timed_out:
+        rc = TIMEOUT_RETURNCODE
     if rc == 128 + signal.SIGXFSZ:
         limits_hit.append("file_size")
     result = CommandResult(

@@ -20,17 +20,23 @@ __all__ = [
     "ObservationFormatter",
     "RawFormatter",
     "SandboxStatistics",
+    "TIMEOUT_RETURNCODE",
     "get_formatter",
 ]
+
+TIMEOUT_RETURNCODE = 124
 
 
 @dataclass(frozen=True, slots=True)
 class CommandResult:
     """What one command did. ``output`` is stdout and stderr interleaved as written.
 
-    ``limits_hit`` names the limits the command ran into (``timeout``, ``memory``,
-    ``pids``, ``disk``, ``file_size``); ``truncated`` is True when the output exceeded the
-    capture cap and its middle was dropped.
+    ``returncode`` is the command's exit status (128 + N when a signal N killed it), and
+    124 when it timed out (as with coreutils ``timeout``), on every backend.
+    ``limits_hit`` names the limits the command ran into (``timeout``, ``memory`` — its
+    own limit or a memory budget —, ``pids``, ``disk``, ``file_size``: a write failed
+    with EFBIG/SIGXFSZ, or a file it wrote reached the limit); ``truncated`` is True when
+    the output exceeded the capture cap and its middle was dropped.
     """
 
     returncode: int

@@ -37,7 +37,7 @@ import json
 import os
 import stat
 import threading
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Iterator, Mapping
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -52,8 +52,18 @@ from runtime._session import SandboxSession
 from runtime._state import RecoveryReport, default_state_root, lock_state_dir, new_id, write_atomic
 from runtime.base import BaseFS, open_base
 from runtime.config import SandboxConfig
-from runtime.isolation import bwrap_argv, host_support, kill_marked, run_bwrap
+from runtime.isolation import (
+    bwrap_argv,
+    check_binds,
+    host_support,
+    kill_marked,
+    missing_bind_points,
+    reached_file_size,
+    remove_bind_points,
+    run_bwrap,
+)
 from runtime.observation import CommandResult, ObservationFormatter, SandboxStatistics, get_formatter
+from runtime.seccomp import filter_program
 from runtime.versions import UpperTracker
 
 __all__ = ["OverlaySandbox", "OverlayStore", "RecoveryReport", "default_state_root", "open_overlay"]
@@ -84,6 +94,7 @@ class OverlayStore:
         self.head_layers: tuple[str, ...] = ()
         self.shell = "/bin/bash" if os.path.lexists(base.path / "bin/bash") else "/bin/sh"
         self._cg_counter = 0
+        self.seccomp_program: bytes | None = None  # compiled by open_overlay
         self.compactions = 0
         self.live: dict[str, OverlaySandbox] = {}
         # read-only views of layer stacks, shared by the sandboxes on the same stack
@@ -157,8 +168,7 @@ class OverlayStore:
         for lid in self.head_layers:
             if _is_memory(lid):
                 self.mem_bytes[lid] = _tmpfs_used(self.path / "ml" / lid)
-        _, cgroups = host_support()
-        cgs = cgroups.remove_stale(f"aospec-{self.id}-") if cgroups else []
+        cgs = self._reset_cgroups()
         layers = []
         for d in (self.path / "ml").iterdir():
             if d.name not in self.head_layers:
@@ -212,6 +222,10 @@ class OverlayStore:
                     d.rmdir()
                 self._gc_layers()
                 self.purge_trash()
+        if self.id:
+            _, cgroups = host_support()
+            if cgroups is not None:
+                cgroups.remove(self.cgroup)
         if self._lock_fd >= 0:
             os.close(self._lock_fd)
             self._lock_fd = -1
@@ -312,9 +326,17 @@ class OverlayStore:
         if len(stack) > self.config.compact_at or len(self.lowerdir(stack)) > _MAX_LOWERDIR:
             k = max(2, min(self.config.compact_at, len(stack)) // 2)
         mem = [i for i, lid in enumerate(stack) if _is_memory(lid)]
-        if mem and sum(self.mem_bytes.get(lid, 0) for lid in self._live_memory()) > self.config.memory_layers_bytes:
+        live = sum(self.mem_bytes.get(lid, 0) for lid in self._live_memory())
+        if mem and live > self.config.memory_layers_bytes:
             return min(max(k, mem[-1] + 1), len(stack)), False
-        return min(k, len(stack)), not self.config.durable
+        k = min(k, len(stack))
+        # pages this process writes (a merge into memory) are charged to its own cgroup,
+        # not to the session's budget: merge in memory only what memory_layers_bytes holds
+        top = stack[:k]
+        fits = all(_is_memory(lid) for lid in top) and live + sum(self.mem_bytes.get(lid, 0) for lid in top) <= (
+            self.config.memory_layers_bytes
+        )
+        return k, fits and not self.config.durable
 
     def _live_memory(self) -> set[str]:
         return {lid for lid in self._refs if _is_memory(lid)} | {lid for lid in self.head_layers if _is_memory(lid)}
@@ -389,6 +411,67 @@ class OverlayStore:
     def next_cgroup(self, sid: str) -> str:
         self._cg_counter += 1
         return f"aospec-{self.id}-{sid}-{self._cg_counter}"
+
+    def upper_bytes(self) -> int | None:
+        """The size of a sandbox's tmpfs upper: ``disk_bytes``, never above a memory budget
+        (a write past it then fails with ENOSPC, not with a kill)."""
+        cfg = self.config
+        sizes = [cfg.limits.disk_bytes, cfg.memory_budget_bytes, cfg.sandbox_memory_budget_bytes]
+        present = [x for x in sizes if x is not None]
+        return min(present) if present else None
+
+    @property
+    def cgroup(self) -> str:
+        """The store's cgroup (the session's memory budget); sandboxes' nest in it."""
+        return f"aospec-{self.id}"
+
+    def cgroup_parents(self, sid: str) -> tuple[tuple[str, int | None], ...]:
+        """The cgroups a command of sandbox ``sid`` nests in, with their memory budgets."""
+        return (
+            (self.cgroup, self.config.memory_budget_bytes),
+            (f"{self.cgroup}-{sid}", self.config.sandbox_memory_budget_bytes),
+        )
+
+    def remove_sandbox_cgroup(self, sid: str) -> None:
+        """Remove a sandbox's cgroup; what its commands left in memory layers stays
+        charged to the store's (the kernel moves the charge to the parent)."""
+        _, cgroups = host_support()
+        if cgroups is not None:
+            cgroups.remove(f"{self.cgroup}/{self.cgroup}-{sid}")
+
+    def _reset_cgroups(self) -> list[str]:
+        """Remove the cgroups a dead session of this store left and set the session's
+        budget. The store's own cgroup is kept: the memory layers HEAD names are still
+        charged to it, and stay inside the budget."""
+        _, cgroups = host_support()
+        if cgroups is None:
+            return []
+        removed = cgroups.remove_stale(f"{self.cgroup}-")  # flat ones (older aospec)
+        removed += cgroups.remove_stale(f"{self.cgroup}-", under=self.cgroup)
+        try:
+            cgroups.ensure_group(self.cgroup, self.config.memory_budget_bytes, update=True)
+        except OSError as exc:
+            used = cgroups.memory_usage(self.cgroup)
+            raise SandboxError(
+                f"cannot set the memory budget of {self.path} to {self.config.memory_budget_bytes} bytes ({exc}); "
+                f"its in-memory layers already hold {used} bytes: raise memory_budget_bytes"
+            ) from None
+        return removed
+
+
+@contextlib.contextmanager
+def _fd_names(paths: list[str]) -> Iterator[list[str]]:
+    """``/proc/self/fd/N`` names of ``paths``, open while the context lasts. A sandbox sees
+    its root's mount options in /proc/self/mountinfo exactly as given: named this way,
+    they show no host path (the state directory, the owner's pid in its name)."""
+    fds: list[int] = []
+    try:
+        for p in paths:
+            fds.append(os.open(p, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC))
+        yield [f"/proc/self/fd/{fd}" for fd in fds]
+    finally:
+        for fd in fds:
+            os.close(fd)
 
 
 def _tmpfs_used(path: Path) -> int:
@@ -551,6 +634,7 @@ class OverlaySandbox(SandboxSession):
         self._work = self._rw / "w"
         self._merged = self._dir / "m"
         self._lv: tuple[str, ...] | None = None  # the stack whose shared lower view we hold
+        self._bind_points: list[tuple[str, ...]] = []
         self._mounted = False
         self._rw_mounted = False
         self.tracker = UpperTracker(self._upper, self._lower_view)
@@ -672,6 +756,8 @@ class OverlaySandbox(SandboxSession):
                     timeout_s=timeout if timeout is not None else cfg.timeout_s,
                     limits=cfg.limits,
                     cgroup_name=self.store.next_cgroup(self.sid),
+                    cgroup_parents=self.store.cgroup_parents(self.sid),
+                    seccomp=self.store.seccomp_program,
                     max_output_bytes=cfg.max_output_bytes,
                     before=lambda: self._prepare(cwd or cfg.workdir),
                     # also when cancelled: the version must describe what the command left
@@ -681,19 +767,32 @@ class OverlaySandbox(SandboxSession):
                 with anyio.CancelScope(shield=True):
                     await self._adopt_frozen(done.get("frozen"))
             self._stats.commands += 1
-            return _with_limit(result, "disk") if done.get("disk_full") else result
+            for what in ("disk_full", "file_size"):
+                if done.get(what):
+                    result = _with_limit(result, what.removesuffix("_full"))
+            return result
 
     def _prepare(self, cwd: str) -> None:
+        check_binds(self.store.config.binds)
         self._mount()
         check_workdir(str(self._merged), cwd)
+        # bubblewrap creates missing bind mount points in the root; binds are not part
+        # of the sandbox's state, so they are removed before the changes are read
+        self._bind_points = missing_bind_points(str(self._merged), self.store.config.binds)
 
     def _record_changes(self, done: dict[str, Any]) -> None:
         """After a command or a write (blocking): the layer it made moves the version on;
         the committed root also freezes its upper. What happened goes into ``done``."""
+        if self._bind_points:
+            remove_bind_points(str(self._merged), self._bind_points)
+            self._bind_points = []
         layer = self.tracker.diff()
         self._version = layer.apply_to(self._version)
         self.last_layer = layer
         done["disk_full"] = self._tmpfs and self._disk_full()
+        done["file_size"] = reached_file_size(
+            str(self._upper), (p for p, st in layer.records if st is not None), self.store.config.limits.file_size_bytes
+        )
         if self.is_root:
             done["frozen"] = self._freeze_if_needed()
 
@@ -760,15 +859,16 @@ class OverlaySandbox(SandboxSession):
         self._rw.mkdir(parents=True, exist_ok=True)
         if not self._rw_mounted:
             if self._tmpfs:
-                _fs.mount("tmpfs", str(self._rw), "tmpfs", 0, f"size={self.store.config.limits.disk_bytes},mode=0755")
+                _fs.mount("tmpfs", str(self._rw), "tmpfs", 0, f"size={self.store.upper_bytes()},mode=0755")
             self._rw_mounted = True
             self._upper.mkdir(exist_ok=True)
             self._work.mkdir(exist_ok=True)
-        opts = f"lowerdir={self.store.lowerdir(self._stack)},upperdir={self._upper},workdir={self._work},{_MOUNT_OPTS}"
-        try:
-            _fs.mount("overlay", str(self._merged), "overlay", _fs.MS_NODEV, opts)
-        except OSError as exc:
-            raise SandboxError(f"mounting the sandbox overlay failed: {exc}") from None
+        with _fd_names([*self.store.lowerdir(self._stack).split(":"), str(self._upper), str(self._work)]) as names:
+            opts = f"lowerdir={':'.join(names[:-2])},upperdir={names[-2]},workdir={names[-1]},{_MOUNT_OPTS}"
+            try:
+                _fs.mount("overlay", str(self._merged), "overlay", _fs.MS_NODEV, opts)
+            except OSError as exc:
+                raise SandboxError(f"mounting the sandbox overlay failed: {exc}") from None
         self._mounted = True
 
     def _unmount(self) -> None:
@@ -793,6 +893,7 @@ class OverlaySandbox(SandboxSession):
         self.tracker.reset()
 
     def _teardown(self) -> None:
+        self.store.remove_sandbox_cgroup(self.sid)
         self._unmount()
         if self._rw_mounted and self._tmpfs:
             _fs.umount(str(self._rw))
@@ -909,6 +1010,8 @@ async def open_overlay(config: SandboxConfig | None = None, **overrides: Any) ->
     """
     config = (config or SandboxConfig()).replace(**overrides) if overrides else (config or SandboxConfig())
     check_host()
+    check_binds(config.binds)
+    seccomp = await anyio.to_thread.run_sync(filter_program, config.seccomp)
     base = await anyio.to_thread.run_sync(lambda: open_base(config.base))
     if config.state_dir is None:
         root = default_state_root()
@@ -919,6 +1022,7 @@ async def open_overlay(config: SandboxConfig | None = None, **overrides: Any) ->
         path = Path(config.state_dir).resolve()
         ephemeral = False
     store = OverlayStore(path, base, config, ephemeral=ephemeral)
+    store.seccomp_program = seccomp
     await anyio.to_thread.run_sync(store.open)
     try:
         sandbox = OverlaySandbox(

@@ -234,6 +234,11 @@ async def cycles(backend: str, n: int, bar: Any) -> dict[str, Any]:
     out[f"{backend}_leaked_sandbox_processes"] = len(marked_processes(f"aospec-{store_id}-")) if backend == "overlay" else 0
     for k in before:
         out[f"{backend}_leaked_{k}"] = after[k] - before[k]
+    _, cgroups = host_support()
+    if backend == "overlay" and cgroups is not None:
+        # this store's only: a store's cgroup lives as long as its session, so others'
+        # sessions running meanwhile would count as leaks
+        out["overlay_leaked_cgroups"] = sum(len(list(r.glob(f"aospec-{store_id}*"))) for r in set(cgroups.roots.values()))
     if containers_before is not None:
         out["docker_leaked_containers"] = len(client.containers.list(all=True)) - containers_before
         client.close()

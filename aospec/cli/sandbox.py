@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import math
 import re
 import shlex
 import sys
@@ -55,6 +56,9 @@ def register(subparsers: Any) -> None:
     e.add_argument("--pids", type=int, help="process-count limit")
     e.add_argument("--disk", type=parse_size, help="limit on what the sandbox may write (e.g. 2G)")
     e.add_argument("--state-dir", default=None, help="persistent state directory (default: a private one)")
+    e.add_argument(
+        "--seccomp", default="default", help="syscall filter: default, none, or a JSON profile (overlay backend)"
+    )
     add_format_option(e)
     e.add_argument("cmd", nargs=argparse.REMAINDER, help="-- CMD [ARGS...] (one argument: a shell command line)")
     e.set_defaults(func=_exec)
@@ -110,24 +114,37 @@ def _exec(args: argparse.Namespace) -> int:
         if not sep or not k:
             raise ConfigError(f"--env {item!r}: expected K=V")
         env[k] = v
+    for flag, value in (
+        ("--timeout", args.timeout),
+        ("--memory", args.memory),
+        ("--cpus", args.cpus),
+        ("--pids", args.pids),
+        ("--disk", args.disk),
+    ):
+        if value is not None and not (math.isfinite(value) and value > 0):
+            raise ConfigError(f"{flag} must be a positive number, got {value!r}")
     defaults = Limits()
-    limits = Limits(
-        memory_bytes=args.memory if args.memory is not None else defaults.memory_bytes,
-        cpus=args.cpus if args.cpus is not None else defaults.cpus,
-        pids=args.pids if args.pids is not None else defaults.pids,
-        disk_bytes=args.disk if args.disk is not None else defaults.disk_bytes,
-    )
-    config = SandboxConfig(
-        backend=args.backend,
-        base=args.base,
-        state_dir=args.state_dir,
-        network=args.network,
-        limits=limits,
-        timeout_s=args.timeout,
-        workdir=args.workdir,
-        env=env,
-        binds=tuple(Bind.parse(b) for b in args.bind),
-    )
+    try:
+        limits = Limits(
+            memory_bytes=args.memory if args.memory is not None else defaults.memory_bytes,
+            cpus=args.cpus if args.cpus is not None else defaults.cpus,
+            pids=args.pids if args.pids is not None else defaults.pids,
+            disk_bytes=args.disk if args.disk is not None else defaults.disk_bytes,
+        )
+        config = SandboxConfig(
+            backend=args.backend,
+            base=args.base,
+            state_dir=args.state_dir,
+            network=args.network,
+            limits=limits,
+            timeout_s=args.timeout,
+            workdir=args.workdir,
+            env=env,
+            binds=tuple(Bind.parse(b) for b in args.bind),
+            seccomp=args.seccomp,
+        )
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
 
     async def main() -> tuple[Any, str, str]:
         async with open_sandbox(config) as sb:
@@ -165,8 +182,9 @@ def _exec(args: argparse.Namespace) -> int:
 
 
 def _info(args: argparse.Namespace) -> int:
-    from runtime.config import Limits
+    from runtime.config import Limits, SandboxConfig
     from runtime.isolation import host_support
+    from runtime.seccomp import seccomp_support
 
     support, _ = host_support()
     out: dict[str, Any] = {
@@ -176,7 +194,13 @@ def _info(args: argparse.Namespace) -> int:
         "cgroup_version": support.cgroup_version,
         "cgroup_controllers": list(support.cgroup_controllers),
         "overlay_backend": "ok" if not support.problems() else "; ".join(support.problems()),
-        "limits_not_enforced": support.unenforced(Limits()),
+        "limits_not_enforced": support.unenforced(Limits(), SandboxConfig().memory_budget_bytes),
+        "memory_budget": (
+            f"enforced per session and sandbox (cgroup v{support.cgroup_version})"
+            if "memory" in support.cgroup_controllers
+            else "not enforced: no writable memory cgroup (host memory held by sandboxes is not bounded)"
+        ),
+        "seccomp": seccomp_support(),
     }
     try:
         from runtime.docker import checkpoint_support, docker_client
