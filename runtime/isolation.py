@@ -139,6 +139,7 @@ class Cgroups:
     def __init__(self, version: int, roots: dict[str, Path]) -> None:
         self.version = version
         self.roots = roots  # controller -> directory holding our per-command cgroups
+        self._made: set[str] = set()  # intermediate cgroups this process made (a cache)
 
     @classmethod
     def detect(cls) -> Cgroups | None:
@@ -182,17 +183,23 @@ class Cgroups:
     def ensure_group(self, rel: str, memory_bytes: int | None, *, update: bool = False) -> None:
         """Create the intermediate cgroup ``rel`` (its parent must exist) with a memory
         limit; an existing one keeps its limit unless ``update``."""
+        if rel in self._made and not update:
+            return
         for c, d in self._dirs(rel):
             try:
                 d.mkdir()
+                created = True
             except FileExistsError:
                 if not update:
                     continue
+                created = False
             if self.version == 2:
                 wanted = " ".join("+" + c for c in self.roots)
                 (d / "cgroup.subtree_control").write_text(wanted)
-            if c in ("memory", "*") and "memory" in self.roots:
+            # a new cgroup starts unlimited
+            if c in ("memory", "*") and "memory" in self.roots and not (created and memory_bytes is None):
                 _set_memory_limit(d, self.version, memory_bytes)
+        self._made.add(rel)
 
     def create(self, rel: str, limits: Limits) -> _Cgroup:
         """A command's cgroup ``rel`` (its parents must exist) with ``limits``."""
@@ -229,6 +236,7 @@ class Cgroups:
     def remove(self, rel: str) -> list[str]:
         """Kill every process in ``rel`` and below, and remove the cgroups (deepest
         first); returns the removed directories."""
+        self._made = {m for m in self._made if m != rel and not m.startswith(rel + "/")}
         removed: list[str] = []
         for _, d in self._dirs(rel):
             _remove_tree(self, d, removed)
@@ -237,6 +245,7 @@ class Cgroups:
     def remove_stale(self, prefix: str, *, under: str = "") -> list[str]:
         """Kill and remove leftover cgroups (and all below them) whose name starts with
         ``prefix``, directly under ``under`` (a cgroup path relative to the roots)."""
+        self._made.clear()
         removed: list[str] = []
         for root in set(self.roots.values()):
             for d in (root / under).glob(prefix + "*") if (root / under).is_dir() else ():
@@ -266,7 +275,8 @@ def _set_memory_limit(d: Path, version: int, value: int | None) -> None:
 
 def _remove_tree(owner: Cgroups, d: Path, removed: list[str]) -> None:
     try:
-        children = [c for c in d.iterdir() if c.is_dir()]
+        with os.scandir(d) as it:
+            children = [Path(e.path) for e in it if e.is_dir(follow_symlinks=False)]
     except FileNotFoundError:
         return
     for child in children:
@@ -637,12 +647,19 @@ def _release(
     _, cgroups = host_support()
     try:
         if cgroups is not None:
-            rel = ""
             try:
-                for name, budget in cgroup_parents:
-                    rel += name + "/"
-                    cgroups.ensure_group(rel.rstrip("/"), budget)
-                st.cg = cgroups.create(rel + cgroup_name, limits)
+                for attempt in range(2):
+                    try:
+                        rel = ""
+                        for name, budget in cgroup_parents:
+                            rel += name + "/"
+                            cgroups.ensure_group(rel.rstrip("/"), budget)
+                        st.cg = cgroups.create(rel + cgroup_name, limits)
+                        break
+                    except FileNotFoundError:
+                        if attempt:
+                            raise
+                        cgroups._made.clear()  # a parent was removed (gc): make it again
                 st.cg.add(child)
             except ProcessLookupError:
                 raise
