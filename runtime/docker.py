@@ -44,7 +44,7 @@ from runtime._session import SandboxSession
 from runtime._state import RecoveryReport, default_state_root, lock_state_dir, new_id, write_atomic
 from runtime.base import BaseFS, open_base
 from runtime.config import SandboxConfig
-from runtime.isolation import _Output, reached_file_size
+from runtime.isolation import _Output, check_binds, reached_file_size
 from runtime.observation import (
     TIMEOUT_RETURNCODE,
     CommandResult,
@@ -623,6 +623,7 @@ async def open_docker(config: SandboxConfig | None = None, **overrides: Any) -> 
     config = (config or SandboxConfig()).replace(**overrides) if overrides else (config or SandboxConfig())
     if os.geteuid() != 0:
         raise SandboxUnavailableError("the docker backend reads container layers on the host and needs root")
+    check_binds(config.binds)  # the daemon would create a missing source on the host
     client = await anyio.to_thread.run_sync(docker_client)
     base = await anyio.to_thread.run_sync(lambda: open_base(config.base))
     if config.state_dir is None:

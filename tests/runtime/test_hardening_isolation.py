@@ -293,12 +293,13 @@ async def test_mountinfo_and_environment_show_no_host_path_or_pid(overlay: str) 
         assert f"{os.getpid()}" not in out.replace("/proc/self/fd/", "")
 
 
-async def test_missing_bind_source_is_named_before_running(overlay: str, tmp_path: Path) -> None:
+async def test_missing_bind_source_is_named_before_running(backend: str, tmp_path: Path) -> None:
     missing = tmp_path / "nope"
     with pytest.raises(SandboxError, match=f"source {missing} does not exist"):
-        async with open_sandbox(SandboxConfig(backend=overlay, binds=(Bind(str(missing), "/x"),))):
+        async with open_sandbox(SandboxConfig(backend=backend, binds=(Bind(str(missing), "/x"),))):
             pass
-    proc = aospec("exec", "--bind", f"{missing}:/x", "--", "true")
+    assert not missing.exists()  # (the Docker daemon would have created it on the host)
+    proc = aospec("exec", "--backend", backend, "--bind", f"{missing}:/x", "--", "true")
     assert proc.returncode == 2
     assert proc.stderr.startswith("aospec: error: ") and f"source {missing} does not exist" in proc.stderr
     assert "cgroup" not in proc.stderr and "Traceback" not in proc.stderr
