@@ -10,6 +10,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterable
 from pathlib import Path
 
 import pytest
@@ -79,11 +80,19 @@ def _leftover_processes(marker: str) -> list[str]:
     return out
 
 
-def _aospec_cgroups(store_id: str) -> list[str]:
+def _aospec_cgroups(store_id: str, live: Iterable[str] = ()) -> list[str]:
+    """The store's sandbox and command cgroups (nested in the store's, or flat) but those
+    of the ``live`` sandboxes."""
     _, cgroups = host_support()
     if cgroups is None:
         return []
-    return [str(p) for root in set(cgroups.roots.values()) for p in root.glob(f"aospec-{store_id}-*")]
+    keep = {f"aospec-{store_id}-{sid}" for sid in live}
+    return [
+        str(p)
+        for root in set(cgroups.roots.values())
+        for p in root.rglob(f"aospec-{store_id}-*")
+        if p.is_dir() and not keep & set(p.parts)
+    ]
 
 
 async def test_overlay_recovers_from_sigkill_with_commands_in_flight(overlay: str, state: Path) -> None:
@@ -101,7 +110,7 @@ async def test_overlay_recovers_from_sigkill_with_commands_in_flight(overlay: st
         assert out.output == "2\ncounter\nd0\nd1\nd2\n"  # neither /tmp/fork nor /tmp/partial
         assert not _leftover_processes("sleep 98")
         assert not marked_processes(f"aospec-{store_id}-")
-        assert not _aospec_cgroups(store_id)
+        assert not _aospec_cgroups(store_id, sb.store.live)
     assert not mounts_under(str(state))
 
 
