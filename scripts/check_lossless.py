@@ -14,7 +14,9 @@ Usage::
 Run ``i`` is seed ``S + i // len(configs)`` on ``configs[i % len(configs)]``, so one seed
 covers every configuration and shares one reference run. A progress line goes to stderr;
 the summary (runs, divergences, aborted runs and leaks per configuration, runs/s) to stdout,
-or one JSON document with ``--json``. Each failure is minimised (the serial action sequence
+or one JSON document with ``--json``. A run where a command that takes milliseconds timed
+out (an overloaded machine) is counted as inconclusive, not as a failure. Each failure is
+minimised (the serial action sequence
 replayed, then actions and speculation knobs dropped while it still fails the same way;
 ``--no-minimise`` skips it) and written to ``--out/lossless-repro-SEED-CONFIG.json``.
 Exit status: 0 when every run passed, 1 when any diverged, aborted or leaked a mount, 2 on
@@ -39,7 +41,7 @@ import anyio
 from runtime import _fs
 from runtime.lossless import SANDBOX_CONFIGS, LosslessCase, check_case, make_case, minimise
 
-KINDS = ("divergence", "aborted", "leak")
+KINDS = ("divergence", "aborted", "leak")  # failures; "inconclusive" runs are counted apart
 
 
 def _private_state_root() -> Path:
@@ -55,14 +57,17 @@ def _check_seed(seed: int, configs: Sequence[str], minimise_failures: bool) -> l
     async def main() -> list[dict[str, Any]]:
         results = []
         reference = None
+        minimised: dict[tuple[str, str], dict[str, Any]] = {}
         for config in configs:
             started = time.perf_counter()
             outcome, reference = await check_case(make_case(seed, config), reference=reference, state_root=root)
             result: dict[str, Any] = {"seed": seed, "config": config, **outcome.to_json()}
             result["elapsed_s"] = round(time.perf_counter() - started, 3)
-            if not outcome.ok and minimise_failures:
-                small = await minimise(outcome, state_root=root)
-                result["minimised"] = small.to_json()
+            if outcome.kind in KINDS and minimise_failures:
+                # one seed failing the same way on several configurations is one finding
+                if outcome.signature not in minimised:
+                    minimised[outcome.signature] = (await minimise(outcome, state_root=root)).to_json()
+                result["minimised"] = minimised[outcome.signature]
             results.append(result)
         return results
 
@@ -90,10 +95,11 @@ def _write_repro(out: Path, result: dict[str, Any]) -> Path:
 
 
 def _summary_table(counts: dict[str, dict[str, int]]) -> str:
-    lines = [f"{'config':<10}{'runs':>7}{'ok':>7}{'diverged':>10}{'aborted':>9}{'leaks':>7}"]
+    lines = [f"{'config':<10}{'runs':>7}{'ok':>7}{'diverged':>10}{'aborted':>9}{'leaks':>7}{'inconclusive':>14}"]
     for config, c in counts.items():
         lines.append(
             f"{config:<10}{c['runs']:>7}{c['ok']:>7}{c['divergence']:>10}{c['aborted']:>9}{c['leak']:>7}"
+            f"{c['inconclusive']:>14}"
         )
     return "\n".join(lines)
 
@@ -106,19 +112,20 @@ def _run(args: argparse.Namespace, configs: list[str]) -> int:
         take = configs[: min(len(configs), left)]
         plan.append((args.seed + i, take))
         left -= len(take)
-    counts = {c: {"runs": 0, "ok": 0, "divergence": 0, "aborted": 0, "leak": 0} for c in configs}
+    counts = {c: {"runs": 0, "ok": 0, "divergence": 0, "aborted": 0, "leak": 0, "inconclusive": 0} for c in configs}
     failures: list[dict[str, Any]] = []
     done = 0
+    check_s = 0.0  # time spent checking, without minimising failures
     started = time.perf_counter()
     tty = sys.stderr.isatty()
 
     def progress(final: bool = False) -> None:
         elapsed = time.perf_counter() - started
         rate = done / elapsed if elapsed else 0.0
-        bad = {k: sum(c[k] for c in counts.values()) for k in KINDS}
+        bad = {k: sum(c[k] for c in counts.values()) for k in (*KINDS, "inconclusive")}
         line = (
             f"{done}/{args.runs} runs  {rate:.2f} runs/s  divergences {bad['divergence']}  "
-            f"aborted {bad['aborted']}  leaks {bad['leak']}"
+            f"aborted {bad['aborted']}  leaks {bad['leak']}  inconclusive {bad['inconclusive']}"
         )
         if tty:
             print("\r" + line, end="\n" if final else "", file=sys.stderr, flush=True)
@@ -126,13 +133,16 @@ def _run(args: argparse.Namespace, configs: list[str]) -> int:
             print(line, file=sys.stderr, flush=True)
 
     def take(results: list[dict[str, Any]]) -> None:
-        nonlocal done
+        nonlocal done, check_s
         for r in results:
             done += 1
+            check_s += r["elapsed_s"]
             c = counts[r["config"]]
             c["runs"] += 1
             c[r["kind"]] += 1
-            if r["kind"] != "ok":
+            if r["kind"] == "inconclusive":
+                print(f"\ninconclusive: seed {r['seed']} [{r['config']}]: {r['details'][0]}", file=sys.stderr)
+            elif r["kind"] != "ok":
                 r["repro"] = str(_write_repro(Path(args.out), r))
                 failures.append(r)
                 print(f"\n{r['kind']}: seed {r['seed']} [{r['config']}] ({r['where']}) -> {r['repro']}", file=sys.stderr)
@@ -168,6 +178,8 @@ def _run(args: argparse.Namespace, configs: list[str]) -> int:
             "configs": counts,
             "elapsed_s": round(elapsed, 1),
             "runs_per_s": round(done / elapsed, 3) if elapsed else None,
+            "check_s": round(check_s, 1),
+            "runs_per_check_s": round(done / check_s, 3) if check_s else None,
             "failures": [
                 {k: r.get(k) for k in ("seed", "config", "kind", "where", "details", "repro")} for r in failures
             ],
@@ -175,7 +187,11 @@ def _run(args: argparse.Namespace, configs: list[str]) -> int:
         print(json.dumps(doc, indent=2))
     else:
         print(_summary_table(counts))
-        print(f"{done} runs in {elapsed:.0f} s ({done / elapsed:.2f} runs/s)" if elapsed else f"{done} runs")
+        if elapsed and check_s:
+            print(
+                f"{done} runs in {elapsed:.0f} s ({done / elapsed:.2f} runs/s; "
+                f"{done / check_s:.2f} runs/s of checking, without minimising)"
+            )
         for r in failures:
             print(f"{r['kind']}: seed {r['seed']} [{r['config']}] ({r['where']}): {r['repro']}")
     return 1 if failures else 0
@@ -184,22 +200,26 @@ def _run(args: argparse.Namespace, configs: list[str]) -> int:
 def _repro(args: argparse.Namespace) -> int:
     path = Path(args.repro)
     try:
-        doc = json.loads(path.read_text())
-        case = LosslessCase.from_json(doc["case"])
-    except (OSError, ValueError, KeyError, TypeError) as exc:
-        print(f"check_lossless: {path}: not a reproduction file ({exc})", file=sys.stderr)
+        text = path.read_text()
+    except OSError as exc:
+        print(f"check_lossless: cannot read {path}: {exc.strerror}", file=sys.stderr)
+        return 2
+    try:
+        case = LosslessCase.from_json(json.loads(text)["case"])
+    except (ValueError, KeyError, TypeError) as exc:
+        print(f"check_lossless: {path}: not a reproduction file ({type(exc).__name__}: {exc})", file=sys.stderr)
         return 2
     root = _private_state_root()
 
     async def main() -> list[Any]:
-        return [(await check_case(case, state_root=root))[0] for _ in range(max(1, args.runs))]
+        return [(await check_case(case, state_root=root))[0] for _ in range(args.runs)]
 
     try:
         outcomes = anyio.run(main)
     finally:
         _fs.unmount_all_under(str(root))
         _fs.remove_tree(str(root))
-    failed = [o for o in outcomes if not o.ok]
+    failed = [o for o in outcomes if o.kind in KINDS]
     if args.json:
         print(json.dumps({"runs": len(outcomes), "failed": len(failed), "outcomes": [o.to_json() for o in outcomes]}))
     else:
@@ -211,7 +231,7 @@ def _repro(args: argparse.Namespace) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
-    parser.add_argument("--runs", type=int, default=100, help="runs in all (default 100; with --repro: reruns)")
+    parser.add_argument("--runs", type=int, default=None, help="runs in all (default 100; with --repro: reruns, default 1)")
     parser.add_argument("--seed", type=int, default=0, help="first seed (default 0)")
     parser.add_argument("--configs", default=",".join(SANDBOX_CONFIGS), help="comma-separated sandbox configurations")
     parser.add_argument("--jobs", type=int, default=1, help="worker processes (default 1)")
@@ -220,6 +240,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--no-minimise", action="store_true", help="write failures as found, unminimised")
     parser.add_argument("--repro", metavar="FILE", help="rerun the case of a reproduction file")
     args = parser.parse_args(argv)
+    if args.runs is None:
+        args.runs = 1 if args.repro else 100
     if args.runs < 1 or args.jobs < 1 or args.seed < 0:
         parser.error("--runs and --jobs must be >= 1, --seed >= 0")
     configs = [c.strip() for c in args.configs.split(",") if c.strip()]

@@ -55,6 +55,7 @@ SEEDS = 50
 # hard links made inside one of them (`ln /tmp/t /w/d/f`).
 @example(seed=24)
 @example(seed=17)
+@example(seed=4)  # as 24, through an action drafter's fork: `chmod 644 /w/h` (mode unchanged), then `false`
 def test_speculative_runs_equal_serial_runs_on_every_sandbox_configuration(
     overlay: str, runtime_dirs: dict[str, Path], seed: int
 ) -> None:
@@ -62,9 +63,13 @@ def test_speculative_runs_equal_serial_runs_on_every_sandbox_configuration(
         failures = []
         reference = None
         for config in SANDBOX_CONFIGS:
-            outcome, reference = await check_case(
-                make_case(seed, config), reference=reference, state_root=runtime_dirs["state"]
-            )
+            for _ in range(3):  # inconclusive: a millisecond command timed out on a loaded machine
+                outcome, reference = await check_case(
+                    make_case(seed, config), reference=reference, state_root=runtime_dirs["state"]
+                )
+                if outcome.kind != "inconclusive":
+                    break
+                reference = None
             if not outcome.ok:
                 failures.append(outcome.summary())
         return failures
@@ -167,6 +172,7 @@ def test_check_lossless_script_prints_one_json_document(overlay: str, tmp_path: 
         "divergence": 0,
         "aborted": 0,
         "leak": 0,
+        "inconclusive": 0,
     }
     assert doc["failures"] == [] and doc["runs_per_s"] > 0
     assert "1/1 runs" in proc.stderr
