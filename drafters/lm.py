@@ -54,7 +54,7 @@ class _LMDrafter:
         cache_size: int = 256,
         **backend_options: Any,
     ) -> None:
-        from training.model import is_shape, trained_meta
+        from drafters.model import is_shape, trained_meta
 
         meta = trained_meta(model) if backend in ("transformers", "vllm") else {}
         if prompt_tokens is None:
@@ -114,7 +114,7 @@ class _LMDrafter:
                 )
         model = str(options.get("model", self.model_spec))
         if name == "transformers" and not self.shape:
-            from training.model import MODEL_META, SHAPES
+            from drafters.model import MODEL_META, SHAPES
 
             path = Path(model).expanduser()
             if not ((path / "config.json").is_file() or (path / MODEL_META).is_file()):
@@ -155,7 +155,7 @@ class _LMDrafter:
             self._backend = make_backend("transformers", {**self.backend_options, "texts": texts})
         if self.fit_steps <= 0:
             return
-        from training.trainer import fit_examples
+        from drafters.finetune import fit_examples
 
         backend: Any = self.backend
         examples = self._examples(traces, backend.count_tokens)
@@ -193,7 +193,7 @@ class LMObservationDrafter(_LMDrafter):
     kind = "observation"
 
     def _examples(self, traces: Sequence[Trace], count: Any) -> list[Any]:
-        from training.dataset import build_examples
+        from drafters.examples import build_examples
 
         return build_examples(traces, count=count, kind="observation", budget=self.budget)
 
@@ -233,7 +233,7 @@ class LMActionDrafter(_LMDrafter):
         self.train_depth = depth
 
     def _examples(self, traces: Sequence[Trace], count: Any) -> list[Any]:
-        from training.dataset import build_examples
+        from drafters.examples import build_examples
 
         return build_examples(traces, count=count, kind="action", budget=self.budget, depth=self.train_depth)
 

@@ -198,7 +198,7 @@ def load_model(
     """
     torch = require("torch", "train")
     transformers = require("transformers", "train")
-    from training.tokenizer import train_tokenizer
+    from drafters.tokenizer import train_tokenizer
 
     transformers.utils.logging.disable_progress_bar()
     dtype = dtype or torch.float32

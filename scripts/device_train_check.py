@@ -164,14 +164,14 @@ def latency_stage(
     import torch
 
     from drafters.backends.transformers import TransformersBackend
-    from training.model import build_model, resolve_dtype
-    from training.tokenizer import train_tokenizer
+    from drafters.model import build_model, resolve_dtype
+    from drafters.tokenizer import train_tokenizer
 
     device = args.device
     tokenizer = train_tokenizer(texts, vocab_size=4096 if not args.smoke else 512)
     dtype = resolve_dtype("auto", device)
     model = build_model(shape, tokenizer, seed=0, device=device, dtype=dtype)
-    from training.model import LoadedModel
+    from drafters.model import LoadedModel
 
     backend = TransformersBackend(loaded=LoadedModel(model, tokenizer, shape, {}), max_context=4096, decode="dynamic")
     params = sum(p.numel() for p in model.parameters())

@@ -1,12 +1,14 @@
 """Per-harness training of the drafter models (docs/training.md).
 
-- :mod:`training.dataset`: (history, action) -> observation examples, token-budget
-  truncation, oversampling of long tool calls, split by task;
-- :mod:`training.tokenizer`: byte-level BPE tokenizers trained on traces (ChatML template);
-- :mod:`training.model`: the Qwen3 model factory (``tiny``, ``small``, ``qwen3-0.6b``) and
-  loading of local models and ``aospec train`` outputs;
+- :mod:`training.dataset`: split traces and examples by task (the examples themselves,
+  with token-budget truncation and oversampling of long tool calls, come from
+  :mod:`drafters.examples`);
 - :mod:`training.trainer`: LoRA/full fine-tuning with checkpoints, resume, export and
   top-1/top-5 evaluation (``aospec train``).
+
+The model factory (:mod:`drafters.model`), the tokenizer (:mod:`drafters.tokenizer`) and
+the optimisation loop (:mod:`drafters.finetune`) belong to the drafters, which load and fit
+them at run time; training builds on them (docs/architecture.md).
 
 torch, transformers and peft are imported only when a function that needs them runs.
 """

@@ -218,7 +218,7 @@ class TransformersBackend(TokenizerText, BlockingCompletions):
             raise ConfigError(f"transformers backend: offload must be auto, thread or inline, not {offload!r}")
         self._torch = torch = require("torch", "train", purpose="the transformers drafter backend")
         self._transformers = require("transformers", "train", purpose="the transformers drafter backend")
-        from training.model import load_model, resolve_device, resolve_dtype
+        from drafters.model import load_model, resolve_device, resolve_dtype
 
         if loaded is None:
             self.device = resolve_device(device)

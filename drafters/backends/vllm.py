@@ -88,7 +88,7 @@ def resolve_model(model: str, adapter: str | None = None) -> VLLMModel:
     """The model directory, tokenizer directory and adapter of ``model``: an ``aospec
     train`` output (LoRA: its base plus ``adapter/``; full: ``model/``) or a local Hugging
     Face model directory, plus an optional explicit PEFT ``adapter`` directory."""
-    from training.model import is_shape, trained_meta
+    from drafters.model import is_shape, trained_meta
 
     if is_shape(model):
         raise ConfigError(

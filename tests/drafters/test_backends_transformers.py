@@ -252,7 +252,7 @@ def test_greedy_paths_agree_with_generate_on_a_long_prompt(backend: Transformers
 
 def test_sliding_window_models_decode_dynamically(backend: TransformersBackend, long_prompt: str) -> None:
     transformers = pytest.importorskip("transformers")
-    from training.model import LoadedModel, qwen3_config
+    from drafters.model import LoadedModel, qwen3_config
 
     config = qwen3_config("tiny", backend.tokenizer, use_sliding_window=True, sliding_window=32, max_window_layers=1)
     assert "sliding_attention" in config.layer_types
@@ -295,7 +295,7 @@ def test_gpu_paths_match_static_on_the_gpu(backend: TransformersBackend, prompt:
                                            path: str, dtype: str, cases: list[tuple[int, str]]) -> None:
     import copy
 
-    from training.model import LoadedModel
+    from drafters.model import LoadedModel
 
     model = copy.deepcopy(backend.loaded.model).to(device="cuda", dtype=getattr(torch, dtype))
     loaded = LoadedModel(model=model, tokenizer=backend.tokenizer, spec="tiny", meta={})

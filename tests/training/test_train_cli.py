@@ -52,7 +52,7 @@ def test_full_fine_tune_reports_json_and_writes_every_artifact(tmp_path: Path, c
         assert json.loads((out / d / "tokenizer_config.json").read_text())["tokenizer_class"] == "PreTrainedTokenizerFast"
     config = json.loads((out / "model" / "config.json").read_text())
     assert config["rope_theta"] == config["rope_parameters"]["rope_theta"]
-    from training.model import load_model
+    from drafters.model import load_model
 
     loaded = load_model(str(out))
     assert loaded.model.config.rope_parameters["rope_theta"] == config["rope_theta"]
