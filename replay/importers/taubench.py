@@ -29,7 +29,7 @@ from typing import Any
 
 from aospec.errors import TraceFormatError
 from aospec.types import Action, Step, Trace
-from replay.io import MAX_FILE_BYTES, freeze_json, json_error, parse_json, read_text
+from replay._input import MAX_FILE_BYTES, freeze_json, json_error, parse_json, read_text
 
 __all__ = ["HARNESS", "RESPOND_TOOL", "parse_taubench_text", "read_taubench"]
 

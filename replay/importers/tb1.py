@@ -32,7 +32,7 @@ from typing import Any
 
 from aospec.errors import TraceFormatError
 from aospec.types import Action, Step, Trace
-from replay.io import (
+from replay._input import (
     MAX_FILE_BYTES,
     MAX_OUTPUT_TOKENS,
     as_float,
