@@ -11,6 +11,7 @@ import ctypes.util
 import errno
 import os
 import stat
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
@@ -22,10 +23,12 @@ __all__ = [
     "copy_entry_at",
     "copy_tree",
     "is_whiteout",
+    "make_private",
     "mount",
     "mounts_under",
     "open_dir_at",
     "open_in_root",
+    "remount_readonly",
     "remove_entry_at",
     "remove_tree",
     "sync_tree",
@@ -47,6 +50,8 @@ MS_NOSUID = 2
 MS_NODEV = 4
 MS_REMOUNT = 32
 MS_MOVE = 8192
+MS_PRIVATE = 1 << 18
+_PROPAGATION = MS_PRIVATE | 1 << 17 | 1 << 19 | 1 << 20  # private, unbindable, slave, shared
 MNT_DETACH = 2
 _SYS_OPENAT2 = 437
 _RESOLVE_NO_MAGICLINKS = 0x02
@@ -54,7 +59,13 @@ _RESOLVE_IN_ROOT = 0x10
 
 
 def mount(source: str, target: str, fstype: str, flags: int = 0, data: str | None = None) -> None:
-    """mount(2); raises OSError with the errno and the target path."""
+    """mount(2); raises OSError with the errno and the target path.
+
+    Every mount gets ``nosuid,nodev`` (a remount too: MS_REMOUNT resets the per-mount
+    flags it is not given): sandboxes write as host root, and nothing they write may gain
+    privilege on the host. A move or a propagation change takes its flags as they are."""
+    if not flags & (MS_MOVE | _PROPAGATION):
+        flags |= MS_NOSUID | MS_NODEV
     src = source.encode() if source else None
     typ = fstype.encode() if fstype else None
     if _libc.mount(src, target.encode(), typ, flags, data.encode() if data else None) != 0:
@@ -62,11 +73,38 @@ def mount(source: str, target: str, fstype: str, flags: int = 0, data: str | Non
         raise OSError(err, f"mount {fstype} on {target}: {os.strerror(err)}")
 
 
+def make_private(target: str) -> None:
+    """Make the mount at ``target`` private: mounts and unmounts below it neither
+    propagate to other mount namespaces (the sandboxes' bwrap copies) nor come from them."""
+    mount("", target, "", MS_PRIVATE)
+
+
+def remount_readonly(target: str, *, wait_s: float = 10.0) -> None:
+    """Remount the filesystem at ``target`` read-only (the whole superblock). A writer
+    can hold it for a moment: a process forked by another thread (bwrap being spawned)
+    has a copy of every descriptor until it closes them, so EBUSY is retried."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            mount("", target, "", MS_REMOUNT | MS_RDONLY)
+            return
+        except OSError as exc:
+            if exc.errno != errno.EBUSY or time.monotonic() >= deadline:
+                raise
+            time.sleep(0.002)
+
+
 def umount(target: str, *, detach: bool = False) -> None:
-    """umount2(2); a target that is not mounted is not an error."""
+    """umount2(2); a target that is not mounted is not an error. A busy mount is
+    detached lazily (it goes away when its last user lets go): a process forked by
+    another thread holds copies of our descriptors for a moment, and a busy mount must
+    never fail a run nor stay mounted."""
     if _libc.umount2(target.encode(), MNT_DETACH if detach else 0) != 0:
         err = ctypes.get_errno()
         if err in (errno.EINVAL, errno.ENOENT):
+            return
+        if err == errno.EBUSY and not detach:
+            umount(target, detach=True)
             return
         raise OSError(err, f"umount {target}: {os.strerror(err)}")
 
