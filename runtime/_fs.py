@@ -351,7 +351,9 @@ def _copy_nondir_at(sfd: int, name: bytes, dfd: int, st: os.stat_result, new: by
         os.chown(new, st.st_uid, st.st_gid, dir_fd=dfd, follow_symlinks=False)
         os.utime(new, ns=times, dir_fd=dfd, follow_symlinks=False)
         return True
-    if stat.S_ISCHR(mode) or stat.S_ISBLK(mode) or stat.S_ISFIFO(mode):
+    if stat.S_ISCHR(mode) or stat.S_ISBLK(mode) or stat.S_ISFIFO(mode) or stat.S_ISSOCK(mode):
+        # a socket inode is part of the version (type, mode, owner) like any other entry;
+        # recreated unbound, as the original is once its process is gone
         os.mknod(new, mode, st.st_rdev, dir_fd=dfd)
         os.chown(new, st.st_uid, st.st_gid, dir_fd=dfd, follow_symlinks=False)
         os.chmod(new, stat.S_IMODE(mode), dir_fd=dfd)
@@ -368,7 +370,7 @@ def _copy_nondir_at(sfd: int, name: bytes, dfd: int, st: os.stat_result, new: by
                 os.close(s)
         os.utime(new, ns=times, dir_fd=dfd, follow_symlinks=False)
         return True
-    return False  # sockets are not state
+    return False
 
 
 def _copy_dir_contents(sfd: int, dfd: int, *, merge: bool = False) -> None:
@@ -427,7 +429,7 @@ def _copy_dir_contents(sfd: int, dfd: int, *, merge: bool = False) -> None:
 
 def copy_tree(src: str | bytes, dst: str | bytes, *, merge: bool = False) -> None:
     """Copy an overlay layer (or any tree) preserving type, mode, owner, times, symlinks,
-    hard links, device nodes (whiteouts included), FIFOs and the opaque marker;
+    hard links, device nodes (whiteouts included), FIFOs, sockets and the opaque marker;
     never follows symlinks, works at any depth. ``dst`` must not exist unless ``merge``
     (then it must be a directory and entries are overwritten)."""
     src_b, dst_b = os.fsencode(src), os.fsencode(dst)
