@@ -2,16 +2,18 @@
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import os
 import secrets
+import stat
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 from aospec.errors import SandboxError
 
-__all__ = ["RecoveryReport", "default_state_root", "lock_state_dir", "new_id", "write_atomic"]
+__all__ = ["RecoveryReport", "default_state_root", "lock_state_dir", "new_id", "private_dir", "write_atomic"]
 
 
 def new_id() -> str:
@@ -21,6 +23,26 @@ def new_id() -> str:
 def default_state_root() -> Path:
     """Where private state directories are made: ``$AOSPEC_STATE_ROOT`` or /var/tmp/aospec."""
     return Path(os.environ.get("AOSPEC_STATE_ROOT", "/var/tmp/aospec"))
+
+
+def private_dir(path: Path) -> None:
+    """Create ``path`` (mode 0700, parents as needed) or check the existing one: it must be
+    a real directory owned by this user, and its mode is set to 0700. Sandboxes write as
+    root, so what lies below a state directory must be out of other host users' reach;
+    a directory someone else owns could be swapped under us, so it is refused."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with contextlib.suppress(FileExistsError):
+        os.mkdir(path, 0o700)
+    st = os.lstat(path)
+    if not stat.S_ISDIR(st.st_mode):
+        raise SandboxError(f"{path} is not a directory (a symlink or file is there); remove it or choose another path")
+    if st.st_uid != os.geteuid():
+        raise SandboxError(
+            f"{path} is owned by uid {st.st_uid}, not by this user (uid {os.geteuid()}): another user could "
+            "change what the sandboxes see; remove it or choose another state directory"
+        )
+    if stat.S_IMODE(st.st_mode) != 0o700:
+        os.chmod(path, 0o700)
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,7 +86,11 @@ def write_atomic(path: Path, data: bytes, *, durable: bool = False) -> None:
 def lock_state_dir(path: Path, *, wait_s: float = 3.0) -> int:
     """Take the state directory's exclusive lock (held while the fd is open). A process
     that was just killed can hold it for a moment while the kernel tears it down, so
-    this waits up to ``wait_s`` before saying the directory is in use."""
+    this waits up to ``wait_s`` before saying the directory is in use. The directory (and
+    the default state root above it) is made private first (:func:`private_dir`)."""
+    if path.parent == default_state_root():
+        private_dir(path.parent)
+    private_dir(path)
     fd = os.open(path / "lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
     deadline = time.monotonic() + wait_s
     while True:

@@ -10,7 +10,8 @@ Kinds, by the spec string a config names:
 a directory path      used as it is (never written).
 
 Built bases are cached under ``$AOSPEC_CACHE_DIR/bases/<name>/`` (default
-``~/.cache/aospec``); ``aospec sandbox build-base`` builds them explicitly.
+``~/.cache/aospec``; ``bases/`` is kept at mode 0700); ``aospec sandbox build-base``
+builds them explicitly.
 """
 
 from __future__ import annotations
@@ -68,6 +69,18 @@ class BaseFS:
         return {"name": self.name, "path": str(self.path), "version": self.version}
 
 
+def _bases_dir() -> Path:
+    """``cache_dir()/bases``, made private (0700) when this user owns it: image and
+    debootstrap bases hold setuid-root binaries (``su``, ``passwd``, ``mount``) and a
+    world-writable ``/tmp``, which no other host user may reach."""
+    d = cache_dir() / "bases"
+    d.mkdir(mode=0o700, parents=True, exist_ok=True)
+    st = os.lstat(d)
+    if st.st_uid == os.geteuid() and st.st_mode & 0o077:
+        os.chmod(d, 0o700)
+    return d
+
+
 def _tree_version(root: Path) -> str:
     return base_version(tree_layer(root).digest)
 
@@ -84,7 +97,7 @@ def _locked(path: Path) -> Iterator[None]:
 
 
 def _cached(name: str) -> BaseFS | None:
-    d = cache_dir() / "bases" / name
+    d = _bases_dir() / name
     meta = d / _META
     if not meta.is_file() or not (d / "rootfs").is_dir():
         return None
@@ -94,7 +107,7 @@ def _cached(name: str) -> BaseFS | None:
 
 def _install(name: str, kind: str, build, *, force: bool, **extra: object) -> BaseFS:
     """Build into a temporary directory and rename it into the cache (atomic)."""
-    bases = cache_dir() / "bases"
+    bases = _bases_dir()
     with _locked(bases / f".{name}.lock"):
         if not force and (found := _cached(name)) is not None:
             return found

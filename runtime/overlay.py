@@ -1,8 +1,10 @@
 """The overlay backend: sandboxes as stacks of immutable layers under one writable upper.
 
-State directory (one per session, ``SandboxConfig.state_dir``)::
+State directory (one per session, ``SandboxConfig.state_dir``; mode 0700, like the state
+root above private ones, and every mount below it is nosuid,nodev)::
 
-    HEAD        the committed state: {"version", "layers" (top first), "base", ...};
+    HEAD        the committed state: {"version", "layers" (top first), "base",
+                "digests" (content digest of each disk layer, checked on reopen), ...};
                 replaced atomically (write + rename): the only source of truth
     lock        flock held by the owning process
     ID          the store id (names its cgroups)
@@ -26,7 +28,9 @@ immutable layers, so a crash at any instant leaves the committed state intact; m
 layers survive the crash of the process (not a reboot: use ``durable=True``, which keeps
 the committed state on disk and fsyncs it). Opening a state directory recovers it: every
 mount below it but HEAD's memory layers is detached, every sandbox directory,
-unreferenced layer and stale cgroup removed.
+unreferenced layer and stale cgroup removed; a persistent one is then verified: HEAD's
+disk layers must still hash to the digests HEAD recorded (``verify_state_dir`` does the
+same without opening it).
 """
 
 from __future__ import annotations
@@ -48,8 +52,9 @@ import anyio
 from aospec.errors import SandboxError, SandboxUnavailableError
 from runtime import _fs
 from runtime._files import check_workdir, read_in_root, write_in_root
+from runtime._integrity import layer_digest
 from runtime._session import SandboxSession
-from runtime._state import RecoveryReport, default_state_root, lock_state_dir, new_id, write_atomic
+from runtime._state import RecoveryReport, default_state_root, lock_state_dir, new_id, private_dir, write_atomic
 from runtime.base import BaseFS, open_base
 from runtime.config import SandboxConfig
 from runtime.isolation import (
@@ -64,9 +69,17 @@ from runtime.isolation import (
 )
 from runtime.observation import CommandResult, ObservationFormatter, SandboxStatistics, get_formatter
 from runtime.seccomp import filter_program
-from runtime.versions import UpperTracker
+from runtime.versions import UpperTracker, base_version, tree_layer
 
-__all__ = ["OverlaySandbox", "OverlayStore", "RecoveryReport", "default_state_root", "open_overlay"]
+__all__ = [
+    "OverlaySandbox",
+    "OverlayStore",
+    "RecoveryReport",
+    "StateCheck",
+    "default_state_root",
+    "open_overlay",
+    "verify_state_dir",
+]
 
 _MOUNT_OPTS = "redirect_dir=off,metacopy=off,index=off,xino=off"
 _HEAD_SCHEMA = 1
@@ -88,6 +101,9 @@ class OverlayStore:
         self.id = ""
         self.recovery = RecoveryReport()
         self._lock_fd = -1
+        # content digests of disk layers (runtime._integrity), kept in HEAD so that a
+        # reopened persistent state is checked against what its version was made from
+        self.digests: dict[str, str] = {}
         self._refs: dict[str, int] = {}
         self.mem_bytes: dict[str, int] = {}
         self.head_version = base.version
@@ -106,7 +122,7 @@ class OverlayStore:
 
     def open(self) -> None:
         """Lock, recover and load (blocking)."""
-        self.path.mkdir(parents=True, exist_ok=True)
+        private_dir(self.path)
         self._lock_fd = lock_state_dir(self.path)
         try:
             id_file = self.path / "ID"
@@ -121,9 +137,12 @@ class OverlayStore:
             os.symlink(self.base.path, self.path / "b")
             self._load_head()
             self.recovery = self._recover()
+            if not self.ephemeral:
+                self.verify()
             # sandbox directories live on a tmpfs: creating and deleting them (and their
             # mount points) must not touch the disk
-            _fs.mount("tmpfs", str(self.path / "s"), "tmpfs", _fs.MS_NOSUID | _fs.MS_NODEV, "size=16m,mode=0700")
+            _fs.mount("tmpfs", str(self.path / "s"), "tmpfs", 0, "size=16m,mode=0700")
+            _fs.make_private(str(self.path / "s"))
         except BaseException:
             self.close()
             raise
@@ -136,7 +155,8 @@ class OverlayStore:
         try:
             data = json.loads(head.read_text())
             version, layers, base_version = data["version"], tuple(data["layers"]), data["base_version"]
-        except (ValueError, KeyError, TypeError) as exc:
+            self.digests = {str(k): str(v) for k, v in data.get("digests", {}).items()}
+        except (ValueError, KeyError, TypeError, AttributeError) as exc:
             raise SandboxError(f"{head}: unreadable HEAD ({exc}); the state directory is damaged") from None
         if base_version != self.base.version:
             raise SandboxError(
@@ -148,6 +168,18 @@ class OverlayStore:
             raise SandboxError(f"{head}: layers {missing} are missing; the state directory is damaged")
         self.head_version, self.head_layers = version, layers
 
+    def verify(self) -> None:
+        """Check that HEAD's disk layers still hold what they held when HEAD named them
+        (their content digests); raise SandboxError naming what differs and the fix."""
+        problems = _layer_problems(self.path, self.head_layers, self.digests, memory_ok=True)
+        if problems:
+            raise SandboxError(
+                f"state directory {self.path} no longer holds the state its version {self.head_version} names: "
+                + "; ".join(problems)
+                + ". Its content cannot be trusted: restore the directory from a backup or use a new state dir "
+                "(`aospec sandbox verify` checks it without opening it)"
+            )
+
     def _recover(self) -> RecoveryReport:
         ml = str(self.path / "ml")
         keep = {ml} | {f"{ml}/{lid}" for lid in self.head_layers if _is_memory(lid)}
@@ -157,7 +189,8 @@ class OverlayStore:
         orphans = kill_marked(f"aospec-{self.id}-")
         unmounted = _fs.unmount_all_under(str(self.path), keep=keep)
         if ml not in _fs.mounts_under(ml):
-            _fs.mount("tmpfs", ml, "tmpfs", _fs.MS_NOSUID | _fs.MS_NODEV, "size=4m,mode=0700")
+            _fs.mount("tmpfs", ml, "tmpfs", 0, "size=4m,mode=0700")
+            _fs.make_private(ml)
         mounted = set(_fs.mounts_under(ml))
         lost = [lid for lid in self.head_layers if _is_memory(lid) and f"{ml}/{lid}" not in mounted]
         if lost:
@@ -267,6 +300,7 @@ class OverlayStore:
                 self.mem_bytes.pop(lid, None)
             else:
                 self.trash(self.layer_dir(lid))
+                self.digests.pop(lid, None)
         self.purge_trash(above=256)
 
     def _gc_layers(self) -> None:
@@ -289,7 +323,13 @@ class OverlayStore:
             if self.config.durable:
                 _fs.sync_tree(tmp)
             os.rename(tmp, self.layer_dir(lid))
+        self._record_digest(lid)
         return lid
+
+    def _record_digest(self, lid: str) -> None:
+        """Digest a new disk layer (a private state dir is never reopened: no need)."""
+        if not self.ephemeral:
+            self.digests[lid] = layer_digest(self.layer_dir(lid))
 
     def new_memory_layer(self, rw: Path) -> str:
         """Turn a sandbox's tmpfs (upper in ``u/``) into a memory layer: move the mount
@@ -303,7 +343,7 @@ class OverlayStore:
             except FileExistsError:
                 continue
         _fs.mount(str(rw), str(target), "", _fs.MS_MOVE)
-        _fs.mount("", str(target), "", _fs.MS_REMOUNT | _fs.MS_RDONLY)
+        _fs.remount_readonly(str(target))
         self.mem_bytes[lid] = _tmpfs_used(target)
         return lid
 
@@ -314,6 +354,7 @@ class OverlayStore:
             "layers": list(layers),
             "base": str(self.base.path),
             "base_version": self.base.version,
+            "digests": {lid: self.digests[lid] for lid in layers if lid in self.digests},
         }
         write_atomic(self.path / "HEAD", (json.dumps(data) + "\n").encode(), durable=self.config.durable)
         self.head_version, self.head_layers = version, layers
@@ -350,7 +391,7 @@ class OverlayStore:
             lid = "m" + new_id()
             mnt = self.path / "ml" / lid
             mnt.mkdir()
-            _fs.mount("tmpfs", str(mnt), "tmpfs", _fs.MS_NOSUID | _fs.MS_NODEV, "mode=0755")
+            _fs.mount("tmpfs", str(mnt), "tmpfs", 0, "mode=0700")
             target = mnt / "u"
         else:
             lid = new_id()
@@ -374,12 +415,13 @@ class OverlayStore:
                 _fs.remove_tree(target)
             raise
         if memory:
-            _fs.mount("", str(mnt), "", _fs.MS_REMOUNT | _fs.MS_RDONLY)
+            _fs.remount_readonly(str(mnt))
             self.mem_bytes[lid] = _tmpfs_used(mnt)
         else:
             if self.config.durable:
                 _fs.sync_tree(target)
             os.rename(target, self.layer_dir(lid))
+            self._record_digest(lid)
         self.compactions += 1
         return lid
 
@@ -457,6 +499,93 @@ class OverlayStore:
                 f"its in-memory layers already hold {used} bytes: raise memory_budget_bytes"
             ) from None
         return removed
+
+
+def _layer_problems(path: Path, layers: tuple[str, ...], digests: Mapping[str, str], *, memory_ok: bool) -> list[str]:
+    """What differs between the disk layers ``layers`` of state directory ``path`` and the
+    content digests HEAD recorded for them (empty: they match)."""
+    problems = []
+    for lid in layers:
+        if _is_memory(lid):
+            if not memory_ok:
+                problems.append(
+                    f"in-memory layer {lid} (left mounted by a session that died) cannot be checked: "
+                    "open and close the state directory once to move it to disk"
+                )
+            continue
+        layer = path / "l" / lid
+        if not layer.is_dir():
+            problems.append(f"layer l/{lid} is missing")
+        elif lid not in digests:
+            problems.append(
+                f"layer l/{lid} has no recorded content digest (written by an aospec that did not verify "
+                "states), so nothing ties its content to the version"
+            )
+        elif layer_digest(layer) != digests[lid]:
+            changed = _changed_since(layer, (path / "HEAD").stat().st_mtime_ns)
+            hint = f" (changed after HEAD was written: {', '.join(changed)})" if changed else ""
+            problems.append(f"layer l/{lid} was modified on disk{hint}")
+    return problems
+
+
+def _changed_since(root: Path, ns: int, limit: int = 5) -> list[str]:
+    """Up to ``limit`` paths below ``root`` whose inode changed after ``ns`` (a hint only)."""
+    found: list[str] = []
+    with contextlib.suppress(OSError):
+        for top, dirs, files, dfd in os.fwalk(root):
+            for name in [*dirs, *files]:
+                if os.stat(name, dir_fd=dfd, follow_symlinks=False).st_ctime_ns > ns:
+                    found.append("/" + os.path.relpath(os.path.join(top, name), root))
+                    if len(found) >= limit:
+                        return found
+    return found
+
+
+@dataclass(frozen=True, slots=True)
+class StateCheck:
+    """What :func:`verify_state_dir` found: ``problems`` is empty when the state directory
+    holds exactly the state its ``version`` names."""
+
+    state_dir: str
+    version: str
+    base: str
+    layers: int
+    problems: tuple[str, ...]
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems
+
+
+def verify_state_dir(path: str | os.PathLike[str]) -> StateCheck:
+    """Check a closed persistent state directory without opening a sandbox: its base still
+    hashes to the base version HEAD names (a full hash of the base) and every disk layer
+    to the digest HEAD recorded. Raises SandboxError when ``path`` is not a state
+    directory or is in use; differences are returned as ``problems``."""
+    state = Path(path).resolve()
+    head = state / "HEAD"
+    if not head.is_file():
+        raise SandboxError(f"{state} is not an overlay state directory (it has no HEAD)")
+    lock = lock_state_dir(state, wait_s=0.5)
+    try:
+        try:
+            data = json.loads(head.read_text())
+            version, layers = str(data["version"]), tuple(str(x) for x in data["layers"])
+            base, want_base = Path(data["base"]), str(data["base_version"])
+            digests = {str(k): str(v) for k, v in data.get("digests", {}).items()}
+        except (ValueError, KeyError, TypeError, AttributeError) as exc:
+            raise SandboxError(f"{head}: unreadable HEAD ({exc}); the state directory is damaged") from None
+        problems = []
+        if not base.is_dir():
+            problems.append(f"its base {base} is missing")
+        else:
+            got = base_version(tree_layer(base).digest)
+            if got != want_base:
+                problems.append(f"its base {base} hashes to {got}, not to the base version {want_base} HEAD names")
+        problems += _layer_problems(state, layers, digests, memory_ok=False)
+        return StateCheck(str(state), version, str(base), len(layers), tuple(problems))
+    finally:
+        os.close(lock)
 
 
 @contextlib.contextmanager
@@ -859,14 +988,14 @@ class OverlaySandbox(SandboxSession):
         self._rw.mkdir(parents=True, exist_ok=True)
         if not self._rw_mounted:
             if self._tmpfs:
-                _fs.mount("tmpfs", str(self._rw), "tmpfs", 0, f"size={self.store.upper_bytes()},mode=0755")
+                _fs.mount("tmpfs", str(self._rw), "tmpfs", 0, f"size={self.store.upper_bytes()},mode=0700")
             self._rw_mounted = True
             self._upper.mkdir(exist_ok=True)
             self._work.mkdir(exist_ok=True)
         with _fd_names([*self.store.lowerdir(self._stack).split(":"), str(self._upper), str(self._work)]) as names:
             opts = f"lowerdir={':'.join(names[:-2])},upperdir={names[-2]},workdir={names[-1]},{_MOUNT_OPTS}"
             try:
-                _fs.mount("overlay", str(self._merged), "overlay", _fs.MS_NODEV, opts)
+                _fs.mount("overlay", str(self._merged), "overlay", 0, opts)
             except OSError as exc:
                 raise SandboxError(f"mounting the sandbox overlay failed: {exc}") from None
         self._mounted = True
@@ -1015,7 +1144,7 @@ async def open_overlay(config: SandboxConfig | None = None, **overrides: Any) ->
     base = await anyio.to_thread.run_sync(lambda: open_base(config.base))
     if config.state_dir is None:
         root = default_state_root()
-        root.mkdir(parents=True, exist_ok=True)
+        private_dir(root)
         path = root / f"e-{os.getpid()}-{new_id()}"
         ephemeral = True
     else:

@@ -1,4 +1,5 @@
-"""``aospec sandbox``: build bases, run a command in a fresh sandbox, inspect the host, gc."""
+"""``aospec sandbox``: build bases, run a command in a fresh sandbox, inspect the host, verify
+a persistent state directory, gc."""
 
 from __future__ import annotations
 
@@ -66,6 +67,16 @@ def register(subparsers: Any) -> None:
     i = sub.add_parser("info", help="what this host supports: overlayfs, bubblewrap, cgroups, Docker, CRIU")
     add_format_option(i)
     i.set_defaults(func=_info)
+
+    v = sub.add_parser(
+        "verify",
+        help="check that a persistent state directory still holds the state its version names",
+        description="Re-hash a closed persistent overlay state directory (its base and every layer on disk) and "
+        "compare with what HEAD recorded. Prints 'ok VERSION' and exits 0, or names what differs and exits 1.",
+    )
+    v.add_argument("state", help="the state directory (SandboxConfig.state_dir)")
+    add_format_option(v)
+    v.set_defaults(func=_verify)
 
     g = sub.add_parser(
         "gc", help="remove what sandbox sessions that died left: mounts, dirs, cgroups, orphaned processes, containers"
@@ -217,6 +228,30 @@ def _info(args: argparse.Namespace) -> int:
         out["docker"] = f"unavailable: {exc}"
     print_fields(out, args.format, width=20)
     return 0
+
+
+def _verify(args: argparse.Namespace) -> int:
+    from runtime.overlay import verify_state_dir
+
+    check = verify_state_dir(args.state)
+    if args.format == "json":
+        print_json(
+            {
+                "state_dir": check.state_dir,
+                "ok": check.ok,
+                "version": check.version,
+                "base": check.base,
+                "layers": check.layers,
+                "problems": list(check.problems),
+            }
+        )
+    elif check.ok:
+        print(f"ok {check.version}")
+    else:
+        print(f"mismatch {check.state_dir} (version {check.version}):")
+        for problem in check.problems:
+            print(f"  {problem}")
+    return 0 if check.ok else 1
 
 
 def _gc(args: argparse.Namespace) -> int:
