@@ -11,8 +11,9 @@ read-only allowlist (``ls``, ``cat``, ``grep``, ``find`` without ``-delete``/``-
 ``git status``/``diff``/``log``, ``sed`` without ``-i`` and without ``w``/``e`` commands,
 ...), no output is redirected to a file other than ``/dev/null``, there is no
 heredoc, and every command substitution (``$(...)``, backticks, ``<(...)``) is itself
-read-only. The command is split on ``;``, ``&&``, ``||``, ``|``, ``&``, newlines and
-parentheses after quote-aware tokenisation with :mod:`shlex`.
+read-only. The command is lexed by :mod:`aospec.shell` (split on ``;``, ``&&``, ``||``,
+``|``, ``&``, newlines and parentheses after quote-aware tokenisation); whatever the lexer
+cannot follow is MAY_CHANGE.
 
 Other tools: the non-action (``Action.none()``) and a reply to the user (``respond``) are
 read-only; tools named ``get_*``, ``search_*``, ``list_*``, ``calculate`` and ``think``
@@ -23,9 +24,16 @@ from __future__ import annotations
 
 import functools
 import re
-import shlex
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
+from aospec.shell import (
+    SUBSTITUTION,
+    ShellSyntaxError,
+    extract_substitutions,
+    redirection,
+    simple_commands,
+    tokens,
+)
 from aospec.types import Action, Effect, Step
 
 __all__ = ["classify_action", "classify_command", "step_effect"]
@@ -65,204 +73,18 @@ def classify_command(command: str) -> Effect:
     """Classify one shell command line (which may hold several commands)."""
     try:
         _check_command(command, depth=0)
-    except (_Unsure, RecursionError):  # RecursionError: absurdly nested wrappers (env env env ...)
+    except (_Unsure, ShellSyntaxError, RecursionError):  # RecursionError: absurdly nested wrappers (env env env ...)
         return Effect.MAY_CHANGE
     return Effect.READ_ONLY
 
 
-# ---------------------------------------------------------------- substitutions
+# ---------------------------------------------------------------- redirections and commands
 
-_PLACEHOLDER = "__aospec_subst__"
-_FD_MARK = "__aospec_fd__"
-_FD = re.compile(r"\d+(?=[<>])")
-_WORD_START = frozenset(" \t\r\n;&|()<>")
-_INTERESTING = re.compile(r"""[\\'"`$<>]|(?:^|(?<=[ \t\r\n;&|()<>]))\d""")
 _MAX_DEPTH = 8
 
 
-def _match_paren(s: str, i: int) -> int:
-    """Index of the ``)`` closing the ``(`` at ``s[i-1]``, quote- and nesting-aware."""
-    depth = 1
-    n = len(s)
-    while i < n:
-        c = s[i]
-        if c == "\\":
-            i += 2
-        elif c == "'":
-            j = s.find("'", i + 1)
-            if j < 0:
-                raise _Unsure
-            i = j + 1
-        elif c == '"':
-            i = _skip_double(s, i + 1)
-        elif c == "`":
-            i = _match_backtick(s, i + 1) + 1
-        else:
-            if c == "(":
-                depth += 1
-            elif c == ")":
-                depth -= 1
-                if depth == 0:
-                    return i
-            i += 1
-    raise _Unsure
-
-
-def _match_backtick(s: str, i: int) -> int:
-    j = i
-    while j < len(s):
-        if s[j] == "\\":
-            raise _Unsure  # escapes inside backticks change meaning (nesting); not worth modelling
-        if s[j] == "`":
-            return j
-        j += 1
-    raise _Unsure
-
-
-def _skip_double(s: str, i: int) -> int:
-    """Index just after the double-quoted string whose opening quote is at ``s[i-1]``."""
-    n = len(s)
-    while i < n:
-        c = s[i]
-        if c == "\\":
-            i += 2
-        elif c == '"':
-            return i + 1
-        elif c == "`":
-            i = _match_backtick(s, i + 1) + 1
-        elif c == "$" and s.startswith("$(", i):
-            i = _match_paren(s, i + 2) + 1
-        else:
-            i += 1
-    raise _Unsure
-
-
-def _extract(s: str, subs: list[str]) -> str:
-    """``s`` with every command substitution replaced by a placeholder word; the substituted
-    commands are appended to ``subs``. Raises _Unsure on anything it cannot follow."""
-    out: list[str] = []
-    i = 0
-    n = len(s)
-    in_double = False
-    while i < n:
-        m = _INTERESTING.search(s, i)
-        if m is None:
-            out.append(s[i:])
-            break
-        if m.start() > i:
-            out.append(s[i : m.start()])
-            i = m.start()
-        c = s[i]
-        if c == "\\":
-            if s.startswith("\n", i + 1):
-                i += 2  # line continuation: bash removes it
-                continue
-            out.append(s[i : i + 2])
-            i += 2
-        elif c == "'" and not in_double:
-            j = s.find("'", i + 1)
-            if j < 0:
-                raise _Unsure
-            out.append(s[i : j + 1])
-            i = j + 1
-        elif c == '"':
-            in_double = not in_double
-            out.append(c)
-            i += 1
-        elif c == "`":
-            j = _match_backtick(s, i + 1)
-            subs.append(s[i + 1 : j])
-            out.append(_PLACEHOLDER)
-            i = j + 1
-        elif c == "$" and s.startswith("$((", i):
-            j = _match_paren(s, i + 2)  # the outer ")" of "$(( ... ))"
-            inner = s[i + 3 : j]
-            if "$(" in inner or "`" in inner or s[j - 1] != ")":
-                raise _Unsure
-            out.append("0")
-            i = j + 1
-        elif (c == "$" or (c in "<>" and not in_double)) and s.startswith("(", i + 1):
-            j = _match_paren(s, i + 2)
-            subs.append(s[i + 2 : j])
-            out.append(_PLACEHOLDER)
-            i = j + 1
-        elif c == "$" and s.startswith("${", i):
-            j = s.find("}", i)
-            if j < 0 or "$(" in s[i:j] or "`" in s[i:j]:
-                raise _Unsure
-            out.append(s[i : j + 1])
-            i = j + 1
-        elif c == "<" and not in_double and s.startswith("<<", i):
-            if not s.startswith("<<<", i):
-                raise _Unsure  # a heredoc (its body usually feeds a write); stop before scanning the body
-            out.append("<<<")  # a here-string only feeds stdin
-            i += 3
-        elif c.isdigit() and not in_double and (i == 0 or s[i - 1] in _WORD_START) and (fd := _FD.match(s, i)):
-            out.append(f" {_FD_MARK} ")  # "2>": a file descriptor number, not an argument
-            i = fd.end()
-        else:
-            out.append(c)
-            i += 1
-    if in_double:
-        raise _Unsure
-    return "".join(out)
-
-
-# ---------------------------------------------------------------- tokens and segments
-
-_PUNCT = "();<>|&\n"
-_PUNCT_SET = frozenset(_PUNCT)
-_SEPARATORS = frozenset(";&|()\n")
-
-
-def _tokens(s: str) -> Iterator[tuple[str, bool]]:
-    """(token, is_operator) pairs, lazily. Structure comes from a non-POSIX shlex pass, which
-    keeps quotes on words (so a quoted ``'|'`` stays a word) and never joins an unquoted
-    operator into a word; each word is then unquoted with a POSIX shlex pass."""
-    lex = shlex.shlex(s, posix=False, punctuation_chars=_PUNCT)
-    lex.whitespace = " \t\r"
-    lex.whitespace_split = True
-    lex.commenters = ""
-    try:
-        for tok in lex:
-            if set(tok) <= _PUNCT_SET:
-                yield tok, True
-            elif "'" in tok or '"' in tok or "\\" in tok:
-                yield "".join(shlex.split(tok, comments=False, posix=True)), False
-            else:
-                yield tok, False
-    except ValueError:  # unbalanced quotes, dangling escape
-        raise _Unsure from None
-
-
-def _segments(tokens: Iterator[tuple[str, bool]]) -> Iterator[list[str]]:
-    """Split into simple commands, checking every redirection on the way (lazily, so a
-    heredoc or a write stops the scan before the rest is tokenised)."""
-    cur: list[str] = []
-    for tok, op in tokens:
-        if not op:
-            if tok != _FD_MARK:
-                cur.append(tok)
-            continue
-        if "<" in tok or ">" in tok:
-            _check_redirect_op(tok)
-            target = next(tokens, None)
-            _check_redirect(tok, target)
-            # the operator may carry separators too, e.g. ")>" or ";<"
-            if any(c in _SEPARATORS for c in tok.rstrip("<>&|")):
-                if cur:
-                    yield cur
-                cur = []
-            continue
-        if cur:
-            yield cur
-        cur = []
-    if cur:
-        yield cur
-
-
 def _check_redirect_op(op: str) -> None:
-    redir = op.lstrip(";()|&\n") if op[0] in ";()|\n" else op
+    redir = redirection(op)
     if "<<" in redir and "<<<" not in redir:
         raise _Unsure  # heredoc: its body usually feeds a write
     if "<>" in redir:
@@ -270,7 +92,7 @@ def _check_redirect_op(op: str) -> None:
 
 
 def _check_redirect(op: str, target: tuple[str, bool] | None) -> None:
-    redir = op.lstrip(";()|&\n") if op[0] in ";()|\n" else op
+    redir = redirection(op)
     if ">" not in redir:
         if target is None or target[1]:
             raise _Unsure
@@ -284,8 +106,6 @@ def _check_redirect(op: str, target: tuple[str, bool] | None) -> None:
         return
     raise _Unsure
 
-
-# ---------------------------------------------------------------- commands
 
 # fmt: off
 _ALWAYS_READ_ONLY = frozenset((
@@ -310,11 +130,14 @@ def _check_command(command: str, depth: int) -> None:
     if depth > _MAX_DEPTH:
         raise _Unsure
     subs: list[str] = []
-    flat = _extract(command, subs)
+    flat = extract_substitutions(command, subs)
     for inner in subs:
         _check_command(inner, depth + 1)
-    for seg in _segments(_tokens(flat)):
-        _check_simple(seg)
+    for simple in simple_commands(tokens(flat)):
+        for op, target in simple.redirects:
+            _check_redirect_op(op)
+            _check_redirect(op, target)
+        _check_simple(simple.words)
 
 
 def _check_simple(words: list[str]) -> None:
@@ -333,7 +156,7 @@ def _check_simple(words: list[str]) -> None:
     directory, _, base = name.rpartition("/")
     if directory in _SYSTEM_BIN_DIRS:
         name = base
-    if name == _PLACEHOLDER or "/" in name:
+    if name == SUBSTITUTION or "/" in name:
         raise _Unsure
     checker = _CHECKERS.get(name)
     if checker is not None:
@@ -387,11 +210,6 @@ def _extra_checks(name: str, args: list[str]) -> None:
     if name == "ip" and any(a in ("add", "del", "delete", "set", "change", "replace", "flush") for a in args):
         raise _Unsure
     if name == "hash" and args:
-        raise _Unsure
-
-
-def _no_args_beyond_flags(args: list[str]) -> None:
-    if any(not a.startswith("-") for a in args):
         raise _Unsure
 
 

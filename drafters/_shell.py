@@ -1,5 +1,9 @@
 """Shared helpers of the non-LM drafters: shell command features and an incremental
-per-history index (so per-step work does not grow with the history)."""
+per-history index (so per-step work does not grow with the history).
+
+The features split a command's first line with the tolerant splitting of
+:mod:`aospec.shell` (``loose_segments``/``loose_words``), which never fails on a line the
+strict lexer refuses."""
 
 from __future__ import annotations
 
@@ -7,23 +11,18 @@ import re
 from collections.abc import Callable
 from typing import Generic, TypeVar
 
+from aospec.shell import first_line, loose_segments, loose_words
 from aospec.types import Action, History, Turn
 
-__all__ = ["HistoryIndex", "command_class", "command_contexts", "entities", "program", "split_tokens"]
+__all__ = ["HistoryIndex", "command_class", "command_contexts", "entities", "program"]
 
-_SEGMENT = re.compile(r"\s*(?:&&|\|\||;|\||\n)\s*")
 _ASSIGN = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*=")
 _WRAPPERS = {"sudo", "nohup", "time", "exec", "env", "stdbuf", "nice"}
 _PATHLIKE = re.compile(r"^(?:[\w.~-]*/[\w./~@+-]*|[\w.@+-]+\.[A-Za-z][\w]{0,7})$")
-_TOKEN = re.compile(r"(\S+)(\s*)")
-
-
-def _first_line(command: str) -> str:
-    return command.split("\n", 1)[0]
 
 
 def _words(segment: str) -> list[str]:
-    words = segment.split()
+    words = loose_words(segment)
     k = 0
     while k < len(words):
         w = words[k]
@@ -42,7 +41,7 @@ def program(command: str) -> str:
     """The program that does the work: first word of the last segment of the first line
     that is not ``cd``/``source``/``export``, wrappers (sudo, timeout N, env X=1) skipped."""
     prog = ""
-    for seg in _SEGMENT.split(_first_line(command)):
+    for seg in loose_segments(first_line(command)):
         words = _words(seg)
         if not words or words[0] in ("cd", "source", ".", "export", "set"):
             continue
@@ -54,7 +53,7 @@ def program(command: str) -> str:
 
 def command_class(command: str) -> str:
     """A coarse description of a command: program, script kind and output handling."""
-    first = _first_line(command)
+    first = first_line(command)
     prog = program(command)
     words = _words(first.split("&&")[-1])
     kind = ""
@@ -96,10 +95,10 @@ def command_contexts(action: Action) -> tuple[str, ...]:
 def entities(command: str) -> list[str]:
     """Path-like tokens of the command line (first line only: never a heredoc body),
     redirect and ``tee`` targets first, each once."""
-    first = _first_line(command)
+    first = first_line(command)
     targets: list[str] = []
     others: list[str] = []
-    words = first.split()
+    words = loose_words(first)
     for k, w in enumerate(words):
         w2 = w.strip("'\"")
         if w in (">", ">>", "tee") and k + 1 < len(words):
@@ -113,17 +112,6 @@ def entities(command: str) -> list[str]:
         elif _PATHLIKE.match(w2) and w2 not in others:
             others.append(w2)
     return targets + [o for o in others if o not in targets]
-
-
-def split_tokens(command: str) -> list[tuple[str, str]]:
-    """(token, following whitespace) pairs; joining them gives back the command exactly
-    (leading whitespace is kept as an empty first token)."""
-    out: list[tuple[str, str]] = []
-    lead = len(command) - len(command.lstrip())
-    if lead:
-        out.append(("", command[:lead]))
-    out.extend((m.group(1), m.group(2)) for m in _TOKEN.finditer(command, lead))
-    return out
 
 
 S = TypeVar("S")

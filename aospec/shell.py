@@ -1,0 +1,267 @@
+"""The shell lexer: command substitutions, quote-aware tokens and simple commands.
+
+:func:`extract_substitutions` replaces each command substitution of a command line by a
+placeholder word and collects the substituted commands; :func:`tokens` splits what is left
+into words (unquoted) and operators; :func:`simple_commands` groups the tokens into simple
+commands with their redirections. The lexer is strict: whatever it cannot follow
+(unbalanced quotes, a heredoc body, escapes inside backticks) raises
+:class:`ShellSyntaxError`, so a caller that must be sound (the effect rules in
+:mod:`aospec.effects`) can refuse it.
+
+:func:`first_line`, :func:`loose_segments` and :func:`loose_words` are the tolerant
+whitespace split of a command's first line that the drafters' command features use
+(drafters/_shell.py): they never fail, which features need (about one first line in eight
+of the tb1 traces has an unbalanced quote, e.g. ``python -c "`` followed by a script), and
+the drafters' learned contexts are keyed by them.
+"""
+
+from __future__ import annotations
+
+import re
+import shlex
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+__all__ = [
+    "FD_MARK",
+    "SUBSTITUTION",
+    "ShellSyntaxError",
+    "SimpleCommand",
+    "extract_substitutions",
+    "first_line",
+    "redirection",
+    "loose_segments",
+    "loose_words",
+    "simple_commands",
+    "tokens",
+]
+
+
+class ShellSyntaxError(ValueError):
+    """The lexer cannot follow the command line."""
+
+
+# ---------------------------------------------------------------- substitutions
+
+#: The word that stands for a command substitution in :func:`extract_substitutions`'s output.
+SUBSTITUTION = "__aospec_subst__"
+#: The word that stands for a file-descriptor number before a redirection (``2>``).
+FD_MARK = "__aospec_fd__"
+_FD = re.compile(r"\d+(?=[<>])")
+_WORD_START = frozenset(" \t\r\n;&|()<>")
+_INTERESTING = re.compile(r"""[\\'"`$<>]|(?:^|(?<=[ \t\r\n;&|()<>]))\d""")
+
+
+def _match_paren(s: str, i: int) -> int:
+    """Index of the ``)`` closing the ``(`` at ``s[i-1]``, quote- and nesting-aware."""
+    depth = 1
+    n = len(s)
+    while i < n:
+        c = s[i]
+        if c == "\\":
+            i += 2
+        elif c == "'":
+            j = s.find("'", i + 1)
+            if j < 0:
+                raise ShellSyntaxError("unbalanced quotes or parentheses")
+            i = j + 1
+        elif c == '"':
+            i = _skip_double(s, i + 1)
+        elif c == "`":
+            i = _match_backtick(s, i + 1) + 1
+        else:
+            if c == "(":
+                depth += 1
+            elif c == ")":
+                depth -= 1
+                if depth == 0:
+                    return i
+            i += 1
+    raise ShellSyntaxError("unbalanced quotes or parentheses")
+
+
+def _match_backtick(s: str, i: int) -> int:
+    j = i
+    while j < len(s):
+        if s[j] == "\\":
+            raise ShellSyntaxError("an escape inside backticks")  # its meaning depends on nesting; not modelled
+        if s[j] == "`":
+            return j
+        j += 1
+    raise ShellSyntaxError("unbalanced quotes or parentheses")
+
+
+def _skip_double(s: str, i: int) -> int:
+    """Index just after the double-quoted string whose opening quote is at ``s[i-1]``."""
+    n = len(s)
+    while i < n:
+        c = s[i]
+        if c == "\\":
+            i += 2
+        elif c == '"':
+            return i + 1
+        elif c == "`":
+            i = _match_backtick(s, i + 1) + 1
+        elif c == "$" and s.startswith("$(", i):
+            i = _match_paren(s, i + 2) + 1
+        else:
+            i += 1
+    raise ShellSyntaxError("unbalanced quotes or parentheses")
+
+
+def extract_substitutions(s: str, subs: list[str]) -> str:
+    """``s`` with every command substitution (``$(...)``, backticks, ``<(...)``, ``>(...)``)
+    replaced by the word :data:`SUBSTITUTION` and every file-descriptor number before a
+    redirection by :data:`FD_MARK`; arithmetic ``$((...))`` becomes ``0``. The substituted
+    commands are appended to ``subs``. Raises ShellSyntaxError on anything it cannot follow."""
+    out: list[str] = []
+    i = 0
+    n = len(s)
+    in_double = False
+    while i < n:
+        m = _INTERESTING.search(s, i)
+        if m is None:
+            out.append(s[i:])
+            break
+        if m.start() > i:
+            out.append(s[i : m.start()])
+            i = m.start()
+        c = s[i]
+        if c == "\\":
+            if s.startswith("\n", i + 1):
+                i += 2  # line continuation: bash removes it
+                continue
+            out.append(s[i : i + 2])
+            i += 2
+        elif c == "'" and not in_double:
+            j = s.find("'", i + 1)
+            if j < 0:
+                raise ShellSyntaxError("unbalanced quotes or parentheses")
+            out.append(s[i : j + 1])
+            i = j + 1
+        elif c == '"':
+            in_double = not in_double
+            out.append(c)
+            i += 1
+        elif c == "`":
+            j = _match_backtick(s, i + 1)
+            subs.append(s[i + 1 : j])
+            out.append(SUBSTITUTION)
+            i = j + 1
+        elif c == "$" and s.startswith("$((", i):
+            j = _match_paren(s, i + 2)  # the outer ")" of "$(( ... ))"
+            inner = s[i + 3 : j]
+            if "$(" in inner or "`" in inner or s[j - 1] != ")":
+                raise ShellSyntaxError("a substitution inside arithmetic expansion")
+            out.append("0")
+            i = j + 1
+        elif (c == "$" or (c in "<>" and not in_double)) and s.startswith("(", i + 1):
+            j = _match_paren(s, i + 2)
+            subs.append(s[i + 2 : j])
+            out.append(SUBSTITUTION)
+            i = j + 1
+        elif c == "$" and s.startswith("${", i):
+            j = s.find("}", i)
+            if j < 0 or "$(" in s[i:j] or "`" in s[i:j]:
+                raise ShellSyntaxError("an unclosed or substituting parameter expansion")
+            out.append(s[i : j + 1])
+            i = j + 1
+        elif c == "<" and not in_double and s.startswith("<<", i):
+            if not s.startswith("<<<", i):
+                raise ShellSyntaxError("a heredoc (its body is not lexed)")
+            out.append("<<<")  # a here-string only feeds stdin
+            i += 3
+        elif c.isdigit() and not in_double and (i == 0 or s[i - 1] in _WORD_START) and (fd := _FD.match(s, i)):
+            out.append(f" {FD_MARK} ")  # "2>": a file descriptor number, not an argument
+            i = fd.end()
+        else:
+            out.append(c)
+            i += 1
+    if in_double:
+        raise ShellSyntaxError("an unclosed double quote")
+    return "".join(out)
+
+
+# ---------------------------------------------------------------- tokens and simple commands
+
+_PUNCT = "();<>|&\n"
+_PUNCT_SET = frozenset(_PUNCT)
+_SEPARATORS = frozenset(";&|()\n")
+
+
+def tokens(s: str) -> Iterator[tuple[str, bool]]:
+    """(token, is_operator) pairs, lazily. Structure comes from a non-POSIX shlex pass, which
+    keeps quotes on words (so a quoted ``'|'`` stays a word) and never joins an unquoted
+    operator into a word; each word is then unquoted with a POSIX shlex pass. Raises
+    ShellSyntaxError on unbalanced quotes or a dangling escape."""
+    lex = shlex.shlex(s, posix=False, punctuation_chars=_PUNCT)
+    lex.whitespace = " \t\r"
+    lex.whitespace_split = True
+    lex.commenters = ""
+    try:
+        for tok in lex:
+            if set(tok) <= _PUNCT_SET:
+                yield tok, True
+            elif "'" in tok or '"' in tok or "\\" in tok:
+                yield "".join(shlex.split(tok, comments=False, posix=True)), False
+            else:
+                yield tok, False
+    except ValueError as exc:
+        raise ShellSyntaxError(str(exc)) from None
+
+
+@dataclass(slots=True)
+class SimpleCommand:
+    """The words of one simple command and its redirections: (operator, target) pairs, the
+    target ``(word, is_operator)`` or None when the line ends after the operator. An
+    operator token may carry separators too (``;>``, ``)<``)."""
+
+    words: list[str] = field(default_factory=list)
+    redirects: list[tuple[str, tuple[str, bool] | None]] = field(default_factory=list)
+
+
+def redirection(op: str) -> str:
+    """The redirection part of an operator token (``;>`` -> ``>``, ``&>`` stays)."""
+    return op.lstrip(";()|&\n") if op[0] in ";()|\n" else op
+
+
+def simple_commands(toks: Iterator[tuple[str, bool]]) -> Iterator[SimpleCommand]:
+    """Group :func:`tokens` into simple commands (split on ``;``, ``&&``, ``||``, ``|``, ``&``,
+    newlines and parentheses), lazily: a caller that refuses a command stops the scan before
+    the rest is tokenised. :data:`FD_MARK` words are dropped; a command with neither words
+    nor redirections is not yielded."""
+    cur = SimpleCommand()
+    for tok, op in toks:
+        if not op:
+            if tok != FD_MARK:
+                cur.words.append(tok)
+            continue
+        if "<" in tok or ">" in tok:
+            cur.redirects.append((tok, next(toks, None)))
+            if not any(c in _SEPARATORS for c in tok.rstrip("<>&|")):
+                continue
+        if cur.words or cur.redirects:
+            yield cur
+        cur = SimpleCommand()
+    if cur.words or cur.redirects:
+        yield cur
+
+
+# ---------------------------------------------------------------- loose splitting (drafter features)
+
+_LOOSE_SEGMENT = re.compile(r"\s*(?:&&|\|\||;|\||\n)\s*")
+
+
+def first_line(command: str) -> str:
+    """The command's first line (never a heredoc body)."""
+    return command.split("\n", 1)[0]
+
+
+def loose_segments(line: str) -> list[str]:
+    """``line`` split on ``&&``, ``||``, ``;``, ``|`` and newlines, quotes ignored (never fails)."""
+    return _LOOSE_SEGMENT.split(line)
+
+
+def loose_words(segment: str) -> list[str]:
+    """Whitespace-separated words of ``segment``, quotes kept (never fails)."""
+    return segment.split()
