@@ -79,10 +79,13 @@ def collect_garbage(state_root: Path | None = None, *, dry_run: bool = False, do
                 store_id = cg.name.split("-")[1]
                 if store_id in live_ids:
                     continue
-                if store_id in stale_ids or not _store_id_known(root, store_id):
-                    report.cgroups.append(str(cg))
-                    if not dry_run:
-                        cgroups.remove(cg.name)
+                if store_id not in stale_ids and (_store_id_known(root, store_id) or _has_processes(cg)):
+                    # a store under another state root whose command is running (its orphans
+                    # were killed above): never kill it; idle ones go and come back with its next command
+                    continue
+                report.cgroups.append(str(cg))
+                if not dry_run:
+                    cgroups.remove(cg.name)
     if docker:
         report.containers += _gc_containers(live_ids, dry_run=dry_run)
     return report
@@ -113,6 +116,15 @@ def _kill_orphans(live_ids: set[str], *, dry_run: bool) -> list[int]:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
     return found
+
+
+def _has_processes(cg: Path) -> bool:
+    """Whether any process is in cgroup directory ``cg`` or below it."""
+    for procs in (cg, *cg.rglob("*/")):
+        with contextlib.suppress(OSError):
+            if (procs / "cgroup.procs").read_text().strip():
+                return True
+    return False
 
 
 def _store_id_known(root: Path, store_id: str) -> bool:

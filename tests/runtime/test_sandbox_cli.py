@@ -10,6 +10,7 @@ import sys
 import time
 from pathlib import Path
 
+import anyio
 import pytest
 
 from runtime._fs import mounts_under
@@ -129,3 +130,27 @@ def test_a_docker_image_can_become_a_base(docker_backend: str) -> None:
     assert Path(exported["path"], "bin", "busybox").exists()
     proc = aospec("exec", "--base", f"image:{tag}", "--", "cat /etc/os-release")
     assert "aospec busybox base" in proc.stdout
+
+
+@pytest.mark.anyio
+async def test_gc_of_another_state_root_never_kills_a_running_command(overlay: str, tmp_path: Path) -> None:
+    # found by scripts/check_lossless.py: gc of root B removed the cgroups of a live
+    # session under root A, SIGKILLing its command (exit 137, no output)
+    from runtime import open_sandbox
+    from runtime.gc import collect_garbage
+
+    other_root = tmp_path / "other-root"
+    other_root.mkdir()
+    async with open_sandbox(backend="overlay") as sb:
+        async with anyio.create_task_group() as tg:
+            results = []
+
+            async def command() -> None:
+                results.append(await sb.run("touch /tmp/started; sleep 1; echo survived", timeout=60))
+
+            tg.start_soon(command)
+            with anyio.fail_after(60):
+                while not (sb.root_path / "tmp" / "started").exists():
+                    await anyio.sleep(0.02)
+            await anyio.to_thread.run_sync(lambda: collect_garbage(other_root, docker=False))
+        assert results[0].returncode == 0 and results[0].output == "survived\n"
