@@ -291,9 +291,14 @@ def _entry(dirfd: int, name: str, st: os.stat_result) -> tuple[Any, ...]:
     return head
 
 
-def snapshot_tree(root: str | os.PathLike[str]) -> dict[str, tuple[Any, ...]]:
+def snapshot_tree(root: str | os.PathLike[str], *, links: bool = False) -> dict[str, tuple[Any, ...]]:
     """The content of the tree at ``root``: relative path -> (type, permission bits, uid,
     gid, content xxh3-128 | symlink target | device numbers[, hard-link group]).
+
+    Hard-link groups are recorded only with ``links=True``: hard-link structure is not part
+    of a sandbox's state (docs/runtime.md, Versions: overlayfs with ``index=off`` breaks a
+    link on copy-up, e.g. on ``touch``, without changing the version), so the lossless
+    check compares what versions promise.
 
     Never follows symlinks, never opens anything but regular files (FIFOs would block),
     walks with directory file descriptors (no path length limit), and records an entry
@@ -332,7 +337,7 @@ def snapshot_tree(root: str | os.PathLike[str]) -> dict[str, tuple[Any, ...]]:
         walk(top, "")
     finally:
         os.close(top)
-    for names in inodes.values():
+    for names in inodes.values() if links else ():
         if len(names) > 1:
             group = min(names)
             for name in names:

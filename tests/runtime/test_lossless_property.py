@@ -48,11 +48,11 @@ SEEDS = 50
     suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
 )
 @given(seed=st.integers(0, 2**31 - 1))
-# Found by scripts/check_lossless.py. 24: `touch` through a symlink copies up a file that
-# has a hard link in a lower layer, which breaks the link without changing the version; a
-# fork taken before it (provisional target, same version) is then committed and the link is
-# back. 17: compaction copies the entries of the layers it merges one by one and loses
-# hard links made inside one of them (`ln /tmp/t /w/d/f`).
+# Found by scripts/check_lossless.py when snapshots compared hard-link groups (which are
+# not part of the state: docs/runtime.md). 24: `touch` through a symlink copies up a file
+# that has a hard link in a lower layer, which breaks the link without changing the
+# version; a fork taken before it is then committed and the link is back. 17: compaction
+# loses hard links made inside the layers it merges. Kept: every other field must match.
 @example(seed=24)
 @example(seed=17)
 @example(seed=4)  # as 24, through an action drafter's fork: `chmod 644 /w/h` (mode unchanged), then `false`
@@ -122,7 +122,7 @@ def test_a_snapshot_records_types_modes_owners_contents_targets_and_hard_links(t
     os.link(tmp_path / "d" / "f", tmp_path / "g")
     (tmp_path / "s").symlink_to("d/f")
     os.mkfifo(tmp_path / "p")  # never opened: a read would block
-    snap = snapshot_tree(tmp_path)
+    snap = snapshot_tree(tmp_path, links=True)
     assert set(snap) == {"d", "d/f", "g", "s", "p"}
     assert snap["d"][:2] == ("d", 0o750)
     assert snap["d/f"][:2] == ("-", 0o4755) and snap["d/f"][-1] == "link:d/f" == snap["g"][-1]
@@ -132,12 +132,14 @@ def test_a_snapshot_records_types_modes_owners_contents_targets_and_hard_links(t
     assert snap["d/f"][2:4] == (st_.st_uid, st_.st_gid)
 
     (tmp_path / "d" / "f").write_text("two")  # content: both names change
-    assert snapshot_tree(tmp_path)["g"][4] != snap["g"][4]
+    assert snapshot_tree(tmp_path, links=True)["g"][4] != snap["g"][4]
     os.unlink(tmp_path / "g")
     (tmp_path / "g").write_text("two")  # same content, no longer the same file
-    again = snapshot_tree(tmp_path)
+    again = snapshot_tree(tmp_path, links=True)
     assert again["g"][4] == again["d/f"][4] and len(again["g"]) == 5
     assert stat.S_IMODE(os.lstat(tmp_path / "d").st_mode) == 0o750
+    os.link(tmp_path / "d" / "f", tmp_path / "h")
+    assert len(snapshot_tree(tmp_path)["h"]) == 5  # by default, as in versions: no link groups
 
 
 def test_a_case_is_a_function_of_its_seed_and_survives_json() -> None:
