@@ -2,7 +2,8 @@
 
 Build one from a mapping with :func:`engine_config` (unknown keys raise ConfigError), or
 directly. Every baseline of the replay benchmark is an ``EngineConfig`` plus a choice of
-drafters (see replay/policies.py and docs/engine.md).
+drafters (see replay/policies.py and docs/engine.md). Objects (drafters, the canonicaliser
+of ``accept="canonical"``) are passed to :class:`aospec.engine.Engine`, never named here.
 """
 
 from __future__ import annotations
@@ -11,25 +12,16 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from aospec._lazy import import_object
 from aospec.config import from_mapping
 from aospec.errors import ConfigError
-from aospec.protocols import ObservationCanonicalizer
 
-__all__ = ["ACCEPTANCE", "CANONICALIZERS", "RANKINGS", "EngineConfig", "engine_config", "load_canonicalizer"]
+__all__ = ["ACCEPTANCE", "RANKINGS", "EngineConfig", "engine_config"]
 
 #: How observation drafts are ranked before the branch budget is applied.
 RANKINGS = ("evd", "likelihood", "tooltime")
 
 #: When a drafted observation is accepted for the real one.
 ACCEPTANCE = ("exact", "canonical")
-
-#: name -> "module:attr" of zero-argument canonicaliser factories (``accept="canonical"``).
-CANONICALIZERS: dict[str, str] = {
-    "default": "drafters.canonicalize:Canonicalizer",
-    "all": "drafters.canonicalize:all_fields",
-}
-
 
 @dataclass(frozen=True, slots=True)
 class EngineConfig:
@@ -54,12 +46,11 @@ class EngineConfig:
     - ``min_draft_probability``: drafts less likely than this are never continued.
     - ``accept``: ``exact`` (default) keeps a continuation only if its draft is
       byte-identical to the real observation; ``canonical`` also keeps one whose draft
-      equals it after canonicalisation (process ids, temp names, times). The committed
-      history always holds the real observation; ``canonical`` is lossless only if the
-      actor's next action does not depend on the canonicalised fields (docs/engine.md).
-    - ``canonicalizer``: for ``accept="canonical"``: a name of ``CANONICALIZERS``
-      (``default``: pids, temp names, times; ``all``: also durations), fields joined by
-      ``+`` or ``,`` (``pids+times``), or a dotted path of a zero-argument factory.
+      equals it after canonicalisation by the ``canonicalizer`` object given to the
+      Engine (e.g. ``drafters.canonicalize.Canonicalizer()``: process ids, temp names,
+      times). The committed history always holds the real observation; ``canonical`` is
+      lossless only if the actor's next action does not depend on the canonicalised
+      fields (docs/engine.md).
     """
 
     branch_budget: int = 5
@@ -72,7 +63,6 @@ class EngineConfig:
     max_live_forks: int = 32
     min_draft_probability: float = 0.0
     accept: Literal["exact", "canonical"] = "exact"
-    canonicalizer: str = "default"
 
     def __post_init__(self) -> None:
         for name in ("branch_budget", "draft_candidates", "fork_width", "max_live_forks"):
@@ -87,42 +77,9 @@ class EngineConfig:
             raise ConfigError(f"engine: min_draft_probability must be in [0, 1], got {self.min_draft_probability}")
         if self.accept not in ACCEPTANCE:
             raise ConfigError(f"engine: accept must be one of {', '.join(ACCEPTANCE)}, got {self.accept!r}")
-        if not self.canonicalizer:
-            raise ConfigError("engine: canonicalizer must name a canonicaliser (e.g. 'default')")
-
-    @property
-    def speculates_observations(self) -> bool:
-        return self.branch_budget > 0
-
-    @property
-    def speculates_actions(self) -> bool:
-        return self.fork_width > 0 or (self.provisional_targets and self.branch_budget > 0)
 
 
 def engine_config(mapping: Mapping[str, Any], *, where: str = "engine") -> EngineConfig:
     """An EngineConfig from a mapping; unknown keys and bad values raise ConfigError."""
     return from_mapping(EngineConfig, mapping, where=where)
 
-
-def load_canonicalizer(spec: str) -> ObservationCanonicalizer:
-    """The canonicaliser ``spec`` names: a name of :data:`CANONICALIZERS`, field names
-    joined by ``+`` or ``,`` (``pids+times``; see drafters/canonicalize.py), or a dotted
-    path ``module:attr`` of a zero-argument factory. Anything else raises ConfigError."""
-    if spec in CANONICALIZERS or ":" in spec or "." in spec:
-        factory = import_object(spec, CANONICALIZERS, "canonicaliser")
-        try:
-            obj = factory()
-        except TypeError as exc:
-            raise ConfigError(f"engine: canonicalizer {spec!r} cannot be built without arguments: {exc}") from None
-    else:
-        from_fields = import_object("drafters.canonicalize:canonicalizer", {}, "canonicaliser")
-        try:
-            obj = from_fields(spec)
-        except ConfigError as exc:
-            names = ", ".join(CANONICALIZERS)
-            raise ConfigError(
-                f"engine: canonicalizer {spec!r} is neither a name ({names}), a dotted path nor a field list: {exc}"
-            ) from None
-    if not callable(getattr(obj, "canonical", None)):
-        raise ConfigError(f"engine: canonicalizer {spec!r} has no canonical(text) method")
-    return obj

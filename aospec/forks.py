@@ -10,6 +10,7 @@ steps that left the filesystem unchanged keep their origin and stay valid across
 
 from __future__ import annotations
 
+import enum
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
@@ -21,36 +22,48 @@ from aospec.types import Action
 if TYPE_CHECKING:
     from anyio import TaskHandle
 
-__all__ = ["ForkEntry", "ForkRegistry"]
+__all__ = ["ForkEntry", "ForkRegistry", "ForkState"]
+
+
+class ForkState(enum.Enum):
+    """The life of one execution ``f`` (a speculative target, or the committed step's own).
+
+    ``RUNNING`` -> ``IDLE`` -> ``COMMITTED`` when JASV takes it (or it ran the step itself);
+    ``RUNNING`` -> ``FAILED`` when it ends without an observation; ``RUNNING`` or ``IDLE`` ->
+    ``RELEASED`` -> ``DISCARDED`` when the engine gives up on it (pruned, evicted, run over).
+    Who owns the fork: its task while ``RUNNING`` (or ``RELEASED`` from ``RUNNING``), the
+    engine while ``IDLE`` (or ``RELEASED`` from ``IDLE``); nobody once it is gone.
+    """
+
+    RUNNING = "running"  # its task is forking the committed sandbox or executing the action in the fork
+    IDLE = "idle"  # executed, with an observation; waits for JASV
+    COMMITTED = "committed"  # its result is the committed step's
+    FAILED = "failed"  # ended without an observation (failed, stopped, or forked from a moved state)
+    RELEASED = "released"  # given up: it can never pass JASV; its fork is being discarded
+    DISCARDED = "discarded"  # its fork was thrown away
 
 
 class ForkEntry:
-    """One execution: ``action`` running in ``sandbox``, forked at ``origin``.
+    """One execution ``f``: ``action`` running in ``sandbox``, forked at ``origin``.
 
-    While it executes, the fork belongs to the task running it: cancelling ``task`` stops
-    it, and the task discards the fork. Once ``finished`` with an observation the fork is
-    ``idle`` and belongs to the engine, which either commits it (``consumed``, JASV took
-    it) or discards it; ``released`` marks one the engine gave up on (pruned or evicted).
-    ``failed`` marks an execution that ended without an observation.
+    ``state`` is its life (:class:`ForkState`); ``task`` the task that runs it (a
+    speculative target), cancelled to stop it. ``speculative`` is False for the execution
+    of the committed step itself. ``exec_start_ns``/``exec_end_ns`` bound its tool time.
     """
 
     __slots__ = (
         "_waiter",
         "action",
-        "consumed",
         "exec_end_ns",
         "exec_start_ns",
-        "failed",
-        "finished",
-        "idle",
         "launched_ns",
         "observation",
         "offset",
         "origin",
         "probability",
-        "released",
         "sandbox",
         "speculative",
+        "state",
         "task",
     )
 
@@ -60,29 +73,28 @@ class ForkEntry:
         self.probability = probability
         self.launched_ns = launched_ns
         self.speculative = speculative
+        self.state = ForkState.RUNNING
         self.origin: str | None = None
         self.sandbox: Sandbox | None = None
         self.observation: str | None = None
-        self.failed = False
-        self.finished = False
-        self.idle = False
-        self.consumed = False
-        self.released = False
         self.exec_start_ns: int | None = None
         self.exec_end_ns: int | None = None
         self._waiter: anyio.Event | None = None
         self.task: TaskHandle[None] | None = None
 
-    def finish(self) -> None:
-        """Mark the execution over (with or without an observation) and wake waiters."""
-        self.finished = True
-        self.failed = self.observation is None
+    @property
+    def running(self) -> bool:
+        return self.state is ForkState.RUNNING
+
+    def finish(self, state: ForkState) -> None:
+        """End the execution in ``state`` (IDLE, FAILED or DISCARDED) and wake waiters."""
+        self.state = state
         if self._waiter is not None:
             self._waiter.set()
 
     async def wait_finished(self) -> None:
-        """Wait until the execution is over."""
-        if not self.finished:
+        """Wait until the execution is over (the entry is no longer RUNNING)."""
+        if self.state is ForkState.RUNNING:
             if self._waiter is None:
                 self._waiter = anyio.Event()
             await self._waiter.wait()
@@ -96,7 +108,8 @@ class ForkEntry:
 
 
 class ForkRegistry:
-    """Live forks by ``(origin_version, action_key)``, in launch order."""
+    """Live forks by ``(origin_version, action_key)``, in launch order: every entry is
+    RUNNING or IDLE (an entry leaves the registry before any other state)."""
 
     __slots__ = ("_entries",)
 
@@ -122,12 +135,9 @@ class ForkRegistry:
         return True
 
     def take(self, action: Action, version: str) -> ForkEntry | None:
-        """JASV: remove and return the fork that ran ``action`` from ``version``, if any
-        (a failed fork is never returned)."""
-        entry = self._entries.pop((version, action.key), None)
-        if entry is not None and entry.failed:
-            return None
-        return entry
+        """JASV: remove and return the fork that runs or ran ``action`` from ``version``,
+        if any."""
+        return self._entries.pop((version, action.key), None)
 
     def remove(self, entry: ForkEntry) -> None:
         if entry.origin is not None and self._entries.get((entry.origin, entry.action.key)) is entry:

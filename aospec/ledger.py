@@ -10,6 +10,8 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
+from aospec.errors import EngineError
+
 __all__ = ["EngineStatistics", "EventKind", "Ledger", "SpeculationEvent"]
 
 
@@ -43,12 +45,25 @@ class SpeculationEvent:
 
 @dataclass(frozen=True, slots=True)
 class EngineStatistics:
-    """Totals of one engine run (seconds are floats converted from integer nanoseconds).
+    """Totals of one engine run, in integer nanoseconds of the engine's clock (the ``_s``
+    properties convert to float seconds).
 
-    ``wait_actor_s`` + ``wait_tool_s`` is the latency on the committed path;
-    ``tool_time_hidden_s`` = total tool time of committed steps minus ``wait_tool_s``
-    (tool time that ran while the actor decoded), ``decode_time_hidden_s`` = total decode
-    time of committed steps minus ``wait_actor_s`` (decoding that ran while a tool ran).
+    The committed path: ``latency_ns = wait_actor_ns + wait_tool_ns``, where each step waits
+    from its boundary (the previous commit) until the actor emits the action
+    (``wait_actor_ns``), then until its observation is committed (``wait_tool_ns``). That
+    latency splits into the decoding and tool time waited for and the engine's own work:
+    ``latency_ns = (decode_ns - decode_hidden_ns) + (tool_ns - tool_hidden_ns) + overhead_ns``.
+
+    - ``decode_ns`` / ``tool_ns``: decode and tool time of the committed steps.
+    - ``decode_hidden_ns``: decoding of committed steps that ran before their boundary, i.e.
+      while the previous step's tool ran (a continuation on a matching draft); ``>= 0``.
+    - ``tool_hidden_ns``: tool time of committed steps that ran before their action was
+      emitted, i.e. while the actor decoded (a reused speculative fork); ``>= 0``.
+    - ``overhead_ns``: time on the committed path that was neither decoding nor tool time:
+      forking, committing, scheduling (0 in replay's virtual time); ``>= 0``.
+    - ``wasted_tool_ns``: tool time spent in speculative forks that were discarded;
+      ``wasted_decode_ns``: decoding of provisional continuations that were cancelled.
+
     ``drafts_hit`` counts byte-identical drafts adopted; ``drafts_canonical_hit`` drafts
     adopted under ``accept="canonical"`` that equal the real observation only once
     canonicalised (always 0 under exact acceptance).
@@ -64,15 +79,56 @@ class EngineStatistics:
     drafts_canonical_hit: int
     drafts_cancelled: int
     speculative_failures: int
-    latency_s: float
-    wait_actor_s: float
-    wait_tool_s: float
-    tool_time_s: float
-    decode_time_s: float
-    tool_time_hidden_s: float
-    decode_time_hidden_s: float
-    speculative_tool_time_wasted_s: float
-    provisional_decode_wasted_s: float
+    latency_ns: int
+    wait_actor_ns: int
+    wait_tool_ns: int
+    decode_ns: int
+    tool_ns: int
+    decode_hidden_ns: int
+    tool_hidden_ns: int
+    overhead_ns: int
+    wasted_tool_ns: int
+    wasted_decode_ns: int
+
+    @property
+    def latency_s(self) -> float:
+        return self.latency_ns * _S
+
+    @property
+    def wait_actor_s(self) -> float:
+        return self.wait_actor_ns * _S
+
+    @property
+    def wait_tool_s(self) -> float:
+        return self.wait_tool_ns * _S
+
+    @property
+    def decode_time_s(self) -> float:
+        return self.decode_ns * _S
+
+    @property
+    def tool_time_s(self) -> float:
+        return self.tool_ns * _S
+
+    @property
+    def decode_time_hidden_s(self) -> float:
+        return self.decode_hidden_ns * _S
+
+    @property
+    def tool_time_hidden_s(self) -> float:
+        return self.tool_hidden_ns * _S
+
+    @property
+    def overhead_s(self) -> float:
+        return self.overhead_ns * _S
+
+    @property
+    def speculative_tool_time_wasted_s(self) -> float:
+        return self.wasted_tool_ns * _S
+
+    @property
+    def provisional_decode_wasted_s(self) -> float:
+        return self.wasted_decode_ns * _S
 
 
 _S = 1e-9
@@ -82,6 +138,7 @@ class Ledger:
     """Speculation events of one engine run plus running totals."""
 
     __slots__ = (
+        "_decode_hidden_ns",
         "_decode_ns",
         "_drafts_cancelled",
         "_drafts_canonical_hit",
@@ -93,6 +150,8 @@ class Ledger:
         "_forks_reused",
         "_forks_wasted",
         "_latency_ns",
+        "_overhead_ns",
+        "_tool_hidden_ns",
         "_tool_ns",
         "_wait_actor_ns",
         "_wait_tool_ns",
@@ -112,6 +171,7 @@ class Ledger:
         self._drafts_canonical_hit = 0
         self._latency_ns = self._wait_actor_ns = self._wait_tool_ns = 0
         self._tool_ns = self._decode_ns = self._wasted_tool_ns = self._wasted_decode_ns = 0
+        self._decode_hidden_ns = self._tool_hidden_ns = self._overhead_ns = 0
 
     def _event(self, kind: EventKind, t_ns: int, detail: str, ns: int) -> None:
         if self.keep_events:
@@ -126,14 +186,29 @@ class Ledger:
         wait_tool_ns: int,
         decode_ns: int,
         tool_ns: int,
+        decode_waited_ns: int,
+        tool_waited_ns: int,
         executed: bool,
     ) -> None:
-        """A step was verified and committed; the four durations describe its critical path."""
+        """A step was verified and committed. ``wait_actor_ns``/``wait_tool_ns``: its
+        critical path (boundary to emission, emission to commit); ``decode_ns``/``tool_ns``:
+        its decode and tool time; ``decode_waited_ns``/``tool_waited_ns``: the parts of
+        those that fell within its waits (at most the decode/tool time and the wait)."""
+        if not (
+            0 <= decode_waited_ns <= min(decode_ns, wait_actor_ns) and 0 <= tool_waited_ns <= min(tool_ns, wait_tool_ns)
+        ):
+            raise EngineError(
+                f"ledger: waited decode/tool time {decode_waited_ns}/{tool_waited_ns} ns outside the step's "
+                f"decode/tool time {decode_ns}/{tool_ns} ns or its waits {wait_actor_ns}/{wait_tool_ns} ns"
+            )
         self._wait_actor_ns += wait_actor_ns
         self._wait_tool_ns += wait_tool_ns
         self._latency_ns += wait_actor_ns + wait_tool_ns
         self._decode_ns += decode_ns
         self._tool_ns += tool_ns
+        self._decode_hidden_ns += decode_ns - decode_waited_ns
+        self._tool_hidden_ns += tool_ns - tool_waited_ns
+        self._overhead_ns += wait_actor_ns - decode_waited_ns + wait_tool_ns - tool_waited_ns
         self._executed += executed
         self._event(EventKind.STEP, t_ns, detail, wait_actor_ns + wait_tool_ns)
         self.step += 1
@@ -182,22 +257,6 @@ class Ledger:
         self._failures += 1
         self._event(EventKind.FAIL, t_ns, detail, 0)
 
-    @property
-    def latency_ns(self) -> int:
-        return self._latency_ns
-
-    @property
-    def tool_ns(self) -> int:
-        return self._tool_ns
-
-    @property
-    def decode_ns(self) -> int:
-        return self._decode_ns
-
-    @property
-    def wasted_tool_ns(self) -> int:
-        return self._wasted_tool_ns
-
     def statistics(self) -> EngineStatistics:
         """A frozen snapshot of the running totals."""
         return EngineStatistics(
@@ -211,13 +270,14 @@ class Ledger:
             drafts_canonical_hit=self._drafts_canonical_hit,
             drafts_cancelled=self._drafts_cancelled,
             speculative_failures=self._failures,
-            latency_s=self._latency_ns * _S,
-            wait_actor_s=self._wait_actor_ns * _S,
-            wait_tool_s=self._wait_tool_ns * _S,
-            tool_time_s=self._tool_ns * _S,
-            decode_time_s=self._decode_ns * _S,
-            tool_time_hidden_s=(self._tool_ns - self._wait_tool_ns) * _S,
-            decode_time_hidden_s=(self._decode_ns - self._wait_actor_ns) * _S,
-            speculative_tool_time_wasted_s=self._wasted_tool_ns * _S,
-            provisional_decode_wasted_s=self._wasted_decode_ns * _S,
+            latency_ns=self._latency_ns,
+            wait_actor_ns=self._wait_actor_ns,
+            wait_tool_ns=self._wait_tool_ns,
+            decode_ns=self._decode_ns,
+            tool_ns=self._tool_ns,
+            decode_hidden_ns=self._decode_hidden_ns,
+            tool_hidden_ns=self._tool_hidden_ns,
+            overhead_ns=self._overhead_ns,
+            wasted_tool_ns=self._wasted_tool_ns,
+            wasted_decode_ns=self._wasted_decode_ns,
         )

@@ -4,14 +4,16 @@ Each seam is small. Cancellation is not part of any seam: the engine cancels wor
 cancelling the anyio cancel scope around the awaited call, so every implementation must
 be cancel-safe (release what it holds when ``anyio.get_cancelled_exc_class()`` is raised).
 
-In-package implementations for tests live in :mod:`aospec.testing`.
+In-package implementations for tests live in :mod:`aospec.testing`. Traces have no seam of
+their own: the importers are plain functions from a path to ``Trace`` objects
+(``replay.load_traces``), and everything that consumes traces takes a sequence of them.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
-from typing import Protocol, runtime_checkable
+from typing import Protocol, Self, runtime_checkable
 
 from aospec.types import Action, History, Trace
 
@@ -19,14 +21,23 @@ __all__ = [
     "ActionDraft",
     "ActionDrafter",
     "Actor",
+    "Clock",
     "Kernel",
     "ObservationCanonicalizer",
     "ObservationDraft",
     "ObservationDrafter",
     "Sandbox",
+    "StreamingObservationDrafter",
     "Trainable",
-    "TraceSource",
 ]
+
+
+@runtime_checkable
+class Clock(Protocol):
+    """The engine's notion of time, in integer nanoseconds (monotonic in live runs, virtual
+    in replay). Every duration the engine records is a difference of two ``now_ns()``."""
+
+    def now_ns(self) -> int: ...
 
 
 @runtime_checkable
@@ -46,10 +57,26 @@ class Sandbox(Protocol):
     """An environment that executes actions and can be forked copy-on-write.
 
     ``version`` identifies the filesystem state exactly (equal states of equal lineage
-    have equal versions); it is up to date whenever no ``execute`` is in flight.
-    ``fork`` returns an isolated child whose origin version is this sandbox's current
-    version; ``commit(child)`` makes the child's state this sandbox's state (the child is
-    consumed); ``discard`` throws this sandbox (a fork) away and releases everything.
+    have equal versions). ``fork`` returns an isolated child whose origin version is this
+    sandbox's current version; ``commit(child)`` makes the child's state this sandbox's
+    state (the child, a fork or a fork of a fork, is consumed); ``discard`` throws this
+    sandbox (a fork) away and releases everything (idempotent). After ``commit`` or
+    ``discard`` the consumed sandbox raises SandboxError on use.
+
+    Concurrency (what callers may overlap, from different tasks):
+
+    - ``fork``, ``commit`` and ``discard`` of one sandbox may overlap each other; the
+      implementation serialises them (the runtime backends hold a per-sandbox lock, the
+      in-memory and replay ones make each change without awaiting in between).
+    - ``execute`` must not overlap any other call on the *same* sandbox: the caller
+      serialises it. Calls on different sandboxes (a parent, its forks, siblings) may all
+      overlap, except that a fork is committed only once its ``execute`` has returned.
+    - ``version`` is exact whenever no ``execute`` on this sandbox is in flight; read while
+      ``commit`` is in flight it is the version before or after it.
+
+    The engine relies on exactly this: with forks on, the committed sandbox only ever
+    forks and commits (from several tasks at once) and never executes; without forks, one
+    task executes on it and nothing forks it. It holds no lock of its own.
     """
 
     @property
@@ -57,9 +84,9 @@ class Sandbox(Protocol):
 
     async def execute(self, action: Action) -> str: ...
 
-    async def fork(self) -> Sandbox: ...
+    async def fork(self) -> Self: ...
 
-    async def commit(self, fork: Sandbox) -> None: ...
+    async def commit(self, fork: Self) -> None: ...
 
     async def discard(self) -> None: ...
 
@@ -86,6 +113,20 @@ class ObservationDrafter(Protocol):
     """Proposes up to ``n`` candidate observations of ``action`` after ``history``."""
 
     async def draft(self, history: History, action: Action, n: int) -> Sequence[ObservationDraft]: ...
+
+
+@runtime_checkable
+class StreamingObservationDrafter(Protocol):
+    """An observation drafter whose candidates become ready at different times (several
+    drafters of different speed behind one object, e.g. replay's charged drafters).
+
+    The engine prefers ``draft_stream`` to ``draft`` when a drafter has it, and starts the
+    continuations of each batch as it arrives, within what is left of the branch budget:
+    cheap candidates never wait for slow ones. Batches together hold at most ``n`` drafts
+    per source drafter.
+    """
+
+    def draft_stream(self, history: History, action: Action, n: int) -> AsyncIterator[Sequence[ObservationDraft]]: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -131,10 +172,3 @@ class Trainable(Protocol):
     """A drafter that learns from training traces before use (never from eval traces)."""
 
     def fit(self, traces: Sequence[Trace]) -> None: ...
-
-
-@runtime_checkable
-class TraceSource(Protocol):
-    """Yields canonical traces."""
-
-    def traces(self) -> Iterator[Trace] | Iterable[Trace]: ...

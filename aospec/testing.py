@@ -157,7 +157,7 @@ class InMemorySandbox:
         self._root.forks_opened += 1
         return child
 
-    async def commit(self, fork: InMemorySandbox) -> None:  # type: ignore[override]
+    async def commit(self, fork: InMemorySandbox) -> None:
         self._check()
         fork._check()
         if fork._root is not self._root:

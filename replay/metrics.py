@@ -2,9 +2,12 @@
 
 - ``mean_saving``: mean over traces of ``1 - latency / serial`` (traces weighted equally).
 - ``p50_s`` ... ``p99_s``: quantiles (linear interpolation) of per-trial latency.
-- ``hidden_tool_s``: total over traces of tool time that ran while the actor decoded
-  (tool time of committed steps minus time spent waiting for tools);
-  ``hidden_decode_s``: total decoding that ran while a tool ran.
+- ``hidden_tool_s``: total over traces of tool time of committed steps that ran while the
+  actor decoded (before the step's action was emitted); ``hidden_decode_s``: total decoding
+  of committed steps that ran while a tool ran (before the step's boundary); both >= 0.
+- ``overhead_s``: total time on the committed path that was neither decoding nor tool time
+  (forking, committing; always 0 in virtual time), so that
+  ``latency = decode + tool - hidden_decode - hidden_tool + overhead``.
 - ``obs_hit_rate``: committed steps whose observation a draft matched byte for byte, over
   steps that executed an action; ``action_hit_rate``: committed steps served by a
   speculative fork (JASV reuse), over the same. ``obs_canonical_hit_rate``: steps whose
@@ -63,6 +66,7 @@ class PolicySummary:
     obs_canonical_hit_rate: float = 0.0
     drafter_failures: int = 0
     drafter_error: str = ""
+    overhead_s: float = 0.0
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -121,6 +125,7 @@ def summarize(results: Iterable[TraceResult]) -> list[PolicySummary]:
                     obs_canonical_hit_rate=sum(r.drafts_canonical_hit for r in rs) / executed,
                     drafter_failures=sum(r.drafter_failures for r in rs),
                     drafter_error=next((r.drafter_error for r in rs if r.drafter_error), ""),
+                    overhead_s=sum(r.overhead_ns for r in rs) * 1e-9,
                 )
             )
     return out

@@ -10,24 +10,28 @@ any registered or dotted-path drafter plugs in: ``aospec:obs_drafter=lm``. Sever
 drafters are joined with ``+``; ``oracle`` is the recorded truth (ceilings only).
 
 ``aospec:accept=canonical`` accepts drafts equal to the real observation once
-canonicalised (``:canonicalizer=all`` or ``=pids+times`` picks the fields); the replay actor
-then treats canonically equal histories as the recorded one (docs/replay.md).
+canonicalised (``:canonicalizer=all`` or ``=pids+times`` picks the fields, see
+:func:`load_canonicalizer`); the replay actor then treats canonically equal histories as the
+recorded one (docs/replay.md).
 
 A drafter's configuration is checked before a sweep starts (:func:`check_drafters`); a
 drafting call that fails during a run loses only that drafter's candidates and is counted
-(:class:`DrafterFailures`).
+(:class:`DrafterFailures`). Drafting costs virtual time per drafter
+(:class:`ChargedObservationDrafter`): a cheap drafter's candidates are continued when it is
+done, not when the slowest drafter of the policy is.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
-from collections.abc import Mapping, Sequence
+from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from aospec._lazy import import_object
 from aospec.config import from_mapping
-from aospec.engine_config import EngineConfig, load_canonicalizer
+from aospec.engine_config import EngineConfig
 from aospec.errors import AospecError, ConfigError
 from aospec.evd import EVDEstimator
 from aospec.protocols import ActionDraft, ActionDrafter, ObservationCanonicalizer, ObservationDraft, ObservationDrafter
@@ -37,6 +41,7 @@ from replay.sandbox import ReplayWorld
 
 __all__ = [
     "BASE_POLICIES",
+    "CANONICALIZERS",
     "DEFAULT_POLICIES",
     "UNBOUNDED",
     "ChargedActionDrafter",
@@ -49,6 +54,7 @@ __all__ = [
     "PolicyConfig",
     "check_drafter_names",
     "check_drafters",
+    "load_canonicalizer",
     "parse_policies",
     "parse_policy",
 ]
@@ -62,7 +68,8 @@ class PolicyConfig:
     ``oracle`` = the recorded truth at no cost). ``kernel``: the EVD kernel's registry
     name. Drafting is charged in virtual time: each call costs ``draft_call_ms`` plus
     ``draft_tpot_ms`` per token of its longest candidate (non-generative drafters report 0
-    tokens, so they cost the fixed call latency only).
+    tokens, so they cost the fixed call latency only). ``canonicalizer``: the canonicaliser
+    of ``accept=canonical`` (:func:`load_canonicalizer`).
     """
 
     obs_drafter: str = ""
@@ -70,10 +77,13 @@ class PolicyConfig:
     kernel: str = "pattern"
     draft_call_ms: float = 2.0
     draft_tpot_ms: float = 5.0
+    canonicalizer: str = "default"
 
     def __post_init__(self) -> None:
         if self.draft_call_ms < 0 or self.draft_tpot_ms < 0:
             raise ConfigError("policy: draft_call_ms and draft_tpot_ms must be >= 0")
+        if not self.canonicalizer:
+            raise ConfigError("policy: canonicalizer must name a canonicaliser (e.g. 'default')")
 
     @property
     def obs_names(self) -> tuple[str, ...]:
@@ -113,6 +123,38 @@ DEFAULT_POLICIES = (
     "obs-only",
     "action-only",
 )
+
+#: name -> "module:attr" of zero-argument canonicaliser factories (``accept=canonical``).
+CANONICALIZERS: dict[str, str] = {
+    "default": "drafters.canonicalize:Canonicalizer",
+    "all": "drafters.canonicalize:all_fields",
+}
+
+
+def load_canonicalizer(spec: str) -> ObservationCanonicalizer:
+    """The canonicaliser ``spec`` names: a name of :data:`CANONICALIZERS`, field names
+    joined by ``+`` or ``,`` (``pids+times``; see drafters/canonicalize.py), or a dotted
+    path ``module:attr`` of a zero-argument factory. Anything else raises ConfigError."""
+    if spec in CANONICALIZERS or ":" in spec or "." in spec:
+        factory = import_object(spec, CANONICALIZERS, "canonicaliser")
+        try:
+            obj = factory()
+        except TypeError as exc:
+            raise ConfigError(f"policy: canonicalizer {spec!r} cannot be built without arguments: {exc}") from None
+    else:
+        from drafters.canonicalize import canonicalizer
+
+        try:
+            obj = canonicalizer(spec)
+        except ConfigError as exc:
+            names = ", ".join(CANONICALIZERS)
+            raise ConfigError(
+                f"policy: canonicalizer {spec!r} is neither a name ({names}), a dotted path nor a field list: {exc}"
+            ) from None
+    if not callable(getattr(obj, "canonical", None)):
+        raise ConfigError(f"policy: canonicalizer {spec!r} has no canonical(text) method")
+    return obj
+
 
 _ENGINE_KEYS = {f.name for f in dataclasses.fields(EngineConfig)}
 _POLICY_KEYS = {f.name for f in dataclasses.fields(PolicyConfig)}
@@ -186,7 +228,7 @@ def parse_policy(spec: str) -> Policy:
         if key in _ENGINE_KEYS:
             engine_map[key] = _value(raw)
         elif key in _POLICY_KEYS:
-            policy_map[key] = raw if key in ("obs_drafter", "action_drafter", "kernel") else _value(raw)
+            policy_map[key] = raw if key in ("obs_drafter", "action_drafter", "kernel", "canonicalizer") else _value(raw)
         else:
             known = ", ".join(sorted(_ENGINE_KEYS | _POLICY_KEYS))
             raise ConfigError(f"policy {spec!r}: unknown key {key!r}; known keys: {known}")
@@ -213,7 +255,7 @@ def check_drafter_names(policies: Sequence[Policy]) -> None:
         if p.config.obs_names and p.engine.rank != "likelihood":
             resolve("EVD kernel", p.config.kernel)
         if p.engine.accept == "canonical":
-            load_canonicalizer(p.engine.canonicalizer)
+            load_canonicalizer(p.config.canonicalizer)
 
 
 def _drafter_names(policies: Sequence[Policy]) -> list[tuple[str, str]]:
@@ -314,10 +356,16 @@ class DrafterFailures:
 
 
 class ChargedObservationDrafter:
-    """Consults ``inners`` (one or more drafters, merged) and charges the cost in virtual
-    time: ``call_ns + max tokens * tpot_ns``. Several drafters count as one call made side
-    by side, and candidates as one batch. A drafter that fails loses only its own
-    candidates; the failure is counted in ``failures``."""
+    """Consults ``inners`` (one or more drafters, merged) and charges each one's cost in
+    virtual time: ``call_ns + max tokens * tpot_ns`` of its own candidates, the drafters
+    running side by side from the same start.
+
+    ``draft_stream`` (what the engine uses) yields the candidates of each drafter when its
+    cost has elapsed, those of drafters with equal cost as one batch (ranked together), so a
+    cheap drafter's candidates never wait for a slow one's. ``draft`` returns them all once
+    the slowest is done. A drafter that fails loses only its own candidates; the failure is
+    counted in ``failures``.
+    """
 
     __slots__ = ("call_ns", "clock", "failures", "inners", "tpot_ns")
 
@@ -332,15 +380,32 @@ class ChargedObservationDrafter:
         self.inners, self.clock, self.call_ns, self.tpot_ns = tuple(inners), clock, call_ns, tpot_ns
         self.failures = failures if failures is not None else DrafterFailures()
 
-    async def draft(self, history: History, action: Action, n: int) -> Sequence[ObservationDraft]:
-        drafts: list[ObservationDraft] = []
+    async def _costed(self, history: History, action: Action, n: int) -> list[tuple[int, list[ObservationDraft]]]:
+        """(cost in ns, drafts) of each drafter that did not fail, in the drafters' order."""
+        out = []
         for inner in self.inners:
             try:
-                drafts.extend(await inner.draft(history, action, n))
+                drafts = list(await inner.draft(history, action, n))
             except AospecError as exc:
                 self.failures.record(inner, exc)
-        await self.clock.sleep_ns(self.call_ns + max((d.tokens for d in drafts), default=0) * self.tpot_ns)
-        return drafts
+                continue
+            out.append((self.call_ns + max((d.tokens for d in drafts), default=0) * self.tpot_ns, drafts))
+        return out
+
+    async def draft_stream(self, history: History, action: Action, n: int) -> AsyncIterator[Sequence[ObservationDraft]]:
+        by_cost: dict[int, list[ObservationDraft]] = {}
+        for cost, drafts in await self._costed(history, action, n):
+            by_cost.setdefault(cost, []).extend(drafts)
+        elapsed = 0
+        for cost, drafts in sorted(by_cost.items()) or [(self.call_ns, [])]:
+            await self.clock.sleep_ns(cost - elapsed)
+            elapsed = cost
+            yield drafts
+
+    async def draft(self, history: History, action: Action, n: int) -> Sequence[ObservationDraft]:
+        costed = await self._costed(history, action, n)
+        await self.clock.sleep_ns(max((cost for cost, _ in costed), default=self.call_ns))
+        return [d for _, drafts in costed for d in drafts]
 
 
 class ChargedActionDrafter:

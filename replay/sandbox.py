@@ -141,7 +141,7 @@ class ReplaySandbox:
             raise SandboxError("replay sandbox was discarded or committed")
         return ReplaySandbox(self.world, self._version, self._position)
 
-    async def commit(self, fork: ReplaySandbox) -> None:  # type: ignore[override]
+    async def commit(self, fork: ReplaySandbox) -> None:
         if fork._closed or fork.world is not self.world:
             raise SandboxError("commit of a fork that is closed or from another replay")
         self._version = fork._version

@@ -17,7 +17,8 @@ would come near it is refused with a ConfigError before it runs.
 
 :func:`run_sweep` does this for a set of evaluation traces, fitting drafters only on
 training traces: leave-one-task-out when no training set is given, else the given set.
-Work is spread over ``jobs`` processes (one trace per work item).
+The work is a :class:`SweepJob` (one trace per work item) run by an executor
+(replay/executors.py): ``jobs`` local processes unless another executor is given.
 """
 
 from __future__ import annotations
@@ -25,8 +26,7 @@ from __future__ import annotations
 import math
 import os
 from collections.abc import Callable, Mapping, Sequence
-from concurrent.futures import ProcessPoolExecutor, as_completed
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import anyio
@@ -35,10 +35,19 @@ from aospec.engine import Engine
 from aospec.errors import ConfigError, EngineError
 from aospec.types import Trace
 from replay.actor import ReplayActor, VirtualClock, estimate_tokens, ms_to_ns, seconds_to_ns
+from replay.executors import Executor, local_executor
 from replay.policies import DrafterFailures, DrafterSet, Policy, check_drafters
 from replay.sandbox import ReplayWorld
 
-__all__ = ["DEFAULT_TPOTS_MS", "TraceResult", "check_ceiling", "check_trajectory", "replay_trace", "run_sweep"]
+__all__ = [
+    "DEFAULT_TPOTS_MS",
+    "SweepJob",
+    "TraceResult",
+    "check_ceiling",
+    "check_trajectory",
+    "replay_trace",
+    "run_sweep",
+]
 
 #: Model speeds of a default sweep (ms per output token).
 DEFAULT_TPOTS_MS = (20.0, 15.0, 10.0, 5.0, 1.0)
@@ -50,7 +59,12 @@ MAX_VIRTUAL_NS = 2**52
 
 @dataclass(frozen=True, slots=True)
 class TraceResult:
-    """One trace replayed under one policy at one TPOT (times in integer nanoseconds)."""
+    """One trace replayed under one policy at one TPOT (times in integer nanoseconds).
+
+    ``hidden_tool_ns``, ``hidden_decode_ns`` and ``overhead_ns`` are the engine's
+    :class:`aospec.ledger.EngineStatistics` fields ``tool_hidden_ns``, ``decode_hidden_ns``
+    and ``overhead_ns`` (the overhead is 0 in virtual time).
+    """
 
     trace_id: str
     task: str
@@ -76,19 +90,14 @@ class TraceResult:
     drafts_canonical_hit: int = 0
     drafter_failures: int = 0
     drafter_error: str = ""
+    hidden_tool_ns: int = 0
+    hidden_decode_ns: int = 0
+    overhead_ns: int = 0
 
     @property
     def saving(self) -> float:
         """Fraction of serial latency saved."""
         return 1.0 - self.latency_ns / self.serial_ns if self.serial_ns else 0.0
-
-    @property
-    def hidden_tool_ns(self) -> int:
-        return self.tool_ns - self.wait_tool_ns
-
-    @property
-    def hidden_decode_ns(self) -> int:
-        return self.decode_ns - self.wait_actor_ns
 
     def to_json(self) -> dict[str, Any]:
         out = {f: getattr(self, f) for f in self.__slots__}  # type: ignore[attr-defined]
@@ -108,7 +117,7 @@ async def _run_one(
     prefill_ns_per_token: int,
 ) -> tuple[Any, ReplayActor, ReplayWorld, Engine, DrafterFailures]:
     clock = VirtualClock()
-    canon = drafters.canonicalizer(policy.engine.canonicalizer) if policy.engine.accept == "canonical" else None
+    canon = drafters.canonicalizer(policy.config.canonicalizer) if policy.engine.accept == "canonical" else None
     actor = ReplayActor(
         trace, tpot_ns=tpot_ns, clock=clock, prefill_ns_per_token=prefill_ns_per_token, canonicalizer=canon
     )
@@ -162,18 +171,17 @@ def _check_and_record(
 ) -> TraceResult:
     where = f"trace {trace.id!r}, policy {policy.name!r}, TPOT {tpot_ms:g} ms"
     check_trajectory(trace, history, where)
-    ledger = engine.ledger
+    st = engine.statistics()
     decode_total = sum(actor.decode_ns)
     tool_total = sum(world.tool_ns)
     serial_ns = decode_total + tool_total
-    if ledger.decode_ns != decode_total or ledger.tool_ns != tool_total:
+    if st.decode_ns != decode_total or st.tool_ns != tool_total:
         raise EngineError(
-            f"{where}: committed decode/tool time {ledger.decode_ns}/{ledger.tool_ns} ns differs from the "
+            f"{where}: committed decode/tool time {st.decode_ns}/{st.tool_ns} ns differs from the "
             f"recorded {decode_total}/{tool_total} ns"
         )
-    if not policy.speculates and ledger.latency_ns != serial_ns:
-        raise EngineError(f"{where}: latency {ledger.latency_ns} ns != sum(D_i + T_i) = {serial_ns} ns")
-    st = engine.statistics()
+    if not policy.speculates and st.latency_ns != serial_ns:
+        raise EngineError(f"{where}: latency {st.latency_ns} ns != sum(D_i + T_i) = {serial_ns} ns")
     return TraceResult(
         trace_id=trace.id,
         task=trace.task,
@@ -182,23 +190,26 @@ def _check_and_record(
         steps=len(trace),
         actions_executed=st.actions_executed,
         serial_ns=serial_ns,
-        latency_ns=ledger.latency_ns,
-        decode_ns=ledger.decode_ns,
-        tool_ns=ledger.tool_ns,
-        wait_actor_ns=round(st.wait_actor_s * 1e9),
-        wait_tool_ns=round(st.wait_tool_s * 1e9),
+        latency_ns=st.latency_ns,
+        decode_ns=st.decode_ns,
+        tool_ns=st.tool_ns,
+        wait_actor_ns=st.wait_actor_ns,
+        wait_tool_ns=st.wait_tool_ns,
         ceiling_ns=-1,
         forks_launched=st.forks_launched,
         forks_reused=st.forks_reused,
         forks_wasted=st.forks_wasted,
         drafts_started=st.drafts_started,
         drafts_hit=st.drafts_hit,
-        wasted_tool_ns=ledger.wasted_tool_ns,
-        wasted_decode_ns=round(st.provisional_decode_wasted_s * 1e9),
+        wasted_tool_ns=st.wasted_tool_ns,
+        wasted_decode_ns=st.wasted_decode_ns,
         unknown_tool_steps=len(world.unknown_tool_steps),
         drafts_canonical_hit=st.drafts_canonical_hit,
         drafter_failures=failures.count,
         drafter_error=failures.first,
+        hidden_tool_ns=st.tool_hidden_ns,
+        hidden_decode_ns=st.decode_hidden_ns,
+        overhead_ns=st.overhead_ns,
     )
 
 
@@ -311,38 +322,46 @@ def _with(r: TraceResult, **changes: Any) -> TraceResult:
 
 # ---------------------------------------------------------------------- sweeps
 
-_W: dict[str, Any] = {}
 
+@dataclass(eq=False)
+class SweepJob:
+    """The work of a sweep: ``job(index)`` replays evaluation trace ``index`` under every
+    policy at every TPOT. Picklable (an executor sends it to each worker once); it keeps the
+    drafter sets of the last few folds it built, so a worker fits each fold once."""
 
-def _init_worker(state: dict[str, Any]) -> None:
-    _W.clear()
-    _W.update(state)
-    _W["folds"] = {}
+    eval_traces: Sequence[Trace]
+    train_traces: Sequence[Trace] | None
+    policies: Sequence[Policy]
+    tpots_ms: Sequence[float]
+    drafter_options: Mapping[str, Mapping[str, Any]]
+    prefill_ms_per_ktok: float = 0.0
+    check_ceilings: bool = True
+    _folds: dict[str, DrafterSet] = field(default_factory=dict, repr=False)
 
+    def fold(self, index: int) -> DrafterSet:
+        """The drafters for evaluation trace ``index``: fit on the training set, else on
+        every trace of another task (leave-one-task-out)."""
+        trace = self.eval_traces[index]
+        key = "train" if self.train_traces is not None else trace.task
+        folds = self._folds
+        if key not in folds:
+            train = self.train_traces
+            if train is None:
+                train = [t for t in self.eval_traces if t.task != trace.task]
+            if len(folds) >= 4:
+                folds.pop(next(iter(folds)))
+            folds[key] = DrafterSet(train, self.drafter_options)
+        return folds[key]
 
-def _fold_for(index: int) -> DrafterSet:
-    trace = _W["eval"][index]
-    train = _W["train"]
-    key = "train" if train is not None else trace.task
-    folds: dict[str, DrafterSet] = _W["folds"]
-    if key not in folds:
-        if train is None:
-            train = [t for t in _W["eval"] if t.task != trace.task]
-        if len(folds) >= 4:
-            folds.pop(next(iter(folds)))
-        folds[key] = DrafterSet(train, _W["options"])
-    return folds[key]
-
-
-def _work(index: int) -> list[TraceResult]:
-    return replay_trace(
-        _W["eval"][index],
-        _W["policies"],
-        _W["tpots"],
-        _fold_for(index),
-        prefill_ms_per_ktok=_W["prefill"],
-        check_ceilings=_W["check"],
-    )
+    def __call__(self, index: int) -> list[TraceResult]:
+        return replay_trace(
+            self.eval_traces[index],
+            self.policies,
+            self.tpots_ms,
+            self.fold(index),
+            prefill_ms_per_ktok=self.prefill_ms_per_ktok,
+            check_ceilings=self.check_ceilings,
+        )
 
 
 def run_sweep(
@@ -356,12 +375,14 @@ def run_sweep(
     prefill_ms_per_ktok: float = 0.0,
     check_ceilings: bool = True,
     on_trace_done: Callable[[Trace], None] | None = None,
+    executor: Executor | None = None,
 ) -> list[TraceResult]:
     """Replay every evaluation trace under every policy at every TPOT.
 
     Drafters are fit on ``train_traces`` when given, else leave-one-task-out (each trace's
     drafters see only traces of other tasks; a set with a single task cannot be swept that
-    way). Results are ordered by trace, then TPOT, then policy.
+    way). The traces are replayed by ``executor`` (default: ``jobs`` local processes, in
+    this process for one). Results are ordered by trace, then TPOT, then policy.
     """
     traces = list(eval_traces)
     if not traces:
@@ -380,37 +401,26 @@ def run_sweep(
         check_virtual_time(t, max(tpots_ms), prefill_ns)
     check_drafters(policies, drafter_options)
     order = sorted(range(len(traces)), key=lambda i: (traces[i].task, traces[i].id))
-    state = {
-        "eval": traces,
-        "train": list(train_traces) if train_traces is not None else None,
-        "policies": list(policies),
-        "tpots": list(tpots_ms),
-        "options": dict(drafter_options or {}),
-        "prefill": prefill_ms_per_ktok,
-        "check": check_ceilings,
-    }
+    job = SweepJob(
+        traces,
+        list(train_traces) if train_traces is not None else None,
+        list(policies),
+        list(tpots_ms),
+        dict(drafter_options or {}),
+        prefill_ms_per_ktok,
+        check_ceilings,
+    )
+    if executor is None:
+        executor = local_executor(min(jobs, len(traces), os.cpu_count() or 1))
     results: dict[int, list[TraceResult]] = {}
-    jobs = min(jobs, len(traces), os.cpu_count() or 1)
-    if jobs == 1:
-        _init_worker(state)
-        try:
-            for i in order:
-                results[i] = _work(i)
-                if on_trace_done is not None:
-                    on_trace_done(traces[i])
-        finally:
-            _W.clear()
-    else:
-        with ProcessPoolExecutor(max_workers=jobs, initializer=_init_worker, initargs=(state,)) as pool:
-            futures = {pool.submit(_work, i): i for i in order}
-            try:
-                for fut in as_completed(futures):
-                    i = futures[fut]
-                    results[i] = fut.result()
-                    if on_trace_done is not None:
-                        on_trace_done(traces[i])
-            except BaseException:
-                for fut in futures:
-                    fut.cancel()
-                raise
+    done = executor.map_unordered(job, order)
+    try:
+        for i, trace_results in done:
+            results[i] = trace_results
+            if on_trace_done is not None:
+                on_trace_done(traces[i])
+    finally:
+        close = getattr(done, "close", None)
+        if close is not None:
+            close()  # stops the executor's workers when the sweep ends early
     return [r for i in range(len(traces)) for r in results[i]]

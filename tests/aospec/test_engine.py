@@ -13,6 +13,7 @@ from aospec.ledger import EventKind
 from aospec.protocols import ActionDraft, ObservationDraft
 from aospec.testing import InMemorySandbox, ScriptedActionDrafter, ScriptedActor, ScriptedObservationDrafter
 from aospec.types import Action, History
+from drafters.canonicalize import Canonicalizer
 
 SCRIPT = [
     Action.bash("sleep 2 && cat a"),  # read-only, long
@@ -287,6 +288,8 @@ def _pid_variant(text: str, pid: str = "977") -> str:
 
 
 async def _log_run(choose, accept: str, propose, **engine_kwargs):
+    if accept == "canonical":
+        engine_kwargs.setdefault("canonicalizer", Canonicalizer())
     sb = InMemorySandbox(LOG_FILES)
     config = EngineConfig(fork_width=0, provisional_targets=False, accept=accept)  # type: ignore[arg-type]
     engine = Engine(
@@ -374,7 +377,7 @@ def test_drafts_equal_once_canonicalised_share_one_continuation():
     assert canonical.drafts_canonical_hit == 2
 
 
-def test_canonicaliser_is_chosen_by_name_field_list_or_object():
+def test_canonicaliser_is_an_object_given_to_the_engine():
     class Lowercase:
         def canonical(self, text: str) -> str:
             return text.lower()
@@ -389,12 +392,15 @@ def test_canonicaliser_is_chosen_by_name_field_list_or_object():
     ref, by_object, by_default = run_virtual(main)
     assert by_object[0] == ref and by_object[3].statistics().drafts_canonical_hit == 2
     assert by_default[0] == ref and by_default[3].statistics().drafts_canonical_hit == 0
-    assert engine_config({"accept": "canonical", "canonicalizer": "pids+times"}).canonicalizer == "pids+times"
     with pytest.raises(ConfigError, match="'accept' has invalid value 'fuzzy'"):
         engine_config({"accept": "fuzzy"})
     with pytest.raises(ConfigError, match="accept must be one of"):
         EngineConfig(accept="fuzzy")  # type: ignore[arg-type]
-    with pytest.raises(ConfigError, match="canonicalizer 'colour'"):
-        Engine(script_actor(), InMemorySandbox(), config=EngineConfig(accept="canonical", canonicalizer="colour"))
+    with pytest.raises(ConfigError, match="unknown key 'canonicalizer'"):
+        engine_config({"accept": "canonical", "canonicalizer": "pids+times"})  # objects are passed, not named
+    with pytest.raises(ConfigError, match="no canonicalizer was given"):
+        Engine(script_actor(), InMemorySandbox(), config=EngineConfig(accept="canonical"))
+    with pytest.raises(ConfigError, match="has no canonical"):
+        Engine(script_actor(), InMemorySandbox(), config=EngineConfig(accept="canonical"), canonicalizer=object())
     with pytest.raises(ConfigError, match='accept is "exact"'):
         Engine(script_actor(), InMemorySandbox(), canonicalizer=Lowercase())

@@ -155,7 +155,8 @@ def test_live_canonical_acceptance_is_lossless_for_an_actor_that_ignores_pids(ba
             actor,
             sb,
             observation_drafters=[ScriptedObservationDrafter(observations, delay_s=0.0005)],
-            config=EngineConfig(branch_budget=2, fork_width=0, accept="canonical", canonicalizer="pids"),
+            config=EngineConfig(branch_budget=2, fork_width=0, accept="canonical"),
+            canonicalizer=Canonicalizer(["pids"]),
         )
         history = await engine.run(History("live"), steps=steps)
         return ref_sb, history, sb, engine.statistics()
@@ -177,7 +178,14 @@ def test_live_canonical_acceptance_hides_a_decode_behind_a_tool_whose_output_nam
         drafter = ScriptedObservationDrafter(
             lambda h, a: [ObservationDraft("<returncode>0</returncode>\n<output>\nstarted pid 9\n</output>", 0.9)]
         )
-        engine = Engine(actor, sb, observation_drafters=[drafter], config=EngineConfig(fork_width=0, accept=accept))
+        canon = Canonicalizer() if accept == "canonical" else None
+        engine = Engine(
+            actor,
+            sb,
+            observation_drafters=[drafter],
+            config=EngineConfig(fork_width=0, accept=accept),
+            canonicalizer=canon,
+        )
         history = await engine.run(History("live"), steps=2)
         return history, engine.statistics()
 

@@ -1,0 +1,718 @@
+"""One trajectory's engine state, and Algorithm 1 step by step.
+
+A :class:`Session` holds the state of one run (the verified history, the forks of the
+committed sandbox, the provisional continuations, the ledger) inside the task group that
+owns every speculative task of the run. :meth:`aospec.engine.Engine.run` drives it; so can
+a harness that owns its agent loop::
+
+    async with engine.session(History(task)) as session:
+        while not finished:
+            action = await session.decode()          # the actor's next action
+            observation = await session.execute(action)
+
+Notation of the paper's Algorithm 1 (written in ASCII here: ``B'`` is B-prime, ``P`` the
+script P of the paper; docs/engine.md has the table), and the names used here:
+
+- ``H``: the verified history (:attr:`Session.history`); ``v``: the committed sandbox's
+  version (``sandbox.version``).
+- ``B``: the branch that decodes the next action of ``H`` (a :class:`Branch` at level 0).
+- ``P``: a branch's provisional continuations, one per drafted observation of its action
+  (:attr:`Branch.continuations`); each is a :class:`Branch` one level deeper.
+- ``B'``: the continuation whose draft matched the real observation: it is adopted and
+  becomes the next step's ``B`` (``_Run.successor``).
+- ``f``: one execution of an action in a copy-on-write fork of the committed sandbox
+  (:class:`aospec.forks.ForkEntry`); ``F``: the registry of live ones (``_Run.forks``).
+
+"Root" is not used: in runtime/ it names the committed sandbox, which is ``sandbox`` here.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Sequence
+from contextlib import aclosing
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import anyio
+import anyio.lowlevel
+
+from aospec.engine_config import EngineConfig
+from aospec.errors import AospecError, EngineError
+from aospec.evd import EVDSession, rank_drafts
+from aospec.forks import ForkEntry, ForkRegistry, ForkState
+from aospec.ledger import EngineStatistics, Ledger
+from aospec.protocols import (
+    ActionDraft,
+    ActionDrafter,
+    Actor,
+    Clock,
+    ObservationCanonicalizer,
+    ObservationDraft,
+    ObservationDrafter,
+    Sandbox,
+)
+from aospec.types import Action, History
+
+if TYPE_CHECKING:
+    from anyio import TaskHandle
+    from anyio.abc import TaskGroup
+
+__all__ = ["Branch", "BranchState", "Session"]
+
+
+def _short(text: str, n: int = 60) -> str:
+    return text if len(text) <= n else text[: n - 3] + "..."
+
+
+def _overlap(a0: int, a1: int, b0: int, b1: int) -> int:
+    """Length of the intersection of the intervals [a0, a1] and [b0, b1]."""
+    return max(0, min(a1, b1) - max(a0, b0))
+
+
+class BranchState(enum.Enum):
+    """The life of a :class:`Branch`.
+
+    ``DECODING`` -> ``DECODED`` (or ``FAILED``) -> ``DRAFTING`` -> ``DRAFTED``; the branch
+    being verified moves to ``SEALED`` when the real observation arrives before its
+    drafting is over; any branch whose history can no longer happen moves to ``CANCELLED``.
+    """
+
+    DECODING = "decoding"  # the actor decodes the next action from the branch's history
+    DECODED = "decoded"  # the action is known; no observation drafted for it yet
+    FAILED = "failed"  # the decode raised: no action
+    DRAFTING = "drafting"  # observation drafters run; continuations start as their drafts arrive
+    DRAFTED = "drafted"  # drafting is over: the continuations are final
+    SEALED = "sealed"  # the real observation came first: drafting stopped, no continuation will start
+    CANCELLED = "cancelled"  # its history never happened: decode, drafting and continuations stopped
+
+
+class Branch:
+    """A decode of the next action from ``history``.
+
+    ``level`` 0 decodes from the verified history (``B``); level ``k > 0`` from a history
+    that ends in ``k`` drafted observations (``draft`` is the last one, ``probability``
+    the product of their probabilities). ``continuations`` (``P``) maps the text of each
+    drafted observation of ``action`` to the branch started on it; it is empty until the
+    branch drafts. The decode runs from ``started_ns`` to ``decoded_ns``.
+    """
+
+    __slots__ = (
+        "_waiter",
+        "action",
+        "canonical_form",
+        "continuations",
+        "decode_task",
+        "decoded_ns",
+        "draft",
+        "draft_task",
+        "history",
+        "level",
+        "probability",
+        "started_ns",
+        "state",
+    )
+
+    def __init__(
+        self, history: History, level: int, draft: ObservationDraft | None, probability: float, started_ns: int
+    ) -> None:
+        self.history = history
+        self.level = level
+        self.draft = draft
+        self.probability = probability
+        self.started_ns = started_ns
+        self.decoded_ns = started_ns
+        self.state = BranchState.DECODING
+        self.action: Action | None = None
+        self.canonical_form: str | None = None
+        self.continuations: dict[str, Branch] = {}
+        self.decode_task: TaskHandle[None] | None = None
+        self.draft_task: TaskHandle[None] | None = None
+        self._waiter: anyio.Event | None = None
+
+    def end_decode(self) -> None:
+        """The decode is over (with or without an action): move on and wake waiters."""
+        if self.state is BranchState.DECODING:
+            self.state = BranchState.DECODED if self.action is not None else BranchState.FAILED
+        if self._waiter is not None:
+            self._waiter.set()
+
+    async def wait_decoded(self) -> None:
+        """Wait until the decode is over."""
+        if self.state is BranchState.DECODING:
+            if self._waiter is None:
+                self._waiter = anyio.Event()
+            await self._waiter.wait()
+
+
+@dataclass(eq=False, slots=True)
+class _Run:
+    """Everything one run holds; each field says the invariant the steps keep."""
+
+    task_group: TaskGroup
+    """Owns every speculative task of the run (decodes, drafting, target drafting, forks);
+    cancelled when the run ends, so no task outlives it."""
+    ledger: Ledger
+    evd: EVDSession | None
+    history: History
+    """``H``: the verified history; it holds committed turns only."""
+    boundary_ns: int
+    """When ``H`` was verified (the last commit, or the start): a step's actor wait starts here."""
+    forks: ForkRegistry = field(default_factory=ForkRegistry)
+    """``F``: live speculative forks by (origin version, action key), each RUNNING or IDLE."""
+    idle: set[ForkEntry] = field(default_factory=set)
+    """Forks that executed and that no task owns (IDLE, or RELEASED from IDLE): the run
+    commits or discards each; empty once the run is closed."""
+    successor: Branch | None = None
+    """``B'``: the continuation adopted at the last commit; it decodes from exactly ``H``."""
+    pending: Branch | None = None
+    """``B`` from the moment :meth:`Session.decode` returned its action until
+    :meth:`Session.execute` committed it; None between steps."""
+    emitted_ns: int = 0
+    """When ``pending``'s action was emitted."""
+    targets: TaskHandle[None] | None = None
+    """The target-drafting task of the current boundary (cancelled at the next one)."""
+    inflight: tuple[str, str] | None = None
+    """``(v, a.key)`` while the committed step executes ``a`` from ``v``."""
+
+
+class Session:
+    """One run of Algorithm 1: the state of one trajectory and its steps.
+
+    Open one with :meth:`aospec.engine.Engine.session` (it owns the run's task group). Call
+    :meth:`decode` and :meth:`execute` alternately; each ``execute`` commits one step.
+    """
+
+    def __init__(
+        self,
+        *,
+        actor: Actor,
+        sandbox: Sandbox,
+        observation_drafters: Sequence[ObservationDrafter],
+        action_drafters: Sequence[ActionDrafter],
+        config: EngineConfig,
+        clock: Clock,
+        canonicalizer: ObservationCanonicalizer | None,
+        task_group: TaskGroup,
+        ledger: Ledger,
+        evd: EVDSession | None,
+        history: History,
+    ) -> None:
+        self._actor = actor
+        self._sandbox = sandbox
+        self._observation_drafters = tuple(observation_drafters)
+        self._action_drafters = tuple(action_drafters)
+        self._config = config
+        self._clock = clock
+        self._canon = canonicalizer
+        self._obs_on = config.branch_budget > 0 and bool(self._observation_drafters)
+        self._targets_on = config.fork_width > 0 and bool(self._action_drafters)
+        self._provisional_targets_on = config.provisional_targets and self._obs_on
+        self._use_forks = self._targets_on or self._provisional_targets_on
+        self._run = _Run(task_group, ledger, evd, history, clock.now_ns())
+
+    @property
+    def history(self) -> History:
+        """``H``: the verified history (committed steps only)."""
+        return self._run.history
+
+    def statistics(self) -> EngineStatistics:
+        """Frozen totals of this run so far."""
+        return self._run.ledger.statistics()
+
+    # ------------------------------------------------------------------ the two calls of a step
+
+    async def decode(self, history: History | None = None) -> Action:
+        """The actor's next action after ``H`` (line: *finish the actor*).
+
+        Speculative targets for this boundary are launched first. The action comes from
+        the adopted continuation ``B'`` when there is one, else from a fresh decode.
+        ``history`` (default ``H``) lets a harness that edited its history restart from
+        it: the continuation adopted for the old one is cancelled; forks stay, since JASV
+        checks versions, not histories.
+        """
+        run = self._run
+        if run.pending is not None:
+            raise EngineError("decode() was called twice: execute() the action it returned first")
+        if history is not None and history is not run.history and history != run.history:
+            self._restart(history)
+        if self._targets_on:
+            self._speculate_actions(run.history)
+        branch = await self._finish_actor()
+        run.emitted_ns = self._clock.now_ns()
+        run.pending = branch
+        assert branch.action is not None
+        return branch.action
+
+    async def execute(self, action: Action) -> str:
+        """Verify, execute and commit the action :meth:`decode` returned; returns its
+        observation. ``H`` then ends in this step."""
+        run = self._run
+        branch = run.pending
+        if branch is None or action != branch.action:
+            raise EngineError("execute() runs the action decode() returned, once: call decode() first")
+        clock, ledger = self._clock, run.ledger
+        emitted_ns = run.emitted_ns
+        run.inflight = (self._sandbox.version, action.key)
+
+        fork = self._verify(action) if self._use_forks else None
+        if fork is not None:
+            ledger.fork_reused(emitted_ns, action.key)
+            if self._obs_on and fork.running and branch.state is BranchState.DECODED:
+                self._predict_observations(branch)
+            await fork.wait_finished()
+            if fork.state is ForkState.FAILED:
+                fork = None
+        if fork is None:
+            if self._obs_on and branch.state is BranchState.DECODED:
+                self._predict_observations(branch)
+            fork = await self._execute(action)
+        observation = fork.observation
+        assert observation is not None
+
+        self._seal(branch)
+        await self._commit(fork)
+        run.inflight = None
+
+        now = clock.now_ns()
+        tool_ns = fork.tool_ns(now)
+        tool_waited = 0
+        if fork.exec_start_ns is not None:
+            end = fork.exec_end_ns if fork.exec_end_ns is not None else now
+            tool_waited = _overlap(emitted_ns, now, fork.exec_start_ns, end)
+        ledger.committed_step(
+            now,
+            action.key,
+            wait_actor_ns=emitted_ns - run.boundary_ns,
+            wait_tool_ns=now - emitted_ns,
+            decode_ns=branch.decoded_ns - branch.started_ns,
+            tool_ns=tool_ns,
+            decode_waited_ns=_overlap(run.boundary_ns, emitted_ns, branch.started_ns, branch.decoded_ns),
+            tool_waited_ns=tool_waited,
+            executed=not action.is_none,
+        )
+        if run.evd is not None and not action.is_none:
+            run.evd.observe(action, observation, tool_ns * 1e-9)
+        run.boundary_ns = now
+        run.pending = None
+
+        successor = run.successor = self._adopt(branch, observation, now)
+        run.history = successor.history if successor is not None else run.history.extend(action, observation)
+        if self._use_forks:
+            self._prune()
+        return observation
+
+    # ------------------------------------------------------------------ Algorithm 1, line by line
+
+    async def _finish_actor(self) -> Branch:
+        """*Finish the actor*: ``B`` is the adopted ``B'`` once it has decoded, or (none was
+        adopted, or its decode failed) a fresh decode of ``H``."""
+        run = self._run
+        branch, run.successor = run.successor, None
+        if branch is not None:
+            await branch.wait_decoded()
+            if branch.action is None:
+                branch = None
+        if branch is None:
+            # The verified history's own decode runs right here: nothing else waits for it.
+            branch = Branch(run.history, 0, None, 1.0, self._clock.now_ns())
+            await self._decode(branch)
+        return branch
+
+    def _verify(self, action: Action) -> ForkEntry | None:
+        """*Verify the action with JASV*: the fork that runs or ran ``action`` from the
+        committed version, if any. A fork is reused only for the same action AND the same
+        origin version."""
+        return self._run.forks.take(action, self._sandbox.version)
+
+    async def _execute(self, action: Action) -> ForkEntry:
+        """*Execute*: run the emitted action now, in a fresh fork when speculation needs the
+        committed sandbox kept idle (:meth:`_commit` commits it), else on the committed
+        sandbox itself."""
+        clock = self._clock
+        fork = ForkEntry(action, offset=0, probability=1.0, launched_ns=clock.now_ns(), speculative=False)
+        if not self._use_forks:
+            fork.exec_start_ns = clock.now_ns()
+            fork.observation = await self._sandbox.execute(action)
+            fork.exec_end_ns = clock.now_ns()
+            fork.finish(ForkState.IDLE)
+            return fork
+        sandbox = await self._sandbox.fork()
+        try:
+            fork.exec_start_ns = clock.now_ns()
+            fork.observation = await sandbox.execute(action)
+            fork.exec_end_ns = clock.now_ns()
+        except BaseException:
+            # Why shielded: a failed or cancelled step must still release its fork.
+            with anyio.CancelScope(shield=True):
+                await sandbox.discard()
+            raise
+        fork.sandbox = sandbox
+        fork.finish(ForkState.IDLE)
+        return fork
+
+    def _predict_observations(self, branch: Branch) -> None:
+        """*Predict observations* of ``branch``'s action while it runs: drafting starts the
+        continuations ``P`` (see :meth:`_start_continuations`)."""
+        branch.state = BranchState.DRAFTING
+        branch.draft_task = self._run.task_group.start_soon(self._draft, branch)
+
+    def _seal(self, branch: Branch) -> None:
+        """The real observation of ``B``'s action has arrived: no continuation starts after it."""
+        if branch.state is BranchState.DRAFTING:
+            # Why: drafting that finishes after the real observation lost the race; its
+            # continuations could only ever be discarded.
+            assert branch.draft_task is not None
+            branch.draft_task.cancel()
+            self._run.ledger.drafting_lost(self._clock.now_ns(), "drafting lost the race")
+        if branch.state in (BranchState.DECODED, BranchState.DRAFTING):
+            branch.state = BranchState.SEALED
+
+    def _adopt(self, branch: Branch, observation: str, now: int) -> Branch | None:
+        """*Adopt the matching continuation* ``B'``: the one whose draft equals
+        ``observation`` (byte for byte, else, under canonical acceptance, once
+        canonicalised); cancel the rest of ``P``."""
+        continuations = branch.continuations
+        if not continuations:
+            return None
+        keep = continuations.pop(observation, None)
+        canonical_hit = False
+        if keep is None and self._canon is not None:
+            form = self._canon.canonical(observation)
+            text = next((t for t, c in continuations.items() if c.canonical_form == form), None)
+            if text is not None:
+                keep = continuations.pop(text)
+                canonical_hit = True
+        for other in continuations.values():
+            # Why: a continuation on a draft that differs from the real observation
+            # conditions on a history that never happened.
+            self._cancel(other, now)
+        branch.continuations = {}
+        if keep is None:
+            return None
+        if canonical_hit:
+            self._run.ledger.draft_canonical_hit(now, _short(observation))
+            # Why: the actor must finally see the real observation. The continuation keeps
+            # decoding on the draft's bytes (the opt-in approximation), but the committed
+            # history, and every history drafted or decoded from here on, holds the real one.
+            assert branch.action is not None
+            self._rebase(keep, branch.history.extend(branch.action, observation))
+        else:
+            self._run.ledger.draft_hit(now, _short(observation))
+        self._promote(keep)
+        return keep
+
+    async def _commit(self, fork: ForkEntry) -> None:
+        """*Commit*: the fork's state becomes the committed sandbox's."""
+        fork.state = ForkState.COMMITTED
+        if fork.sandbox is None:
+            return  # it ran on the committed sandbox itself
+        # Why: the fork ran the action from exactly the committed version (JASV, or a fresh
+        # fork just taken), so its state is what serial execution would give.
+        self._run.idle.discard(fork)
+        await self._sandbox.commit(fork.sandbox)
+        self._run.ledger.fork_committed(self._clock.now_ns(), fork.action.key)
+
+    def _prune(self) -> None:
+        """*Prune invalid forks*: those whose origin is not the committed version."""
+        # Why: versions never return to an earlier value, so a fork from another origin can
+        # never pass JASV again.
+        self._release(self._run.forks.stale(self._sandbox.version))
+
+    # ------------------------------------------------------------------ branches
+
+    async def _decode(self, branch: Branch) -> Action | None:
+        """Decode ``branch``'s action: the one timed path of both decodes (the verified
+        one awaited here, provisional ones in their own task)."""
+        try:
+            branch.action = await self._actor.decode(branch.history)
+            branch.decoded_ns = self._clock.now_ns()
+        finally:
+            branch.end_decode()
+        return branch.action
+
+    async def _decode_continuation(self, branch: Branch) -> None:
+        """A provisional continuation: decode, then launch its action into a fork
+        (``provisional_targets``) and, within ``obs_depth``, draft its observations."""
+        try:
+            await self._decode(branch)
+        except AospecError as exc:
+            self._run.ledger.failed(self._clock.now_ns(), f"decode: {exc}")
+        if branch.state is not BranchState.DECODED or branch.level == 0:
+            return  # cancelled, failed, or adopted as B' while decoding (the step takes it from here)
+        action = branch.action
+        assert action is not None
+        if self._provisional_targets_on and not action.is_none:
+            self._launch_fork(action, branch.level, branch.probability)
+        if branch.level < self._config.obs_depth:
+            self._predict_observations(branch)
+
+    def _restart(self, history: History) -> None:
+        """A harness gave another verified history: the continuation adopted for the old
+        one conditions on a history that is not the verified one any more."""
+        run = self._run
+        if run.successor is not None:
+            self._cancel(run.successor, self._clock.now_ns())
+            run.successor = None
+        run.history = history
+
+    def _rebase(self, branch: Branch, history: History) -> None:
+        """Give ``branch`` (and its subtree) ``history`` in place of the one it started on."""
+        branch.history = history
+        if branch.continuations and branch.action is not None:
+            for text, child in branch.continuations.items():
+                self._rebase(child, history.extend(branch.action, text))
+
+    def _promote(self, branch: Branch) -> None:
+        """Shift a subtree one level towards the verified history; branches that now fall
+        within ``obs_depth`` and have decoded start drafting."""
+        branch.level -= 1
+        if branch.continuations:
+            for child in branch.continuations.values():
+                self._promote(child)
+        elif 0 < branch.level < self._config.obs_depth and branch.state is BranchState.DECODED:
+            self._predict_observations(branch)
+
+    def _cancel(self, branch: Branch, now: int) -> None:
+        """Stop ``branch`` and its subtree: their histories never happened."""
+        if branch.state is BranchState.CANCELLED:
+            return
+        branch.state = BranchState.CANCELLED
+        if branch.decode_task is not None:
+            branch.decode_task.cancel()
+        if branch.draft_task is not None:
+            branch.draft_task.cancel()
+        decoded = (branch.decoded_ns if branch.action is not None else now) - branch.started_ns
+        self._run.ledger.draft_cancelled(now, _short(branch.draft.text) if branch.draft else "", decoded)
+        for child in branch.continuations.values():
+            self._cancel(child, now)
+        branch.continuations = {}
+
+    # ------------------------------------------------------------------ observation drafting
+
+    async def _draft(self, branch: Branch) -> None:
+        n = max(self._config.draft_candidates, self._config.branch_budget)
+        drafters = self._observation_drafters
+        if len(drafters) == 1:
+            await self._draft_with(drafters[0], branch, n)
+        else:
+            # Independent drafters run side by side; each one's drafts start their
+            # continuations as soon as they are ready, so cheap ones never wait for slow ones.
+            async with anyio.create_task_group() as tg:
+                for drafter in drafters:
+                    tg.start_soon(self._draft_with, drafter, branch, n)
+        if branch.state is BranchState.DRAFTING:
+            branch.state = BranchState.DRAFTED
+
+    async def _draft_with(self, drafter: ObservationDrafter, branch: Branch, n: int) -> None:
+        """One drafter's candidates for ``branch``'s action, batch by batch when it streams;
+        a drafter failure only loses its (remaining) candidates."""
+        action = branch.action
+        assert action is not None
+        stream = getattr(drafter, "draft_stream", None)
+        if stream is None:
+            try:
+                drafts = await drafter.draft(branch.history, action, n)
+            except AospecError as exc:
+                self._run.ledger.failed(self._clock.now_ns(), f"observation drafter: {exc}")
+                return
+            self._start_continuations(branch, drafts)
+            return
+        batches = stream(branch.history, action, n)
+        async with aclosing(batches):
+            while True:
+                try:
+                    drafts = await anext(batches)
+                except StopAsyncIteration:
+                    return
+                except AospecError as exc:
+                    self._run.ledger.failed(self._clock.now_ns(), f"observation drafter: {exc}")
+                    return
+                self._start_continuations(branch, drafts)
+
+    def _start_continuations(self, branch: Branch, drafts: Sequence[ObservationDraft]) -> None:
+        """Rank ``drafts`` (EVD by default) and start a continuation on each of the best,
+        within what is left of the branch budget; texts (or, under canonical acceptance,
+        canonical forms) already continued are skipped."""
+        if branch.state is not BranchState.DRAFTING:
+            return  # sealed or cancelled while these drafts were made
+        cfg, run, canon = self._config, self._run, self._canon
+        started = branch.continuations
+        room = cfg.branch_budget - len(started)
+        if room <= 0:
+            return
+        if started:
+            drafts = [d for d in drafts if d.text not in started]
+        budget = room if canon is None else len(drafts)
+        ranked = rank_drafts(drafts, cfg.rank, budget, run.evd, min_probability=cfg.min_draft_probability)
+        forms: list[str | None] = [None] * len(ranked)
+        if canon is not None:
+            # Drafts that are equal once canonicalised would be accepted for the same real
+            # observations: one continuation (the best ranked) stands for them all.
+            seen = {c.canonical_form for c in started.values()}
+            kept: list[tuple[ObservationDraft, str]] = []
+            for d in ranked:
+                form = canon.canonical(d.text)
+                if form not in seen:
+                    seen.add(form)
+                    kept.append((d, form))
+                    if len(kept) == room:
+                        break
+            ranked = [d for d, _ in kept]
+            forms = [f for _, f in kept]
+        action = branch.action
+        assert action is not None
+        now = self._clock.now_ns()
+        for d, form in zip(ranked, forms, strict=True):
+            child = Branch(branch.history.extend(action, d.text), branch.level + 1, d, branch.probability * d.probability, now)
+            child.canonical_form = form
+            child.decode_task = run.task_group.start_soon(self._decode_continuation, child)
+            started[d.text] = child
+            run.ledger.draft_started(now, _short(d.text))
+
+    # ------------------------------------------------------------------ action speculation and forks
+
+    def _speculate_actions(self, history: History) -> None:
+        """Launch the action drafters' targets for this boundary into forks."""
+        run = self._run
+        if run.targets is not None:
+            # Why: targets drafted for the previous boundary are offsets from a history that
+            # is no longer the verified one.
+            run.targets.cancel()
+        run.targets = run.task_group.start_soon(self._draft_targets, history, run.ledger.step)
+
+    async def _draft_targets(self, history: History, step: int) -> None:
+        cfg, run = self._config, self._run
+        proposals: list[ActionDraft] = []
+        drafters = self._action_drafters
+        if len(drafters) == 1:
+            await self._propose_with(drafters[0], history, proposals)
+        else:
+            async with anyio.create_task_group() as tg:
+                for drafter in drafters:
+                    tg.start_soon(self._propose_with, drafter, history, proposals)
+        if run.ledger.step != step:
+            return  # the boundary passed while drafting: these offsets no longer apply
+        proposals.sort(key=lambda d: (-d.probability, d.offset))
+        seen: set[str] = set()
+        launched = 0
+        for d in proposals:
+            if launched >= cfg.fork_width:
+                break
+            if d.offset >= cfg.depth or d.action.is_none or d.action.key in seen:
+                continue
+            seen.add(d.action.key)
+            if self._launch_fork(d.action, d.offset, d.probability):
+                launched += 1
+
+    async def _propose_with(self, drafter: ActionDrafter, history: History, out: list[ActionDraft]) -> None:
+        """One action drafter's targets into ``out``; a failure only loses its targets."""
+        try:
+            out.extend(await drafter.propose(history, self._config.fork_width, self._config.depth))
+        except AospecError as exc:
+            self._run.ledger.failed(self._clock.now_ns(), f"action drafter: {exc}")
+
+    def _launch_fork(self, action: Action, offset: int, probability: float) -> bool:
+        """Start ``f``: ``action`` in a fork of the committed sandbox, registered at once
+        under the version it forks from (False when an equal one is live or running)."""
+        run = self._run
+        version = self._sandbox.version
+        key = action.key
+        if run.forks.has(version, key) or run.inflight == (version, key):
+            # An equal fork is live, or the committed step is executing this very action
+            # from this very state already.
+            return False
+        excess = len(run.forks) + 1 - self._config.max_live_forks
+        if excess > 0:
+            # Why: live forks hold sandboxes; past the cap the oldest (drafted for the
+            # earliest boundary, so the least likely still to be emitted) make room.
+            self._release(run.forks.oldest(excess))
+        now = self._clock.now_ns()
+        fork = ForkEntry(action, offset=offset, probability=probability, launched_ns=now, speculative=True)
+        # Registered at once under the version it will fork from, so JASV finds it (and waits
+        # for it) even if the actor emits this action before the fork task has run.
+        fork.origin = version
+        run.forks.add(fork)
+        run.ledger.fork_launched(now, key)
+        fork.task = run.task_group.start_soon(self._run_fork, fork)
+        return True
+
+    async def _run_fork(self, fork: ForkEntry) -> None:
+        """Fork the committed sandbox and run a speculative target in it."""
+        run = self._run
+        sandbox: Sandbox | None = None
+        try:
+            # Why: a fork released before its task ever ran must not fork at all.
+            await anyio.lowlevel.checkpoint_if_cancelled()
+            sandbox = await self._sandbox.fork()
+            fork.sandbox = sandbox
+            if fork.state is ForkState.RELEASED or sandbox.version != fork.origin:
+                # Released before it started, or the committed state moved on between launch
+                # and fork: this fork could never pass JASV under the version it is registered for.
+                return
+            fork.exec_start_ns = self._clock.now_ns()
+            try:
+                fork.observation = await sandbox.execute(fork.action)
+            except AospecError as exc:
+                # A failed speculation only loses its result: JASV falls back to running the action.
+                run.ledger.failed(self._clock.now_ns(), f"fork {fork.action.key}: {exc}")
+                return
+            fork.exec_end_ns = self._clock.now_ns()
+            if fork.state is ForkState.RELEASED:
+                return  # released while finishing: discarded below
+            # From here the idle fork belongs to the run: JASV commits it, or pruning (or the
+            # end of the run) discards it.
+            fork.state = ForkState.IDLE
+            run.idle.add(fork)
+        finally:
+            if fork.state is ForkState.IDLE:
+                fork.finish(ForkState.IDLE)
+            else:
+                fork.finish(ForkState.DISCARDED if fork.state is ForkState.RELEASED else ForkState.FAILED)
+                run.forks.remove(fork)
+                if sandbox is not None:
+                    # Why shielded: the fork must be released even when this task is being
+                    # cancelled, or its layers/processes would leak.
+                    with anyio.CancelScope(shield=True):
+                        await sandbox.discard()
+                    now = self._clock.now_ns()
+                    run.ledger.fork_discarded(now, fork.action.key, fork.tool_ns(now), speculative=fork.speculative)
+
+    def _release(self, forks: Sequence[ForkEntry]) -> None:
+        """Give up forks that can no longer be reused: a running one is stopped (its task
+        discards it), an idle one is discarded."""
+        idle = []
+        for fork in forks:
+            was_idle = fork.state is ForkState.IDLE
+            fork.state = ForkState.RELEASED
+            if was_idle:
+                idle.append(fork)
+            elif fork.task is not None:
+                fork.task.cancel()
+        if idle:
+            self._run.task_group.start_soon(self._discard_idle, idle)
+
+    async def _discard_idle(self, forks: Sequence[ForkEntry]) -> None:
+        # Why shielded: discarding must complete even if the run is being cancelled.
+        with anyio.CancelScope(shield=True):
+            for fork in forks:
+                if fork in self._run.idle:
+                    self._run.idle.discard(fork)
+                    await self._discard(fork)
+
+    async def _discard(self, fork: ForkEntry) -> None:
+        assert fork.sandbox is not None
+        await fork.sandbox.discard()
+        fork.state = ForkState.DISCARDED
+        now = self._clock.now_ns()
+        self._run.ledger.fork_discarded(now, fork.action.key, fork.tool_ns(now), speculative=fork.speculative)
+
+    async def close(self) -> None:
+        """Discard the idle forks the run still holds (called when the run ends, after its
+        task group is done)."""
+        run = self._run
+        if run.idle:
+            with anyio.CancelScope(shield=True):
+                for fork in list(run.idle):
+                    run.idle.discard(fork)
+                    await self._discard(fork)
