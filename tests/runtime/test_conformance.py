@@ -1,16 +1,192 @@
-"""One conformance suite for every sandbox backend: execute, fork isolation, commit,
-discard, versions, and file access. Limits and escape attempts: test_isolation.py."""
+"""Conformance suites for sandboxes.
+
+The first part pins the protocol-level behaviour (``aospec.protocols.Sandbox``: version,
+execute, fork, commit, discard, and the concurrency contract) on every sandbox: the
+overlay and docker backends, ``aospec.testing.InMemorySandbox`` and replay's
+``ReplaySandbox``. The second part pins what the runtime backends add (shell semantics,
+``run``, timeouts, file access). Limits and escape attempts: test_isolation.py."""
 
 from __future__ import annotations
 
+from collections.abc import AsyncIterator, Callable
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
+
+import anyio
 import pytest
 
 from aospec.errors import SandboxError
 from aospec.protocols import Sandbox
-from aospec.types import Action
+from aospec.testing import InMemorySandbox
+from aospec.types import Action, Step, Trace
+from replay.actor import VirtualClock
+from replay.sandbox import ReplayWorld
 from runtime import SandboxConfig, open_sandbox
 
 pytestmark = pytest.mark.anyio
+
+# ---------------------------------------------------------------------- every sandbox: the protocol
+
+WRITE_1 = Action.bash("echo 1 > /tmp/f1")
+READ_1 = Action.bash("cat /tmp/f1")
+WRITE_2 = Action.bash("echo 2 > /tmp/f2")
+OK = "<returncode>0</returncode>\n<output>\n</output>"
+
+
+def _recording() -> Trace:
+    """What the replay sandbox replays: the actions the protocol tests run, in order."""
+    read = "<returncode>0</returncode>\n<output>\n1\n</output>"
+    steps = (
+        Step(WRITE_1, OK, 1, tool_duration_s=0.0, state_changed=True),
+        Step(READ_1, read, 1, tool_duration_s=0.0, state_changed=False),
+        Step(WRITE_2, OK, 1, tool_duration_s=0.0, state_changed=True),
+        Step(READ_1, read, 1, tool_duration_s=0.0, state_changed=False),
+    )
+    return Trace("conformance", "task", "test", "none", "tests", steps)
+
+
+@asynccontextmanager
+async def _held(sandbox: Sandbox) -> AsyncIterator[Sandbox]:
+    yield sandbox
+
+
+Opener = Callable[[], AbstractAsyncContextManager[Sandbox]]
+
+
+@pytest.fixture(params=["overlay", pytest.param("docker", marks=pytest.mark.docker), "memory", "replay"])
+def opener(request: pytest.FixtureRequest) -> Opener:
+    """Opens a fresh committed sandbox of one kind (the same base each time)."""
+    kind = request.param
+    if kind in ("overlay", "docker"):
+        request.getfixturevalue("overlay" if kind == "overlay" else "docker_backend")  # skips when unavailable
+        return lambda: open_sandbox(SandboxConfig(backend=kind, timeout_s=20))
+    if kind == "memory":
+        return lambda: _held(InMemorySandbox())
+    world = ReplayWorld(_recording(), VirtualClock())
+    return lambda: _held(world.sandbox())
+
+
+@pytest.fixture
+async def any_sandbox(opener: Opener) -> AsyncIterator[Sandbox]:
+    async with opener() as sb:
+        yield sb
+
+
+async def test_every_sandbox_and_its_forks_satisfy_the_protocol(any_sandbox: Sandbox) -> None:
+    assert isinstance(any_sandbox, Sandbox)
+    fork = await any_sandbox.fork()
+    assert isinstance(fork, Sandbox) and fork.version == any_sandbox.version
+    await fork.discard()
+
+
+async def test_a_change_moves_the_version_and_a_read_keeps_it(any_sandbox: Sandbox) -> None:
+    v0 = any_sandbox.version
+    await any_sandbox.execute(WRITE_1)
+    v1 = any_sandbox.version
+    assert v1 != v0
+    assert "1" in await any_sandbox.execute(READ_1)
+    assert any_sandbox.version == v1
+
+
+async def test_a_forks_changes_are_invisible_to_its_parent_and_siblings(any_sandbox: Sandbox) -> None:
+    v0 = any_sandbox.version
+    a, b = await any_sandbox.fork(), await any_sandbox.fork()
+    await a.execute(WRITE_1)
+    assert a.version != v0 and b.version == v0 and any_sandbox.version == v0
+    assert await b.execute(READ_1) != await a.execute(READ_1)
+    await a.discard()
+    await b.discard()
+
+
+async def test_the_same_action_from_the_same_version_gives_the_same_result(any_sandbox: Sandbox) -> None:
+    a, b = await any_sandbox.fork(), await any_sandbox.fork()
+    assert await a.execute(WRITE_1) == await b.execute(WRITE_1)
+    assert a.version == b.version != any_sandbox.version
+    assert await a.execute(READ_1) == await b.execute(READ_1)
+    await a.discard()
+    await b.discard()
+
+
+async def test_commit_makes_the_forks_state_the_parents_and_consumes_the_fork(any_sandbox: Sandbox) -> None:
+    fork = await any_sandbox.fork()
+    await fork.execute(WRITE_1)
+    expected = fork.version
+    await any_sandbox.commit(fork)
+    assert any_sandbox.version == expected
+    assert "1" in await any_sandbox.execute(READ_1)
+    with pytest.raises(SandboxError):
+        await fork.execute(READ_1)
+    with pytest.raises(SandboxError):
+        await any_sandbox.commit(fork)
+
+
+async def test_a_fork_of_a_fork_can_be_committed(any_sandbox: Sandbox) -> None:
+    first = await any_sandbox.fork()
+    await first.execute(WRITE_1)
+    second = await first.fork()
+    read = await second.execute(READ_1)
+    await second.execute(WRITE_2)
+    expected = second.version
+    await any_sandbox.commit(first)
+    await any_sandbox.commit(second)
+    assert any_sandbox.version == expected
+    assert await any_sandbox.execute(READ_1) == read
+
+
+async def test_discard_is_idempotent_and_leaves_the_parent_alone(any_sandbox: Sandbox) -> None:
+    v0 = any_sandbox.version
+    fork = await any_sandbox.fork()
+    await fork.execute(WRITE_1)
+    await fork.discard()
+    await fork.discard()
+    with pytest.raises(SandboxError):
+        await fork.execute(READ_1)
+    assert any_sandbox.version == v0
+
+
+async def test_serial_and_forked_execution_of_actions_reach_the_same_version(opener: Opener) -> None:
+    async with opener() as serial, opener() as forked:
+        for action in (WRITE_1, READ_1, WRITE_2):
+            await serial.execute(action)
+            fork = await forked.fork()
+            await fork.execute(action)
+            await forked.commit(fork)
+        assert forked.version == serial.version
+
+
+async def test_forks_and_commits_of_one_sandbox_may_overlap(any_sandbox: Sandbox) -> None:
+    # The concurrency contract: fork, commit and discard of one sandbox may be called from
+    # several tasks at once (the engine forks targets while it commits a step).
+    v0 = any_sandbox.version
+    ready = await any_sandbox.fork()
+    await ready.execute(WRITE_1)
+    v1 = ready.version
+    forks: list[Sandbox] = []
+
+    async def fork_one() -> None:
+        forks.append(await any_sandbox.fork())
+
+    async with anyio.create_task_group() as tg:
+        for _ in range(3):
+            tg.start_soon(fork_one)
+        tg.start_soon(any_sandbox.commit, ready)
+        for _ in range(3):
+            tg.start_soon(fork_one)
+    assert any_sandbox.version == v1
+    assert len(forks) == 6 and {f.version for f in forks} <= {v0, v1}
+
+    async def run_in(fork: Sandbox, action: Action) -> None:
+        await fork.execute(action)
+
+    async with anyio.create_task_group() as tg:  # different sandboxes execute side by side
+        for k, fork in enumerate(forks):
+            tg.start_soon(run_in, fork, WRITE_2 if k % 2 else READ_1)
+    async with anyio.create_task_group() as tg:
+        for fork in forks:
+            tg.start_soon(fork.discard)
+    assert any_sandbox.version == v1
+
+
+# ---------------------------------------------------------------------- runtime backends
 
 
 async def test_sandbox_satisfies_the_protocol(sandbox: Sandbox) -> None:
@@ -187,7 +363,7 @@ async def test_each_kind_of_change_moves_the_version(sandbox, command: str) -> N
     assert sandbox.version != v0
 
 
-async def test_serial_and_forked_execution_reach_the_same_version(backend: str) -> None:
+async def test_serial_and_forked_shell_changes_reach_the_same_version(backend: str) -> None:
     steps = [
         "mkdir -p /app && echo v1 > /app/main",
         "rm -rf /app && mkdir /app && echo v2 > /app/main",
