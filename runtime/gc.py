@@ -80,8 +80,10 @@ def collect_garbage(state_root: Path | None = None, *, dry_run: bool = False, do
                 if store_id in live_ids:
                     continue
                 if store_id not in stale_ids and (_store_id_known(root, store_id) or _has_processes(cg)):
-                    # a store under another state root whose command is running (its orphans
-                    # were killed above): never kill it; idle ones go and come back with its next command
+                    # a store under another state root may be alive: its session cgroup
+                    # carries its memory budget between commands, and a running command
+                    # must never be killed. Only an empty cgroup of an unknown store goes
+                    # (a crashed session's, whose orphans were killed above).
                     continue
                 report.cgroups.append(str(cg))
                 if not dry_run:
