@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from aospec._files import new_file_mode
 from aospec._lazy import require
 from aospec.errors import ConfigError
 
@@ -27,6 +28,8 @@ __all__ = [
     "SHAPES",
     "LoadedModel",
     "build_model",
+    "check_model_spec",
+    "fix_modes",
     "is_shape",
     "load_model",
     "make_portable",
@@ -58,6 +61,22 @@ SHAPES: dict[str, dict[str, Any]] = {
 
 def is_shape(spec: str) -> bool:
     return spec in SHAPES
+
+
+def check_model_spec(spec: str) -> None:
+    """ConfigError unless ``spec`` can name a model (see the module doc): a shape, an
+    ``aospec train`` directory or a model directory with a ``config.json``. Checks only the
+    files, without importing torch."""
+    if is_shape(spec):
+        return
+    path = Path(spec).expanduser()
+    if not path.is_dir():
+        raise ConfigError(f"model {spec!r} is neither a shape ({', '.join(SHAPES)}) nor a local model directory")
+    if not (path / MODEL_META).is_file() and not (path / "config.json").is_file():
+        raise ConfigError(
+            f"cannot load a causal LM from {path}: no config.json (nor {MODEL_META}) there; "
+            f"give a Hugging Face model directory, an aospec train output or a shape ({', '.join(SHAPES)})"
+        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -165,6 +184,16 @@ def make_portable(directory: str | Path) -> None:
             cfg.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
 
 
+def fix_modes(directory: str | Path) -> None:
+    """Give the files under ``directory`` that were written private (mode 0600, as
+    safetensors writes ``model.safetensors``) the mode the umask gives new files (0644
+    under the usual umask 022), so a saved model can be served by another user."""
+    mode = new_file_mode()
+    for path in Path(directory).rglob("*"):
+        if path.is_file() and not path.is_symlink() and path.stat().st_mode & 0o777 == 0o600 and mode != 0o600:
+            path.chmod(mode)
+
+
 def _read_meta(path: Path) -> dict[str, Any]:
     try:
         return json.loads((path / MODEL_META).read_text())
@@ -208,11 +237,8 @@ def load_model(
         model = build_model(spec, tokenizer, seed=seed, device=device, dtype=dtype)
         meta = {"base": spec}
     else:
+        check_model_spec(spec)
         path = Path(spec).expanduser()
-        if not path.is_dir():
-            raise ConfigError(
-                f"model {spec!r} is neither a shape ({', '.join(SHAPES)}) nor a local model directory"
-            )
         if (path / MODEL_META).is_file():
             meta = _read_meta(path)
             tokenizer = transformers.AutoTokenizer.from_pretrained(str(path / "tokenizer"), local_files_only=True)

@@ -31,6 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from aospec._files import new_file_mode
 from aospec.errors import TraceFormatError, TraceImportError
 from aospec.types import SCHEMA_VERSION, Action, Step, Trace
 from replay._input import (
@@ -149,6 +150,7 @@ def write_jsonl(traces: Iterable[Trace], path: str | os.PathLike[str]) -> Path:
     target.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
     try:
+        os.fchmod(fd, new_file_mode())  # mkstemp makes it 0600; the file is not a secret
         with os.fdopen(fd, "w", encoding="utf-8", newline="\n") as f:
             f.write(text)
         os.replace(tmp, target)

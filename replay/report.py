@@ -125,11 +125,10 @@ def markdown_summary(summaries: Sequence[PolicySummary], meta: dict[str, Any]) -
 
 
 def print_table(summaries: Sequence[PolicySummary]) -> None:
-    """The summary table on stdout (rich)."""
-    import sys
-
-    from rich.console import Console
+    """The summary table on stdout (rich; in column groups that fit a narrow terminal)."""
     from rich.table import Table
+
+    from aospec.cli import print_table as print_fitted
 
     table = Table(title="aospec replay: saving vs serial per policy and TPOT")
     header = _header(summaries)
@@ -141,7 +140,7 @@ def print_table(summaries: Sequence[PolicySummary]) -> None:
             table.add_section()
         last = s.tpot_ms
         table.add_row(*_row(s, header))
-    Console(width=None if sys.stdout.isatty() else 160).print(table)
+    print_fitted(table, key_columns=2)
 
 
 def _plots(summaries: Sequence[PolicySummary], out: Path) -> list[Path]:

@@ -1,40 +1,140 @@
-"""The ``aospec`` command line.
+"""The ``aospec`` command line: a dispatcher over verbs that packages register.
 
-Each module ``aospec/cli/<name>.py`` (not starting with ``_``) contributes subcommands
-through ``register(subparsers)``; handlers set with ``parser.set_defaults(func=...)``
-take the parsed namespace and return an exit status. Modules import heavy packages only
-inside their handlers, so ``aospec --help`` stays fast.
+A verb is an entry point in the group ``aospec.commands`` whose object is a
+``register(subparsers)`` callable: it adds its subcommand with ``subparsers.add_parser(...)``
+and sets ``func`` (``parser.set_defaults(func=handler)``), a handler that takes the parsed
+namespace and returns an exit status. aospec's own packages register their verbs this way
+in pyproject.toml (``sweep``/``replay``/``traces`` by replay, ``train`` by training,
+``sandbox``); any installed distribution can add one the same way (docs/architecture.md).
+The dispatcher imports nothing above the engine: running a verb loads only that verb's
+entry point; ``aospec --help`` loads them all. Handlers import heavy packages inside
+themselves, so help stays fast.
+
+The output helpers a verb needs (``add_format_option``, ``print_json``, ``print_records``,
+``print_fields``, ``print_table``) are exported here.
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib
-import pkgutil
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
+from importlib.metadata import EntryPoint, entry_points
 
 from aospec import __version__
+from aospec.cli._common import add_format_option, print_fields, print_json, print_records, print_table
 from aospec.errors import AospecError
 
-__all__ = ["build_parser", "main"]
+__all__ = [
+    "COMMANDS_GROUP",
+    "CommandLoadError",
+    "add_format_option",
+    "build_parser",
+    "command_entry_points",
+    "main",
+    "print_fields",
+    "print_json",
+    "print_records",
+    "print_table",
+]
+
+#: The entry-point group of ``aospec`` verbs.
+COMMANDS_GROUP = "aospec.commands"
 
 
-def build_parser() -> argparse.ArgumentParser:
+class CommandLoadError(AospecError):
+    """A verb's entry point could not be imported or failed to register."""
+
+
+def command_entry_points() -> list[EntryPoint]:
+    """The installed ``aospec.commands`` entry points, by verb name (one per name: when two
+    distributions register the same name, aospec's own wins, else the first by distribution
+    name, and the others are named in a warning)."""
+    by_name: dict[str, list[EntryPoint]] = {}
+    for ep in entry_points(group=COMMANDS_GROUP):
+        by_name.setdefault(ep.name, []).append(ep)
+    chosen = []
+    for name in sorted(by_name):
+        eps = sorted(by_name[name], key=lambda ep: (_dist(ep) != "aospec", _dist(ep), ep.value))
+        if len(eps) > 1:
+            others = ", ".join(f"{ep.value} ({_dist(ep)})" for ep in eps[1:])
+            _warn(f"command {name!r} is registered more than once; using {eps[0].value} ({_dist(eps[0])}), not {others}")
+        chosen.append(eps[0])
+    return chosen
+
+
+def _dist(ep: EntryPoint) -> str:
+    dist = getattr(ep, "dist", None)
+    return dist.name if dist is not None else "?"
+
+
+def _warn(message: str) -> None:
+    print(f"aospec: warning: {message}", file=sys.stderr)
+
+
+def _register(ep: EntryPoint, sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    where = f"{ep.value}" + (f" from the {_dist(ep)} distribution" if _dist(ep) != "?" else "")
+    try:
+        register = ep.load()
+    except Exception as exc:
+        raise CommandLoadError(f"command {ep.name!r} could not be loaded ({where}): {type(exc).__name__}: {exc}") from None
+    if not callable(register):
+        raise CommandLoadError(f"command {ep.name!r}: {where} is not a register(subparsers) callable")
+    try:
+        register(sub)
+    except Exception as exc:
+        raise CommandLoadError(f"command {ep.name!r} failed to register ({where}): {type(exc).__name__}: {exc}") from None
+
+
+def _new_parser() -> tuple[argparse.ArgumentParser, argparse._SubParsersAction]:  # type: ignore[type-arg]
     parser = argparse.ArgumentParser(
         prog="aospec",
         description="Co-speculate tool actions and observations to make LLM agents faster, losslessly.",
     )
     parser.add_argument("--version", action="version", version=f"aospec {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    for info in sorted(pkgutil.iter_modules(__path__), key=lambda m: m.name):
-        if not info.name.startswith("_"):
-            importlib.import_module(f"{__name__}.{info.name}").register(sub)
+    return parser, sub
+
+
+def build_parser(commands: Iterable[EntryPoint] | None = None) -> argparse.ArgumentParser:
+    """The parser with every verb of ``commands`` (default: the installed entry points). A
+    verb that fails to load is left out with a warning on stderr."""
+    parser, sub = _new_parser()
+    for ep in command_entry_points() if commands is None else commands:
+        try:
+            _register(ep, sub)
+        except CommandLoadError as exc:
+            _warn(f"{exc}; left out")
     return parser
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    parser = build_parser()
+def _verb(argv: Sequence[str]) -> str | None:
+    """The verb of a command line: its first argument that is not an option (the top-level
+    parser's options take no value); None when top-level help comes first."""
+    for a in argv:
+        if a in ("-h", "--help"):
+            return None
+        if not a.startswith("-"):
+            return a
+    return None
+
+
+def main(argv: Sequence[str] | None = None, *, commands: Iterable[EntryPoint] | None = None) -> int:
+    """Run ``aospec`` with ``argv`` (default: ``sys.argv[1:]``) over ``commands`` (default:
+    the installed ``aospec.commands`` entry points); returns the exit status."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    eps = command_entry_points() if commands is None else list(commands)
+    verb = _verb(argv)
+    mine = [ep for ep in eps if ep.name == verb]
+    if mine:
+        parser, sub = _new_parser()
+        try:
+            _register(mine[0], sub)
+        except CommandLoadError as exc:
+            print(f"aospec: error: {exc}", file=sys.stderr)
+            return 2
+    else:
+        parser = build_parser(eps)
     args = parser.parse_args(argv)
     try:
         return int(args.func(args) or 0)

@@ -1,33 +1,55 @@
-"""Options shared by subcommands."""
+"""Output helpers of the ``aospec`` verbs (re-exported by :mod:`aospec.cli` for packages that
+add verbs): the ``--format`` option, JSON output, and tables that fit the terminal."""
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
-import math
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterable
 from typing import Any
 
-__all__ = ["add_format_option", "add_trace_input_options", "load_trace_inputs", "print_fields", "print_json"]
+__all__ = ["add_format_option", "print_fields", "print_json", "print_records", "print_table"]
 
-#: Default of ``--max-file-mb`` (replay.io.MAX_FILE_BYTES in MiB; not imported, to keep --help light).
-_DEFAULT_MAX_FILE_MB = 256
-#: Skipped files named one per line on stderr before the rest are only counted.
-_SKIPPED_LISTED = 20
+#: Width of one group of a table too wide for the terminal is at least this.
+_MIN_GROUP_WIDTH = 40
 
 
-def add_format_option(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--format",
-        choices=("table", "json"),
-        default="table",
-        help="table: human-readable (default); json: machine-readable JSON on stdout",
-    )
+def add_format_option(parser: argparse.ArgumentParser, *, records: bool = False) -> None:
+    """``--format table|json`` (and ``jsonl`` when the verb prints a list of ``records``)."""
+    if records:
+        parser.add_argument(
+            "--format",
+            choices=("table", "json", "jsonl"),
+            default="table",
+            help="table: human-readable (default); json: one JSON document (an array) on stdout; "
+            "jsonl: JSON Lines, one object per line",
+        )
+    else:
+        parser.add_argument(
+            "--format",
+            choices=("table", "json"),
+            default="table",
+            help="table: human-readable (default); json: machine-readable JSON on stdout",
+        )
 
 
 def print_json(obj: Any) -> None:
+    """``obj`` as one line of JSON on stdout."""
     sys.stdout.write(json.dumps(obj, sort_keys=False) + "\n")
+    sys.stdout.flush()
+
+
+def print_records(records: Iterable[Any], fmt: str) -> None:
+    """``records`` (JSON-ready objects) as one JSON array (``json``) or one object per line
+    (``jsonl``)."""
+    if fmt == "jsonl":
+        for r in records:
+            sys.stdout.write(json.dumps(r, sort_keys=False) + "\n")
+    else:
+        items = list(records)
+        sys.stdout.write("[\n" + ",\n".join(json.dumps(r, sort_keys=False) for r in items) + ("\n]\n" if items else "]\n"))
     sys.stdout.flush()
 
 
@@ -41,40 +63,56 @@ def print_fields(fields: dict[str, Any], fmt: str, *, width: int) -> None:
             print(f"{k:{width}} {v}")
 
 
-def add_trace_input_options(parser: argparse.ArgumentParser) -> None:
-    """``--skip-invalid`` and ``--max-file-mb`` for subcommands that read trace files."""
-    parser.add_argument(
-        "--skip-invalid",
-        action="store_true",
-        help="skip trace files that fail to import (each is named on stderr, the count goes in the summary) "
-        "instead of stopping at the first bad set",
-    )
-    parser.add_argument(
-        "--max-file-mb",
-        type=float,
-        default=_DEFAULT_MAX_FILE_MB,
-        metavar="MIB",
-        help=f"largest trace file to read, in MiB (default {_DEFAULT_MAX_FILE_MB})",
-    )
+def print_table(table: Any, *, key_columns: int = 1, console: Any = None) -> None:
+    """Print a ``rich.table.Table`` so that no cell is cut.
+
+    On a terminal narrower than the table, headers wrap at spaces and, when that is not
+    enough, the columns are printed in groups that fit, one below the other, each group
+    repeating the first ``key_columns`` columns. Written to a file or a pipe, the table
+    keeps its natural width.
+    """
+    from rich.console import Console
+    from rich.measure import Measurement
+
+    if console is None:
+        console = Console() if sys.stdout.isatty() else Console(width=100_000)
+    width = max(console.width, _MIN_GROUP_WIDTH)
+    wide = Console(width=100_000)
+
+    def measure(renderable: Any) -> Measurement:
+        return Measurement.get(wide, wide.options, renderable)
+
+    if measure(table).maximum <= width:
+        console.print(table)
+        return
+    # Each column as narrow as its widest cell or its header's longest word: only headers wrap.
+    widths = [
+        max([measure(col.header).minimum, *(measure(c).maximum for c in col._cells)]) for col in table.columns
+    ]
+    keys = list(range(min(key_columns, len(table.columns))))
+    groups: list[list[int]] = []
+    current = list(keys)
+    for i in range(len(keys), len(table.columns)):
+        if len(current) > len(keys) and measure(_subtable(table, [*current, i], widths, title=False)).maximum > width:
+            groups.append(current)
+            current = list(keys)
+        current.append(i)
+    groups.append(current)
+    for n, group in enumerate(groups):
+        console.print(_subtable(table, group, widths, title=n == 0))
 
 
-def load_trace_inputs(paths: Sequence[Any], args: argparse.Namespace, *, format: str = "auto") -> Any:
-    """Import ``paths`` under the options of :func:`add_trace_input_options`; returns a
-    ``replay.io.LoadedTraces``. Skipped files are named on stderr (the first few, then a count)."""
-    from aospec.errors import ConfigError, TraceImportError
-    from replay.io import import_traces
+def _subtable(table: Any, columns: list[int], widths: list[int], *, title: bool) -> Any:
+    """A copy of ``table`` with only ``columns`` (indices) at ``widths``, its title only when
+    ``title``."""
+    import copy
 
-    mib = args.max_file_mb
-    if not (math.isfinite(mib) and mib > 0):
-        raise ConfigError(f"--max-file-mb must be a positive number, got {mib:g}")
-    try:
-        loaded = import_traces(paths, format, max_file_bytes=max(1, int(mib * 2**20)), skip_invalid=args.skip_invalid)
-    except TraceImportError as exc:
-        if exc.hint and not args.skip_invalid:
-            raise TraceImportError(exc.errors, hint="--skip-invalid imports the rest") from None
-        raise
-    for err in loaded.skipped[:_SKIPPED_LISTED]:
-        print(f"aospec: skipped {err}", file=sys.stderr)
-    if len(loaded.skipped) > _SKIPPED_LISTED:
-        print(f"aospec: skipped {len(loaded.skipped) - _SKIPPED_LISTED} more invalid files", file=sys.stderr)
-    return loaded
+    sub = copy.copy(table)
+    sub.columns = [
+        dataclasses.replace(table.columns[c], _index=k, _cells=list(table.columns[c]._cells), width=widths[c])
+        for k, c in enumerate(columns)
+    ]
+    sub.rows = list(table.rows)
+    if not title:
+        sub.title = None
+    return sub

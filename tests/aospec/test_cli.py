@@ -32,3 +32,70 @@ def test_help_does_not_import_heavy_packages():
     )
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert proc.stdout.strip() == ""
+
+
+# ---------------------------------------------------------------- verbs from entry points
+
+_PLUGIN = '''
+def register(sub):
+    p = sub.add_parser("hello", help="say hello")
+    p.add_argument("--name", default="world")
+    p.set_defaults(func=lambda args: print(f"hello {args.name}") or 3)
+'''
+
+
+def _run_cli(tmp_path, code: str) -> subprocess.CompletedProcess[str]:
+    """``code`` in a fresh interpreter that can import the plugin module ``aospec_hello``."""
+    (tmp_path / "aospec_hello.py").write_text(_PLUGIN)
+    prelude = (
+        "import sys; from importlib.metadata import EntryPoint; from aospec.cli import main;"
+        f"sys.path.insert(0, {str(tmp_path)!r});"
+        "ep = lambda name, value: EntryPoint(name=name, value=value, group='aospec.commands');"
+    )
+    return subprocess.run([sys.executable, "-c", prelude + code], capture_output=True, text=True)
+
+
+def test_the_installed_verbs_come_from_entry_points_of_their_packages():
+    from aospec.cli import command_entry_points
+
+    verbs = {ep.name: ep.value for ep in command_entry_points()}
+    assert verbs == {
+        "replay": "replay.cli.sweep:register_replay",
+        "sandbox": "aospec.cli.sandbox:register",
+        "sweep": "replay.cli.sweep:register_sweep",
+        "traces": "replay.cli.traces:register",
+        "train": "training.cli:register",
+    }
+
+
+def test_a_third_party_entry_point_adds_a_verb(tmp_path):
+    proc = _run_cli(tmp_path, "sys.exit(main(['hello', '--name', 'you'], commands=[ep('hello', 'aospec_hello:register')]))")
+    assert (proc.returncode, proc.stdout, proc.stderr) == (3, "hello you\n", "")
+    proc = _run_cli(tmp_path, "sys.exit(main(['--help'], commands=[ep('hello', 'aospec_hello:register')]))")
+    assert proc.returncode == 0 and "hello     say hello" in proc.stdout
+
+
+def test_a_verb_that_cannot_be_loaded_is_one_error_naming_it(tmp_path):
+    commands = "[ep('hello', 'aospec_hello:register'), ep('broken', 'aospec_no_such_module:register')]"
+    proc = _run_cli(tmp_path, f"sys.exit(main(['broken'], commands={commands}))")
+    assert proc.returncode == 2
+    assert proc.stderr.splitlines() == [
+        "aospec: error: command 'broken' could not be loaded (aospec_no_such_module:register): "
+        "ModuleNotFoundError: No module named 'aospec_no_such_module'"
+    ]
+    # The other verbs still work, and help lists them, warning about the broken one.
+    proc = _run_cli(tmp_path, f"sys.exit(main(['hello'], commands={commands}))")
+    assert (proc.returncode, proc.stdout) == (3, "hello world\n")
+    proc = _run_cli(tmp_path, f"sys.exit(main(['--help'], commands={commands}))")
+    assert proc.returncode == 0 and "hello" in proc.stdout and "broken" not in proc.stdout
+    assert "aospec: warning: command 'broken' could not be loaded" in proc.stderr
+
+
+def test_running_a_verb_loads_only_that_verbs_package():
+    probe = (
+        "import sys\nfrom aospec.cli import main\ntry:\n    main(['traces', '--help'])\nexcept SystemExit:\n    pass\n"
+        "print('LOADED', sorted({m.split('.')[0] for m in sys.modules} & {'training', 'runtime'}), file=sys.stderr)\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True)
+    assert proc.stdout.startswith("usage: aospec traces")
+    assert "LOADED []" in proc.stderr

@@ -10,6 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from aospec._files import new_file_mode
 from aospec.cli import main
 from replay import bundled_traces_path, dump_jsonl, load_traces, read_jsonl
 
@@ -34,8 +35,23 @@ def _json_stats(capsys: pytest.CaptureFixture[str], *args: str) -> dict:
     return json.loads(out)
 
 
-def test_stats_without_paths_reads_the_bundled_sample(capsys: pytest.CaptureFixture[str]) -> None:
-    assert _json_stats(capsys) == _json_stats(capsys, str(bundled_traces_path()))
+def test_bundled_reads_the_bundled_sample_as_in_sweep_and_replay(capsys: pytest.CaptureFixture[str]) -> None:
+    assert _json_stats(capsys, "--bundled") == _json_stats(capsys, str(bundled_traces_path()))
+
+
+@pytest.mark.parametrize("argv", [["traces", "stats"], ["traces", "convert", "-o", "x.jsonl"], ["sweep"], ["replay"]])
+def test_no_traces_is_one_error_naming_bundled(capsys: pytest.CaptureFixture[str], argv: list[str]) -> None:
+    assert main(argv) == 2
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 1 and err[0].startswith("aospec: error: no traces: give PATH...") and "--bundled" in err[0]
+
+
+def test_convert_reads_the_bundled_sample(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "bundled.jsonl"
+    assert main(["traces", "convert", "--bundled", "-o", str(out), "--format", "json"]) == 0
+    assert json.loads(capsys.readouterr().out)["traces"] == 10
+    assert read_jsonl(out) == load_traces(bundled_traces_path())
+    assert out.stat().st_mode & 0o777 == new_file_mode()  # not mkstemp's private 0600
 
 
 def test_stats_json_on_the_bundled_sample(capsys: pytest.CaptureFixture[str]) -> None:

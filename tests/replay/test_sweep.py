@@ -90,7 +90,8 @@ def test_parallel_sweep_equals_sequential_and_reports_every_output(bundled, tmp_
     assert "| aospec | 20 |" in (tmp_path / "summary.md").read_text()
 
 
-def test_sweep_cli_prints_one_json_object_per_policy_and_tpot(tmp_path, capsys):
+@pytest.mark.parametrize("fmt", ["json", "jsonl"])
+def test_sweep_cli_prints_one_json_object_per_policy_and_tpot(tmp_path, capsys, fmt):
     code = cli_main(
         [
             "sweep",
@@ -103,13 +104,15 @@ def test_sweep_cli_prints_one_json_object_per_policy_and_tpot(tmp_path, capsys):
             "1",
             "--no-progress",
             "--format",
-            "json",
+            fmt,
             "--out",
             str(tmp_path / "out"),
         ]
     )
     assert code == 0
-    rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    out = capsys.readouterr().out
+    # json: one document (an array); jsonl: one object per line
+    rows = json.loads(out) if fmt == "json" else [json.loads(line) for line in out.splitlines()]
     assert [(r["policy"], r["tpot_ms"]) for r in rows] == [
         ("serial", 10.0),
         ("aospec", 10.0),
@@ -152,7 +155,7 @@ def test_replay_cli_with_train_and_eval_prints_per_trace_results(tmp_path, capsy
         ]
     )
     assert code == 0
-    rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    rows = json.loads(capsys.readouterr().out)
     assert len(rows) == 2 * 2 and {r["policy"] for r in rows} == {"serial", "aospec"}
     assert all(r["latency_ns"] <= r["serial_ns"] for r in rows)
 
@@ -167,3 +170,12 @@ def test_cli_errors_are_one_line(capsys):
     assert "no traces" in capsys.readouterr().err
     assert cli_main(["sweep", "--bundled", "--drafter-options", "{bad json"]) == 2
     assert "--drafter-options: not valid JSON" in capsys.readouterr().err
+
+
+def test_a_sweep_with_a_slow_policy_says_so_with_an_estimate_first():
+    from replay.cli.sweep import slow_policy_note
+
+    assert slow_policy_note(parse_policies("serial,aospec,ceiling"), steps=929, tpots=5, jobs=2) is None
+    note = slow_policy_note(parse_policies("serial,aospec:kernel=embedding"), steps=929, tpots=5, jobs=2)
+    assert note is not None and note.startswith("aospec:kernel=embedding (embedding kernel): replays about ")
+    assert "roughly 15 min for 929 steps x 5 TPOTs on 2 workers" in note

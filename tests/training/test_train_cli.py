@@ -10,6 +10,7 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("peft")
 
+from aospec._files import new_file_mode  # noqa: E402
 from aospec.cli import main  # noqa: E402
 from replay import bundled_traces_path, load_traces  # noqa: E402
 
@@ -45,6 +46,8 @@ def test_full_fine_tune_reports_json_and_writes_every_artifact(tmp_path: Path, c
     for name in ("model/model.safetensors", "model/config.json", "tokenizer/tokenizer.json", "metrics.json", "loss.png"):
         assert (out / name).is_file(), name
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step-000002", "step-000004"]
+    # Every file gets the umask's mode (safetensors alone writes the weights 0600).
+    assert {p.stat().st_mode & 0o777 for p in out.rglob("*") if p.is_file()} == {new_file_mode()}
     metrics = json.loads((out / "metrics.json").read_text())
     assert [s for s, _ in metrics["losses"]] == [1, 2, 3, 4]
     # Portable to transformers 4 (vLLM's pins): a tokenizer class both know, a top-level RoPE base.
@@ -117,3 +120,28 @@ def test_mistakes_give_one_line_errors(tmp_path: Path, capsys) -> None:
     assert code == 2 and "missing" in err
     code, _, err = run(capsys, "--out", str(tmp_path / "y"), "--eval-tasks", "no-such-task", *FAST)
     assert code == 2 and "no-such-task" in err
+
+
+def test_a_base_model_that_does_not_exist_is_one_error_and_writes_nothing(tmp_path: Path, capsys) -> None:
+    out = tmp_path / "out"
+    missing = tmp_path / "no-such-model"
+    code, _, err = run(capsys, "--base-model", str(missing), "--out", str(out), *FAST)
+    assert code == 2
+    assert err.strip().splitlines() == [
+        f"aospec: error: model '{missing}' is neither a shape (tiny, small, qwen3-0.6b) nor a local model directory"
+    ]
+    assert not out.exists()
+
+
+def test_a_train_that_fails_before_its_first_checkpoint_removes_the_directory_it_made(tmp_path: Path, capsys) -> None:
+    broken = tmp_path / "broken-model"
+    broken.mkdir()
+    (broken / "config.json").write_text("{}")
+    out = tmp_path / "out"
+    code, _, err = run(capsys, "--base-model", str(broken), "--out", str(out), *FAST)
+    assert code == 2 and f"cannot load a causal LM from {broken}" in err
+    assert not out.exists()
+    kept = tmp_path / "kept"
+    kept.mkdir()
+    code, _, _ = run(capsys, "--base-model", str(broken), "--out", str(kept), *FAST)
+    assert code == 2 and kept.is_dir()  # not made by this run: left alone

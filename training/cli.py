@@ -1,15 +1,25 @@
-"""``aospec train``: fine-tune a per-harness drafter model on traces."""
+"""``aospec train``: fine-tune a per-harness drafter model on traces (an ``aospec.commands``
+entry point).
+
+The base model is checked before anything is written; a run that fails before its first
+checkpoint removes the output directory it created (a later failure keeps it, so
+``--resume`` can continue). Files are written with the modes the umask gives (0644 under
+umask 022), also the weights, which safetensors writes 0600.
+"""
 
 from __future__ import annotations
 
 import argparse
+import shutil
+from pathlib import Path
 
-from aospec.cli._common import add_format_option, print_json
+from aospec.cli import add_format_option, print_json, print_table
 
 __all__ = ["register"]
 
 
 def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    """The ``train`` verb."""
     p = sub.add_parser(
         "train",
         help="fine-tune the observation (or action) drafter model on traces",
@@ -54,6 +64,7 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
 
 def _run(args: argparse.Namespace) -> int:
     from aospec.config import from_mapping
+    from drafters.model import check_model_spec, fix_modes
     from training.trainer import TrainConfig, train
 
     config = from_mapping(
@@ -85,12 +96,22 @@ def _run(args: argparse.Namespace) -> int:
         },
         where="aospec train",
     )
-    result = train(config)
+    check_model_spec(config.base_model)
+    out = Path(config.out)
+    created = not out.exists()
+    try:
+        result = train(config)
+    except BaseException:
+        if created and not _resumable(out):
+            shutil.rmtree(out, ignore_errors=True)  # nothing to resume: leave no half-made directory
+        elif out.is_dir():
+            fix_modes(out)
+        raise
+    fix_modes(out)
     summary = result.summary()
     if args.format == "json":
         print_json({k: summary[k] for k in ("examples", "steps", "eval_tasks", "top1", "top5", "seconds")} | summary)
         return 0
-    from rich.console import Console
     from rich.table import Table
 
     table = Table(title=f"aospec train -> {result.out}")
@@ -112,5 +133,10 @@ def _run(args: argparse.Namespace) -> int:
     ]
     for k, v in rows:
         table.add_row(k, v)
-    Console().print(table)
+    print_table(table)
     return 0
+
+
+def _resumable(out: Path) -> bool:
+    """Whether ``out`` holds a complete checkpoint (what ``--resume`` continues from)."""
+    return any(p.name[5:].isdigit() for p in (out / "checkpoints").glob("step-*"))

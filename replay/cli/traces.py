@@ -1,12 +1,12 @@
 """``aospec traces``: summarise trace sets and convert them to the canonical JSONL.
 
-    aospec traces stats [PATH...] [--format table|json] [--plot tool-time.png]
-    aospec traces convert PATH... -o OUT.jsonl [--format table|json]
+    aospec traces stats [PATH...] [--bundled] [--format table|json] [--plot tool-time.png]
+    aospec traces convert [PATH...] [--bundled] -o OUT.jsonl [--format table|json]
 
 PATH is any mix of files and directories in a supported format (canonical JSONL, tb1
 step files, mini-swe-agent ``*.traj.json``, tau-bench trajectories), detected per file
-unless ``--input-format`` names one. ``stats`` without a PATH reads the tb1 sample
-bundled with aospec.
+unless ``--input-format`` names one; ``--bundled`` adds the tb1 sample bundled with aospec
+(as for ``sweep`` and ``replay``).
 """
 
 from __future__ import annotations
@@ -16,7 +16,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from aospec.cli._common import add_format_option, add_trace_input_options, load_trace_inputs, print_json
+from aospec.cli import add_format_option, print_json, print_table
+from replay.cli import add_input_limits, add_trace_inputs, load_trace_inputs, trace_sources
 
 __all__ = ["register"]
 
@@ -40,7 +41,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
             "effect classes of the traces under PATH."
         ),
     )
-    _add_inputs(stats, default_bundled=True)
+    _add_inputs(stats)
     add_format_option(stats)
     stats.add_argument("--plot", metavar="PNG", type=Path, help="also plot the tool-time distribution to this PNG")
     stats.set_defaults(func=_stats)
@@ -56,25 +57,23 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     convert.set_defaults(func=_convert)
 
 
-def _add_inputs(parser: argparse.ArgumentParser, *, default_bundled: bool = False) -> None:
-    if default_bundled:
-        parser.add_argument(
-            "paths",
-            nargs="*",
-            metavar="PATH",
-            help="trace files or directories (searched recursively); default: the tb1 sample bundled with aospec",
-        )
-    else:
-        parser.add_argument(
-            "paths", nargs="+", metavar="PATH", help="trace files or directories (searched recursively)"
-        )
+def _add_inputs(parser: argparse.ArgumentParser) -> None:
+    add_trace_inputs(
+        parser,
+        paths_help="trace files or directories (searched recursively)",
+        bundled_help="also read the tb1 sample bundled with aospec",
+    )
     parser.add_argument(
         "--input-format",
         choices=_INPUT_FORMATS,
         default="auto",
         help="format of the inputs (default: detect each file)",
     )
-    add_trace_input_options(parser)
+    add_input_limits(parser)
+
+
+def _sources(args: argparse.Namespace) -> list[Any]:
+    return trace_sources(args, missing="no traces: give PATH... or --bundled (the tb1 sample bundled with aospec)")
 
 
 def _fmt_s(v: float | None) -> str:
@@ -88,18 +87,17 @@ def _fmt_pct(v: float | None) -> str:
 
 
 def _stats(args: argparse.Namespace) -> int:
-    from replay import bundled_traces_path, trace_stats
+    from replay import trace_stats
 
-    if not args.paths:
-        args.paths = [str(bundled_traces_path())]
-    loaded = load_trace_inputs(args.paths, args, format=args.input_format)
+    sources = _sources(args)
+    loaded = load_trace_inputs(sources, args, format=args.input_format)
     traces = list(loaded.traces)
     stats = trace_stats(traces)
     plot = _plot(traces, stats, args.plot) if args.plot else None
     skipped = len(loaded.skipped) if args.skip_invalid else None
     if args.format == "json":
         out: dict[str, Any] = stats.to_json()
-        out["paths"] = [str(p) for p in args.paths]
+        out["paths"] = [str(p) for p in sources]
         if skipped is not None:
             out["skipped_files"] = skipped
             out["skipped"] = [str(e) for e in loaded.skipped]
@@ -107,7 +105,7 @@ def _stats(args: argparse.Namespace) -> int:
             out["plot"] = str(plot)
         print_json(out)
         return 0
-    _print_table(stats, args.paths, plot, skipped)
+    _print_table(stats, [str(p) for p in sources], plot, skipped)
     return 0
 
 
@@ -141,14 +139,14 @@ def _print_table(stats: Any, paths: list[str], plot: Path | None, skipped: int |
     for k, v in rows:
         table.add_row(k, v)
     console = Console()
-    console.print(table)
+    print_table(table)
     if len(stats.tools) > 1:
         tools = Table(title="Steps by tool", title_justify="left")
         tools.add_column("tool")
         tools.add_column("steps", justify="right")
         for name, n in sorted(stats.tools.items(), key=lambda kv: (-kv[1], kv[0])):
             tools.add_row(name, str(n))
-        console.print(tools)
+        print_table(tools)
     console.print(f"Quantiles: {stats.quantile_method}.")
     if plot:
         console.print(f"Plot: {plot}")
@@ -194,7 +192,7 @@ def _plot(traces: list, stats: Any, path: Path) -> Path:
 def _convert(args: argparse.Namespace) -> int:
     from replay import dump_jsonl, write_jsonl
 
-    loaded = load_trace_inputs(args.paths, args, format=args.input_format)
+    loaded = load_trace_inputs(_sources(args), args, format=args.input_format)
     traces = loaded.traces
     steps = sum(len(t) for t in traces)
     if args.output == "-":

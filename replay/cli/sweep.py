@@ -9,76 +9,91 @@ import sys
 import time
 from typing import Any
 
-from aospec.cli._common import add_format_option, add_trace_input_options, load_trace_inputs, print_json
+from aospec.cli import add_format_option, print_records, print_table
+from replay.cli import add_input_limits, add_trace_inputs, load_trace_inputs, trace_sources
+from replay.policies import DEFAULT_POLICIES
 
-_DEFAULT_POLICIES = "serial,oracle-action,ceiling,spec-actions,spechop-cache,aospec,obs-only,action-only"
+__all__ = ["register_replay", "register_sweep", "slow_policy_note"]
+
+_DEFAULT_POLICIES = ",".join(DEFAULT_POLICIES)
+
+#: Replay cost of the slow drafting components, in CPU seconds per trace step and TPOT, on
+#: the 2-core machine of docs/replay.md ("Slow policies"); a policy with neither costs
+#: about SLOW_BASE_S.
+SLOW_BASE_S = 0.007
+SLOW_COMPONENTS_S = {"embedding kernel": 0.4, "LM drafter": 0.0}
 
 
-def register(sub: argparse._SubParsersAction) -> None:
-    for name, helptext in (
-        ("replay", "replay traces under policies at one TPOT and print per-trace results"),
-        ("sweep", "replay traces under policies across TPOTs; write results, summary and plots"),
-    ):
-        p = sub.add_parser(name, help=helptext, description=helptext)
-        p.add_argument("paths", nargs="*", metavar="PATH", help="evaluation traces (files or directories)")
-        p.add_argument("--bundled", action="store_true", help="evaluate on the tb1 sample bundled with aospec")
-        p.add_argument("--eval", action="append", default=[], metavar="DIR", help="evaluation traces (repeatable)")
+def register_replay(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    """The ``replay`` verb (an ``aospec.commands`` entry point)."""
+    _register(sub, "replay", "replay traces under policies at one TPOT and print per-trace results")
+
+
+def register_sweep(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    """The ``sweep`` verb (an ``aospec.commands`` entry point)."""
+    _register(sub, "sweep", "replay traces under policies across TPOTs; write results, summary and plots")
+
+
+def _register(sub: argparse._SubParsersAction, name: str, helptext: str) -> None:  # type: ignore[type-arg]
+    p = sub.add_parser(name, help=helptext, description=helptext)
+    add_trace_inputs(
+        p,
+        paths_help="evaluation traces (files or directories)",
+        bundled_help="evaluate on the tb1 sample bundled with aospec",
+    )
+    p.add_argument("--eval", action="append", default=[], metavar="DIR", help="evaluation traces (repeatable)")
+    p.add_argument(
+        "--train",
+        action="append",
+        default=[],
+        metavar="DIR",
+        help="training traces for the drafters (repeatable); without it: leave-one-task-out",
+    )
+    p.add_argument(
+        "--policies",
+        default=_DEFAULT_POLICIES,
+        help="comma-separated NAME[:key=value...] (keys: EngineConfig/PolicyConfig fields); "
+        f"default: {_DEFAULT_POLICIES}",
+    )
+    if name == "sweep":
         p.add_argument(
-            "--train",
-            action="append",
-            default=[],
-            metavar="DIR",
-            help="training traces for the drafters (repeatable); without it: leave-one-task-out",
+            "--tpots", default="20,15,10,5,1", help="comma-separated ms per output token (default 20,15,10,5,1)"
         )
-        p.add_argument(
-            "--policies",
-            default=_DEFAULT_POLICIES,
-            help="comma-separated NAME[:key=value...] (keys: EngineConfig/PolicyConfig fields); "
-            f"default: {_DEFAULT_POLICIES}",
-        )
-        if name == "sweep":
-            p.add_argument(
-                "--tpots", default="20,15,10,5,1", help="comma-separated ms per output token (default 20,15,10,5,1)"
-            )
-            p.add_argument("--out", default="results", metavar="DIR", help="output directory (default ./results)")
-        else:
-            p.add_argument("--tpot-ms", type=float, default=10.0, help="ms per output token (default 10)")
-        p.add_argument("--jobs", type=int, default=None, help="worker processes (default: number of CPUs)")
-        p.add_argument(
-            "--drafter-options",
-            default=None,
-            metavar="JSON",
-            help='options per drafter/kernel name, e.g. \'{"lm": {"backend": "vllm"}}\' (or @file.json)',
-        )
-        p.add_argument(
-            "--prefill-ms-per-ktok",
-            type=float,
-            default=0.0,
-            help="prefill model: ms per 1000 new context tokens (default 0: off)",
-        )
-        p.add_argument("--no-progress", action="store_true", help="no progress bar")
-        add_trace_input_options(p)
-        add_format_option(p)
-        p.set_defaults(func=_sweep if name == "sweep" else _replay)
+        p.add_argument("--out", default="results", metavar="DIR", help="output directory (default ./results)")
+    else:
+        p.add_argument("--tpot-ms", type=float, default=10.0, help="ms per output token (default 10)")
+    p.add_argument("--jobs", type=int, default=None, help="worker processes (default: number of CPUs)")
+    p.add_argument(
+        "--drafter-options",
+        default=None,
+        metavar="JSON",
+        help='options per drafter/kernel name, e.g. \'{"lm": {"backend": "vllm"}}\' (or @file.json)',
+    )
+    p.add_argument(
+        "--prefill-ms-per-ktok",
+        type=float,
+        default=0.0,
+        help="prefill model: ms per 1000 new context tokens (default 0: off)",
+    )
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    add_input_limits(p)
+    add_format_option(p, records=True)
+    p.set_defaults(func=_sweep if name == "sweep" else _replay)
 
 
 def _drafter_options(text: str | None) -> dict[str, Any]:
-    from aospec.errors import ConfigError
+    from aospec.errors import ConfigError, TraceFormatError
+    from replay._input import parse_json, read_text
 
     if not text:
         return {}
     where = "--drafter-options"
     if text.startswith("@"):
-        from aospec.errors import TraceFormatError
-        from replay.io import parse_json, read_text
-
         where = text[1:]
         try:
             text = read_text(where, max_bytes=2**24)
         except TraceFormatError as exc:
             raise ConfigError(f"--drafter-options: {exc}") from None
-    else:
-        from replay.io import parse_json
     try:
         value = parse_json(text)
     except ValueError as exc:
@@ -106,13 +121,8 @@ def _floats(text: str, what: str) -> list[float]:
 
 def _load(args: argparse.Namespace) -> tuple[list[Any], list[Any] | None, str, int]:
     from aospec.errors import ConfigError
-    from replay import bundled_traces_path
 
-    sources: list[Any] = list(args.paths) + list(args.eval)
-    if args.bundled:
-        sources.append(bundled_traces_path())
-    if not sources:
-        raise ConfigError("no traces: give PATH..., --eval DIR or --bundled")
+    sources = trace_sources(args, args.eval, missing="no traces: give PATH..., --eval DIR or --bundled")
     loaded = load_trace_inputs(sources, args)
     eval_traces = list(loaded.traces)
     skipped = len(loaded.skipped)
@@ -130,10 +140,39 @@ def _load(args: argparse.Namespace) -> tuple[list[Any], list[Any] | None, str, i
     return eval_traces, train, split, skipped
 
 
+def _slow_components(policy: Any) -> list[str]:
+    """The slow drafting components a policy uses (keys of SLOW_COMPONENTS_S)."""
+    c = policy.config
+    found = []
+    if c.kernel == "embedding" or c.kernel.endswith(":EmbeddingKernel"):
+        found.append("embedding kernel")
+    if any(n == "lm" or n.startswith("drafters.lm:") for n in (*c.obs_names, *c.action_names)):
+        found.append("LM drafter")
+    return found
+
+
+def slow_policy_note(policies: list[Any], steps: int, tpots: int, jobs: int) -> str | None:
+    """A note naming the policies that use a slow drafting component, with a rough estimate
+    of their share of the sweep's wall time from the per-step costs above; None when no
+    policy does."""
+    slow = [(p, comps) for p in policies if (comps := _slow_components(p))]
+    if not slow:
+        return None
+    per_step = max(SLOW_COMPONENTS_S[c] for _, comps in slow for c in comps)
+    cpu_s = sum(steps * tpots * sum(SLOW_COMPONENTS_S[c] for c in comps) for _, comps in slow)
+    names = ", ".join(f"{p.name} ({' and '.join(comps)})" for p, comps in slow)
+    minutes = cpu_s / max(1, jobs) / 60
+    return (
+        f"{names}: replays about {per_step / SLOW_BASE_S:.0f}x slower than policies without it; expect roughly "
+        f"{minutes:.0f} min for {steps} steps x {tpots} TPOT{'s' if tpots != 1 else ''} on {jobs} "
+        f"worker{'s' if jobs != 1 else ''} (docs/replay.md, 'Slow policies')"
+    )
+
+
 def _run(args: argparse.Namespace, tpots: list[float]) -> tuple[list[Any], list[Any], dict[str, Any]]:
     from aospec.errors import ConfigError
     from aospec.progress import progress
-    from replay.policies import parse_policies
+    from replay.policies import check_drafters, parse_policies
     from replay.sweep import run_sweep
 
     if not (math.isfinite(args.prefill_ms_per_ktok) and args.prefill_ms_per_ktok >= 0):
@@ -142,6 +181,10 @@ def _run(args: argparse.Namespace, tpots: list[float]) -> tuple[list[Any], list[
     options = _drafter_options(args.drafter_options)
     eval_traces, train, split, skipped = _load(args)
     jobs = args.jobs if args.jobs is not None else (os.cpu_count() or 1)
+    note = slow_policy_note(policies, sum(len(t) for t in eval_traces), len(tpots), min(jobs, len(eval_traces)))
+    if note:
+        check_drafters(policies, options)  # a configuration error first, not a note about a sweep that cannot run
+        print(f"aospec: note: {note}", file=sys.stderr)
     started = time.perf_counter()
     with progress(disable=True if args.no_progress else None) as bar:
         task = bar.add_task("replaying traces", total=len(eval_traces))
@@ -172,7 +215,8 @@ def _run(args: argparse.Namespace, tpots: list[float]) -> tuple[list[Any], list[
 
 def _sweep(args: argparse.Namespace) -> int:
     from replay.metrics import summarize
-    from replay.report import drafter_failure_note, print_table, write_report
+    from replay.report import drafter_failure_note, write_report
+    from replay.report import print_table as print_summary_table
 
     tpots = _floats(args.tpots, "--tpots")
     results, _, meta = _run(args, tpots)
@@ -181,22 +225,21 @@ def _sweep(args: argparse.Namespace) -> int:
     note = drafter_failure_note(summaries)
     if note:
         print(f"aospec: warning: {note}", file=sys.stderr)
-    if args.format == "json":
-        for s in summaries:
-            print_json(s.to_json())
+    if args.format in ("json", "jsonl"):
+        print_records((s.to_json() for s in summaries), args.format)
     else:
-        print_table(summaries)
+        print_summary_table(summaries)
         note = f"; {meta['invalid files skipped']} invalid trace files skipped" if args.skip_invalid else ""
         print(f"wrote {len(written)} files to {args.out}/ (summary.md, results.jsonl, plots){note}", file=sys.stderr)
     return 0
 
 
 def _replay(args: argparse.Namespace) -> int:
-    from rich.console import Console
     from rich.table import Table
 
     from replay.metrics import summarize
-    from replay.report import drafter_failure_note, print_table
+    from replay.report import drafter_failure_note
+    from replay.report import print_table as print_summary_table
 
     if not (math.isfinite(args.tpot_ms) and args.tpot_ms > 0):
         from aospec.errors import ConfigError
@@ -206,9 +249,8 @@ def _replay(args: argparse.Namespace) -> int:
     note = drafter_failure_note(summarize(results))
     if note:
         print(f"aospec: warning: {note}", file=sys.stderr)
-    if args.format == "json":
-        for r in results:
-            print_json(r.to_json())
+    if args.format in ("json", "jsonl"):
+        print_records((r.to_json() for r in results), args.format)
         return 0
     table = Table(title=f"aospec replay at {args.tpot_ms:g} ms/token: latency in s (saving vs serial)")
     table.add_column("trace")
@@ -222,8 +264,8 @@ def _replay(args: argparse.Namespace) -> int:
     for trace_id, (steps, serial, by) in rows.items():
         cells = [f"{by[p.name].latency_ns * 1e-9:.1f} ({100 * by[p.name].saving:.1f}%)" for p in policies]
         table.add_row(trace_id, str(steps), f"{serial:.1f}", *cells)
-    Console(width=None if sys.stdout.isatty() else 200).print(table)
-    print_table(summarize(results))
+    print_table(table)
+    print_summary_table(summarize(results))
     if args.skip_invalid:
         print(f"aospec: {meta['invalid files skipped']} invalid trace files skipped", file=sys.stderr)
     return 0
