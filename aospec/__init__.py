@@ -35,6 +35,7 @@ _LAZY = {
     "Engine": "aospec.engine",
     "EngineConfig": "aospec.engine_config",
     "EngineStatistics": "aospec.ledger",
+    "Session": "aospec.session",
 }
 
 
@@ -69,6 +70,7 @@ __all__ = [
     "Sandbox",
     "SandboxError",
     "SandboxUnavailableError",
+    "Session",
     "Step",
     "StreamingObservationDrafter",
     "Trace",
