@@ -224,3 +224,39 @@ def test_a_fork_released_before_its_task_ran_never_forks_the_sandbox():
     assert stats.forks_launched == 3
     assert sb.forks_opened == 1 + 1  # the last target's fork and the step's own
     assert sb.live_forks == 0
+
+
+class TwoBatches:
+    """A streaming drafter: a wrong guess after 0.1 s, the right one after 0.5 s."""
+
+    def __init__(self, ref: History) -> None:
+        self.ref = ref
+
+    async def draft(self, history, action, n):  # the protocol's one-shot call (unused by the engine)
+        return [d async for batch in self.draft_stream(history, action, n) for d in batch]
+
+    async def draft_stream(self, history, action, n):
+        await anyio.sleep(0.1)
+        yield [ObservationDraft("wrong guess", 0.5)]
+        await anyio.sleep(0.4)
+        yield [ObservationDraft(self.ref.turns[len(history)].observation, 0.4)]
+
+
+def test_a_streaming_drafter_continues_each_batch_within_the_budget():
+    async def main():
+        ref = await serial_history()
+        out = []
+        for budget in (2, 1):
+            engine = Engine(
+                script_actor(),
+                InMemorySandbox({"a": "A\n"}),
+                observation_drafters=[TwoBatches(ref)],
+                config=EngineConfig(branch_budget=budget, fork_width=0, provisional_targets=False),
+            )
+            assert await engine.run(History("task"), steps=len(SCRIPT)) == ref
+            out.append(engine.statistics())
+        return out
+
+    room, full = run_virtual(main)
+    assert room.drafts_hit == 2  # steps 0 and 3 outlast the second batch
+    assert full.drafts_hit == 0  # the wrong guess took the only slot
