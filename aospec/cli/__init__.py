@@ -100,7 +100,10 @@ def build_parser(commands: Iterable[EntryPoint] | None = None) -> argparse.Argum
     """The parser with every verb of ``commands`` (default: the installed entry points). A
     verb that fails to load is left out with a warning on stderr."""
     parser, sub = _new_parser()
-    for ep in command_entry_points() if commands is None else commands:
+    eps = command_entry_points() if commands is None else list(commands)
+    if not eps:
+        _warn(f"no verbs registered under the {COMMANDS_GROUP!r} entry points: is aospec installed (pip install -e .)?")
+    for ep in eps:
         try:
             _register(ep, sub)
         except CommandLoadError as exc:

@@ -11,11 +11,19 @@ from typing import Any
 
 from aospec.cli import add_format_option, print_records, print_table
 from replay.cli import add_input_limits, add_trace_inputs, load_trace_inputs, trace_sources
-from replay.policies import DEFAULT_POLICIES
 
 __all__ = ["register_replay", "register_sweep", "slow_policy_note"]
 
-_DEFAULT_POLICIES = ",".join(DEFAULT_POLICIES)
+
+class _DefaultPolicies:
+    """``--policies``' default, ``replay.policies.DEFAULT_POLICIES`` joined by commas: a
+    string only when help shows it or a handler reads it, so that registering the verb does
+    not import the engine (help stays fast)."""
+
+    def __str__(self) -> str:
+        from replay.policies import DEFAULT_POLICIES
+
+        return ",".join(DEFAULT_POLICIES)
 
 #: Replay cost of the slow drafting components, in CPU seconds per trace step and TPOT, on
 #: the 2-core machine of docs/replay.md ("Slow policies"); a policy with neither costs
@@ -51,9 +59,8 @@ def _register(sub: argparse._SubParsersAction, name: str, helptext: str) -> None
     )
     p.add_argument(
         "--policies",
-        default=_DEFAULT_POLICIES,
-        help="comma-separated NAME[:key=value...] (keys: EngineConfig/PolicyConfig fields); "
-        f"default: {_DEFAULT_POLICIES}",
+        default=_DefaultPolicies(),
+        help="comma-separated NAME[:key=value...] (keys: EngineConfig/PolicyConfig fields); default: %(default)s",
     )
     if name == "sweep":
         p.add_argument(
@@ -177,7 +184,7 @@ def _run(args: argparse.Namespace, tpots: list[float]) -> tuple[list[Any], list[
 
     if not (math.isfinite(args.prefill_ms_per_ktok) and args.prefill_ms_per_ktok >= 0):
         raise ConfigError(f"--prefill-ms-per-ktok must be a finite number >= 0, got {args.prefill_ms_per_ktok:g}")
-    policies = parse_policies(args.policies)
+    policies = parse_policies(str(args.policies))
     options = _drafter_options(args.drafter_options)
     eval_traces, train, split, skipped = _load(args)
     jobs = args.jobs if args.jobs is not None else (os.cpu_count() or 1)
