@@ -10,6 +10,12 @@ sample is a chain of up to ``depth`` actions; the probability of action ``a`` at
 ``d`` is estimated by the fraction of samples that hold ``a`` at ``d`` (ties broken by
 the sample's sequence probability).
 
+Both interpolate the model's candidates (observations; next actions at offset 0) with the
+training set's most frequent targets (:mod:`drafters.prior`), so a model that samples one
+text eight times still proposes distinct candidates and never fewer good ones than the
+frequency prior: ``prior=False`` turns that off. The prior comes from the traces given to
+``fit``, else from the trained model directory (``aospec train`` saves it).
+
 Both are built from keyword options, e.g. ``LMObservationDrafter(backend="transformers",
 model="tiny", samples=8, device="cpu")``; options the drafter does not know go to the
 backend. With a shape name as ``model`` (``tiny``...), ``fit(traces)`` trains the
@@ -28,7 +34,15 @@ from aospec.errors import ConfigError
 from aospec.protocols import ActionDraft, ObservationDraft
 from aospec.types import Action, History, Trace
 from drafters.backends import DecodeMode, LMBackend, make_backend, merge_completions
-from drafters.prompts import ACTION_SEPARATOR, PromptBudget, action_messages, observation_messages, parse_action
+from drafters.prior import FrequencyPrior, interpolate
+from drafters.prompts import (
+    ACTION_SEPARATOR,
+    PromptBudget,
+    action_messages,
+    observation_messages,
+    parse_action,
+    render_action,
+)
 
 __all__ = ["LMActionDrafter", "LMObservationDrafter"]
 
@@ -52,6 +66,7 @@ class _LMDrafter:
         min_probability: float = 0.0,
         seed: int = 0,
         cache_size: int = 256,
+        prior: bool = True,
         **backend_options: Any,
     ) -> None:
         from drafters.model import is_shape, trained_meta
@@ -80,6 +95,8 @@ class _LMDrafter:
         self.min_probability = min_probability
         self.seed = seed
         self.cache_size = cache_size
+        self.use_prior = prior
+        self.prior = FrequencyPrior.from_json(meta["prior"]) if isinstance(meta.get("prior"), dict) else FrequencyPrior()
         self.backend_options = dict(backend_options)
         self.backend_options.setdefault("model", model)
         if backend == "transformers":
@@ -142,10 +159,15 @@ class _LMDrafter:
     def _examples(self, traces: Sequence[Trace], count: Any) -> list[Any]:
         raise NotImplementedError
 
+    def _prior_targets(self, traces: Sequence[Trace]) -> list[str]:
+        raise NotImplementedError
+
     def fit(self, traces: Sequence[Trace]) -> None:
-        """Learn from training traces: a shape model gets a tokenizer trained on them, and
-        ``fit_steps`` optimisation steps of fine-tuning (transformers backend only)."""
+        """Learn from training traces: the frequency prior of their targets; for a shape
+        model a tokenizer trained on them, and ``fit_steps`` optimisation steps of
+        fine-tuning (transformers backend only)."""
         self._cache.clear()
+        self.prior = FrequencyPrior.of(self._prior_targets(traces))
         if self.fit_steps <= 0 and not self.shape:
             return
         if self.backend_name != "transformers":
@@ -197,6 +219,9 @@ class LMObservationDrafter(_LMDrafter):
 
         return build_examples(traces, count=count, kind="observation", budget=self.budget)
 
+    def _prior_targets(self, traces: Sequence[Trace]) -> list[str]:
+        return [s.observation for t in traces for s in t.steps if s.completed]
+
     def prompt(self, history: History, action: Action) -> str:
         """The rendered prompt for the observation of ``action`` after ``history``."""
         backend = self.backend
@@ -207,13 +232,10 @@ class LMObservationDrafter(_LMDrafter):
             return []
         comps = await self._complete(self.prompt(history, action), max(n, self.samples))
         out = []
-        for c in merge_completions(comps):
-            if not c.finished:
-                continue
-            p = min(1.0, math.exp(c.logprob))
+        for text, p, tokens in rank_observations(comps, self.prior if self.use_prior else FrequencyPrior()):
             if p < self.min_probability:
                 continue
-            out.append(ObservationDraft(c.text, p, None, c.tokens))
+            out.append(ObservationDraft(text, p, None, tokens))
             if len(out) == n:
                 break
         return out
@@ -237,6 +259,9 @@ class LMActionDrafter(_LMDrafter):
 
         return build_examples(traces, count=count, kind="action", budget=self.budget, depth=self.train_depth)
 
+    def _prior_targets(self, traces: Sequence[Trace]) -> list[str]:
+        return [render_action(s.action) for t in traces for s in t.steps]
+
     def prompt(self, history: History) -> str:
         """The rendered prompt for the next actions after ``history``."""
         backend = self.backend
@@ -246,13 +271,28 @@ class LMActionDrafter(_LMDrafter):
         if width <= 0 or depth <= 0:
             return []
         comps = await self._complete(self.prompt(history), max(width, self.samples))
-        return rank_action_chains(comps, width, depth)
+        return rank_action_chains(comps, width, depth, self.prior if self.use_prior else None)
 
 
-def rank_action_chains(comps: Sequence[Any], width: int, depth: int) -> list[ActionDraft]:
+def rank_observations(comps: Sequence[Any], prior: FrequencyPrior) -> list[tuple[str, float, int]]:
+    """Distinct finished completions, interpolated with ``prior`` (:mod:`drafters.prior`),
+    most probable first, as (text, probability, tokens generated; 0 for the prior's)."""
+    finished = [c for c in merge_completions(comps) if c.finished]
+    tokens = {c.text: c.tokens for c in finished}
+    ranked = interpolate(
+        [(c.text, min(1.0, math.exp(c.logprob))) for c in finished], prior.top,
+        finished_samples=sum(1 for c in comps if c.finished),
+    )
+    return [(text, p, tokens.get(text, 0)) for text, p in ranked]
+
+
+def rank_action_chains(
+    comps: Sequence[Any], width: int, depth: int, prior: FrequencyPrior | None = None
+) -> list[ActionDraft]:
     """Turn sampled action chains into ranked (offset, action) drafts: probability is the
-    fraction of samples holding the action at that offset."""
-    if not comps:
+    fraction of samples holding the action at that offset; at offset 0 interpolated with
+    ``prior`` (the most frequent actions of the training set), when given."""
+    if not comps and not (prior and prior.top):
         return []
     stats: dict[tuple[int, Action], list[Any]] = {}
     for c in comps:
@@ -270,7 +310,15 @@ def rank_action_chains(comps: Sequence[Any], width: int, depth: int) -> list[Act
                 rec[0] += 1
                 if c.logprob > rec[1]:
                     rec[1], rec[2] = c.logprob, c.tokens
-    ranked = sorted(stats.items(), key=lambda kv: (-kv[1][0], kv[0][0], -kv[1][1]))
     total = len(comps)
-    return [ActionDraft(a, d, rec[0] / total, rec[2]) for (d, a), rec in ranked[:width]]
+    probability = {key: rec[0] / total for key, rec in stats.items()}
+    if prior is not None and prior.top:
+        first = [(a, p) for (d, a), p in probability.items() if d == 0]
+        parsed = [(a, share) for a, share in ((parse_action(t), share) for t, share in prior.top) if a is not None]
+        usable = sum(rec[0] for (d, _), rec in stats.items() if d == 0)
+        for a, p in interpolate(first, parsed, finished_samples=usable):
+            probability[(0, a)] = p
+            stats.setdefault((0, a), [0, -math.inf, 0])
+    ranked = sorted(stats.items(), key=lambda kv: (-probability[kv[0]], kv[0][0], -kv[1][1]))
+    return [ActionDraft(a, d, probability[(d, a)], rec[2]) for (d, a), rec in ranked[:width]]
 

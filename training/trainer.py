@@ -32,7 +32,8 @@ from aospec.types import Trace
 from drafters.examples import Example, ExampleKind, build_examples
 from drafters.finetune import encode_example, end_token, fit_examples
 from drafters.model import MODEL_META, is_shape, load_model, make_portable, resolve_device, resolve_dtype
-from drafters.prompts import PromptBudget
+from drafters.prior import FrequencyPrior
+from drafters.prompts import ACTION_SEPARATOR, PromptBudget
 from training.dataset import split_by_task
 
 __all__ = ["TrainConfig", "TrainResult", "encode_example", "evaluate", "fit_examples", "train"]
@@ -108,6 +109,8 @@ class TrainResult:
     out: str
     baseline_top1: float | None = None
     baseline_top5: float | None = None
+    model_top1: float | None = None
+    model_top5: float | None = None
     final_loss: float | None = None
     evaluated: int = 0
     resumed_from: int | None = None
@@ -120,6 +123,36 @@ class TrainResult:
         return d
 
 
+def _first(target: str, kind: ExampleKind) -> str:
+    return target.split(ACTION_SEPARATOR)[0] if kind == "action" else target
+
+
+def frequency_prior(train: Sequence[Example], *, kind: ExampleKind = "observation") -> FrequencyPrior:
+    """The frequency prior of the training targets (for actions: of the first action), the
+    one the LM drafters interpolate with (:mod:`drafters.prior`)."""
+    return FrequencyPrior.of(_first(e.target, kind) for e in train)
+
+
+def _first_actions(comps: Sequence[Any], prior: FrequencyPrior) -> list[str]:
+    """Distinct first actions of sampled chains ranked like ``LMActionDrafter`` at offset 0:
+    by the fraction of samples holding them (ties: the better sequence probability),
+    interpolated with ``prior``."""
+    from drafters.prior import interpolate
+
+    seen: dict[str, list[float]] = {}
+    for c in comps:
+        if c.finished or ACTION_SEPARATOR in c.text:
+            first = c.text.split(ACTION_SEPARATOR)[0]
+            if first.strip():
+                rec = seen.setdefault(first, [0, c.logprob])
+                rec[0] += 1
+                rec[1] = max(rec[1], c.logprob)
+    model = sorted(seen.items(), key=lambda kv: (-kv[1][0], -kv[1][1]))
+    usable = sum(int(rec[0]) for rec in seen.values())
+    candidates = [(text, rec[0] / len(comps)) for text, rec in model]
+    return [text for text, _ in interpolate(candidates, prior.top, finished_samples=usable)]
+
+
 def evaluate(
     backend: Any,
     examples: Sequence[Example],
@@ -129,32 +162,46 @@ def evaluate(
     max_new_tokens: int = 256,
     kind: ExampleKind = "observation",
     description: str = "evaluating",
+    prior: FrequencyPrior | None = None,
 ) -> tuple[float | None, float | None, int]:
-    """Top-1 and top-5 exact match of ``backend``'s drafts on ``examples`` (distinct finished
-    candidates ranked by sequence probability). Returns (top1, top5, examples evaluated)."""
+    """Top-1 and top-5 exact match of ``backend``'s drafts on ``examples``: the distinct
+    candidates the LM drafter would propose, i.e. its finished samples interpolated with
+    the training set's frequency ``prior`` (none: the model's alone), most probable first.
+    Returns (top1, top5, examples evaluated)."""
+    return _evaluate(backend, examples, samples=samples, mode=mode, max_new_tokens=max_new_tokens, kind=kind,
+                     description=description, priors=(prior or FrequencyPrior(),))[0]
+
+
+def _evaluate(
+    backend: Any,
+    examples: Sequence[Example],
+    *,
+    samples: int,
+    mode: str,
+    max_new_tokens: int,
+    kind: ExampleKind,
+    description: str,
+    priors: Sequence[FrequencyPrior],
+) -> list[tuple[float | None, float | None, int]]:
+    """:func:`evaluate` under each of ``priors`` from the same samples."""
     from aospec.progress import track
-    from drafters.backends import merge_completions
-    from drafters.prompts import ACTION_SEPARATOR
+    from drafters.lm import rank_observations
 
     if not examples:
-        return None, None, 0
-    hit1 = hit5 = 0
+        return [(None, None, 0) for _ in priors]
+    hits = [[0, 0] for _ in priors]
     for ex in track(examples, description):
         prompt = backend.render(ex.chat())
         comps = backend.complete_sync(prompt, n=samples, max_new_tokens=max_new_tokens, mode=mode)
-        target = ex.target
-        if kind == "action":
-            target = target.split(ACTION_SEPARATOR)[0]
-            texts: list[str] = []
-            for c in merge_completions(comps):
-                first = c.text.split(ACTION_SEPARATOR)[0]
-                if first not in texts and (c.finished or ACTION_SEPARATOR in c.text):
-                    texts.append(first)
-        else:
-            texts = [c.text for c in merge_completions(comps) if c.finished]
-        hit1 += bool(texts) and texts[0] == target
-        hit5 += target in texts[:5]
-    return hit1 / len(examples), hit5 / len(examples), len(examples)
+        target = _first(ex.target, kind)
+        for hit, prior in zip(hits, priors, strict=True):
+            if kind == "action":
+                texts = _first_actions(comps, prior)
+            else:
+                texts = [text for text, _, _ in rank_observations(comps, prior)]
+            hit[0] += bool(texts) and texts[0] == target
+            hit[1] += target in texts[:5]
+    return [(h1 / len(examples), h5 / len(examples), len(examples)) for h1, h5 in hits]
 
 
 def frequency_baseline(
@@ -165,15 +212,8 @@ def frequency_baseline(
     than the common case (an empty output, say)."""
     if not evals:
         return None, None
-    from collections import Counter
-
-    from drafters.prompts import ACTION_SEPARATOR
-
-    def first(target: str) -> str:
-        return target.split(ACTION_SEPARATOR)[0] if kind == "action" else target
-
-    common = [t for t, _ in Counter(first(e.target) for e in train).most_common(5)]
-    hits = [first(e.target) for e in evals]
+    common = frequency_prior(train, kind=kind).texts(5)
+    hits = [_first(e.target, kind) for e in evals]
     return (sum(bool(common) and t == common[0] for t in hits) / len(hits),
             sum(t in common for t in hits) / len(hits))
 
@@ -320,6 +360,7 @@ def train(config: TrainConfig, *, traces: Sequence[Trace] | None = None) -> Trai
         "end_token": end_token(tokenizer),
         "prompt": asdict(config.budget()),
         "depth": config.depth if config.kind == "action" else 1,
+        "prior": frequency_prior(train_ex, kind=config.kind).to_json(),
         "config": {k: (list(v) if isinstance(v, tuple) else v) for k, v in asdict(config).items()},
     }
     meta_path.write_text(json.dumps(meta, indent=2) + "\n")
@@ -364,7 +405,7 @@ def train(config: TrainConfig, *, traces: Sequence[Trace] | None = None) -> Trai
         previous = [tuple(x) for x in json.loads(metrics_path.read_text()).get("losses", []) if x[0] <= start]
     all_losses = [*previous, *losses]
 
-    top1 = top5 = base1 = base5 = None
+    top1 = top5 = base1 = base5 = model1 = model5 = None
     evaluated = 0
     if done >= config.steps or out_of_time:
         final = out / ("adapter" if mode == "lora" else "model")
@@ -380,16 +421,16 @@ def train(config: TrainConfig, *, traces: Sequence[Trace] | None = None) -> Trai
         backend = TransformersBackend(str(out), device=device, dtype=str(dtype).removeprefix("torch."),
                                       max_context=config.prompt_tokens + config.target_tokens + 512)
         picked = _pick_eval(eval_ex, config.eval_limit, config.seed)
-        top1, top5, evaluated = evaluate(
-            backend, picked, samples=config.eval_samples, mode=config.eval_mode,
-            max_new_tokens=config.target_tokens, kind=config.kind,
+        (top1, top5, evaluated), (model1, model5, _) = _evaluate(
+            backend, picked, samples=config.eval_samples, mode=config.eval_mode, max_new_tokens=config.target_tokens,
+            kind=config.kind, description="evaluating", priors=(frequency_prior(train_ex, kind=config.kind), FrequencyPrior()),
         )
         base1, base5 = frequency_baseline(train_ex, picked, kind=config.kind)
     seconds = time.perf_counter() - started
     result = TrainResult(
         examples=len(train_ex) + len(eval_ex), train_examples=len(train_ex), eval_examples=len(eval_ex),
         steps=done, eval_tasks=tuple(eval_tasks), top1=top1, top5=top5, seconds=round(seconds, 3), out=str(out),
-        baseline_top1=base1, baseline_top5=base5, final_loss=all_losses[-1][1] if all_losses else None, evaluated=evaluated,
+        baseline_top1=base1, baseline_top5=base5, model_top1=model1, model_top5=model5, final_loss=all_losses[-1][1] if all_losses else None, evaluated=evaluated,
         resumed_from=start if ckpt is not None else None, losses=tuple(all_losses),
     )
     metrics_path.write_text(json.dumps({**result.summary(), "losses": [list(x) for x in all_losses]}, indent=1) + "\n")

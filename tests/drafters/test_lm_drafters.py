@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections import Counter
 
 import anyio
 import pytest
@@ -14,7 +15,7 @@ from aospec.protocols import ActionDrafter, ObservationDrafter, Trainable
 from aospec.types import Action, History, Trace
 from drafters import resolve
 from drafters.backends import Completion, merge_completions
-from drafters.lm import LMActionDrafter, LMObservationDrafter, rank_action_chains
+from drafters.lm import LMActionDrafter, LMObservationDrafter, rank_action_chains, rank_observations
 from drafters.prompts import ACTION_SEPARATOR
 from replay import bundled_traces_path, load_traces
 from training.dataset import split_by_task
@@ -67,14 +68,14 @@ def test_fit_learns_the_observations_of_held_out_tasks(split) -> None:
     assert len({d.text for d in drafts}) == len(drafts)
     probs = [d.probability for d in drafts]
     assert probs == sorted(probs, reverse=True) and all(0 < p <= 1 for p in probs)
-    assert all(d.tokens >= 1 for d in drafts)
+    assert all(d.tokens >= 1 or d.text in trained.prior.texts() for d in drafts)  # the prior's cost nothing
     assert anyio.run(trained.draft, history, action, 4) == drafts  # deterministic per (history, action)
     assert anyio.run(trained.draft, history, action, 0) == []
 
 
 def test_observation_probabilities_are_the_backend_sequence_probabilities(split) -> None:
     train, _ = split
-    drafter = LMObservationDrafter(model="tiny", fit_steps=0, **OPTIONS)
+    drafter = LMObservationDrafter(model="tiny", fit_steps=0, prior=False, **OPTIONS)
     drafter.fit(train[:2])
     history = History("task", ())
     action = Action.bash("ls")
@@ -86,6 +87,20 @@ def test_observation_probabilities_are_the_backend_sequence_probabilities(split)
     for d, c in zip(drafts, finished, strict=True):
         assert math.isclose(math.log(d.probability), c.logprob, rel_tol=1e-9)
         assert d.tokens == c.tokens
+
+
+def test_fit_sets_the_frequency_prior_the_drafts_are_interpolated_with(split) -> None:
+    train, _ = split
+    drafter = LMObservationDrafter(model="tiny", fit_steps=0, **OPTIONS)
+    drafter.fit(train)
+    common = Counter(s.observation for t in train for s in t.steps if s.completed).most_common(1)[0]
+    assert drafter.prior.top[0][0] == common[0]
+    history, action = History("task", ()), Action.bash("ls")
+    drafts = anyio.run(drafter.draft, history, action, 8)
+    comps = drafter.backend.complete_sync(drafter.prompt(history, action), n=OPTIONS["samples"],
+                                          max_new_tokens=OPTIONS["max_new_tokens"], seed=drafter.seed)
+    assert [(d.text, d.probability) for d in drafts] == [(t, p) for t, p, _ in rank_observations(comps, drafter.prior)][:8]
+    assert common[0] in {d.text for d in drafts}
 
 
 def test_action_drafter_proposes_ranked_targets_within_width_and_depth(split) -> None:
