@@ -27,7 +27,7 @@ import xxhash
 
 from aospec.errors import SandboxError
 from aospec.protocols import ActionDraft, ObservationDraft
-from aospec.types import Action, History, Trace, canonical_json
+from aospec.types import Action, History, Trace, canonical_json, version_hash
 
 __all__ = [
     "FitRecorder",
@@ -36,10 +36,6 @@ __all__ = [
     "ScriptedActor",
     "ScriptedObservationDrafter",
 ]
-
-
-def _h(*parts: str) -> str:
-    return xxhash.xxh3_128_hexdigest("\x1f".join(parts).encode())
 
 
 class InMemorySandbox:
@@ -52,7 +48,7 @@ class InMemorySandbox:
 
     def __init__(self, files: Mapping[str, str] | None = None, *, op_delay_s: float = 0.0) -> None:
         self._files: dict[str, str] = dict(files or {})
-        self._version = _h("root", canonical_json(sorted(self._files.items())))
+        self._version = version_hash("root", canonical_json(sorted(self._files.items())))
         self.op_delay_s = op_delay_s
         self._root: InMemorySandbox = self
         self._closed = False
@@ -102,7 +98,7 @@ class InMemorySandbox:
                 (p, files.get(p)) for p in set(files) | set(self._files) if files.get(p) != self._files.get(p)
             )
             if changes:
-                self._version = _h(self._version, canonical_json(changes))
+                self._version = version_hash(self._version, canonical_json(changes))
                 self._files = files
             return f"<returncode>{code}</returncode>\n<output>\n{''.join(out)}</output>"
         finally:

@@ -18,6 +18,8 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any
 
+import xxhash
+
 __all__ = [
     "NO_ACTION_TOOL",
     "SCHEMA_VERSION",
@@ -28,6 +30,7 @@ __all__ = [
     "Trace",
     "Turn",
     "canonical_json",
+    "version_hash",
 ]
 
 #: Version of the canonical trace schema (docs/trace-format.md).
@@ -41,6 +44,13 @@ NO_ACTION_TOOL = "none"
 def canonical_json(value: Any) -> str:
     """Serialise ``value`` so that equal JSON values give identical text."""
     return json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
+
+
+def version_hash(*parts: str) -> str:
+    """A filesystem version id from its parts (a parent version and what changed): the
+    xxh3-128 of the parts joined by a unit separator. The in-memory and replay sandboxes
+    chain their versions with it (the runtime hashes real layers, runtime/versions.py)."""
+    return xxhash.xxh3_128_hexdigest("\x1f".join(parts).encode())
 
 
 def _freeze(value: Any, where: str) -> Any:

@@ -22,21 +22,15 @@ from __future__ import annotations
 import bisect
 import statistics
 
-import xxhash
-
 from aospec.effects import step_effect
 from aospec.errors import SandboxError
-from aospec.types import Action, Effect, Trace
+from aospec.types import Action, Effect, Trace, version_hash
 from replay.actor import VirtualClock, seconds_to_ns
 
 __all__ = ["OFF_RECORD_PREFIX", "ReplaySandbox", "ReplayWorld"]
 
 #: Every off-record observation starts with this text.
 OFF_RECORD_PREFIX = "[aospec replay] no recorded result for this action from this state: "
-
-
-def _h(*parts: str) -> str:
-    return xxhash.xxh3_128_hexdigest("\x1f".join(parts).encode())
 
 
 class ReplayWorld:
@@ -63,7 +57,7 @@ class ReplayWorld:
         self.version_before: list[str] = []
         self.version_after: list[str] = []
         self.effects: list[Effect] = []
-        v = steps[0].version_before if n and steps[0].version_before else _h("origin", trace.id)
+        v = steps[0].version_before if n and steps[0].version_before else version_hash("origin", trace.id)
         self.origin = v
         for i, s in enumerate(steps):
             if s.version_before:
@@ -74,7 +68,7 @@ class ReplayWorld:
             if s.version_after:
                 v = s.version_after
             elif effect is Effect.MAY_CHANGE:
-                v = _h(v, "step", str(i))
+                v = version_hash(v, "step", str(i))
             self.version_after.append(v)
         self._index: dict[tuple[str, str], list[int]] = {}
         self._first_ns: dict[str, int] = {}
@@ -129,7 +123,7 @@ class ReplaySandbox:
         i = w.match(self._version, action, self._position)
         if i is None:
             await w.clock.sleep_ns(w.off_record_ns(action))
-            self._version = _h(self._version, "off-record", action.key)
+            self._version = version_hash(self._version, "off-record", action.key)
             return OFF_RECORD_PREFIX + action.key[:200]
         await w.clock.sleep_ns(w.tool_ns[i])
         self._version = w.version_after[i]
