@@ -22,6 +22,7 @@ __all__ = [
     "copy_entry",
     "copy_entry_at",
     "copy_tree",
+    "is_opaque",
     "is_whiteout",
     "make_private",
     "mount",
@@ -39,6 +40,21 @@ __all__ = [
 ]
 
 OPAQUE_XATTR = "trusted.overlay.opaque"
+
+
+def is_opaque(dir_fd: int, name: str | bytes | None = None) -> bool:
+    """Whether the directory ``dir_fd`` (or its entry ``name``, a directory) carries
+    overlayfs's opaque marker (it hides everything below it in the lower layers)."""
+    fd = dir_fd if name is None else os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dir_fd)
+    try:
+        return os.getxattr(fd, OPAQUE_XATTR) in (b"y", b"x")
+    except OSError as exc:
+        if exc.errno in (errno.ENODATA, errno.ENOTSUP):
+            return False
+        raise
+    finally:
+        if fd != dir_fd:
+            os.close(fd)
 
 _libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
 _libc.mount.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_char_p, ctypes.c_ulong, ctypes.c_char_p]

@@ -44,11 +44,12 @@ from runtime._session import SandboxSession
 from runtime._state import RecoveryReport, default_state_root, lock_state_dir, new_id, write_atomic
 from runtime.base import BaseFS, open_base
 from runtime.config import SandboxConfig
-from runtime.isolation import _Output, check_binds, reached_file_size
+from runtime.isolation import check_binds, reached_file_size
 from runtime.observation import (
     TIMEOUT_RETURNCODE,
     CommandResult,
     ObservationFormatter,
+    OutputBuffer,
     SandboxStatistics,
     get_formatter,
 )
@@ -498,7 +499,7 @@ class DockerSandbox(SandboxSession):
             await anyio.to_thread.run_sync(self._ensure_running)
             await anyio.to_thread.run_sync(check_workdir, str(box.merged), cwd or cfg.workdir)
             before = await anyio.to_thread.run_sync(box.counters)
-            out = _Output(cfg.max_output_bytes)
+            out = OutputBuffer(cfg.max_output_bytes)
             timed_out = False
             done = anyio.Event()
             started = time.perf_counter()
@@ -559,7 +560,7 @@ class DockerSandbox(SandboxSession):
                 truncated=truncated,
             )
 
-    def _read_exec(self, exec_id: str, out: _Output) -> None:
+    def _read_exec(self, exec_id: str, out: OutputBuffer) -> None:
         for chunk in self.store.client.api.exec_start(exec_id, stream=True, demux=False):
             out.add(chunk)
 

@@ -16,7 +16,8 @@ from pathlib import Path
 
 from runtime import _fs
 from runtime._state import default_state_root, state_dir_in_use
-from runtime.isolation import MARKER_ENV, OWNER_ENV, host_support, live_owner_tokens, process_environments
+from runtime.host import host_support
+from runtime.processes import MARKER_ENV, OWNER_ENV, live_owner_tokens, process_environments
 
 __all__ = ["GcReport", "collect_garbage"]
 

@@ -1,4 +1,7 @@
-"""Running one command isolated: bubblewrap namespaces, rlimits, cgroups, timeouts.
+"""Running one command isolated: bubblewrap namespaces, rlimits, its cgroup, timeouts.
+
+The cgroups live in ``runtime.cgroups``, the host probe in ``runtime.host``, the process
+markers in ``runtime.processes``.
 
 A command runs as ``bwrap ... -- /bin/bash -c CMD`` with the sandbox's merged overlay as
 ``/``: every namespace unshared (no network unless asked), capabilities dropped, no
@@ -13,44 +16,32 @@ kill the whole namespace: no process of the command survives it.
 from __future__ import annotations
 
 import contextlib
-import errno
 import json
 import os
 import resource
-import shutil
 import signal
 import stat
 import subprocess
-import threading
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import TypeVar
 
 import anyio
-import xxhash
 
 from aospec.errors import SandboxError, SandboxUnavailableError
+from runtime.cgroups import CommandCgroup
 from runtime.config import Bind, Limits
-from runtime.observation import TIMEOUT_RETURNCODE, CommandResult
+from runtime.host import host_support
+from runtime.observation import TIMEOUT_RETURNCODE, CommandResult, OutputBuffer
+from runtime.processes import MARKER_ENV, OWNER_ENV, kill_marked, own_owner_token
 from runtime.seccomp import program_fd
 
 __all__ = [
-    "MARKER_ENV",
-    "OWNER_ENV",
-    "Cgroups",
-    "HostSupport",
+    "DEFAULT_PATH",
     "bwrap_argv",
     "check_binds",
-    "host_support",
-    "kill_marked",
-    "live_owner_tokens",
-    "marked_processes",
     "missing_bind_points",
-    "owner_token",
-    "process_environments",
-    "process_identity",
     "reached_file_size",
     "remove_bind_points",
     "run_bwrap",
@@ -59,314 +50,6 @@ __all__ = [
 DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 
 T = TypeVar("T")
-
-
-class _Cgroup:
-    """One command's cgroup (all controllers)."""
-
-    def __init__(self, owner: Cgroups, dirs: list[Path]) -> None:
-        self.owner = owner
-        self.dirs = dirs
-
-    def add(self, pid: int) -> None:
-        for d in self.dirs:
-            (d / "cgroup.procs").write_text(str(pid))
-
-    def pids(self) -> set[int]:
-        found: set[int] = set()
-        for d in self.dirs:
-            with contextlib.suppress(FileNotFoundError):
-                found.update(int(x) for x in (d / "cgroup.procs").read_text().split())
-        return found
-
-    def kill_all(self) -> None:
-        if self.owner.version == 2 and (self.dirs[0] / "cgroup.kill").exists():
-            with contextlib.suppress(OSError):
-                (self.dirs[0] / "cgroup.kill").write_text("1")
-            return
-        for pid in self.pids():
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
-
-    def limits_hit(self) -> list[str]:
-        hit = []
-        for d in self.dirs:
-            for name, key, what in (
-                ("memory.oom_control", "oom_kill", "memory"),
-                ("memory.events", "oom_kill", "memory"),
-                ("pids.events", "max", "pids"),
-            ):
-                f = d / name
-                if f.exists():
-                    for line in f.read_text().splitlines():
-                        k, _, v = line.partition(" ")
-                        if k == key and v.strip().isdigit() and int(v) > 0 and what not in hit:
-                            hit.append(what)
-        return hit
-
-    def remove(self) -> None:
-        deadline = time.monotonic() + 5.0
-        for d in self.dirs:
-            while True:
-                try:
-                    d.rmdir()
-                    break
-                except FileNotFoundError:
-                    break
-                except OSError as exc:
-                    if exc.errno != errno.EBUSY or time.monotonic() > deadline:
-                        raise
-                    self.kill_all()
-                    time.sleep(0.002)
-
-
-class Cgroups:
-    """Per-command cgroups under ``aospec/`` of the v1 controllers or the v2 hierarchy.
-
-    A command's cgroup nests in its sandbox's, which nests in its store's (session's):
-    ``aospec/aospec-S/aospec-S-X/aospec-S-X-N``. The two upper levels carry the memory
-    budgets. Why nest: what a command writes into its tmpfs stays charged to its cgroup
-    after the command ends and the cgroup is removed, and the kernel then counts those
-    pages in the parent; under a limited ancestor they stay inside a budget instead of
-    moving to an unlimited parent.
-
-    ``detect()`` returns None when no writable cgroup hierarchy with the needed
-    controllers exists (then memory/cpu/pids limits are not enforced; rlimits still are).
-    """
-
-    V1 = ("pids", "memory", "cpu")
-
-    def __init__(self, version: int, roots: dict[str, Path]) -> None:
-        self.version = version
-        self.roots = roots  # controller -> directory holding our per-command cgroups
-        self._made: set[str] = set()  # intermediate cgroups this process made (a cache)
-
-    @classmethod
-    def detect(cls) -> Cgroups | None:
-        base = Path("/sys/fs/cgroup")
-        v1 = {c: base / c for c in cls.V1 if (base / c / "cgroup.procs").exists()}
-        if v1:
-            roots = {}
-            for c, d in v1.items():
-                try:
-                    (d / "aospec").mkdir(exist_ok=True)
-                    roots[c] = d / "aospec"
-                except OSError:
-                    continue
-            if roots:
-                return cls(1, roots)
-        if (base / "cgroup.controllers").exists():
-            try:
-                available = (base / "cgroup.controllers").read_text().split()
-                wanted = [c for c in ("pids", "memory", "cpu") if c in available]
-                if not wanted:
-                    return None
-                (base / "cgroup.subtree_control").write_text(" ".join("+" + c for c in wanted))
-                top = base / "aospec"
-                top.mkdir(exist_ok=True)
-                (top / "cgroup.subtree_control").write_text(" ".join("+" + c for c in wanted))
-                return cls(2, {c: top for c in wanted})
-            except OSError:
-                return None
-        return None
-
-    @property
-    def controllers(self) -> tuple[str, ...]:
-        return tuple(sorted(self.roots))
-
-    def _dirs(self, rel: str) -> list[tuple[str, Path]]:
-        """(controller, directory) of ``rel`` in every hierarchy (one for v2)."""
-        if self.version == 2:
-            return [("*", next(iter(self.roots.values())) / rel)]
-        return [(c, root / rel) for c, root in self.roots.items()]
-
-    def ensure_group(self, rel: str, memory_bytes: int | None, *, update: bool = False) -> None:
-        """Create the intermediate cgroup ``rel`` (its parent must exist) with a memory
-        limit; an existing one keeps its limit unless ``update``."""
-        if rel in self._made and not update:
-            return
-        for c, d in self._dirs(rel):
-            try:
-                d.mkdir()
-                created = True
-            except FileExistsError:
-                if not update:
-                    continue
-                created = False
-            if self.version == 2:
-                wanted = " ".join("+" + c for c in self.roots)
-                (d / "cgroup.subtree_control").write_text(wanted)
-            # a new cgroup starts unlimited
-            if c in ("memory", "*") and "memory" in self.roots and not (created and memory_bytes is None):
-                _set_memory_limit(d, self.version, memory_bytes)
-        self._made.add(rel)
-
-    def create(self, rel: str, limits: Limits) -> _Cgroup:
-        """A command's cgroup ``rel`` (its parents must exist) with ``limits``."""
-        dirs = []
-        try:
-            for c, d in self._dirs(rel):
-                d.mkdir()
-                dirs.append(d)
-                if c in ("pids", "*") and "pids" in self.roots and limits.pids is not None:
-                    (d / "pids.max").write_text(str(limits.pids))
-                if c in ("memory", "*") and "memory" in self.roots and limits.memory_bytes is not None:
-                    _set_memory_limit(d, self.version, limits.memory_bytes)
-                if c in ("cpu", "*") and "cpu" in self.roots and limits.cpus is not None:
-                    if self.version == 2:
-                        (d / "cpu.max").write_text(f"{int(limits.cpus * 100000)} 100000")
-                    else:
-                        (d / "cpu.cfs_period_us").write_text("100000")
-                        (d / "cpu.cfs_quota_us").write_text(str(int(limits.cpus * 100000)))
-        except BaseException:
-            _Cgroup(self, dirs).remove()
-            raise
-        return _Cgroup(self, dirs)
-
-    def memory_usage(self, rel: str) -> int | None:
-        """Bytes charged to ``rel`` and everything below it (None: no memory controller)."""
-        if "memory" not in self.roots:
-            return None
-        d = self.roots["memory"] / rel
-        try:
-            return int((d / ("memory.current" if self.version == 2 else "memory.usage_in_bytes")).read_text())
-        except (OSError, ValueError):
-            return None
-
-    def remove(self, rel: str) -> list[str]:
-        """Kill every process in ``rel`` and below, and remove the cgroups (deepest
-        first); returns the removed directories."""
-        self._made = {m for m in self._made if m != rel and not m.startswith(rel + "/")}
-        removed: list[str] = []
-        for _, d in self._dirs(rel):
-            _remove_tree(self, d, removed)
-        return removed
-
-    def remove_stale(self, prefix: str, *, under: str = "") -> list[str]:
-        """Kill and remove leftover cgroups (and all below them) whose name starts with
-        ``prefix``, directly under ``under`` (a cgroup path relative to the roots)."""
-        self._made.clear()
-        removed: list[str] = []
-        for root in set(self.roots.values()):
-            for d in (root / under).glob(prefix + "*") if (root / under).is_dir() else ():
-                if d.is_dir():
-                    _remove_tree(self, d, removed)
-        return removed
-
-
-def _set_memory_limit(d: Path, version: int, value: int | None) -> None:
-    if version == 2:
-        (d / "memory.max").write_text("max" if value is None else str(value))
-        with contextlib.suppress(OSError):
-            (d / "memory.swap.max").write_text("0")
-        return
-    text = "-1" if value is None else str(value)
-    # the memory+swap limit may never be below the memory limit: raise it first when growing
-    try:
-        (d / "memory.limit_in_bytes").write_text(text)
-        with contextlib.suppress(FileNotFoundError):
-            (d / "memory.memsw.limit_in_bytes").write_text(text)
-    except OSError as exc:
-        if exc.errno != errno.EINVAL:
-            raise
-        (d / "memory.memsw.limit_in_bytes").write_text(text)
-        (d / "memory.limit_in_bytes").write_text(text)
-
-
-def _remove_tree(owner: Cgroups, d: Path, removed: list[str]) -> None:
-    try:
-        with os.scandir(d) as it:
-            children = [Path(e.path) for e in it if e.is_dir(follow_symlinks=False)]
-    except FileNotFoundError:
-        return
-    for child in children:
-        _remove_tree(owner, child, removed)
-    cg = _Cgroup(owner, [d])
-    cg.kill_all()
-    cg.remove()
-    removed.append(str(d))
-
-
-@dataclass(frozen=True, slots=True)
-class HostSupport:
-    """What this host can do for the overlay backend (``aospec sandbox info``)."""
-
-    root: bool
-    overlayfs: bool
-    bwrap: str | None
-    cgroup_version: int | None
-    cgroup_controllers: tuple[str, ...]
-    can_mount: bool = True
-
-    def problems(self) -> list[str]:
-        out = []
-        if not self.root:
-            out.append("the overlay backend needs root (mounting overlayfs); run as root or use --backend docker")
-        elif not self.can_mount:
-            out.append("mounting is not permitted here (an unprivileged container?); run with CAP_SYS_ADMIN")
-        if not self.overlayfs:
-            out.append("the kernel has no overlayfs (modprobe overlay)")
-        if not self.bwrap:
-            out.append("bubblewrap is not installed (apt-get install bubblewrap)")
-        return out
-
-    def unenforced(self, limits: Limits, memory_budget_bytes: int | None = None) -> list[str]:
-        """The limits (and the session memory budget) this host cannot enforce."""
-        missing = []
-        have = set(self.cgroup_controllers)
-        if memory_budget_bytes is not None and "memory" not in have:
-            missing.append("memory budget (no writable memory cgroup: host memory held by sandboxes is not bounded)")
-        if limits.pids is not None and "pids" not in have:
-            missing.append("pids")
-        if limits.memory_bytes is not None and "memory" not in have:
-            missing.append("memory (RLIMIT_AS used instead)")
-        if limits.cpus is not None and "cpu" not in have:
-            missing.append("cpus")
-        return missing
-
-
-def _can_mount() -> bool:
-    import tempfile
-
-    from runtime import _fs
-
-    d = tempfile.mkdtemp(prefix="aospec-probe-")
-    try:
-        _fs.mount("tmpfs", d, "tmpfs", 0, "size=64k")
-    except OSError:
-        return False
-    else:
-        _fs.umount(d)
-        return True
-    finally:
-        os.rmdir(d)
-
-
-_support: HostSupport | None = None
-_cgroups: Cgroups | None = None
-_support_lock = threading.Lock()
-
-
-def host_support() -> tuple[HostSupport, Cgroups | None]:
-    """Probe the host once per process."""
-    global _support, _cgroups
-    with _support_lock:
-        if _support is None:
-            with open("/proc/filesystems") as f:
-                overlay = any(line.split()[-1] == "overlay" for line in f if line.strip())
-            is_root = os.geteuid() == 0
-            cg = Cgroups.detect() if is_root else None
-            bwrap = shutil.which("bwrap")
-            _cgroups = cg
-            _support = HostSupport(
-                root=is_root,
-                overlayfs=overlay,
-                bwrap=bwrap,
-                cgroup_version=cg.version if cg else None,
-                cgroup_controllers=cg.controllers if cg else (),
-                can_mount=is_root and _can_mount(),
-            )
-        return _support, _cgroups
 
 
 def bwrap_argv(
@@ -526,42 +209,6 @@ _RLIMITS = (
 )
 
 
-class _Output:
-    """Collects output up to ``cap`` bytes, keeping the head and the tail beyond it."""
-
-    def __init__(self, cap: int) -> None:
-        self.cap = cap
-        self.head = bytearray()
-        self.tail = bytearray()
-        self.dropped = 0
-
-    def add(self, chunk: bytes) -> None:
-        room = self.cap - len(self.head)
-        if room > 0:
-            self.head += chunk[:room]
-            chunk = chunk[room:]
-        if chunk:
-            self.tail += chunk
-            half = self.cap // 2
-            if len(self.tail) > half:
-                self.dropped += len(self.tail) - half
-                del self.tail[: len(self.tail) - half]
-
-    def text(self) -> tuple[str, bool]:
-        if not self.dropped and not self.tail:
-            return self.head.decode("utf-8", "replace"), False
-        if not self.dropped:
-            return (self.head + self.tail).decode("utf-8", "replace"), False
-        keep = self.head[: self.cap // 2]
-        dropped = self.dropped + len(self.head) - len(keep)
-        return (
-            keep.decode("utf-8", "replace")
-            + f"\n[... {dropped} bytes of output dropped ...]\n"
-            + self.tail.decode("utf-8", "replace"),
-            True,
-        )
-
-
 @dataclass(slots=True)
 class _Started:
     """A bwrap process and what it takes to kill and reap everything it started."""
@@ -569,73 +216,7 @@ class _Started:
     proc: subprocess.Popen[bytes]
     outer_pidfd: int  # bwrap itself: readable when it exited
     init_pidfd: int = -1  # the PID namespace's init: killing it kills the whole command
-    cg: _Cgroup | None = None
-
-
-MARKER_ENV = "AOSPEC_SANDBOX"
-OWNER_ENV = "AOSPEC_OWNER"
-
-
-def process_identity(pid: int) -> str:
-    """``PID:START_TIME`` of a process (unique even when PIDs are reused), or ""."""
-    try:
-        stat_line = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return ""
-    return f"{pid}:{stat_line.rpartition(')')[2].split()[19]}"
-
-
-def owner_token(identity: str) -> str:
-    """What ``AOSPEC_OWNER`` holds: a hash of the owner's :func:`process_identity`, so
-    that a sandbox reading it learns nothing of the host (not the owner's pid)."""
-    return xxhash.xxh3_64_hexdigest(identity.encode())
-
-
-def live_owner_tokens() -> set[str]:
-    """The :func:`owner_token` of every running process."""
-    return {owner_token(i) for pid in os.listdir("/proc") if pid.isdigit() and (i := process_identity(int(pid)))}
-
-
-_owner: tuple[int, str] = (0, "")
-
-
-def _owner_identity() -> str:
-    global _owner
-    if _owner[0] != os.getpid():
-        _owner = (os.getpid(), owner_token(process_identity(os.getpid())))
-    return _owner[1]
-
-
-def process_environments() -> Iterator[tuple[int, list[bytes]]]:
-    """(pid, environment items) of every process whose environment can be read."""
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            env = Path(f"/proc/{pid}/environ").read_bytes()
-        except OSError:
-            continue
-        yield int(pid), env.split(b"\0")
-
-
-def marked_processes(prefix: str, *, exact: bool = False) -> list[int]:
-    """Processes whose environment marks them as sandbox processes of ``prefix`` (orphans
-    too); ``exact``: the marker of one run only."""
-    needle = f"{MARKER_ENV}={prefix}".encode()
-    return [
-        pid
-        for pid, env in process_environments()
-        if any(item == needle if exact else item.startswith(needle) for item in env)
-    ]
-
-
-def kill_marked(prefix: str, *, exact: bool = False) -> list[int]:
-    """SIGKILL every process :func:`marked_processes` finds (bwrap processes orphaned when
-    their session was killed mid-setup)."""
-    killed = []
-    for pid in marked_processes(prefix, exact=exact):
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signal.SIGKILL)
-            killed.append(pid)
-    return killed
+    cg: CommandCgroup | None = None
 
 
 def _release(
@@ -715,7 +296,7 @@ async def run_bwrap(
     cancelled the whole PID namespace is killed and reaped before ``after`` runs and
     the cancellation propagates.
     """
-    out = _Output(max_output_bytes)
+    out = OutputBuffer(max_output_bytes)
     started_at = time.perf_counter()
     timed_out = False
     limits_hit: list[str] = []
@@ -737,7 +318,7 @@ async def run_bwrap(
                 stderr=subprocess.STDOUT,
                 # the markers let recovery and gc find this run's processes, even orphans
                 # (the sandbox can read them in /proc/1/environ: no host paths in them)
-                env={"PATH": DEFAULT_PATH, MARKER_ENV: cgroup_name, OWNER_ENV: _owner_identity()},
+                env={"PATH": DEFAULT_PATH, MARKER_ENV: cgroup_name, OWNER_ENV: own_owner_token()},
                 pass_fds=tuple(fd for fd in (info_w, block_r, seccomp_r) if fd >= 0),
                 cwd=cwd,
                 umask=0o022,
@@ -840,14 +421,14 @@ def _cleanup(st: _Started | None, after: Callable[[], T]) -> tuple[list[str], T]
     return hits, after()
 
 
-def _kill_tree(pidfd: int, cg: _Cgroup | None) -> None:
+def _kill_tree(pidfd: int, cg: CommandCgroup | None) -> None:
     with contextlib.suppress(ProcessLookupError):
         signal.pidfd_send_signal(pidfd, signal.SIGKILL)
     if cg is not None:
         cg.kill_all()
 
 
-async def _drain(fd: int, out: _Output) -> None:
+async def _drain(fd: int, out: OutputBuffer) -> None:
     """Read a non-blocking pipe until EOF."""
     while True:
         await anyio.wait_readable(fd)

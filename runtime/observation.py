@@ -18,6 +18,7 @@ __all__ = [
     "CommandResult",
     "MiniSweAgentFormatter",
     "ObservationFormatter",
+    "OutputBuffer",
     "RawFormatter",
     "SandboxStatistics",
     "TIMEOUT_RETURNCODE",
@@ -129,3 +130,39 @@ def get_formatter(spec: str | ObservationFormatter) -> ObservationFormatter:
         return spec
     obj = import_object(spec, FORMATTERS, "observation formatter")
     return obj() if isinstance(obj, type) else obj
+
+
+class OutputBuffer:
+    """Collects output up to ``cap`` bytes, keeping the head and the tail beyond it."""
+
+    def __init__(self, cap: int) -> None:
+        self.cap = cap
+        self.head = bytearray()
+        self.tail = bytearray()
+        self.dropped = 0
+
+    def add(self, chunk: bytes) -> None:
+        room = self.cap - len(self.head)
+        if room > 0:
+            self.head += chunk[:room]
+            chunk = chunk[room:]
+        if chunk:
+            self.tail += chunk
+            half = self.cap // 2
+            if len(self.tail) > half:
+                self.dropped += len(self.tail) - half
+                del self.tail[: len(self.tail) - half]
+
+    def text(self) -> tuple[str, bool]:
+        if not self.dropped and not self.tail:
+            return self.head.decode("utf-8", "replace"), False
+        if not self.dropped:
+            return (self.head + self.tail).decode("utf-8", "replace"), False
+        keep = self.head[: self.cap // 2]
+        dropped = self.dropped + len(self.head) - len(keep)
+        return (
+            keep.decode("utf-8", "replace")
+            + f"\n[... {dropped} bytes of output dropped ...]\n"
+            + self.tail.decode("utf-8", "replace"),
+            True,
+        )

@@ -57,17 +57,17 @@ from runtime._session import SandboxSession
 from runtime._state import RecoveryReport, default_state_root, lock_state_dir, new_id, private_dir, write_atomic
 from runtime.base import BaseFS, open_base
 from runtime.config import SandboxConfig
+from runtime.host import host_support
 from runtime.isolation import (
     bwrap_argv,
     check_binds,
-    host_support,
-    kill_marked,
     missing_bind_points,
     reached_file_size,
     remove_bind_points,
     run_bwrap,
 )
 from runtime.observation import CommandResult, ObservationFormatter, SandboxStatistics, get_formatter
+from runtime.processes import kill_marked
 from runtime.seccomp import filter_program
 from runtime.versions import UpperTracker, base_version, tree_layer
 
@@ -611,20 +611,6 @@ def _tmpfs_used(path: Path) -> int:
 _DIR = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 
 
-def _is_opaque_at(dir_fd: int, name: bytes) -> bool:
-    """Whether the entry ``name`` of ``dir_fd`` is a directory with the opaque marker."""
-    try:
-        fd = os.open(name, _DIR, dir_fd=dir_fd)
-    except OSError:
-        return False
-    try:
-        return os.getxattr(fd, _fs.OPAQUE_XATTR) in (b"y", b"x")
-    except OSError:
-        return False
-    finally:
-        os.close(fd)
-
-
 def _apply_layer(src: Path, dst: Path) -> None:
     """Put layer ``src`` on top of the merged layer ``dst`` (overlayfs semantics), at any
     depth (directory descriptors, never long paths)."""
@@ -656,14 +642,14 @@ def _apply_layer(src: Path, dst: Path) -> None:
                     os.mknod(name, stat.S_IFCHR | 0o000, 0, dir_fd=out.fd)
                     continue
                 if stat.S_ISDIR(st.st_mode):
-                    if d_st is not None and stat.S_ISDIR(d_st.st_mode) and not _is_opaque_at(step.fd, name):
+                    if d_st is not None and stat.S_ISDIR(d_st.st_mode) and not _fs.is_opaque(step.fd, name):
                         descend.append(entry)
                         continue
                     hid_lower = d_st is not None  # a whiteout or non-directory in the merged range
                     if d_st is not None:
                         _fs.remove_entry_at(out.fd, name)
                     _fs.copy_entry_at(step.fd, name, out.fd)
-                    if hid_lower and not _is_opaque_at(out.fd, name):
+                    if hid_lower and not _fs.is_opaque(out.fd, name):
                         fd = os.open(name, _DIR, dir_fd=out.fd)
                         try:
                             os.setxattr(fd, _fs.OPAQUE_XATTR, b"y")
@@ -697,10 +683,7 @@ def _drop_dead_whiteouts(layer: Path, below: str) -> None:
             if step.depth:
                 while under.depth >= step.depth:
                     under.pop()
-                opaque = False
-                with contextlib.suppress(OSError):
-                    opaque = os.getxattr(step.fd, _fs.OPAQUE_XATTR) in (b"y", b"x")
-                if under.depth == step.depth - 1 and not opaque:
+                if under.depth == step.depth - 1 and not _fs.is_opaque(step.fd):
                     try:
                         under.push(step.name)
                     except OSError as exc:

@@ -28,7 +28,7 @@ from typing import Any
 
 import xxhash
 
-from runtime._fs import OPAQUE_XATTR, is_whiteout, walk_tree
+from runtime._fs import is_opaque, is_whiteout, walk_tree
 
 __all__ = [
     "EMPTY_LAYER",
@@ -298,15 +298,6 @@ def _fingerprint(st: os.stat_result, opaque: bool) -> tuple[int, ...]:
     return (st.st_mode, st.st_uid, st.st_gid, st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino, st.st_rdev, opaque)
 
 
-def _is_opaque(dir_fd: int) -> bool:
-    try:
-        return os.getxattr(dir_fd, OPAQUE_XATTR) in (b"y", b"x")
-    except OSError as exc:
-        if exc.errno in (errno.ENODATA, errno.ENOTSUP):
-            return False
-        raise
-
-
 class _Hiding:
     """Whether the upper entries in ``seen`` hide the lower view at a path (a whiteout,
     a non-directory or an opaque directory at it or above it), memoised per directory
@@ -385,7 +376,7 @@ class UpperTracker:
         try:
             for step in walk_tree(root):
                 if step.depth:
-                    op = _is_opaque(step.fd)
+                    op = is_opaque(step.fd)
                     now[step.rel] = (step.st, op)
                     fp = _fingerprint(step.st, op)
                     seen = old.get(step.rel)

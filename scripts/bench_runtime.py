@@ -32,7 +32,8 @@ import anyio
 from aospec.progress import progress
 from runtime import SandboxConfig, default_state_root, hash_file, open_sandbox
 from runtime._fs import mounts_under
-from runtime.isolation import host_support, marked_processes
+from runtime.host import host_support
+from runtime.processes import marked_processes
 
 
 def pct(xs: list[float], q: float) -> float:

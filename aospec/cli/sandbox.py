@@ -194,7 +194,7 @@ def _exec(args: argparse.Namespace) -> int:
 
 def _info(args: argparse.Namespace) -> int:
     from runtime.config import Limits, SandboxConfig
-    from runtime.isolation import host_support
+    from runtime.host import host_support
     from runtime.seccomp import seccomp_support
 
     support, _ = host_support()

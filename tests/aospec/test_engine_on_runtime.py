@@ -16,7 +16,7 @@ from aospec.testing import ScriptedActionDrafter, ScriptedActor, ScriptedObserva
 from aospec.types import Action, History
 from runtime import default_state_root, open_sandbox
 from runtime._fs import mounts_under
-from runtime.isolation import host_support
+from runtime.host import host_support
 
 POOL = [
     Action.bash(c)

@@ -12,7 +12,7 @@ import pytest
 from aospec.errors import SandboxUnavailableError
 from runtime import SandboxConfig, open_sandbox
 from runtime._fs import mounts_under
-from runtime.isolation import host_support
+from runtime.host import host_support
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -17,7 +17,7 @@ import pytest
 from aospec.errors import ConfigError, SandboxError
 from runtime import Bind, Limits, SandboxConfig, open_sandbox
 from runtime.config import GiB
-from runtime.isolation import HostSupport, host_support
+from runtime.host import HostSupport, host_support
 
 pytestmark = pytest.mark.anyio
 

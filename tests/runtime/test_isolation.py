@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from runtime import Limits, SandboxConfig, open_sandbox
-from runtime.isolation import host_support
+from runtime.host import host_support
 
 pytestmark = pytest.mark.anyio
 

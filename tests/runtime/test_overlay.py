@@ -13,7 +13,8 @@ from hypothesis import strategies as st
 from aospec.errors import ConfigError, SandboxError, SandboxUnavailableError
 from runtime import Limits, SandboxConfig, open_base, open_sandbox
 from runtime._fs import mounts_under
-from runtime.isolation import HostSupport, marked_processes
+from runtime.host import HostSupport
+from runtime.processes import marked_processes
 from runtime.versions import Layer, base_version, chain_version, tree_layer
 
 pytestmark = pytest.mark.anyio

@@ -11,7 +11,8 @@ import pytest
 
 from runtime import SandboxConfig, default_state_root, open_sandbox
 from runtime._fs import mounts_under
-from runtime.isolation import host_support, marked_processes
+from runtime.host import host_support
+from runtime.processes import marked_processes
 
 pytestmark = pytest.mark.anyio
 

@@ -1,0 +1,91 @@
+"""Sandbox processes on the host: the marker every bubblewrap process carries in its
+environment (its store and run) and the hashed identity of the session that owns it, so
+that recovery and ``aospec sandbox gc`` find orphans, even ones left mid-setup."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+from collections.abc import Iterator
+from pathlib import Path
+
+import xxhash
+
+__all__ = [
+    "MARKER_ENV",
+    "OWNER_ENV",
+    "kill_marked",
+    "live_owner_tokens",
+    "marked_processes",
+    "own_owner_token",
+    "owner_token",
+    "process_environments",
+    "process_identity",
+]
+
+MARKER_ENV = "AOSPEC_SANDBOX"
+OWNER_ENV = "AOSPEC_OWNER"
+
+
+def process_identity(pid: int) -> str:
+    """``PID:START_TIME`` of a process (unique even when PIDs are reused), or ""."""
+    try:
+        stat_line = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return ""
+    return f"{pid}:{stat_line.rpartition(')')[2].split()[19]}"
+
+
+def owner_token(identity: str) -> str:
+    """What ``AOSPEC_OWNER`` holds: a hash of the owner's :func:`process_identity`, so
+    that a sandbox reading it learns nothing of the host (not the owner's pid)."""
+    return xxhash.xxh3_64_hexdigest(identity.encode())
+
+
+def live_owner_tokens() -> set[str]:
+    """The :func:`owner_token` of every running process."""
+    return {owner_token(i) for pid in os.listdir("/proc") if pid.isdigit() and (i := process_identity(int(pid)))}
+
+
+_owner: tuple[int, str] = (0, "")
+
+
+def own_owner_token() -> str:
+    """The :func:`owner_token` of this process (what its sandbox processes carry)."""
+    global _owner
+    if _owner[0] != os.getpid():
+        _owner = (os.getpid(), owner_token(process_identity(os.getpid())))
+    return _owner[1]
+
+
+def process_environments() -> Iterator[tuple[int, list[bytes]]]:
+    """(pid, environment items) of every process whose environment can be read."""
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            env = Path(f"/proc/{pid}/environ").read_bytes()
+        except OSError:
+            continue
+        yield int(pid), env.split(b"\0")
+
+
+def marked_processes(prefix: str, *, exact: bool = False) -> list[int]:
+    """Processes whose environment marks them as sandbox processes of ``prefix`` (orphans
+    too); ``exact``: the marker of one run only."""
+    needle = f"{MARKER_ENV}={prefix}".encode()
+    return [
+        pid
+        for pid, env in process_environments()
+        if any(item == needle if exact else item.startswith(needle) for item in env)
+    ]
+
+
+def kill_marked(prefix: str, *, exact: bool = False) -> list[int]:
+    """SIGKILL every process :func:`marked_processes` finds (bwrap processes orphaned when
+    their session was killed mid-setup)."""
+    killed = []
+    for pid in marked_processes(prefix, exact=exact):
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+            killed.append(pid)
+    return killed
