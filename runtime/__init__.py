@@ -24,7 +24,7 @@ from typing import Any
 
 from aospec._lazy import import_object
 from runtime._state import RecoveryReport, default_state_root
-from runtime.base import BaseFS, build_base, cache_dir, open_base
+from runtime.bases import BaseFS, build_base, cache_dir, open_base
 from runtime.config import Bind, Limits, SandboxConfig
 from runtime.observation import (
     CommandResult,

@@ -12,7 +12,7 @@ Forks: ``copy-upper`` (default when the upper is readable, measured faster here)
 a container from the parent's image and copies the parent's upper into the new
 container's upper before starting it; ``commit`` uses ``docker commit`` and starts the
 fork from the committed image. Process checkpoints (``docker checkpoint``, CRIU) are not
-used: ``checkpoint_support()`` says whether this host could.
+used: ``runtime.daemon.checkpoint_support()`` says whether this host could.
 
 Needs a local daemon with the overlay2 storage driver (the upper, lower and merged
 directories and the container's cgroup are read on this host).
@@ -23,9 +23,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import shutil
 import signal
-import subprocess
 import tarfile
 import threading
 import time
@@ -42,8 +40,9 @@ from runtime import _fs
 from runtime._files import check_workdir, read_in_root, write_in_root
 from runtime._session import SandboxSession
 from runtime._state import RecoveryReport, default_state_root, lock_state_dir, new_id, write_atomic
-from runtime.base import BaseFS, open_base
+from runtime.bases import BaseFS, open_base
 from runtime.config import SandboxConfig
+from runtime.daemon import docker_client
 from runtime.isolation import check_binds, reached_file_size
 from runtime.observation import (
     TIMEOUT_RETURNCODE,
@@ -55,48 +54,12 @@ from runtime.observation import (
 )
 from runtime.versions import UpperTracker
 
-__all__ = ["DockerSandbox", "checkpoint_support", "docker_client", "ensure_base_image", "open_docker"]
+__all__ = ["DockerSandbox", "ensure_base_image", "open_docker"]
 
 _IDLE = ["/bin/sleep", "2147483647"]
 _LABEL_STORE = "aospec.store"
 _LABEL_BASE = "aospec.base_version"
 _HEAD_SCHEMA = 1
-
-
-def docker_client() -> Any:
-    """A docker SDK client of a reachable daemon, or SandboxUnavailableError saying why."""
-    docker = require("docker", "docker", purpose="the docker sandbox backend")
-    try:
-        client = docker.from_env(timeout=120)
-        client.ping()
-    except Exception as exc:
-        raise SandboxUnavailableError(
-            f"no Docker daemon is reachable ({type(exc).__name__}: {exc}); start dockerd "
-            "(or set DOCKER_HOST), or use the overlay backend"
-        ) from None
-    return client
-
-
-def checkpoint_support(client: Any | None = None) -> tuple[bool, str]:
-    """Whether process checkpoint/restore (``docker checkpoint``) can work here, and why not."""
-    own = client is None
-    client = client or docker_client()
-    reasons = []
-    try:
-        experimental = client.info().get("ExperimentalBuild")
-    finally:
-        if own:
-            client.close()
-    if not experimental:
-        reasons.append("the Docker daemon is not in experimental mode (docker checkpoint needs it)")
-    if shutil.which("criu") is None:
-        reasons.append("criu is not installed")
-    else:
-        proc = subprocess.run(["criu", "check"], capture_output=True, text=True, check=False)
-        if proc.returncode != 0:
-            lines = [ln for ln in (proc.stderr or proc.stdout).strip().splitlines() if ln.strip()]
-            reasons.append(f"`criu check` fails on this kernel ({lines[0] if lines else proc.returncode})")
-    return (not reasons), "; ".join(reasons) or "criu check passed and the daemon is experimental"
 
 
 def ensure_base_image(client: Any, base: BaseFS) -> str:

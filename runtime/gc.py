@@ -143,7 +143,7 @@ def _store_id_known(root: Path, store_id: str) -> bool:
 def _gc_containers(live_ids: set[str], *, dry_run: bool) -> list[str]:
     """Containers of ephemeral stores whose owner is gone (persistent HEAD containers are kept)."""
     try:
-        from runtime.docker import docker_client
+        from runtime.daemon import docker_client
 
         client = docker_client()
     except Exception:

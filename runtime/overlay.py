@@ -55,7 +55,7 @@ from runtime._files import check_workdir, read_in_root, write_in_root
 from runtime._integrity import layer_digest
 from runtime._session import SandboxSession
 from runtime._state import RecoveryReport, default_state_root, lock_state_dir, new_id, private_dir, write_atomic
-from runtime.base import BaseFS, open_base
+from runtime.bases import BaseFS, open_base
 from runtime.config import SandboxConfig
 from runtime.host import host_support
 from runtime.isolation import (

@@ -216,7 +216,7 @@ async def cycles(backend: str, n: int, bar: Any) -> dict[str, Any]:
     before = leak_snapshot()
     containers_before = None
     if backend == "docker":
-        from runtime.docker import docker_client
+        from runtime.daemon import docker_client
 
         client = docker_client()
         containers_before = len(client.containers.list(all=True))
@@ -248,7 +248,7 @@ async def cycles(backend: str, n: int, bar: Any) -> dict[str, Any]:
 
 def docker_available() -> bool:
     try:
-        from runtime.docker import docker_client
+        from runtime.daemon import docker_client
 
         docker_client().close()
         return True

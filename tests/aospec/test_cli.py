@@ -61,7 +61,7 @@ def test_the_installed_verbs_come_from_entry_points_of_their_packages():
     verbs = {ep.name: ep.value for ep in command_entry_points()}
     assert verbs == {
         "replay": "replay.cli.sweep:register_replay",
-        "sandbox": "aospec.cli.sandbox:register",
+        "sandbox": "runtime.cli:register",
         "sweep": "replay.cli.sweep:register_sweep",
         "traces": "replay.cli.traces:register",
         "train": "training.cli:register",

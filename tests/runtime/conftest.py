@@ -46,7 +46,7 @@ _docker_reason: list[str | None] = []
 def docker_skip_reason() -> str | None:
     if not _docker_reason:
         try:
-            from runtime.docker import docker_client
+            from runtime.daemon import docker_client
 
             client = docker_client()
             driver = client.info().get("Driver")

@@ -137,7 +137,7 @@ async def test_overlay_recovers_from_sigkill_at_random_moments(overlay: str, sta
 @pytest.mark.docker
 @pytest.mark.slow
 async def test_docker_recovers_from_sigkill_with_commands_in_flight(docker_backend: str, state: Path) -> None:
-    from runtime.docker import docker_client
+    from runtime.daemon import docker_client
 
     child = Child(docker_backend, state, "inflight")
     child.wait_for("READY", timeout=300)

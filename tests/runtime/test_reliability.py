@@ -75,7 +75,7 @@ async def test_hundreds_of_overlay_cycles_leak_nothing(overlay: str) -> None:
 @pytest.mark.docker
 @pytest.mark.slow
 async def test_docker_cycles_leak_nothing(docker_backend: str) -> None:
-    from runtime.docker import docker_client
+    from runtime.daemon import docker_client
 
     client = docker_client()
     containers = len(client.containers.list(all=True))

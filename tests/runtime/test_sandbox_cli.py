@@ -118,7 +118,8 @@ def test_an_unreachable_docker_daemon_is_one_clear_error(overlay: str) -> None:
 @pytest.mark.docker
 def test_a_docker_image_can_become_a_base(docker_backend: str) -> None:
     from runtime import open_base
-    from runtime.docker import docker_client, ensure_base_image
+    from runtime.daemon import docker_client
+    from runtime.docker import ensure_base_image
 
     client = docker_client()
     image = ensure_base_image(client, open_base("busybox"))

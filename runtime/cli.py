@@ -92,12 +92,13 @@ def register(subparsers: Any) -> None:
 
 
 def _build_base(args: argparse.Namespace) -> int:
-    from runtime.base import build_base
+    from runtime.bases import build_base
 
     base = build_base(args.spec, force=args.force, suite=args.suite, mirror=args.mirror)
     out: dict[str, Any] = base.to_json()
     if args.docker:
-        from runtime.docker import docker_client, ensure_base_image
+        from runtime.daemon import docker_client
+        from runtime.docker import ensure_base_image
 
         client = docker_client()
         try:
@@ -214,7 +215,7 @@ def _info(args: argparse.Namespace) -> int:
         "seccomp": seccomp_support(),
     }
     try:
-        from runtime.docker import checkpoint_support, docker_client
+        from runtime.daemon import checkpoint_support, docker_client
 
         client = docker_client()
         try:

@@ -216,7 +216,7 @@ def build_debootstrap_base(rootfs: Path, *, suite: str = "bookworm", mirror: str
 
 def export_image_base(rootfs: Path, image: str) -> None:
     """Export Docker image ``image`` (its merged filesystem) into ``rootfs``."""
-    from runtime.docker import docker_client
+    from runtime.daemon import docker_client
 
     client = docker_client()
     try:
