@@ -44,7 +44,26 @@ class SandboxSession:
         self._closed = False
         self.last_layer: Layer = EMPTY_LAYER
 
-    async def run(self, command: str, **kwargs: Any) -> CommandResult:
+    async def run(
+        self,
+        command: str,
+        *,
+        timeout: float | None = None,
+        env: Mapping[str, str] | None = None,
+        cwd: str | None = None,
+    ) -> CommandResult:
+        """Run ``command`` with bash in the sandbox; returns its CommandResult. ``timeout``
+        (seconds), ``env`` and ``cwd`` default to the sandbox's configuration."""
+        self._check_open()
+        cfg = self.store.config
+        full_env = self._command_env(env)
+        async with self._lock:
+            self._check_open()
+            timeout_s = timeout if timeout is not None else cfg.timeout_s
+            return await self._run_locked(command, timeout_s=timeout_s, env=full_env, cwd=cwd or cfg.workdir)
+
+    async def _run_locked(self, command: str, *, timeout_s: float, env: dict[str, str], cwd: str) -> CommandResult:
+        """The backend's run, with the sandbox's lock held and the defaults filled in."""
         raise NotImplementedError
 
     def _command_env(self, env: Mapping[str, str] | None) -> dict[str, str]:

@@ -27,7 +27,7 @@ import signal
 import tarfile
 import threading
 import time
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
@@ -444,84 +444,72 @@ class DockerSandbox(SandboxSession):
     async def _release(self) -> None:
         await anyio.to_thread.run_sync(self._box.remove)
 
-    async def run(
-        self,
-        command: str,
-        *,
-        timeout: float | None = None,
-        env: Mapping[str, str] | None = None,
-        cwd: str | None = None,
-    ) -> CommandResult:
-        self._check_open()
+    async def _run_locked(self, command: str, *, timeout_s: float, env: dict[str, str], cwd: str) -> CommandResult:
         cfg = self.store.config
-        full_env = self._command_env(env)
-        limit = timeout if timeout is not None else cfg.timeout_s
-        async with self._lock:
-            self._check_open()
-            box = self._box
-            await anyio.to_thread.run_sync(self._ensure_running)
-            await anyio.to_thread.run_sync(check_workdir, str(box.merged), cwd or cfg.workdir)
-            before = await anyio.to_thread.run_sync(box.counters)
-            out = OutputBuffer(cfg.max_output_bytes)
-            timed_out = False
-            done = anyio.Event()
-            started = time.perf_counter()
-            try:
-                exec_id = await anyio.to_thread.run_sync(
-                    lambda: self.store.client.api.exec_create(
-                        box.container.id,
-                        # one pipe for stdout and stderr keeps their interleaving (a
-                        # docker exec otherwise multiplexes two streams)
-                        [self.store.shell, "-c", 'exec "$0" -c "$1" 2>&1', self.store.shell, command],
-                        stdout=True,
-                        stderr=True,
-                        environment=full_env,
-                        workdir=cwd or cfg.workdir,
-                    )["Id"]
-                )
-
-                async def watchdog() -> None:
-                    nonlocal timed_out
-                    try:
-                        await anyio.sleep(limit)
-                        timed_out = True
-                    finally:
-                        # on timeout *and* when cancelled: killing the command's
-                        # processes is what makes the blocking reader below return
-                        if not done.is_set():
-                            with anyio.CancelScope(shield=True):
-                                await anyio.to_thread.run_sync(box.kill_strays)
-
-                async with anyio.create_task_group() as tg:
-                    tg.start_soon(watchdog)
-                    await anyio.to_thread.run_sync(self._read_exec, exec_id, out)
-                    done.set()
-                    tg.cancel_scope.cancel()
-                info = await anyio.to_thread.run_sync(self.store.client.api.exec_inspect, exec_id)
-                rc = info.get("ExitCode")
-            finally:
-                with anyio.CancelScope(shield=True):
-                    await anyio.to_thread.run_sync(box.kill_strays)
-                    await self._after_change()
-            after = await anyio.to_thread.run_sync(box.counters)
-            hit = ["timeout"] if timed_out else []
-            hit += [k for k, v in after.items() if v > before.get(k, 0)]
-            if timed_out:
-                rc = TIMEOUT_RETURNCODE
-            if rc == 128 + signal.SIGXFSZ or reached_file_size(
-                str(box.upper), (p for p, st in self.last_layer.records if st is not None), cfg.limits.file_size_bytes
-            ):
-                hit.append("file_size")
-            text, truncated = out.text()
-            self._stats["commands"] += 1
-            return CommandResult(
-                returncode=rc if rc is not None else -1,
-                output=text,
-                timed_out=timed_out,
-                duration_s=time.perf_counter() - started,
-                limits_hit=tuple(hit),
-                truncated=truncated,
+        box = self._box
+        await anyio.to_thread.run_sync(self._ensure_running)
+        await anyio.to_thread.run_sync(check_workdir, str(box.merged), cwd)
+        before = await anyio.to_thread.run_sync(box.counters)
+        out = OutputBuffer(cfg.max_output_bytes)
+        timed_out = False
+        done = anyio.Event()
+        started = time.perf_counter()
+        try:
+            exec_id = await anyio.to_thread.run_sync(
+                lambda: self.store.client.api.exec_create(
+                    box.container.id,
+                    # one pipe for stdout and stderr keeps their interleaving (a
+                    # docker exec otherwise multiplexes two streams)
+                    [self.store.shell, "-c", 'exec "$0" -c "$1" 2>&1', self.store.shell, command],
+                    stdout=True,
+                    stderr=True,
+                    environment=env,
+                    workdir=cwd,
+                )["Id"]
             )
+
+            async def watchdog() -> None:
+                nonlocal timed_out
+                try:
+                    await anyio.sleep(timeout_s)
+                    timed_out = True
+                finally:
+                    # on timeout *and* when cancelled: killing the command's
+                    # processes is what makes the blocking reader below return
+                    if not done.is_set():
+                        with anyio.CancelScope(shield=True):
+                            await anyio.to_thread.run_sync(box.kill_strays)
+
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(watchdog)
+                await anyio.to_thread.run_sync(self._read_exec, exec_id, out)
+                done.set()
+                tg.cancel_scope.cancel()
+            info = await anyio.to_thread.run_sync(self.store.client.api.exec_inspect, exec_id)
+            rc = info.get("ExitCode")
+        finally:
+            with anyio.CancelScope(shield=True):
+                await anyio.to_thread.run_sync(box.kill_strays)
+                await self._after_change()
+        after = await anyio.to_thread.run_sync(box.counters)
+        hit = ["timeout"] if timed_out else []
+        hit += [k for k, v in after.items() if v > before.get(k, 0)]
+        if timed_out:
+            rc = TIMEOUT_RETURNCODE
+        if rc == 128 + signal.SIGXFSZ or reached_file_size(
+            str(box.upper), (p for p, st in self.last_layer.records if st is not None), cfg.limits.file_size_bytes
+        ):
+            hit.append("file_size")
+        text, truncated = out.text()
+        self._stats["commands"] += 1
+        return CommandResult(
+            returncode=rc if rc is not None else -1,
+            output=text,
+            timed_out=timed_out,
+            duration_s=time.perf_counter() - started,
+            limits_hit=tuple(hit),
+            truncated=truncated,
+        )
 
     def _read_exec(self, exec_id: str, out: OutputBuffer) -> None:
         for chunk in self.store.client.api.exec_start(exec_id, stream=True, demux=False):

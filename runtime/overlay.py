@@ -835,54 +835,42 @@ class OverlaySandbox(SandboxSession):
 
     # -- richer API -------------------------------------------------------------------------
 
-    async def run(
-        self,
-        command: str,
-        *,
-        timeout: float | None = None,
-        env: Mapping[str, str] | None = None,
-        cwd: str | None = None,
-    ) -> CommandResult:
-        """Run ``command`` with bash in the sandbox; returns its CommandResult."""
-        self._check_open()
+    async def _run_locked(self, command: str, *, timeout_s: float, env: dict[str, str], cwd: str) -> CommandResult:
         cfg = self.store.config
-        full_env = self._command_env(env)
-        async with self._lock:
-            self._check_open()
-            done: dict[str, Any] = {}
-            try:
-                result, _ = await run_bwrap(
-                    lambda info_fd, block_fd: bwrap_argv(
-                        str(self._merged),
-                        command,
-                        shell=self.store.shell,
-                        cwd=cwd or cfg.workdir,
-                        env=full_env,
-                        network=cfg.network,
-                        binds=cfg.binds,
-                        cap_add=cfg.cap_add,
-                        info_fd=info_fd,
-                        block_fd=block_fd,
-                    ),
-                    cwd=str(self._merged),
-                    timeout_s=timeout if timeout is not None else cfg.timeout_s,
-                    limits=cfg.limits,
-                    cgroup_name=self.store.next_cgroup(self.sid),
-                    cgroup_parents=self.store.cgroup_parents(self.sid),
-                    seccomp=self.store.seccomp_program,
-                    max_output_bytes=cfg.max_output_bytes,
-                    before=lambda: self._prepare(cwd or cfg.workdir),
-                    # also when cancelled: the version must describe what the command left
-                    after=lambda: self._record_changes(done),
-                )
-            finally:
-                with anyio.CancelScope(shield=True):
-                    await self._adopt_frozen(done.get("frozen"))
-            self._stats.commands += 1
-            for what in ("disk_full", "file_size"):
-                if done.get(what):
-                    result = _with_limit(result, what.removesuffix("_full"))
-            return result
+        done: dict[str, Any] = {}
+        try:
+            result, _ = await run_bwrap(
+                lambda info_fd, block_fd: bwrap_argv(
+                    str(self._merged),
+                    command,
+                    shell=self.store.shell,
+                    cwd=cwd,
+                    env=env,
+                    network=cfg.network,
+                    binds=cfg.binds,
+                    cap_add=cfg.cap_add,
+                    info_fd=info_fd,
+                    block_fd=block_fd,
+                ),
+                cwd=str(self._merged),
+                timeout_s=timeout_s,
+                limits=cfg.limits,
+                cgroup_name=self.store.next_cgroup(self.sid),
+                cgroup_parents=self.store.cgroup_parents(self.sid),
+                seccomp=self.store.seccomp_program,
+                max_output_bytes=cfg.max_output_bytes,
+                before=lambda: self._prepare(cwd),
+                # also when cancelled: the version must describe what the command left
+                after=lambda: self._record_changes(done),
+            )
+        finally:
+            with anyio.CancelScope(shield=True):
+                await self._adopt_frozen(done.get("frozen"))
+        self._stats.commands += 1
+        for what in ("disk_full", "file_size"):
+            if done.get(what):
+                result = _with_limit(result, what.removesuffix("_full"))
+        return result
 
     def _prepare(self, cwd: str) -> None:
         check_binds(self.store.config.binds)
