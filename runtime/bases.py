@@ -5,7 +5,10 @@ Kinds, by the spec string a config names:
 
 ``busybox``           built offline from busybox-static, plus the host's bash and its
                       libraries (so ``bash`` actions run); a few MB, about a second.
-``debootstrap[:SUITE]`` a Debian ``--variant=minbase`` tree (needs a Debian mirror).
+``debootstrap[:SUITE][+PKG,...]`` a Debian ``--variant=minbase`` tree (needs a Debian mirror),
+                      with the extra packages after ``+`` (debootstrap's ``--include``),
+                      e.g. ``debootstrap:bookworm+python3,gcc,make``; each package set is
+                      its own cached base (``debootstrap_name``).
 ``image:NAME``        a Docker image exported to a directory.
 a directory path      used as it is (never written).
 
@@ -41,6 +44,8 @@ __all__ = [
     "build_busybox_base",
     "build_debootstrap_base",
     "cache_dir",
+    "debootstrap_name",
+    "parse_debootstrap_spec",
     "export_image_base",
     "open_base",
 ]
@@ -199,11 +204,66 @@ def build_busybox_base(rootfs: Path, *, with_bash: bool = True) -> None:
         os.chmod(rootfs / rel, 0o644)
 
 
-def build_debootstrap_base(rootfs: Path, *, suite: str = "bookworm", mirror: str | None = None) -> None:
-    """``debootstrap --variant=minbase SUITE`` into ``rootfs`` (needs a Debian mirror)."""
+_PACKAGE = re.compile(r"^[a-z0-9][a-z0-9+.-]*$")
+_SUITE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
+
+
+def _packages(include: object) -> tuple[str, ...]:
+    """The sorted, de-duplicated package set of ``include`` (``"a,b"`` or an iterable);
+    each name must be a Debian package name."""
+    if include is None:
+        return ()
+    items = include.split(",") if isinstance(include, str) else list(include)  # type: ignore[call-overload]
+    out = set()
+    for item in items:
+        name = str(item).strip()
+        if not name:
+            continue
+        if not _PACKAGE.match(name):
+            raise SandboxError(f"invalid Debian package name {name!r} in --include")
+        out.add(name)
+    return tuple(sorted(out))
+
+
+def parse_debootstrap_spec(
+    spec: str, *, suite: str = "bookworm", include: object = None
+) -> tuple[str, tuple[str, ...]]:
+    """``debootstrap[:SUITE][+PKG,...]`` -> (suite, sorted packages); ``include`` (from
+    ``--include``) adds to the packages the spec names."""
+    if not (spec == "debootstrap" or spec.startswith(("debootstrap:", "debootstrap+"))):
+        raise SandboxError(f"not a debootstrap base spec: {spec!r}")
+    rest = spec[len("debootstrap") :]
+    rest, _, pkgs = rest.partition("+")
+    suite = rest[1:] if rest.startswith(":") and rest[1:] else suite
+    if not _SUITE.match(suite):
+        raise SandboxError(f"invalid Debian suite {suite!r}")
+    return suite, _packages([*_packages(pkgs), *_packages(include)])
+
+
+def debootstrap_name(suite: str, packages: tuple[str, ...] = ()) -> str:
+    """The cache name of a debootstrap base: ``debootstrap-SUITE`` without extra packages,
+    else ``debootstrap-SUITE-with-PKG_PKG...-HASH`` (the readable part sanitised for Docker
+    image names; the hash of the exact sorted set keeps different sets apart)."""
+    if not packages:
+        return f"debootstrap-{suite}"
+    import hashlib
+
+    digest = hashlib.sha256(",".join(packages).encode()).hexdigest()[:8]
+    readable = "_".join(re.sub(r"[^a-z0-9.-]+", "", p) for p in packages)[:60].strip("._-")
+    return f"debootstrap-{suite}-with-{readable}-{digest}"
+
+
+def build_debootstrap_base(
+    rootfs: Path, *, suite: str = "bookworm", mirror: str | None = None, include: tuple[str, ...] = ()
+) -> None:
+    """``debootstrap --variant=minbase [--include PKG,...] SUITE`` into ``rootfs`` (needs a
+    Debian mirror)."""
     if shutil.which("debootstrap") is None:
         raise SandboxUnavailableError("debootstrap is not installed; install it (apt-get install debootstrap)")
-    cmd = ["debootstrap", "--variant=minbase", suite, str(rootfs)]
+    cmd = ["debootstrap", "--variant=minbase"]
+    if include:
+        cmd.append("--include=" + ",".join(_packages(include)))
+    cmd += [suite, str(rootfs)]
     if mirror:
         cmd.append(mirror)
     proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
@@ -257,28 +317,41 @@ def _image_name(image: str) -> str:
 
 
 def build_base(
-    spec: str = "busybox", *, force: bool = False, suite: str = "bookworm", mirror: str | None = None
+    spec: str = "busybox",
+    *,
+    force: bool = False,
+    suite: str = "bookworm",
+    mirror: str | None = None,
+    include: object = None,
 ) -> BaseFS:
     """Build (or return the cached) base named by ``spec``: ``busybox``,
-    ``debootstrap[:SUITE]`` or ``image:NAME``."""
+    ``debootstrap[:SUITE][+PKG,...]`` or ``image:NAME``. ``include`` (``"a,b"`` or a list)
+    adds packages to a debootstrap base."""
     if spec == "busybox":
+        if include:
+            raise SandboxError("--include applies to debootstrap bases only")
         return _install("busybox", "busybox", build_busybox_base, force=force)
-    if spec == "debootstrap" or spec.startswith("debootstrap:"):
-        suite = spec.partition(":")[2] or suite
+    if spec == "debootstrap" or spec.startswith(("debootstrap:", "debootstrap+")):
+        suite, packages = parse_debootstrap_spec(spec, suite=suite, include=include)
         return _install(
-            f"debootstrap-{suite}",
+            debootstrap_name(suite, packages),
             "debootstrap",
-            lambda root: build_debootstrap_base(root, suite=suite, mirror=mirror),
+            lambda root: build_debootstrap_base(root, suite=suite, mirror=mirror, include=packages),
             force=force,
             suite=suite,
             mirror=mirror,
+            include=list(packages),
         )
+    if include:
+        raise SandboxError("--include applies to debootstrap bases only")
     if spec.startswith("image:"):
         image = spec.partition(":")[2]
         return _install(
             _image_name(image), "image", lambda root: export_image_base(root, image), force=force, image=image
         )
-    raise SandboxError(f"unknown base kind {spec!r}; use busybox, debootstrap[:SUITE], image:NAME or a directory")
+    raise SandboxError(
+        f"unknown base kind {spec!r}; use busybox, debootstrap[:SUITE][+PKG,...], image:NAME or a directory"
+    )
 
 
 def open_base(spec: str | os.PathLike[str] | None = None, *, build: bool = True) -> BaseFS:
@@ -306,11 +379,13 @@ def open_base(spec: str | os.PathLike[str] | None = None, *, build: bool = True)
         if build:
             return build_base("busybox")
     else:
-        name = (
-            f"debootstrap-{spec.partition(':')[2] or 'bookworm'}"
-            if spec.startswith("debootstrap")
-            else _image_name(spec.partition(":")[2])
-        )
+        if spec.startswith("debootstrap"):
+            try:
+                name = debootstrap_name(*parse_debootstrap_spec(spec))
+            except SandboxError as exc:
+                raise SandboxUnavailableError(str(exc)) from None
+        else:
+            name = _image_name(spec.partition(":")[2])
         found = _cached(name)
         if found is not None:
             return found

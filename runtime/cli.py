@@ -27,14 +27,27 @@ def parse_size(text: str) -> int:
 
 
 def register(subparsers: Any) -> None:
-    p = subparsers.add_parser("sandbox", help="copy-on-write sandboxes (runtime/)", description="Build bases, run a command in a fresh sandbox, inspect the host, clean up after killed sessions.")
+    p = subparsers.add_parser(
+        "sandbox",
+        help="copy-on-write sandboxes (runtime/)",
+        description="Build bases, run a command in a fresh sandbox, inspect the host, clean up after killed sessions.",
+    )
     sub = p.add_subparsers(dest="sandbox_command", required=True, metavar="SUBCOMMAND")
 
     b = sub.add_parser("build-base", help="build and cache a base filesystem")
-    b.add_argument("spec", nargs="?", default="busybox", help="busybox (default), debootstrap[:SUITE] or image:NAME")
+    b.add_argument(
+        "spec", nargs="?", default="busybox", help="busybox (default), debootstrap[:SUITE][+PKG,...] or image:NAME"
+    )
     b.add_argument("--force", action="store_true", help="rebuild even when cached")
     b.add_argument("--suite", default="bookworm", help="Debian suite for debootstrap (default bookworm)")
     b.add_argument("--mirror", default=None, help="Debian mirror URL for debootstrap")
+    b.add_argument(
+        "--include",
+        default=None,
+        metavar="PKG,...",
+        help="extra Debian packages for debootstrap (its --include); the base is then named "
+        "debootstrap:SUITE+PKG,... (e.g. --base debootstrap:bookworm+python3,gcc,make)",
+    )
     b.add_argument("--docker", action="store_true", help="also import it as a Docker image")
     add_format_option(b)
     b.set_defaults(func=_build_base)
@@ -46,7 +59,9 @@ def register(subparsers: Any) -> None:
         "(124 on timeout). Example: aospec sandbox exec -- ls -la /",
     )
     e.add_argument("--backend", default="overlay", help="overlay (default), docker, or a dotted path")
-    e.add_argument("--base", default="busybox", help="base: busybox, debootstrap[:SUITE], image:NAME or a directory")
+    e.add_argument(
+        "--base", default="busybox", help="base: busybox, debootstrap[:SUITE][+PKG,...], image:NAME or a directory"
+    )
     e.add_argument("--network", action="store_true", help="allow network access (default: none)")
     e.add_argument("--timeout", type=float, default=30.0, help="seconds before the command is killed (default 30)")
     e.add_argument("--workdir", default="/", help="working directory inside the sandbox")
@@ -94,8 +109,13 @@ def register(subparsers: Any) -> None:
 def _build_base(args: argparse.Namespace) -> int:
     from runtime.bases import build_base
 
-    base = build_base(args.spec, force=args.force, suite=args.suite, mirror=args.mirror)
+    base = build_base(args.spec, force=args.force, suite=args.suite, mirror=args.mirror, include=args.include)
     out: dict[str, Any] = base.to_json()
+    if args.spec.startswith("debootstrap"):
+        from runtime.bases import parse_debootstrap_spec
+
+        suite, packages = parse_debootstrap_spec(args.spec, suite=args.suite, include=args.include)
+        out["spec"] = f"debootstrap:{suite}" + ("+" + ",".join(packages) if packages else "")
     if args.docker:
         from runtime.daemon import docker_client
         from runtime.docker import ensure_base_image
