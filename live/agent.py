@@ -1,0 +1,386 @@
+"""A mini-swe-agent-style bash agent on the engine (``aospec run``).
+
+The agent owns its loop and drives :meth:`aospec.engine.Engine.session`: per step it asks
+the session for the actor's next action (``decode``) and runs it (``execute``: JASV,
+execute, commit). Each action is one command in a fresh shell of the sandbox (the runtime
+sandboxes start a new shell per command), so the filesystem is the only state carried
+from one step to the next, as in mini-swe-agent.
+
+- **Templates** belong to the actor's :class:`live.chat.ChatFormat` (system and instance
+  templates, the format-error message); the agent passes them through.
+- **Format errors.** A reply without exactly one bash block is ``Action.none()``; the
+  sandboxes run nothing for it and answer ``""``. The agent's sandbox wrapper
+  (:class:`FormatErrorSandbox`) answers it with the chat format's ``format_error``
+  instead, in the committed sandbox and in every fork alike, so the observation the actor
+  sees (and the trace records) is the same in serial and speculative runs.
+- **Stops** when a command's output submits (:func:`submission`, mini-swe-agent's rule),
+  at the step limit, or on an error (the exception propagates after the steps committed
+  so far were reported to ``on_step``).
+- ``speculate=False`` runs the same actor and sandbox serially: no drafters, no forks; the
+  serial baseline whose trajectory a speculative run must reproduce exactly.
+- **Drafters**: the cheap defaults of the ``aospec`` replay policy
+  (:func:`default_drafters`), fitted on training traces when given. Each is wrapped by a
+  guard (:class:`GuardedObservationDrafter`, :class:`GuardedActionDrafter`) that turns any
+  exception into an :class:`~aospec.errors.AospecError`, which the engine counts and
+  drops: a faulty drafter loses its candidates for that step and nothing else.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from aospec.engine import Engine
+from aospec.engine_config import EngineConfig
+from aospec.errors import AospecError
+from aospec.evd import EVDEstimator
+from aospec.ledger import EngineStatistics
+from aospec.protocols import ActionDraft, ActionDrafter, ObservationDraft, ObservationDrafter, Sandbox
+from aospec.types import Action, History, Trace
+
+__all__ = [
+    "SUBMIT_MARKERS",
+    "Agent",
+    "AgentResult",
+    "DrafterError",
+    "Drafters",
+    "FormatErrorSandbox",
+    "GuardedActionDrafter",
+    "GuardedObservationDrafter",
+    "StepRecord",
+    "default_drafters",
+    "serial_config",
+    "submission",
+]
+
+#: First output line that ends the run: mini-swe-agent 2.x's marker and 1.x's.
+SUBMIT_MARKERS = ("COMPLETE_TASK_AND_SUBMIT_FINAL_OUTPUT", "MINI_SWE_AGENT_FINAL_OUTPUT")
+
+# The mini-swe-agent 1.7 observation the runtime's default formatter writes
+# (runtime/observation.py): the return code, then the output, or for a long output a
+# warning and the output's head.
+_OBS = re.compile(r"\A<returncode>(-?\d+)</returncode>\n(?:<warning>.*?</warning>\n?)?<(output|output_head)>\n", re.DOTALL)
+
+
+def submission(observation: str) -> str | None:
+    """The submission when ``observation`` (the runtime's mini-swe-agent formatting of a
+    command's result) submits, else None.
+
+    mini-swe-agent 2.x's rule (``environments/local.py``, ``_check_finished``): the
+    command's output, leading whitespace stripped, has as its first line (stripped)
+    ``COMPLETE_TASK_AND_SUBMIT_FINAL_OUTPUT`` and the command exited 0; the submission is
+    the rest of the output. 1.x's marker ``MINI_SWE_AGENT_FINAL_OUTPUT`` is accepted the same
+    way. A timed-out command never submits (its observation has no return code).
+    """
+    m = _OBS.match(observation)
+    if m is None or int(m.group(1)) != 0:
+        return None
+    body = observation[m.end() :]
+    end = body.rfind("</output>") if m.group(2) == "output" else body.find("\n</output_head>")
+    output = body[:end] if end >= 0 else body
+    lines = output.lstrip().splitlines(keepends=True)
+    if lines and lines[0].strip() in SUBMIT_MARKERS:
+        return "".join(lines[1:])
+    return None
+
+
+class DrafterError(AospecError):
+    """A drafter raised something other than an AospecError (wrapped so that the engine
+    drops that drafter's candidates instead of failing the run)."""
+
+
+class GuardedObservationDrafter:
+    """``inner``'s drafts; any exception it raises becomes a :class:`DrafterError`."""
+
+    def __init__(self, inner: ObservationDrafter) -> None:
+        self.inner = inner
+        self.failures = 0
+
+    async def draft(self, history: History, action: Action, n: int) -> Sequence[ObservationDraft]:
+        try:
+            return await self.inner.draft(history, action, n)
+        except AospecError:
+            self.failures += 1
+            raise
+        except Exception as exc:
+            self.failures += 1
+            raise DrafterError(f"{type(self.inner).__name__}: {type(exc).__name__}: {exc}") from exc
+
+
+class GuardedActionDrafter:
+    """``inner``'s targets; any exception it raises becomes a :class:`DrafterError`."""
+
+    def __init__(self, inner: ActionDrafter) -> None:
+        self.inner = inner
+        self.failures = 0
+
+    async def propose(self, history: History, width: int, depth: int) -> Sequence[ActionDraft]:
+        try:
+            return await self.inner.propose(history, width, depth)
+        except AospecError:
+            self.failures += 1
+            raise
+        except Exception as exc:
+            self.failures += 1
+            raise DrafterError(f"{type(self.inner).__name__}: {type(exc).__name__}: {exc}") from exc
+
+
+@dataclass(frozen=True)
+class Drafters:
+    """What a speculative run drafts with: observation and action drafters, the EVD
+    estimator, and the engine configuration."""
+
+    observation: tuple[Any, ...] = ()
+    action: tuple[Any, ...] = ()
+    evd: EVDEstimator | None = None
+    config: EngineConfig = field(default_factory=EngineConfig)
+
+
+def default_drafters(train: Sequence[Trace] = (), policy: str = "aospec") -> Drafters:
+    """The drafters and engine configuration of the replay policy ``policy`` (default
+    ``aospec``: the patterns and cache observation drafters, the history action drafter,
+    EVD with the pattern kernel), fitted on ``train``; built by replay/policies.py's own
+    builder, so live runs and replays speculate alike."""
+    from replay.policies import DrafterSet, check_drafter_names, parse_policy
+
+    p = parse_policy(policy)
+    check_drafter_names([p])
+    if "oracle" in p.config.obs_names or "oracle" in p.config.action_names:
+        raise AospecError(f"policy {policy!r} uses the oracle drafter, which only exists in replay")
+    ds = DrafterSet(list(train))
+    obs = tuple(ds.observation(n) for n in p.config.obs_names) if p.engine.branch_budget > 0 else ()
+    act = tuple(ds.action(n) for n in p.config.action_names) if p.engine.fork_width > 0 else ()
+    evd = ds.evd(p.config.kernel) if obs and p.engine.rank != "likelihood" else None
+    return Drafters(obs, act, evd, p.engine)
+
+
+def serial_config() -> EngineConfig:
+    """The serial baseline's configuration: no observation or action speculation."""
+    return EngineConfig(branch_budget=0, fork_width=0, provisional_targets=False)
+
+
+class FormatErrorSandbox:
+    """A sandbox (and, through ``fork``, each of its forks) whose answer to
+    ``Action.none()`` is ``format_error``; everything else goes to ``inner``."""
+
+    def __init__(self, inner: Sandbox, format_error: str) -> None:
+        self.inner = inner
+        self.format_error = format_error
+
+    @property
+    def version(self) -> str:
+        return self.inner.version
+
+    async def execute(self, action: Action) -> str:
+        if action.is_none:
+            return self.format_error
+        return await self.inner.execute(action)
+
+    async def fork(self) -> FormatErrorSandbox:
+        return FormatErrorSandbox(await self.inner.fork(), self.format_error)
+
+    async def commit(self, fork: FormatErrorSandbox) -> None:
+        await self.inner.commit(fork.inner)
+
+    async def discard(self) -> None:
+        await self.inner.discard()
+
+
+@dataclass(frozen=True, slots=True)
+class StepRecord:
+    """One committed step of a live run.
+
+    ``reply`` is the actor's reply that decoded it (None for actors that keep none);
+    versions are the committed sandbox's exact content versions around the step; times are
+    nanoseconds of the engine's clock: ``boundary_ns`` (from the run's start) is when the
+    agent asked for the action, ``wait_actor_ns``/``wait_tool_ns`` what the step waited for
+    the actor and the tool, ``tool_ns`` the tool time of the committed execution,
+    ``tool_hidden_ns`` the part of it that ran while the actor decoded (a reused fork).
+    """
+
+    index: int
+    action: Action
+    observation: str
+    reply: Any
+    version_before: str
+    version_after: str
+    boundary_ns: int
+    wait_actor_ns: int
+    wait_tool_ns: int
+    tool_ns: int
+    tool_hidden_ns: int
+    fork_reused: bool
+    draft_hit: bool
+
+
+@dataclass(frozen=True)
+class AgentResult:
+    """The outcome of :meth:`Agent.run`.
+
+    ``exit_reason``: ``submitted``, ``step_limit``, ``no_action`` (``stop_on_no_action``),
+    ``error`` or ``interrupted``; ``error`` the one-line message of a failed run.
+    """
+
+    task: str
+    history: History
+    steps: tuple[StepRecord, ...]
+    exit_reason: str
+    submission: str | None
+    statistics: EngineStatistics
+    wall_s: float
+    version_before: str
+    final_version: str
+    speculate: bool
+    error: str | None = None
+
+    def summary(self) -> dict[str, Any]:
+        """The figures of the run as JSON-ready data (``aospec run --format json``)."""
+        s = self.statistics
+        return {
+            "exit_reason": self.exit_reason,
+            "error": self.error,
+            "speculate": self.speculate,
+            "steps": len(self.steps),
+            "wall_s": round(self.wall_s, 6),
+            "latency_s": round(s.latency_s, 6),
+            "decode_s": round(s.decode_time_s, 6),
+            "tool_s": round(s.tool_time_s, 6),
+            "tool_hidden_s": round(s.tool_time_hidden_s, 6),
+            "decode_hidden_s": round(s.decode_time_hidden_s, 6),
+            "overhead_s": round(s.overhead_s, 6),
+            "forks_launched": s.forks_launched,
+            "forks_reused": s.forks_reused,
+            "forks_wasted": s.forks_wasted,
+            "drafts_started": s.drafts_started,
+            "drafts_hit": s.drafts_hit,
+            "speculative_failures": s.speculative_failures,
+            "wasted_tool_s": round(s.speculative_tool_time_wasted_s, 6),
+            "wasted_decode_s": round(s.provisional_decode_wasted_s, 6),
+            "version_before": self.version_before,
+            "final_version": self.final_version,
+            "submission": self.submission,
+        }
+
+
+OnStep = Callable[[StepRecord, EngineStatistics], None]
+
+
+class Agent:
+    """A bash agent: ``actor`` decides, ``sandbox`` (the committed sandbox of an open
+    runtime session) executes.
+
+    ``format_error`` answers replies without exactly one action (default: the actor's
+    ``chat_format.format_error``, else live.chat's default). ``drafters`` (default: none
+    fitted, i.e. :func:`default_drafters` on no traces) only matter with
+    ``speculate=True``. ``step_limit`` 0 means none. ``on_step(step, statistics)`` is
+    called after every committed step (the recorder and the progress line hang here);
+    an exception from it ends the run.
+    """
+
+    def __init__(
+        self,
+        actor: Any,
+        sandbox: Sandbox,
+        *,
+        speculate: bool = True,
+        drafters: Drafters | None = None,
+        step_limit: int = 50,
+        format_error: str | None = None,
+        stop_on_no_action: bool = False,
+        on_step: OnStep | None = None,
+    ) -> None:
+        if step_limit < 0:
+            raise AospecError(f"step limit must be >= 0 (0: none), got {step_limit}")
+        if format_error is None:
+            fmt = getattr(actor, "chat_format", None)
+            format_error = getattr(fmt, "format_error", None)
+            if format_error is None:
+                from live.chat import DEFAULT_FORMAT_ERROR
+
+                format_error = DEFAULT_FORMAT_ERROR
+        self.actor = actor
+        self.sandbox = FormatErrorSandbox(sandbox, format_error)
+        self.speculate = speculate
+        self.step_limit = step_limit
+        self.stop_on_no_action = stop_on_no_action
+        self.on_step = on_step
+        if speculate:
+            d = drafters if drafters is not None else default_drafters(())
+            self.engine = Engine(
+                actor,
+                self.sandbox,
+                observation_drafters=[GuardedObservationDrafter(x) for x in d.observation],
+                action_drafters=[GuardedActionDrafter(x) for x in d.action],
+                evd=d.evd,
+                config=d.config,
+            )
+        else:
+            self.engine = Engine(actor, self.sandbox, config=serial_config())
+
+    def reply_for(self, history: History) -> Any:
+        """The actor's reply that decoded the action after ``history`` (None when the actor
+        keeps no replies)."""
+        get = getattr(self.actor, "reply_for", None)
+        return get(history) if callable(get) else None
+
+    async def run(self, task: str) -> AgentResult:
+        """Run the task until it submits, the step limit, or an error (re-raised after the
+        steps committed so far were reported). Returns the result of a finished run."""
+        steps: list[StepRecord] = []
+        clock = self.engine.clock
+        t0_wall = time.monotonic()
+        t0 = clock.now_ns()
+        version0 = self.sandbox.version
+        exit_reason, sub = "step_limit", None
+        async with self.engine.session(History(task)) as session:
+            while not self.step_limit or len(steps) < self.step_limit:
+                history = session.history
+                before = session.statistics()
+                boundary = clock.now_ns()
+                action = await session.decode()
+                version_before = self.sandbox.version
+                observation = await session.execute(action)
+                version_after = self.sandbox.version
+                after = session.statistics()
+                step = StepRecord(
+                    index=len(steps),
+                    action=action,
+                    observation=observation,
+                    reply=self.reply_for(history),
+                    version_before=version_before,
+                    version_after=version_after,
+                    boundary_ns=boundary - t0,
+                    wait_actor_ns=after.wait_actor_ns - before.wait_actor_ns,
+                    wait_tool_ns=after.wait_tool_ns - before.wait_tool_ns,
+                    tool_ns=after.tool_ns - before.tool_ns,
+                    tool_hidden_ns=after.tool_hidden_ns - before.tool_hidden_ns,
+                    fork_reused=after.forks_reused > before.forks_reused,
+                    draft_hit=after.drafts_hit > before.drafts_hit,
+                )
+                steps.append(step)
+                if self.on_step is not None:
+                    self.on_step(step, after)
+                if not action.is_none:
+                    sub = submission(observation)
+                    if sub is not None:
+                        exit_reason = "submitted"
+                        break
+                elif self.stop_on_no_action:
+                    exit_reason = "no_action"
+                    break
+            history = session.history
+        return AgentResult(
+            task=task,
+            history=history,
+            steps=tuple(steps),
+            exit_reason=exit_reason,
+            submission=sub,
+            statistics=self.engine.statistics(),
+            wall_s=time.monotonic() - t0_wall,
+            version_before=version0,
+            final_version=self.sandbox.version,
+            speculate=self.speculate,
+        )
