@@ -1,0 +1,509 @@
+"""``aospec serve-trace``: a recorded trajectory's replies over an OpenAI-compatible HTTP API,
+streamed at a given time per output token.
+
+The server answers ``POST /v1/chat/completions`` (streamed or not) and ``GET /v1/models``.
+A request's conversation is the trace chosen by ``--trace-id`` (or the ``X-Trace-Id``
+request header), else the only trace served, else the trace whose instruction (or task)
+text appears in the request's first user message (the longest such, so one server serves
+many conversations). Its reply is reply *i* of that trace, where *i* is the number of
+assistant messages already in the request: concurrent requests for different history
+lengths (provisional branches) each get the right reply, and a repeated request gets the
+same one. The reply text is the step's recorded ``reply`` when the trace has one, else its
+action as a ```` ```bash ```` block; with ``tools`` in the request the action also comes as
+one tool call. The reply streams in chunks so that it takes about
+``ttft + output_tokens * tpot``; usage (``completion_tokens`` = the step's recorded
+``output_tokens``) comes in the final chunk when ``stream_options.include_usage`` is set,
+and in every plain response. A client that disconnects stops its stream at once, however
+long the tpot.
+
+Programmatic use: :func:`serve_trace_app` builds the ASGI app; :func:`serve_trace` (async)
+and :func:`serving` (plain) context managers run it on a free loopback port in a thread of
+their own (any event loop, or none, in the caller) and yield a :class:`TraceServer`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import math
+import signal
+import socket
+import sys
+import threading
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Mapping, Sequence
+from contextlib import asynccontextmanager, contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import anyio
+
+from aospec.errors import ConfigError
+from aospec.types import Step, Trace, canonical_json
+from live.chat import ChatFormat, estimate_tokens
+
+__all__ = [
+    "ServeStats",
+    "TraceServer",
+    "register",
+    "reply_text",
+    "serve_trace",
+    "serve_trace_app",
+    "serving",
+]
+
+_FORMAT = ChatFormat()
+
+
+def reply_text(step: Step) -> str:
+    """What serve-trace answers for ``step``: the recorded reply, else the action as a
+    ```` ```bash ```` block."""
+    return step.reply if step.reply is not None else _FORMAT.render_action(step.action)
+
+
+@dataclass
+class ServeStats:
+    """What a serve-trace app has seen. ``log`` holds ``(trace_id, index, outcome)`` per
+    request, outcome ``"done"``, ``"disconnected"`` (the client went away mid-reply) or an
+    HTTP status for errors."""
+
+    requests: int = 0
+    completed: int = 0
+    disconnected: int = 0
+    errors: int = 0
+    active: int = 0
+    log: list[tuple[str | None, int | None, str]] = field(default_factory=list)
+
+
+def _error(status: int, message: str, kind: str = "invalid_request_error", code: str | None = None) -> Any:
+    from starlette.responses import JSONResponse
+
+    return JSONResponse({"error": {"message": message, "type": kind, "param": None, "code": code}}, status_code=status)
+
+
+def _text_of(content: Any) -> str:
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):  # content parts
+        return "".join(p.get("text", "") for p in content if isinstance(p, Mapping) and isinstance(p.get("text"), str))
+    return ""
+
+
+def _split(text: str, pieces: int) -> list[str]:
+    """``text`` in ``pieces`` nearly equal, consecutive parts (some may be empty)."""
+    n = len(text)
+    return [text[n * k // pieces : n * (k + 1) // pieces] for k in range(pieces)]
+
+
+async def _race_disconnect(receive: Callable[[], Awaitable[Any]], work: Callable[[], Awaitable[None]]) -> bool:
+    """Run ``work`` until it ends or the client disconnects; True when it disconnected."""
+    gone = False
+    async with anyio.create_task_group() as tg:
+
+        async def listen() -> None:
+            nonlocal gone
+            while True:
+                msg = await receive()
+                if msg["type"] == "http.disconnect":
+                    gone = True
+                    tg.cancel_scope.cancel()
+                    return
+
+        async def run() -> None:
+            try:
+                await work()
+            except OSError:  # the transport closed under a send
+                nonlocal gone
+                gone = True
+            tg.cancel_scope.cancel()
+
+        tg.start_soon(listen)
+        tg.start_soon(run)
+    return gone
+
+
+@dataclass
+class _Reply:
+    """The ASGI response of one reply: timed, and stopped when the client leaves."""
+
+    stats: ServeStats
+    ttft_s: float
+    tpot_s: float
+    per_chunk: int
+    tid: str
+    index: int
+    rid: str
+    name: str
+    text: str
+    tokens: int
+    calls: list[dict[str, Any]]
+    finish: str
+    usage: dict[str, int]
+    stream: bool
+    include_usage: bool
+
+    def chunk(self, delta: dict[str, Any], finish: str | None = None) -> bytes:
+        obj = {
+            "id": self.rid,
+            "object": "chat.completion.chunk",
+            "created": 0,
+            "model": self.name,
+            "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}],
+        }
+        return b"data: " + canonical_json(obj).encode() + b"\n\n"
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        start = time.monotonic()
+        self.stats.active += 1
+
+        async def plain() -> None:
+            await anyio.sleep(self.ttft_s + self.tokens * self.tpot_s)
+            message: dict[str, Any] = {"role": "assistant", "content": self.text}
+            if self.calls:
+                message["tool_calls"] = [{k: v for k, v in c.items() if k != "index"} for c in self.calls]
+            obj = {
+                "id": self.rid,
+                "object": "chat.completion",
+                "created": 0,
+                "model": self.name,
+                "choices": [{"index": 0, "message": message, "logprobs": None, "finish_reason": self.finish}],
+                "usage": self.usage,
+            }
+            data = canonical_json(obj).encode()
+            headers = [(b"content-type", b"application/json"), (b"content-length", str(len(data)).encode())]
+            await send({"type": "http.response.start", "status": 200, "headers": headers})
+            await send({"type": "http.response.body", "body": data})
+
+        async def streamed() -> None:
+            headers = [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache")]
+            await send({"type": "http.response.start", "status": 200, "headers": headers})
+            await send(
+                {
+                    "type": "http.response.body",
+                    "body": self.chunk({"role": "assistant", "content": ""}),
+                    "more_body": True,
+                }
+            )
+            n_chunks = math.ceil(self.tokens / self.per_chunk)
+            pieces = _split(self.text, n_chunks)
+            for k, piece in enumerate(pieces):
+                done_tokens = min(self.tokens, (k + 1) * self.per_chunk)
+                await anyio.sleep(max(0.0, start + self.ttft_s + done_tokens * self.tpot_s - time.monotonic()))
+                if piece:
+                    await send(
+                        {"type": "http.response.body", "body": self.chunk({"content": piece}), "more_body": True}
+                    )
+            tail = b""
+            if self.calls:
+                tail += self.chunk({"tool_calls": self.calls})
+            tail += self.chunk({}, self.finish)
+            if self.include_usage:
+                obj = {"id": self.rid, "object": "chat.completion.chunk", "created": 0, "model": self.name,
+                       "choices": [], "usage": self.usage}  # fmt: skip
+                tail += b"data: " + canonical_json(obj).encode() + b"\n\n"
+            tail += b"data: [DONE]\n\n"
+            await send({"type": "http.response.body", "body": tail})
+
+        try:
+            gone = await _race_disconnect(receive, streamed if self.stream else plain)
+        finally:
+            self.stats.active -= 1
+        if gone:
+            self.stats.disconnected += 1
+            self.stats.log.append((self.tid, self.index, "disconnected"))
+        else:
+            self.stats.completed += 1
+            self.stats.log.append((self.tid, self.index, "done"))
+
+
+def serve_trace_app(
+    traces: Sequence[Trace],
+    tpot_ms: float,
+    *,
+    ttft_ms: float = 0.0,
+    trace_id: str | None = None,
+    model: str = "serve-trace",
+    chunk_ms: float = 5.0,
+) -> Any:
+    """The ASGI app (starlette) that serves ``traces``; ``app.state.stats`` is its
+    :class:`ServeStats`. ``chunk_ms`` groups tokens so a chunk spans at least that long
+    (one token per chunk when tpot >= chunk_ms)."""
+    from starlette.applications import Starlette
+    from starlette.requests import Request
+    from starlette.routing import Route
+
+    if tpot_ms < 0 or ttft_ms < 0 or chunk_ms <= 0 or not math.isfinite(tpot_ms + ttft_ms + chunk_ms):
+        raise ConfigError("serve-trace: tpot_ms and ttft_ms must be finite and >= 0, chunk_ms > 0")
+    traces = list(traces)
+    if not traces:
+        raise ConfigError("serve-trace: no traces to serve")
+    by_id = {t.id: t for t in traces}
+    if trace_id is not None and trace_id not in by_id:
+        raise ConfigError(f"serve-trace: no trace {trace_id!r} (have {', '.join(sorted(by_id)[:10])})")
+    stats = ServeStats()
+    tpot_s, ttft_s = tpot_ms / 1000, ttft_ms / 1000
+    per_chunk = max(1, math.ceil(chunk_ms / tpot_ms)) if tpot_ms > 0 else 1 << 30
+
+    def pick(first_user: str, header: str | None) -> Trace | None:
+        wanted = header or trace_id
+        if wanted is not None:
+            return by_id.get(wanted)
+        if len(traces) == 1:
+            return traces[0]
+        best: Trace | None = None
+        best_len = -1
+        for t in traces:
+            for text in (t.instruction, t.task):
+                if text and text in first_user and len(text) > best_len:
+                    best, best_len = t, len(text)
+        return best
+
+    async def models(request: Request) -> Any:
+        from starlette.responses import JSONResponse
+
+        return JSONResponse(
+            {"object": "list", "data": [{"id": model, "object": "model", "created": 0, "owned_by": "aospec"}]}
+        )
+
+    async def completions(request: Request) -> Any:
+        stats.requests += 1
+        try:
+            body = await request.json()
+        except ValueError:
+            body = None
+        if not isinstance(body, dict) or not isinstance(body.get("messages"), list):
+            stats.errors += 1
+            stats.log.append((None, None, "400"))
+            return _error(400, "the body must be a JSON object with a 'messages' list")
+        messages = [m for m in body["messages"] if isinstance(m, Mapping)]
+        first_user = next((_text_of(m.get("content")) for m in messages if m.get("role") == "user"), "")
+        trace = pick(first_user, request.headers.get("x-trace-id"))
+        if trace is None:
+            stats.errors += 1
+            stats.log.append((None, None, "404"))
+            return _error(
+                404,
+                "serve-trace: no served trace matches this conversation (its first user message holds no served "
+                "task text; name one with the X-Trace-Id header or --trace-id)",
+                code="trace_not_found",
+            )
+        index = sum(1 for m in messages if m.get("role") == "assistant")
+        if index >= len(trace.steps):
+            stats.errors += 1
+            stats.log.append((trace.id, index, "400"))
+            return _error(
+                400,
+                f"serve-trace: trace {trace.id!r} has {len(trace.steps)} replies; this request asks for reply "
+                f"{index + 1} (it holds {index} assistant messages)",
+                code="trace_exhausted",
+            )
+        step = trace.steps[index]
+        text = reply_text(step)
+        tokens = max(1, step.output_tokens)
+        tools = bool(body.get("tools")) and not step.action.is_none
+        calls = (
+            [
+                {
+                    "index": 0,
+                    "id": f"call_{trace.id[:24]}_{index}",
+                    "type": "function",
+                    "function": {"name": step.action.tool, "arguments": canonical_json(step.action.to_json()["args"])},
+                }
+            ]
+            if tools
+            else []
+        )
+        finish = "tool_calls" if calls else "stop"
+        prompt_tokens = estimate_tokens("".join(_text_of(m.get("content")) for m in messages))
+        usage = {"prompt_tokens": prompt_tokens, "completion_tokens": tokens, "total_tokens": prompt_tokens + tokens}
+        rid = f"chatcmpl-{trace.id[:32]}-{index}"
+        name = body.get("model") if isinstance(body.get("model"), str) else model
+        stream = bool(body.get("stream"))
+        include_usage = bool((body.get("stream_options") or {}).get("include_usage")) if stream else False
+        return _Reply(
+            stats,
+            ttft_s,
+            tpot_s,
+            per_chunk,
+            trace.id,
+            index,
+            rid,
+            name,
+            text,
+            tokens,
+            calls,
+            finish,
+            usage,
+            stream,
+            include_usage,
+        )
+
+    async def not_found(request: Request) -> Any:
+        return _error(404, f"serve-trace: no route {request.method} {request.url.path}", code="not_found")
+
+    app = Starlette(
+        routes=[
+            Route("/v1/chat/completions", completions, methods=["POST"]),
+            Route("/chat/completions", completions, methods=["POST"]),
+            Route("/v1/models", models, methods=["GET"]),
+            Route("/models", models, methods=["GET"]),
+        ],
+    )
+    app.add_exception_handler(404, lambda request, exc: not_found(request))
+    app.state.stats = stats
+    app.state.traces = tuple(traces)
+    return app
+
+
+@dataclass
+class TraceServer:
+    """A server running in a thread: ``base_url`` is the API root (``http://host:port/v1``)."""
+
+    host: str
+    port: int
+    app: Any
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    @property
+    def base_url(self) -> str:
+        return f"{self.url}/v1"
+
+    @property
+    def stats(self) -> ServeStats | None:
+        return getattr(self.app.state, "stats", None) if hasattr(self.app, "state") else None
+
+
+def _bind(host: str, port: int) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as exc:
+        sock.close()
+        raise ConfigError(f"serve-trace: cannot listen on {host}:{port}: {exc.strerror or exc}") from None
+    sock.listen(512)
+    sock.setblocking(False)
+    return sock
+
+
+def _uvicorn_server(app: Any, **kw: Any) -> Any:
+    import uvicorn
+
+    config = uvicorn.Config(
+        app, log_level="warning", access_log=False, lifespan="off", timeout_graceful_shutdown=1, **kw
+    )
+    return uvicorn.Server(config)
+
+
+@contextmanager
+def serving(
+    app: Any, *, host: str = "127.0.0.1", port: int = 0, startup_timeout_s: float = 30.0
+) -> Iterator[TraceServer]:
+    """Run any ASGI ``app`` with uvicorn in a thread (its own event loop) on ``host:port``
+    (0: a free port) until the block ends."""
+    sock = _bind(host, port)
+    server = _uvicorn_server(app)
+    failure: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            asyncio.run(server.serve(sockets=[sock]))
+        except BaseException as exc:  # reported to the caller
+            failure.append(exc)
+
+    thread = threading.Thread(target=run, name=f"serve-{sock.getsockname()[1]}", daemon=True)
+    thread.start()
+    deadline = time.monotonic() + startup_timeout_s
+    while not server.started and thread.is_alive() and time.monotonic() < deadline:
+        time.sleep(0.005)
+    try:
+        if not server.started:
+            server.should_exit = True
+            thread.join(5)
+            raise ConfigError(f"serve-trace: the server did not start: {failure[0] if failure else 'timed out'}")
+        yield TraceServer(host, sock.getsockname()[1], app)
+    finally:
+        server.should_exit = True
+        thread.join(10)
+        sock.close()
+
+
+@asynccontextmanager
+async def serve_trace(
+    traces: Sequence[Trace],
+    tpot_ms: float,
+    *,
+    ttft_ms: float = 0.0,
+    trace_id: str | None = None,
+    model: str = "serve-trace",
+    host: str = "127.0.0.1",
+    port: int = 0,
+) -> AsyncIterator[TraceServer]:
+    """Serve ``traces`` on a free loopback port for the duration of the block (works under
+    asyncio and trio: the server runs in its own thread)."""
+    app = serve_trace_app(traces, tpot_ms, ttft_ms=ttft_ms, trace_id=trace_id, model=model)
+    cm = serving(app, host=host, port=port)
+    server = await anyio.to_thread.run_sync(cm.__enter__)
+    try:
+        yield server
+    finally:
+        with anyio.CancelScope(shield=True):
+            await anyio.to_thread.run_sync(cm.__exit__, None, None, None)
+
+
+# -- the verb --------------------------------------------------------------------------------
+
+
+def register(subparsers: Any) -> None:
+    p = subparsers.add_parser(
+        "serve-trace",
+        help="serve a recorded trajectory's replies as an OpenAI-compatible chat endpoint at a given TPOT",
+        description="Serve recorded replies over POST /v1/chat/completions (streamed or not) and GET /v1/models: "
+        "reply i of the matching trace for a request holding i assistant messages, streamed so that it takes "
+        "about ttft + output_tokens * tpot. Stops on Ctrl-C or SIGTERM. "
+        "Example: aospec serve-trace --bundled --tpot-ms 20 --port 8000",
+    )
+    p.add_argument("trace", nargs="*", help="trace files or directories (any format aospec reads)")
+    p.add_argument("--bundled", action="store_true", help="serve the bundled tb1 sample")
+    p.add_argument("--tpot-ms", type=float, required=True, help="milliseconds per output token")
+    p.add_argument("--ttft-ms", type=float, default=0.0, help="milliseconds before the first token (default 0)")
+    p.add_argument("--trace-id", default=None, help="serve this trace to every conversation")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    p.add_argument("--port", type=int, default=8000, help="port (default 8000; 0 picks a free one)")
+    p.add_argument("--model", default="serve-trace", help="the model name /v1/models lists (default serve-trace)")
+    p.set_defaults(func=_serve)
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from replay import bundled_traces_path, load_traces
+
+    paths = list(args.trace) + ([str(bundled_traces_path())] if args.bundled else [])
+    if not paths:
+        raise ConfigError("serve-trace: give TRACE paths or --bundled")
+    traces = load_traces(paths)
+    app = serve_trace_app(traces, args.tpot_ms, ttft_ms=args.ttft_ms, trace_id=args.trace_id, model=args.model)
+    sock = _bind(args.host, args.port)
+    host = f"[{args.host}]" if ":" in args.host else args.host
+    print(
+        f"serving {len(traces)} trace(s) at http://{host}:{sock.getsockname()[1]}/v1 "
+        f"(tpot {args.tpot_ms:g} ms, ttft {args.ttft_ms:g} ms); Ctrl-C stops",
+        flush=True,
+    )
+    server = _uvicorn_server(app)
+    # uvicorn stops on SIGINT/SIGTERM and then raises the signal again for the handler it
+    # found: with these, that second raise is a no-op and the command exits 0.
+    previous = {sig: signal.signal(sig, lambda *_: None) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        asyncio.run(server.serve(sockets=[sock]))
+    except KeyboardInterrupt:
+        pass
+    finally:
+        sock.close()
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    print("serve-trace: stopped", file=sys.stderr, flush=True)
+    return 0
