@@ -29,6 +29,8 @@ script P of the paper; docs/engine.md has the table), and the names used here:
 from __future__ import annotations
 
 import enum
+import itertools
+import logging
 from collections.abc import Sequence
 from contextlib import aclosing
 from dataclasses import dataclass, field
@@ -38,7 +40,7 @@ import anyio
 import anyio.lowlevel
 
 from aospec.engine_config import EngineConfig
-from aospec.errors import AospecError, EngineError
+from aospec.errors import AospecError, DrafterError, EngineError
 from aospec.evd import EVDSession, rank_drafts
 from aospec.forks import ForkEntry, ForkRegistry, ForkState
 from aospec.ledger import EngineStatistics, Ledger
@@ -58,7 +60,14 @@ if TYPE_CHECKING:
     from anyio import TaskHandle
     from anyio.abc import TaskGroup
 
-__all__ = ["Branch", "BranchState", "Session"]
+__all__ = ["MAX_DRAFTS_PER_CALL", "Branch", "BranchState", "Session"]
+
+_log = logging.getLogger("aospec.engine")
+
+#: Drafts the engine reads from one drafter call (or one streamed batch); the rest are
+#: dropped and the call counted as a speculative failure. Far above what any sane drafter
+#: returns (a few per source drafter): it only stops a runaway drafter from stalling the loop.
+MAX_DRAFTS_PER_CALL = 4096
 
 
 def _short(text: str, n: int = 60) -> str:
@@ -246,14 +255,30 @@ class Session:
 
     async def execute(self, action: Action) -> str:
         """Verify, execute and commit the action :meth:`decode` returned; returns its
-        observation. ``H`` then ends in this step."""
+        observation. ``H`` then ends in this step.
+
+        A failure on this path (reading the committed version, forking it for the step,
+        the step's own execution, its commit) is raised as itself, with a note naming the
+        step; ``H`` and the committed sandbox then still agree (docs/engine.md, Faults), and
+        calling ``execute(action)`` again retries the step."""
         run = self._run
         branch = run.pending
         if branch is None or action != branch.action:
             raise EngineError("execute() runs the action decode() returned, once: call decode() first")
+        try:
+            return await self._execute_step(branch, action)
+        except Exception as exc:
+            self._note_failure(exc, action)
+            raise
+        finally:
+            run.inflight = None
+
+    async def _execute_step(self, branch: Branch, action: Action) -> str:
+        run = self._run
         clock, ledger = self._clock, run.ledger
         emitted_ns = run.emitted_ns
-        run.inflight = (self._sandbox.version, action.key)
+        origin = self._sandbox.version
+        run.inflight = (origin, action.key)
 
         fork = self._verify(action) if self._use_forks else None
         if fork is not None:
@@ -271,8 +296,7 @@ class Session:
         assert observation is not None
 
         self._seal(branch)
-        await self._commit(fork)
-        run.inflight = None
+        late_error = await self._commit(fork, origin)
 
         now = clock.now_ns()
         tool_ns = fork.tool_ns(now)
@@ -298,9 +322,34 @@ class Session:
 
         successor = run.successor = self._adopt(branch, observation, now)
         run.history = successor.history if successor is not None else run.history.extend(action, observation)
+        if late_error is not None:
+            # The backend raised, but the commit took effect: the step is in H as it is in
+            # the committed state; the run still ends with the backend's error.
+            late_error._aospec_noted = True  # type: ignore[attr-defined]
+            late_error.add_note(
+                f"aospec: the backend raised while committing step {ledger.step - 1} ({_short(action.key)!r}), "
+                f"but the commit took effect: the verified history holds that step ({len(run.history)} in all) "
+                "and the committed sandbox is at their state"
+            )
+            raise late_error
         if self._use_forks:
             self._prune()
         return observation
+
+    def _note_failure(self, exc: BaseException, action: Action) -> None:
+        """Name the failed step on an error of the verified path (once)."""
+        if getattr(exc, "_aospec_noted", False):
+            return
+        try:
+            exc._aospec_noted = True  # type: ignore[attr-defined]
+        except AttributeError:  # pragma: no cover - exceptions without a __dict__
+            return
+        n = len(self._run.history)
+        what = action.command if action.command is not None else action.key
+        exc.add_note(
+            f"aospec: step {n} ({_short(what)!r}) failed on the verified path; the verified history "
+            f"holds {n} committed step(s) and the committed sandbox is at their state"
+        )
 
     # ------------------------------------------------------------------ Algorithm 1, line by line
 
@@ -342,10 +391,11 @@ class Session:
             fork.exec_start_ns = clock.now_ns()
             fork.observation = await sandbox.execute(action)
             fork.exec_end_ns = clock.now_ns()
-        except BaseException:
-            # Why shielded: a failed or cancelled step must still release its fork.
+        except BaseException as exc:
+            # Why shielded: a failed or cancelled step must still release its fork; a discard
+            # that fails too must not hide the step's own error.
             with anyio.CancelScope(shield=True):
-                await sandbox.discard()
+                await self._discard_sandbox(sandbox, action, exc)
             raise
         fork.sandbox = sandbox
         fork.finish(ForkState.IDLE)
@@ -402,16 +452,51 @@ class Session:
         self._promote(keep)
         return keep
 
-    async def _commit(self, fork: ForkEntry) -> None:
-        """*Commit*: the fork's state becomes the committed sandbox's."""
+    async def _commit(self, fork: ForkEntry, origin: str) -> BaseException | None:
+        """*Commit*: the fork's state becomes the committed sandbox's.
+
+        When the backend raises, the fork is discarded and the committed sandbox's version
+        decides what happened: still ``origin`` (the commit did not happen, or the step
+        changed nothing): the error is raised and ``H`` stays as it is; the fork's version
+        (it happened before the error): the error is returned, for the caller to raise once
+        the step is in ``H``; anything else: the committed state is unknown (EngineError)."""
         fork.state = ForkState.COMMITTED
         if fork.sandbox is None:
-            return  # it ran on the committed sandbox itself
-        # Why: the fork ran the action from exactly the committed version (JASV, or a fresh
-        # fork just taken), so its state is what serial execution would give.
+            return None  # it ran on the committed sandbox itself
+        sandbox = fork.sandbox
         self._run.idle.discard(fork)
-        await self._sandbox.commit(fork.sandbox)
+        target: str | None = None
+        try:
+            target = sandbox.version
+            # Why: the fork ran the action from exactly the committed version (JASV, or a fresh
+            # fork just taken), so its state is what serial execution would give.
+            await self._sandbox.commit(sandbox)
+        except BaseException as exc:
+            fork.state = ForkState.FAILED
+            with anyio.CancelScope(shield=True):
+                await self._discard_sandbox(sandbox, fork.action, exc)
+            if not isinstance(exc, Exception):
+                raise
+            try:
+                now_at = self._sandbox.version
+            except Exception as version_exc:
+                raise EngineError(
+                    f"the commit of {_short(fork.action.key)!r} failed ({type(exc).__name__}: {exc}) and the "
+                    f"committed sandbox's version cannot be read ({type(version_exc).__name__}: {version_exc}): "
+                    "its state is unknown"
+                ) from exc
+            if now_at == origin:
+                raise
+            if target is not None and now_at == target:
+                self._run.ledger.fork_committed(self._clock.now_ns(), fork.action.key)
+                return exc
+            raise EngineError(
+                f"the commit of {_short(fork.action.key)!r} failed ({type(exc).__name__}: {exc}) and left the "
+                f"committed sandbox at version {now_at}, neither its version before ({origin}) nor the fork's "
+                f"({target}): its state is unknown"
+            ) from exc
         self._run.ledger.fork_committed(self._clock.now_ns(), fork.action.key)
+        return None
 
     def _prune(self) -> None:
         """*Prune invalid forks*: those whose origin is not the committed version."""
@@ -436,8 +521,10 @@ class Session:
         (``provisional_targets``) and, within ``obs_depth``, draft its observations."""
         try:
             await self._decode(branch)
-        except AospecError as exc:
-            self._run.ledger.failed(self._clock.now_ns(), f"decode: {exc}")
+        except Exception as exc:
+            # A provisional decode that fails only costs speed: the verified history's own
+            # decode (a fresh one, should this branch be adopted) decides.
+            self._speculation_failed("decode", exc)
         if branch.state is not BranchState.DECODED or branch.level == 0:
             return  # cancelled, failed, or adopted as B' while decoding (the step takes it from here)
         action = branch.action
@@ -506,29 +593,60 @@ class Session:
 
     async def _draft_with(self, drafter: ObservationDrafter, branch: Branch, n: int) -> None:
         """One drafter's candidates for ``branch``'s action, batch by batch when it streams;
-        a drafter failure only loses its (remaining) candidates."""
+        a drafter failure only loses its (remaining) candidates, and invalid drafts are
+        dropped (both counted: :meth:`_speculation_failed`)."""
         action = branch.action
         assert action is not None
+        who = f"observation drafter {type(drafter).__name__}"
         stream = getattr(drafter, "draft_stream", None)
         if stream is None:
             try:
-                drafts = await drafter.draft(branch.history, action, n)
-            except AospecError as exc:
-                self._run.ledger.failed(self._clock.now_ns(), f"observation drafter: {exc}")
+                drafts = self._valid_drafts(await drafter.draft(branch.history, action, n), ObservationDraft, who)
+            except Exception as exc:
+                self._speculation_failed(who, exc)
                 return
             self._start_continuations(branch, drafts)
             return
-        batches = stream(branch.history, action, n)
-        async with aclosing(batches):
+        try:
+            batches = aiter(stream(branch.history, action, n))
+        except Exception as exc:
+            self._speculation_failed(who, exc)
+            return
+        async with aclosing(batches):  # type: ignore[type-var]
             while True:
                 try:
-                    drafts = await anext(batches)
+                    drafts = self._valid_drafts(await anext(batches), ObservationDraft, who)
                 except StopAsyncIteration:
                     return
-                except AospecError as exc:
-                    self._run.ledger.failed(self._clock.now_ns(), f"observation drafter: {exc}")
+                except Exception as exc:
+                    self._speculation_failed(who, exc)
                     return
                 self._start_continuations(branch, drafts)
+
+    def _valid_drafts(self, drafts: object, kind: type, who: str) -> list:
+        """The well-formed drafts of one drafter call (``kind``: ObservationDraft or
+        ActionDraft); the malformed ones are dropped and the call counted as a failure. A
+        result that is no sequence of drafts raises DrafterError (the call is lost)."""
+        if isinstance(drafts, (str, bytes)) or not hasattr(drafts, "__iter__"):
+            raise DrafterError(f"returned {type(drafts).__name__}, not a sequence of {kind.__name__}")
+        items = list(itertools.islice(drafts, MAX_DRAFTS_PER_CALL + 1))  # type: ignore[call-overload]
+        problems: list[str] = []
+        if len(items) > MAX_DRAFTS_PER_CALL:
+            items = items[:MAX_DRAFTS_PER_CALL]
+            problems.append(f"more than {MAX_DRAFTS_PER_CALL} drafts (the rest dropped)")
+        good = []
+        for d in items:
+            problem = _draft_problem(d, kind)
+            if problem is None:
+                good.append(d)
+            else:
+                problems.append(problem)
+        if problems:
+            dropped = len(items) - len(good)
+            self._speculation_failed(
+                who, DrafterError(f"{dropped} malformed draft(s) dropped; first problem: {problems[0]}"), warn=True
+            )
+        return good
 
     def _start_continuations(self, branch: Branch, drafts: Sequence[ObservationDraft]) -> None:
         """Rank ``drafts`` (EVD by default) and start a continuation on each of the best,
@@ -606,17 +724,25 @@ class Session:
                 launched += 1
 
     async def _propose_with(self, drafter: ActionDrafter, history: History, out: list[ActionDraft]) -> None:
-        """One action drafter's targets into ``out``; a failure only loses its targets."""
+        """One action drafter's targets into ``out``; a failure only loses its targets, and
+        malformed targets are dropped (both counted)."""
+        who = f"action drafter {type(drafter).__name__}"
         try:
-            out.extend(await drafter.propose(history, self._config.fork_width, self._config.depth))
-        except AospecError as exc:
-            self._run.ledger.failed(self._clock.now_ns(), f"action drafter: {exc}")
+            proposals = await drafter.propose(history, self._config.fork_width, self._config.depth)
+            out.extend(self._valid_drafts(proposals, ActionDraft, who))
+        except Exception as exc:
+            self._speculation_failed(who, exc)
 
     def _launch_fork(self, action: Action, offset: int, probability: float) -> bool:
         """Start ``f``: ``action`` in a fork of the committed sandbox, registered at once
         under the version it forks from (False when an equal one is live or running)."""
         run = self._run
-        version = self._sandbox.version
+        try:
+            version = self._sandbox.version
+        except Exception as exc:
+            # Speculation only: the verified path reads the version too, and fails there.
+            self._speculation_failed("reading the committed version", exc)
+            return False
         key = action.key
         if run.forks.has(version, key) or run.inflight == (version, key):
             # An equal fork is live, or the committed step is executing this very action
@@ -638,24 +764,25 @@ class Session:
         return True
 
     async def _run_fork(self, fork: ForkEntry) -> None:
-        """Fork the committed sandbox and run a speculative target in it."""
+        """Fork the committed sandbox and run a speculative target in it. Any failure here
+        (forking, executing, reading the fork's version) only loses this fork's result:
+        JASV then runs the action as serial execution would."""
         run = self._run
         sandbox: Sandbox | None = None
         try:
             # Why: a fork released before its task ever ran must not fork at all.
             await anyio.lowlevel.checkpoint_if_cancelled()
-            sandbox = await self._sandbox.fork()
-            fork.sandbox = sandbox
-            if fork.state is ForkState.RELEASED or sandbox.version != fork.origin:
-                # Released before it started, or the committed state moved on between launch
-                # and fork: this fork could never pass JASV under the version it is registered for.
-                return
-            fork.exec_start_ns = self._clock.now_ns()
             try:
+                sandbox = await self._sandbox.fork()
+                fork.sandbox = sandbox
+                if fork.state is ForkState.RELEASED or sandbox.version != fork.origin:
+                    # Released before it started, or the committed state moved on between launch
+                    # and fork: this fork could never pass JASV under the version it is registered for.
+                    return
+                fork.exec_start_ns = self._clock.now_ns()
                 fork.observation = await sandbox.execute(fork.action)
-            except AospecError as exc:
-                # A failed speculation only loses its result: JASV falls back to running the action.
-                run.ledger.failed(self._clock.now_ns(), f"fork {fork.action.key}: {exc}")
+            except Exception as exc:
+                self._speculation_failed(f"fork {_short(fork.action.key)}", exc)
                 return
             fork.exec_end_ns = self._clock.now_ns()
             if fork.state is ForkState.RELEASED:
@@ -674,7 +801,7 @@ class Session:
                     # Why shielded: the fork must be released even when this task is being
                     # cancelled, or its layers/processes would leak.
                     with anyio.CancelScope(shield=True):
-                        await sandbox.discard()
+                        await self._discard_sandbox(sandbox, fork.action)
                     now = self._clock.now_ns()
                     run.ledger.fork_discarded(now, fork.action.key, fork.tool_ns(now), speculative=fork.speculative)
 
@@ -702,10 +829,30 @@ class Session:
 
     async def _discard(self, fork: ForkEntry) -> None:
         assert fork.sandbox is not None
-        await fork.sandbox.discard()
+        await self._discard_sandbox(fork.sandbox, fork.action)
         fork.state = ForkState.DISCARDED
         now = self._clock.now_ns()
         self._run.ledger.fork_discarded(now, fork.action.key, fork.tool_ns(now), speculative=fork.speculative)
+
+    async def _discard_sandbox(self, sandbox: Sandbox, action: Action, cause: BaseException | None = None) -> None:
+        """Discard a fork; a discard that raises is counted, never raised: the fork's state
+        is never committed, so it costs resources (the backend's session close releases
+        them), not results. With ``cause`` (the error being raised), it is noted there."""
+        try:
+            await sandbox.discard()
+        except Exception as exc:
+            self._speculation_failed(f"discard of the fork of {_short(action.key)}", exc, warn=True)
+            if cause is not None:
+                note = f"aospec: discarding the fork of the failed step failed too: {type(exc).__name__}: {exc}"
+                cause.add_note(note)
+
+    def _speculation_failed(self, what: str, exc: BaseException, *, warn: bool = False) -> None:
+        """A speculative operation failed: it only costs speed. Counted in the ledger
+        (``speculative_failures``, a ``fail`` event); an error that is no AospecError (a bug
+        in a drafter, an actor or a backend) is also logged, as is one with ``warn``."""
+        self._run.ledger.failed(self._clock.now_ns(), f"{what}: {type(exc).__name__}: {exc}")
+        if warn or not isinstance(exc, AospecError):
+            _log.warning("speculative %s failed (the run goes on without it): %s: %s", what, type(exc).__name__, exc)
 
     async def close(self) -> None:
         """Discard the idle forks the run still holds (called when the run ends, after its
@@ -716,3 +863,26 @@ class Session:
                 for fork in list(run.idle):
                     run.idle.discard(fork)
                     await self._discard(fork)
+
+
+def _valid_probability(p: object) -> bool:
+    return isinstance(p, (int, float)) and not isinstance(p, bool) and 0.0 <= p <= 1.0  # NaN fails both
+
+
+def _draft_problem(d: object, kind: type) -> str | None:
+    """Why ``d`` is no well-formed draft of ``kind`` (None: it is one)."""
+    if not isinstance(d, kind):
+        return f"{type(d).__name__} is not {kind.__name__}"
+    if kind is ObservationDraft:
+        assert isinstance(d, ObservationDraft)
+        if not isinstance(d.text, str):
+            return f"text is {type(d.text).__name__}, not str"
+    else:
+        assert isinstance(d, ActionDraft)
+        if not isinstance(d.action, Action):
+            return f"action is {type(d.action).__name__}, not Action"
+        if not isinstance(d.offset, int) or isinstance(d.offset, bool) or d.offset < 0:
+            return f"offset {d.offset!r} is not an integer >= 0"
+    if not _valid_probability(d.probability):
+        return f"probability {d.probability!r} is not in [0, 1]"
+    return None
