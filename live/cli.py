@@ -1,0 +1,355 @@
+"""``aospec run``: a live bash agent on the engine, with a progress line, a summary and an
+optional recording of its trace (docs/live.md).
+
+Exit status: 0 when the run ended (submitted or at the step limit), 1 when it failed (the
+model endpoint, the sandbox, a step), 2 for usage errors (bad options, missing files),
+130 on Ctrl-C. Errors are one line on stderr; whatever was committed is in the recording.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+from aospec.cli._common import add_format_option, print_json, print_table
+from aospec.errors import AospecError, ConfigError
+
+__all__ = ["register"]
+
+
+def register(subparsers: Any) -> None:
+    p = subparsers.add_parser(
+        "run",
+        help="run a live bash agent on a task, speculating (or serially), optionally recording its trace",
+        description="Run a mini-swe-agent-style bash agent on TASK: the model at --model decides, a copy-on-write "
+        "sandbox executes one command per step, and the engine co-speculates observations and actions (lossless: "
+        "the committed trajectory is the serial run's). Ends when a command's output starts with "
+        "COMPLETE_TASK_AND_SUBMIT_FINAL_OUTPUT, or at the step limit. "
+        'Example: aospec run "write hello.py and run it" --model http://127.0.0.1:8000/v1 --record run.jsonl',
+    )
+    p.add_argument("task", help="the task text")
+    p.add_argument("--model", required=True, help="an OpenAI-compatible API root (http(s)://...) or a local model path")
+    p.add_argument("--model-name", default=None, help="the model name sent to the endpoint (default: 'default')")
+    p.add_argument(
+        "--api-key-env", default=None, metavar="VAR", help="environment variable holding the API key (default OPENAI_API_KEY)"
+    )
+    p.add_argument("--sandbox", default="overlay", choices=("overlay", "docker"), help="sandbox backend (default overlay)")
+    p.add_argument("--base", default="busybox", help="base filesystem: busybox (default), debootstrap[:SUITE], image:NAME, a directory")
+    p.add_argument(
+        "--speculate",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="co-speculate observations and actions (default); --no-speculate runs serially",
+    )
+    p.add_argument("--record", default=None, metavar="FILE", help="record the run as a canonical trace (JSONL)")
+    p.add_argument(
+        "--train-traces",
+        action="append",
+        default=[],
+        metavar="DIR",
+        help="traces to fit the drafters on (repeatable; files or directories)",
+    )
+    p.add_argument("--step-limit", type=int, default=50, help="most steps (default 50; 0: no limit)")
+    p.add_argument("--system-template", default=None, metavar="FILE", help="system message template")
+    p.add_argument("--instance-template", default=None, metavar="FILE", help="first user message template ({task})")
+    p.add_argument("--action-format", default="bash", choices=("bash", "tools"), help="bash blocks (default) or tool calls")
+    p.add_argument("--temperature", type=float, default=0.0, help="sampling temperature (default 0: greedy)")
+    p.add_argument("--seed", type=int, default=None, help="sampling seed sent to the endpoint")
+    p.add_argument("--max-tokens", type=int, default=None, help="most output tokens per reply")
+    p.add_argument("--request-timeout", type=float, default=600.0, help="seconds per model request (default 600)")
+    p.add_argument("--retries", type=int, default=2, help="retries of a failed model request (default 2)")
+    p.add_argument("--command-timeout", type=float, default=30.0, help="seconds per command in the sandbox (default 30)")
+    p.add_argument(
+        "--check-determinism",
+        action="store_true",
+        help="send the first request twice and warn when the replies differ (speculation is lossless only then)",
+    )
+    p.add_argument("--progress", action="store_true", help="show the progress line even when stderr is not a terminal")
+    add_format_option(p)
+    p.set_defaults(func=_run)
+
+
+# -- the handler ------------------------------------------------------------------------------
+
+
+def _err(message: str) -> None:
+    print(f"aospec: error: {message}", file=sys.stderr)
+
+
+def _warn(message: str) -> None:
+    print(f"aospec: warning: {message}", file=sys.stderr)
+
+
+def _check_args(args: argparse.Namespace) -> None:
+    """Usage errors, before anything starts."""
+    if not args.task.strip():
+        raise ConfigError("the task is empty")
+    if args.step_limit < 0:
+        raise ConfigError(f"--step-limit must be >= 0 (0: no limit), got {args.step_limit}")
+    for flag, value in (("--request-timeout", args.request_timeout), ("--command-timeout", args.command_timeout)):
+        if not value > 0:
+            raise ConfigError(f"{flag} must be > 0, got {value}")
+    if args.retries < 0:
+        raise ConfigError(f"--retries must be >= 0, got {args.retries}")
+    if args.max_tokens is not None and args.max_tokens <= 0:
+        raise ConfigError(f"--max-tokens must be > 0, got {args.max_tokens}")
+    if not 0.0 <= args.temperature <= 2.0:
+        raise ConfigError(f"--temperature must be within 0..2, got {args.temperature}")
+    for flag, path in (("--system-template", args.system_template), ("--instance-template", args.instance_template)):
+        if path is not None and not Path(path).is_file():
+            raise ConfigError(f"{flag} {path}: no such file")
+    if args.record is not None and Path(args.record).is_dir():
+        raise ConfigError(f"--record {args.record} is a directory; give a file name")
+    is_url = args.model.startswith(("http://", "https://"))
+    if not is_url and not Path(args.model).exists():
+        raise ConfigError(f"--model {args.model}: neither an http(s) URL nor an existing local model path")
+    if args.api_key_env is not None and not os.environ.get(args.api_key_env):
+        raise ConfigError(f"--api-key-env {args.api_key_env}: the variable is not set")
+
+
+def _chat_format(args: argparse.Namespace) -> Any:
+    from live.chat import ChatFormat
+
+    try:
+        return ChatFormat.from_files(args.system_template, args.instance_template, action_format=args.action_format)
+    except OSError as exc:
+        raise ConfigError(f"cannot read a template: {exc}") from None
+
+
+def _sampling(args: argparse.Namespace) -> dict[str, Any]:
+    sampling: dict[str, Any] = {"temperature": args.temperature}
+    if args.seed is not None:
+        sampling["seed"] = args.seed
+    if args.max_tokens is not None:
+        sampling["max_tokens"] = args.max_tokens
+    return sampling
+
+
+def _actor(args: argparse.Namespace, chat_format: Any) -> Any:
+    """OpenAIChatActor for a URL, TransformersActor for a local path."""
+    if args.model.startswith(("http://", "https://")):
+        from live.actors import OpenAIChatActor
+
+        key = os.environ.get(args.api_key_env) if args.api_key_env else None
+        return OpenAIChatActor(
+            args.model,
+            args.model_name or "default",
+            api_key=key,
+            chat_format=chat_format,
+            sampling=_sampling(args),
+            timeout_s=args.request_timeout,
+            retries=args.retries,
+        )
+    try:
+        from live.local import TransformersActor
+    except ImportError as exc:
+        raise ConfigError(f"--model {args.model}: a local model needs the train extra (transformers): {exc}") from None
+    return TransformersActor(args.model, chat_format=chat_format, sampling=_sampling(args))
+
+
+def _model_name(args: argparse.Namespace) -> str:
+    return args.model_name or (Path(args.model).name if not args.model.startswith(("http://", "https://")) else "default")
+
+
+def _run(args: argparse.Namespace) -> int:
+    import anyio
+
+    try:
+        _check_args(args)
+        chat_format = _chat_format(args)
+        train: list[Any] = []
+        if args.train_traces and args.speculate:
+            from replay import load_traces
+
+            train = load_traces(args.train_traces)
+        actor = _actor(args, chat_format)
+    except AospecError as exc:
+        _err(str(exc))
+        return 2
+    state: dict[str, Any] = {}
+    try:
+        result = anyio.run(_main, args, actor, train, state)
+    except KeyboardInterrupt:
+        rec = state.get("recorder")
+        where = f"; {len(rec.steps)} committed steps are in {rec.path}" if rec is not None else ""
+        print(f"aospec: interrupted{where}", file=sys.stderr)
+        return 130
+    except AospecError as exc:
+        _err(str(exc) + _recorded(state))
+        return 1
+    except Exception as exc:
+        _err(f"{type(exc).__name__}: {exc}{_recorded(state)}")
+        return 1
+    _summary(args, result, state)
+    return 0
+
+
+def _recorded(state: dict[str, Any]) -> str:
+    rec = state.get("recorder")
+    return f" ({len(rec.steps)} committed steps recorded in {rec.path})" if rec is not None else ""
+
+
+async def _main(args: argparse.Namespace, actor: Any, train: list[Any], state: dict[str, Any]) -> Any:
+    import anyio
+
+    from aospec.types import History
+    from live.agent import Agent, default_drafters
+    from live.record import TraceRecorder
+    from runtime import SandboxConfig, open_sandbox
+
+    try:
+        if args.check_determinism:
+            check = getattr(actor, "check_determinism", None)
+            if check is None:
+                _warn("--check-determinism: this actor cannot check determinism")
+            else:
+                report = await check(History(args.task))
+                if not report.identical:
+                    _warn(
+                        f"the model's first reply differed between two identical requests (first at character "
+                        f"{report.differs_at}): decoding is not deterministic, so speculative runs may differ from "
+                        "serial ones (use --temperature 0 and --seed, or a deterministic server)"
+                    )
+        drafters = default_drafters(train) if args.speculate else None
+        config = SandboxConfig(backend=args.sandbox, base=args.base, timeout_s=args.command_timeout)
+        async with open_sandbox(config) as sandbox:
+            recorder = None
+            if args.record is not None:
+                recorder = TraceRecorder(
+                    args.record,
+                    task=args.task,
+                    actor_model=_model_name(args),
+                    meta={
+                        "speculate": args.speculate,
+                        "sandbox": args.sandbox,
+                        "base": args.base,
+                        "model": args.model if args.model.startswith(("http://", "https://")) else _model_name(args),
+                        "step_limit": args.step_limit,
+                        "version_start": sandbox.version,
+                        "exit_reason": "running",
+                    },
+                )
+                state["recorder"] = recorder
+            progress = _Progress(enabled=args.progress or sys.stderr.isatty())
+
+            def on_step(step: Any, stats: Any) -> None:
+                if recorder is not None:
+                    recorder.add(step, stats)
+                progress.update(step, stats)
+
+            agent = Agent(
+                actor,
+                sandbox,
+                speculate=args.speculate,
+                drafters=drafters,
+                step_limit=args.step_limit,
+                on_step=on_step,
+            )
+            try:
+                with progress:
+                    result = await agent.run(args.task)
+            except BaseException as exc:
+                if recorder is not None:
+                    cancelled = isinstance(exc, (anyio.get_cancelled_exc_class(), KeyboardInterrupt))
+                    recorder.finish(
+                        exit_reason="interrupted" if cancelled else "error",
+                        error=None if cancelled else f"{type(exc).__name__}: {exc}",
+                    )
+                raise
+            if recorder is not None:
+                recorder.finish(result)
+            state["actor_stats"] = getattr(actor, "stats", None)
+            return result
+    finally:
+        close = getattr(actor, "aclose", None)
+        if close is not None:
+            with anyio.CancelScope(shield=True):
+                await close()
+
+
+class _Progress:
+    """The live progress line on stderr: step, tool time hidden so far, forks reused, drafts
+    hit. A terminal gets one line redrawn in place; otherwise (``--progress``) one line per
+    step."""
+
+    def __init__(self, *, enabled: bool) -> None:
+        from rich.console import Console
+
+        self.enabled = enabled
+        self.console = Console(stderr=True)
+        self._live: Any = None
+
+    def __enter__(self) -> _Progress:
+        if self.enabled and self.console.is_terminal:
+            from rich.live import Live
+            from rich.text import Text
+
+            self._live = Live(Text("step 0"), console=self.console, transient=True, refresh_per_second=8)
+            self._live.__enter__()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._live is not None:
+            self._live.__exit__(None, None, None)
+            self._live = None
+
+    @staticmethod
+    def line(step: Any, stats: Any) -> str:
+        cmd = step.action.command if step.action.command is not None else step.action.tool
+        cmd = cmd.replace("\n", " ")
+        if len(cmd) > 50:
+            cmd = cmd[:47] + "..."
+        return (
+            f"step {step.index + 1} | tool hidden {stats.tool_time_hidden_s:.2f}s of {stats.tool_time_s:.2f}s | "
+            f"forks reused {stats.forks_reused} | drafts hit {stats.drafts_hit} | $ {cmd}"
+        )
+
+    def update(self, step: Any, stats: Any) -> None:
+        if not self.enabled:
+            return
+        text = self.line(step, stats)
+        if self._live is not None:
+            from rich.text import Text
+
+            self._live.update(Text(text))
+        else:
+            print(text, file=sys.stderr, flush=True)
+
+
+def _summary(args: argparse.Namespace, result: Any, state: dict[str, Any]) -> None:
+    data = result.summary()
+    rec = state.get("recorder")
+    data["record"] = str(rec.path) if rec is not None else None
+    data["trace_id"] = rec.id if rec is not None else None
+    stats = state.get("actor_stats")
+    if stats is not None and hasattr(stats, "to_json"):
+        data["actor"] = stats.to_json()
+    if args.format == "json":
+        print_json(data)
+        return
+    from rich.table import Table
+
+    table = Table(title=f"aospec run ({'speculative' if result.speculate else 'serial'})", show_header=False)
+    table.add_column("figure")
+    table.add_column("value", overflow="fold")
+    rows = [
+        ("exit", result.exit_reason),
+        ("steps", str(data["steps"])),
+        ("wall time", f"{data['wall_s']:.3f} s"),
+        ("decode / tool time", f"{data['decode_s']:.3f} s / {data['tool_s']:.3f} s"),
+        ("tool time hidden", f"{data['tool_hidden_s']:.3f} s"),
+        ("decode time hidden", f"{data['decode_hidden_s']:.3f} s"),
+        ("overhead", f"{data['overhead_s']:.3f} s"),
+        ("forks reused / launched", f"{data['forks_reused']} / {data['forks_launched']}"),
+        ("drafts hit / started", f"{data['drafts_hit']} / {data['drafts_started']}"),
+        ("speculative failures", str(data["speculative_failures"])),
+        ("final version", data["final_version"]),
+    ]
+    if data["record"]:
+        rows.append(("recorded", data["record"]))
+    for k, v in rows:
+        table.add_row(k, v)
+    print_table(table)
