@@ -8,8 +8,8 @@ text appears in the request's first user message (the longest such, so one serve
 many conversations). Its reply is reply *i* of that trace, where *i* is the number of
 assistant messages already in the request: concurrent requests for different history
 lengths (provisional branches) each get the right reply, and a repeated request gets the
-same one. The reply text is the step's recorded ``reply`` when the trace has one, else its
-action as a ```` ```bash ```` block; with ``tools`` in the request the action also comes as
+same one. The reply text is the step's recorded ``reply`` when the trace has one that
+parses back to its action, else the action as a ```` ```bash ```` block; with ``tools`` in the request the action also comes as
 one tool call. The reply streams in chunks so that it takes about
 ``ttft + output_tokens * tpot``; usage (``completion_tokens`` = the step's recorded
 ``output_tokens``) comes in the final chunk when ``stream_options.include_usage`` is set,
@@ -56,9 +56,13 @@ _FORMAT = ChatFormat()
 
 
 def reply_text(step: Step) -> str:
-    """What serve-trace answers for ``step``: the recorded reply, else the action as a
-    ```` ```bash ```` block."""
-    return step.reply if step.reply is not None else _FORMAT.render_action(step.action)
+    """What serve-trace answers for ``step``: the recorded reply when the default
+    :class:`ChatFormat` parses it back to the recorded action, else the action as a
+    ```` ```bash ```` block (a reply with nested code fences, say, whose recorder parsed it
+    differently), so a client always decodes the recorded action."""
+    if step.reply is not None and _FORMAT.parse(step.reply) == step.action:
+        return step.reply
+    return _FORMAT.render_action(step.action)
 
 
 @dataclass
@@ -338,7 +342,7 @@ def serve_trace_app(
             include_usage,
         )
 
-    async def not_found(request: Request) -> Any:
+    async def not_found(request: Request, exc: Exception) -> Any:
         return _error(404, f"serve-trace: no route {request.method} {request.url.path}", code="not_found")
 
     app = Starlette(
@@ -349,7 +353,7 @@ def serve_trace_app(
             Route("/models", models, methods=["GET"]),
         ],
     )
-    app.add_exception_handler(404, lambda request, exc: not_found(request))
+    app.add_exception_handler(404, not_found)
     app.state.stats = stats
     app.state.traces = tuple(traces)
     return app
