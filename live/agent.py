@@ -19,10 +19,10 @@ from one step to the next, as in mini-swe-agent.
 - ``speculate=False`` runs the same actor and sandbox serially: no drafters, no forks; the
   serial baseline whose trajectory a speculative run must reproduce exactly.
 - **Drafters**: the cheap defaults of the ``aospec`` replay policy
-  (:func:`default_drafters`), fitted on training traces when given. Each is wrapped by a
-  guard (:class:`GuardedObservationDrafter`, :class:`GuardedActionDrafter`) that turns any
-  exception into an :class:`~aospec.errors.AospecError`, which the engine counts and
-  drops: a faulty drafter loses its candidates for that step and nothing else.
+  (:func:`default_drafters`), fitted on training traces when given. A drafter that raises
+  or hangs costs only speed: the engine counts the failure and drops that drafter's
+  candidates, and drafting still running when the real observation (or the next
+  boundary) arrives is cancelled.
 """
 
 from __future__ import annotations
@@ -38,18 +38,15 @@ from aospec.engine_config import EngineConfig
 from aospec.errors import AospecError
 from aospec.evd import EVDEstimator
 from aospec.ledger import EngineStatistics
-from aospec.protocols import ActionDraft, ActionDrafter, ObservationDraft, ObservationDrafter, Sandbox
+from aospec.protocols import Sandbox
 from aospec.types import Action, History, Trace
 
 __all__ = [
     "SUBMIT_MARKERS",
     "Agent",
     "AgentResult",
-    "DrafterError",
     "Drafters",
     "FormatErrorSandbox",
-    "GuardedActionDrafter",
-    "GuardedObservationDrafter",
     "StepRecord",
     "default_drafters",
     "serial_config",
@@ -85,47 +82,6 @@ def submission(observation: str) -> str | None:
     if lines and lines[0].strip() in SUBMIT_MARKERS:
         return "".join(lines[1:])
     return None
-
-
-class DrafterError(AospecError):
-    """A drafter raised something other than an AospecError (wrapped so that the engine
-    drops that drafter's candidates instead of failing the run)."""
-
-
-class GuardedObservationDrafter:
-    """``inner``'s drafts; any exception it raises becomes a :class:`DrafterError`."""
-
-    def __init__(self, inner: ObservationDrafter) -> None:
-        self.inner = inner
-        self.failures = 0
-
-    async def draft(self, history: History, action: Action, n: int) -> Sequence[ObservationDraft]:
-        try:
-            return await self.inner.draft(history, action, n)
-        except AospecError:
-            self.failures += 1
-            raise
-        except Exception as exc:
-            self.failures += 1
-            raise DrafterError(f"{type(self.inner).__name__}: {type(exc).__name__}: {exc}") from exc
-
-
-class GuardedActionDrafter:
-    """``inner``'s targets; any exception it raises becomes a :class:`DrafterError`."""
-
-    def __init__(self, inner: ActionDrafter) -> None:
-        self.inner = inner
-        self.failures = 0
-
-    async def propose(self, history: History, width: int, depth: int) -> Sequence[ActionDraft]:
-        try:
-            return await self.inner.propose(history, width, depth)
-        except AospecError:
-            self.failures += 1
-            raise
-        except Exception as exc:
-            self.failures += 1
-            raise DrafterError(f"{type(self.inner).__name__}: {type(exc).__name__}: {exc}") from exc
 
 
 @dataclass(frozen=True)
@@ -312,8 +268,8 @@ class Agent:
             self.engine = Engine(
                 actor,
                 self.sandbox,
-                observation_drafters=[GuardedObservationDrafter(x) for x in d.observation],
-                action_drafters=[GuardedActionDrafter(x) for x in d.action],
+                observation_drafters=d.observation,
+                action_drafters=d.action,
                 evd=d.evd,
                 config=d.config,
             )
