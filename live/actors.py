@@ -221,7 +221,9 @@ class OpenAIChatActor:
                 raise _Retryable(
                     ActorError(f"{self.url}: {what}: {type(exc).__name__}: {exc or 'no detail'}", url=self.url)
                 ) from None
-        raise _Retryable(ActorError(f"{self.url}: the reply did not finish within {self.timeout_s:g} s", url=self.url))
+        raise _Retryable(
+            ActorError(f"{self.url}: timed out after {self.timeout_s:g} s (the reply did not finish)", url=self.url)
+        )
 
     def _status_error(self, status: int, raw: str) -> Exception:
         err = ActorError(
