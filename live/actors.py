@@ -22,14 +22,14 @@ import json
 import os
 import time
 from collections.abc import Mapping
-from typing import Any, Self
+from typing import Any
 
 import anyio
 import httpx
 
 from aospec.errors import ConfigError
-from aospec.types import Action, History
-from live.chat import ActorError, ActorStats, ChatFormat, DeterminismReport, Reply, ReplyMemo, estimate_tokens
+from aospec.types import History
+from live.chat import ActorError, ChatFormat, MemoActor, Reply, estimate_tokens
 
 __all__ = ["OpenAIChatActor"]
 
@@ -63,7 +63,7 @@ def _server_message(raw: str) -> str:
     return _excerpt(raw)
 
 
-class OpenAIChatActor:
+class OpenAIChatActor(MemoActor):
     """An actor on an OpenAI-compatible ``/v1/chat/completions`` endpoint.
 
     ``base_url`` is the API root (``http://127.0.0.1:8000/v1``; a URL that already ends in
@@ -95,8 +95,8 @@ class OpenAIChatActor:
             raise ConfigError("actor timeout_s must be > 0, retries and backoff_s >= 0")
         base = base_url.rstrip("/")
         self.url = base if base.endswith("/chat/completions") else base + "/chat/completions"
+        super().__init__(chat_format)
         self.model = model
-        self.chat_format = chat_format or ChatFormat()
         self.sampling: dict[str, Any] = dict(sampling) if sampling is not None else {"temperature": 0}
         for reserved in ("model", "messages", "stream", "stream_options"):
             if reserved in self.sampling:
@@ -112,59 +112,14 @@ class OpenAIChatActor:
             timeout=httpx.Timeout(self.timeout_s, connect=min(self.timeout_s, 30.0)),
             limits=httpx.Limits(max_connections=256, max_keepalive_connections=32),
         )
-        self.memo = ReplyMemo()
-        self.stats = ActorStats()
-
-    # -- the Actor seam --------------------------------------------------------------------
-
-    async def decode(self, history: History) -> Action:
-        return (await self.reply(history)).action
-
-    async def reply(self, history: History) -> Reply:
-        """The Reply that decodes ``history`` (from the memo when decoded before)."""
-        known = self.memo.get(history)
-        if known is not None:
-            self.stats.memo_hits += 1
-            return known
-        reply = await self._request(self.messages_for(history))
-        kept = self.memo.settle(history, reply)
-        if kept is not reply:
-            self.stats.duplicate_replies += 1
-            return kept
-        self.stats.replies += 1
-        self.stats.output_tokens += reply.output_tokens
-        self.stats.estimated_replies += int(reply.tokens_estimated)
-        self.stats.latency_ns += reply.latency_ns
-        return reply
-
-    def reply_for(self, history: History) -> Reply | None:
-        """The Reply that ``decode(history)`` produced (None if none finished)."""
-        return self.memo.get(history)
-
-    def messages_for(self, history: History) -> list[dict[str, Any]]:
-        """The chat messages a decode of ``history`` sends."""
-        return self.chat_format.messages(history, self.memo.replies_for(history))
 
     def request_body(self, history: History) -> dict[str, Any]:
         """The JSON body a decode of ``history`` sends."""
         return self._body(self.messages_for(history))
 
-    async def check_determinism(self, history: History) -> DeterminismReport:
-        """Send the request of ``history`` twice, bypassing the memo, and compare replies."""
-        messages = self.messages_for(history)
-        first = await self._request(messages)
-        second = await self._request(messages)
-        return DeterminismReport.compare(first, second)
-
     async def aclose(self) -> None:
         if self._own_client:
             await self._client.aclose()
-
-    async def __aenter__(self) -> Self:
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        await self.aclose()
 
     # -- requests --------------------------------------------------------------------------
 
@@ -177,7 +132,7 @@ class OpenAIChatActor:
             body["stream_options"] = {"include_usage": True}
         return body
 
-    async def _request(self, messages: list[dict[str, Any]]) -> Reply:
+    async def _generate(self, messages: list[dict[str, Any]]) -> Reply:
         body = self._body(messages)
         attempt = 0
         while True:

@@ -31,7 +31,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import MappingProxyType
-from typing import Any, Literal
+from typing import Any, Literal, Self
 
 from aospec.errors import AospecError, ConfigError
 from aospec.types import Action, History, canonical_json, version_hash
@@ -45,6 +45,7 @@ __all__ = [
     "ActorStats",
     "ChatFormat",
     "DeterminismReport",
+    "MemoActor",
     "Reply",
     "ReplyMemo",
     "estimate_tokens",
@@ -352,3 +353,65 @@ class ReplyMemo:
 
     def clear(self) -> None:
         self._replies.clear()
+
+
+class MemoActor:
+    """What every actor shares: the memo, the counters, ``decode``/``reply``/``reply_for``,
+    the messages of a history and the determinism check. A subclass implements
+    ``_generate(messages) -> Reply`` (one fresh generation, cancel-safe)."""
+
+    chat_format: ChatFormat
+
+    def __init__(self, chat_format: ChatFormat | None = None) -> None:
+        self.chat_format = chat_format or ChatFormat()
+        self.memo = ReplyMemo()
+        self.stats = ActorStats()
+
+    async def _generate(self, messages: list[dict[str, Any]]) -> Reply:
+        raise NotImplementedError
+
+    async def decode(self, history: History) -> Action:
+        """The action after ``history`` (the memoised one when decoded before)."""
+        return (await self.reply(history)).action
+
+    async def reply(self, history: History) -> Reply:
+        """The Reply that decodes ``history`` (from the memo when decoded before). When two
+        decodes of one history overlap, the first to finish is kept and both return it."""
+        known = self.memo.get(history)
+        if known is not None:
+            self.stats.memo_hits += 1
+            return known
+        reply = await self._generate(self.messages_for(history))
+        kept = self.memo.settle(history, reply)
+        if kept is not reply:
+            self.stats.duplicate_replies += 1
+            return kept
+        self.stats.replies += 1
+        self.stats.output_tokens += reply.output_tokens
+        self.stats.estimated_replies += int(reply.tokens_estimated)
+        self.stats.latency_ns += reply.latency_ns
+        return reply
+
+    def reply_for(self, history: History) -> Reply | None:
+        """The Reply that ``decode(history)`` produced (None if none finished)."""
+        return self.memo.get(history)
+
+    def messages_for(self, history: History) -> list[dict[str, Any]]:
+        """The chat messages a decode of ``history`` sends (earlier turns from the memo)."""
+        return self.chat_format.messages(history, self.memo.replies_for(history))
+
+    async def check_determinism(self, history: History) -> DeterminismReport:
+        """Generate the reply of ``history`` twice, bypassing the memo, and compare."""
+        messages = self.messages_for(history)
+        first = await self._generate(messages)
+        second = await self._generate(messages)
+        return DeterminismReport.compare(first, second)
+
+    async def aclose(self) -> None:
+        """Release what the actor holds (nothing here)."""
+
+    async def __aenter__(self) -> Self:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
