@@ -1,0 +1,189 @@
+"""``aospec run`` end to end: serve-trace on loopback as the model, real overlay sandboxes,
+the recording read back by ``aospec traces stats`` and replayed by ``aospec replay``; usage
+errors (exit 2), run failures (exit 1, one line) and Ctrl-C (exit 130, recording kept)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from aospec.cli import main
+from aospec.types import Step, Trace
+from live.chat import ChatFormat
+from replay import bundled_traces_path, read_jsonl
+from runtime._fs import mounts_under
+from runtime.host import host_support
+
+ROOT = Path(__file__).resolve().parents[2]
+
+TASK = "Write /work/count.sh that prints the numbers 1 to 3, run it, save the output and submit."
+REPLIES = [
+    "THOUGHT: First, what is on this machine?\n\n```bash\nls /\n```",
+    "THOUGHT: Create the work directory and the script.\n\n```bash\nmkdir -p /work && printf 'for i in 1 2 3; do echo $i; done\\n' > /work/count.sh\n```",
+    "THOUGHT: Check what I wrote.\n\n```bash\ncat /work/count.sh\n```",
+    "THOUGHT: Run it, keep the output.\n\n```bash\nsh /work/count.sh > /work/out.txt && cat /work/out.txt\n```",
+    "THOUGHT: Done.\n\n```bash\necho COMPLETE_TASK_AND_SUBMIT_FINAL_OUTPUT\n```",
+]
+
+
+def demo_trace() -> Trace:
+    fmt = ChatFormat()
+    steps = tuple(Step(action=fmt.parse(r), observation="", output_tokens=len(r) // 4, reply=r) for r in REPLIES)
+    return Trace("count-demo", "count", "mini-swe-agent", "demo-model", "tests/live", steps, instruction=TASK)
+
+
+@pytest.fixture
+def overlay_state(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    support, _ = host_support()
+    if support.problems():
+        pytest.skip(f"overlay backend cannot run here: {'; '.join(support.problems())}")
+    state = tmp_path_factory.mktemp("run-state")
+    mp = pytest.MonkeyPatch()
+    mp.setenv("AOSPEC_STATE_ROOT", str(state))
+    yield state
+    mp.undo()
+    assert not mounts_under(str(state)), "mounts leaked"
+
+
+def _run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
+    code = main(["run", *argv])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+@pytest.mark.root
+def test_run_speculative_and_serial_commit_the_same_and_the_recording_replays(
+    overlay_state, serve_traces, capsys, tmp_path
+) -> None:
+    server = serve_traces([demo_trace()], tpot_ms=1.0)
+    serial_rec, spec_rec = tmp_path / "serial.jsonl", tmp_path / "spec.jsonl"
+    code, out, err = _run(
+        capsys, TASK, "--model", server.base_url, "--no-speculate", "--record", str(serial_rec), "--format", "json"
+    )
+    assert code == 0, err
+    serial = json.loads(out)
+    assert serial["exit_reason"] == "submitted" and serial["steps"] == len(REPLIES)
+    assert serial["forks_launched"] == serial["drafts_started"] == 0
+    code, out, err = _run(
+        capsys,
+        TASK,
+        "--model",
+        server.base_url,
+        "--speculate",
+        "--train-traces",
+        str(serial_rec),
+        "--record",
+        str(spec_rec),
+        "--format",
+        "json",
+        "--check-determinism",
+        "--progress",
+    )
+    assert code == 0, err
+    spec = json.loads(out)
+    assert spec["final_version"] == serial["final_version"] and spec["steps"] == serial["steps"]
+    assert "warning" not in err  # serve-trace is deterministic
+    assert err.count("step ") >= len(REPLIES)  # one progress line per step (stderr is no terminal)
+
+    (a,) = read_jsonl(serial_rec)
+    (b,) = read_jsonl(spec_rec)
+    assert [(s.action, s.observation) for s in a.steps] == [(s.action, s.observation) for s in b.steps]
+    assert "1\n2\n3\n" in b.steps[3].observation
+    for t in (a, b):
+        assert all(s.version_before and s.version_after for s in t.steps)
+        assert all(x.version_after == y.version_before for x, y in zip(t.steps, t.steps[1:], strict=False))
+        assert t.steps[-1].version_after == spec["final_version"]
+        assert [s.state_changed for s in t.steps] == [False, True, False, True, False]
+        assert [s.reply for s in t.steps] == REPLIES
+        assert t.meta["exit_reason"] == "submitted"
+    assert [(s.version_before, s.version_after) for s in a.steps] == [(s.version_before, s.version_after) for s in b.steps]
+
+    assert main(["traces", "stats", str(spec_rec), "--format", "json"]) == 0
+    stats = json.loads(capsys.readouterr().out)
+    assert stats["steps"] == len(REPLIES) and stats["effects_recorded"] == len(REPLIES)
+
+    code = main(
+        ["replay", str(spec_rec), "--tpot-ms", "10", "--train", str(bundled_traces_path()), "--jobs", "1",
+         "--no-progress", "--policies", "serial,aospec", "--format", "json"]
+    )
+    out, err = capsys.readouterr()
+    assert code == 0, err
+    assert "state model: recorded" in err
+
+    code, out, err = _run(capsys, TASK, "--model", server.base_url, "--step-limit", "2")
+    assert code == 0, err
+    assert "step_limit" in out and "final version" in out and "forks reused" in out
+
+
+def test_usage_errors_are_one_line_and_exit_2(serve_traces, capsys, tmp_path) -> None:
+    url = "http://127.0.0.1:9/v1"
+    for argv, needle in [
+        ((TASK, "--model", url, "--step-limit", "-1"), "--step-limit"),
+        ((TASK, "--model", str(tmp_path / "nope")), "neither an http(s) URL"),
+        ((TASK, "--model", url, "--system-template", str(tmp_path / "missing.txt")), "--system-template"),
+        ((TASK, "--model", url, "--api-key-env", "AOSPEC_TEST_UNSET_KEY"), "AOSPEC_TEST_UNSET_KEY"),
+        ((TASK, "--model", url, "--train-traces", str(tmp_path / "none")), "none"),
+        ((" ", "--model", url), "task is empty"),
+    ]:
+        code, _out, err = _run(capsys, *argv)
+        assert code == 2, (argv, err)
+        assert needle in err and "Traceback" not in err
+        assert len(err.strip().splitlines()) == 1, err
+    (tmp_path / "instance.txt").write_text("no placeholder here")
+    code, _, err = _run(capsys, TASK, "--model", url, "--instance-template", str(tmp_path / "instance.txt"))
+    assert code == 2 and "{task}" in err
+
+
+@pytest.mark.root
+def test_an_unreachable_endpoint_fails_the_run_with_one_line(overlay_state, capsys, tmp_path) -> None:
+    rec = tmp_path / "r.jsonl"
+    code, _out, err = _run(capsys, TASK, "--model", "http://127.0.0.1:9/v1", "--retries", "0", "--record", str(rec))
+    assert code == 1
+    assert err.startswith("aospec: error: ") and "127.0.0.1:9" in err and "Traceback" not in err
+    assert len(err.strip().splitlines()) == 1
+    (t,) = read_jsonl(rec)
+    assert t.steps == () and t.meta["exit_reason"] == "error"
+
+
+@pytest.mark.root
+def test_ctrl_c_ends_cleanly_with_every_committed_step_recorded(overlay_state, serve_traces, tmp_path) -> None:
+    # Slow replies (about 1 s each), so the run is mid-step when it is interrupted.
+    server = serve_traces([demo_trace()], tpot_ms=60.0)
+    rec = tmp_path / "r.jsonl"
+    env = dict(os.environ, AOSPEC_STATE_ROOT=str(overlay_state))
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "aospec", "run", TASK, "--model", server.base_url, "--record", str(rec)],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        deadline = time.monotonic() + 120  # a hang guard, not a timing assertion
+        while time.monotonic() < deadline and proc.poll() is None:
+            if rec.exists() and len(read_jsonl(rec)[0].steps) >= 2:
+                break
+            time.sleep(0.05)
+        assert proc.poll() is None, proc.communicate()
+        proc.send_signal(signal.SIGINT)
+        _out, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 130, err
+    assert "interrupted" in err and "Traceback" not in err
+    (t,) = read_jsonl(rec)
+    assert 2 <= len(t.steps) < len(REPLIES)
+    assert t.meta["exit_reason"] == "interrupted"
+    assert [s.reply for s in t.steps] == REPLIES[: len(t.steps)]
+    assert not mounts_under(str(overlay_state))
