@@ -1,0 +1,125 @@
+"""The actor on an in-process transformers model (the project's model code, no server).
+
+:class:`TransformersActor` renders a history's messages with the model's chat template and
+decodes greedily (or samples, with ``sampling={"temperature": T, "seed": S}``) through
+:class:`drafters.backends.transformers.TransformersBackend`. Decodes run in a worker thread
+and are cancel-safe: a cancelled decode sets a flag the decode loop checks every token, and
+the caller's cancellation returns once the worker has stopped, so no computation outlives
+the call. The memo, ``reply_for`` and the determinism check are those of every actor
+(:class:`live.chat.MemoActor`).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from aospec.errors import ConfigError, DrafterError
+from live.chat import ActorError, ChatFormat, MemoActor, Reply
+
+__all__ = ["TransformersActor"]
+
+_SAMPLING = frozenset({"temperature", "seed", "max_tokens"})
+
+
+class TransformersActor(MemoActor):
+    """An actor decoding with a local causal LM.
+
+    ``model``: a model spec of :mod:`drafters.model` (a shape name such as ``tiny`` with
+    ``texts`` to train its tokenizer on, an ``aospec train`` output directory, a local
+    Hugging Face directory), a ``LoadedModel``, or a torch module (then ``tokenizer`` is
+    required). ``sampling``: ``temperature`` (default 0: greedy), ``seed``, ``max_tokens``
+    (overrides ``max_new_tokens``). ``max_context`` bounds prompt + reply in tokens.
+    ``offload``: ``thread`` (default) or ``inline`` (in the event loop; for virtual time).
+    """
+
+    def __init__(
+        self,
+        model: Any,
+        *,
+        tokenizer: Any = None,
+        chat_format: ChatFormat | None = None,
+        sampling: Mapping[str, Any] | None = None,
+        max_new_tokens: int = 512,
+        device: str = "cpu",
+        dtype: str | None = "auto",
+        max_context: int = 8192,
+        texts: Sequence[str] | None = None,
+        vocab_size: int = 4096,
+        seed: int = 0,
+        offload: str = "thread",
+    ) -> None:
+        from drafters.backends.transformers import TransformersBackend
+        from drafters.model import LoadedModel
+
+        super().__init__(chat_format)
+        if self.chat_format.action_format != "bash":
+            raise ConfigError("TransformersActor: only action_format='bash' (a local model makes no tool calls)")
+        sampling = dict(sampling or {})
+        unknown = set(sampling) - _SAMPLING
+        if unknown:
+            raise ConfigError(
+                f"TransformersActor: unknown sampling keys {sorted(unknown)} (known: {sorted(_SAMPLING)})"
+            )
+        self.temperature = float(sampling.get("temperature", 0.0))
+        self.sample_seed = int(sampling.get("seed", 0) or 0)
+        self.max_new_tokens = int(sampling.get("max_tokens") or max_new_tokens)
+        if self.max_new_tokens < 1 or self.temperature < 0:
+            raise ConfigError("TransformersActor: max_new_tokens must be >= 1 and temperature >= 0")
+        if isinstance(model, str):
+            loaded, spec = None, model
+        elif isinstance(model, LoadedModel):
+            loaded, spec = model, model.spec
+        else:
+            if tokenizer is None:
+                raise ConfigError("TransformersActor: a model module needs its tokenizer (tokenizer=...)")
+            loaded, spec = LoadedModel(model=model, tokenizer=tokenizer, spec=type(model).__name__, meta={}), None
+        if loaded is not None and tokenizer is not None and loaded.tokenizer is not tokenizer:
+            loaded = LoadedModel(model=loaded.model, tokenizer=tokenizer, spec=loaded.spec, meta=loaded.meta)
+        self.backend = TransformersBackend(
+            spec or loaded.spec,  # type: ignore[union-attr]
+            device=device,
+            dtype=dtype,
+            decode="dynamic",
+            offload=offload,  # type: ignore[arg-type]
+            max_context=max_context,
+            seed=seed,
+            texts=texts,
+            vocab_size=vocab_size,
+            loaded=loaded,
+        )
+        self.model = spec or loaded.spec  # type: ignore[union-attr]
+
+    async def _generate(self, messages: list[dict[str, Any]]) -> Reply:
+        import anyio
+
+        backend = self.backend
+        prompt = backend.render(messages)
+        greedy = self.temperature == 0
+        start = time.monotonic_ns()
+        self.stats.requests += 1
+        try:
+            (done,) = await backend.complete(
+                prompt,
+                n=1,
+                max_new_tokens=self.max_new_tokens,
+                mode="greedy" if greedy else "sample",
+                temperature=1.0 if greedy else self.temperature,
+                seed=self.sample_seed,
+            )
+        except anyio.get_cancelled_exc_class():
+            self.stats.cancelled_requests += 1
+            raise
+        except (DrafterError, ConfigError) as exc:
+            self.stats.failed_requests += 1
+            raise ActorError(f"local model {self.model}: {exc}") from None
+        return Reply(
+            text=done.text,
+            action=self.chat_format.parse(done.text),
+            output_tokens=done.tokens,
+            tokens_estimated=False,
+            latency_ns=time.monotonic_ns() - start,
+            first_token_ns=None,
+            finish_reason="stop" if done.finished else "length",
+        )
