@@ -59,6 +59,7 @@ def register(subparsers: Any) -> None:
     p.add_argument("--temperature", type=float, default=0.0, help="sampling temperature (default 0: greedy)")
     p.add_argument("--seed", type=int, default=None, help="sampling seed sent to the endpoint")
     p.add_argument("--max-tokens", type=int, default=None, help="most output tokens per reply")
+    p.add_argument("--device", default="cpu", help="device of a local model (cpu, cuda, cuda:1; default cpu)")
     p.add_argument("--request-timeout", type=float, default=600.0, help="seconds per model request (default 600)")
     p.add_argument("--retries", type=int, default=2, help="retries of a failed model request (default 2)")
     p.add_argument("--command-timeout", type=float, default=30.0, help="seconds per command in the sandbox (default 30)")
@@ -147,7 +148,7 @@ def _actor(args: argparse.Namespace, chat_format: Any) -> Any:
         from live.local import TransformersActor
     except ImportError as exc:
         raise ConfigError(f"--model {args.model}: a local model needs the train extra (transformers): {exc}") from None
-    return TransformersActor(args.model, chat_format=chat_format, sampling=_sampling(args))
+    return TransformersActor(args.model, chat_format=chat_format, sampling=_sampling(args), device=args.device)
 
 
 def _model_name(args: argparse.Namespace) -> str:
