@@ -381,8 +381,24 @@ class Session:
         clock = self._clock
         fork = ForkEntry(action, offset=0, probability=1.0, launched_ns=clock.now_ns(), speculative=False)
         if not self._use_forks:
+            origin = self._sandbox.version
             fork.exec_start_ns = clock.now_ns()
-            fork.observation = await self._sandbox.execute(action)
+            try:
+                fork.observation = await self._sandbox.execute(action)
+            except Exception as exc:
+                # Without forks the step runs on the committed sandbox itself, as serial
+                # execution does: what a failed command left there stays.
+                try:
+                    moved = self._sandbox.version != origin
+                except Exception:
+                    moved = True
+                if moved:
+                    exc._aospec_noted = True  # type: ignore[attr-defined]
+                    exc.add_note(
+                        f"aospec: step {len(self._run.history)} failed on the committed sandbox itself (no forks) "
+                        "after changing it: the committed sandbox holds changes the verified history does not"
+                    )
+                raise
             fork.exec_end_ns = clock.now_ns()
             fork.finish(ForkState.IDLE)
             return fork

@@ -9,6 +9,12 @@
   plain functions, with a configurable drafting delay.
 - :class:`FitRecorder`: a trainable observation drafter that proposes nothing and records
   which traces it was fit on (to check train/eval separation).
+- Fault injection (docs/engine.md, Faults): :class:`FaultySandbox` wraps any sandbox (and
+  its forks) and injects the :class:`Fault` s of its plan (an error, an unexpected
+  exception, a hang, or an error after the operation took effect) into ``fork``,
+  ``execute``, ``commit``, ``discard`` or ``version``; :class:`FaultyActor`,
+  :class:`FaultyObservationDrafter` and :class:`FaultyActionDrafter` wrap the others (an
+  error, an unexpected exception, a hang, or garbage in place of drafts).
 
 The shell understands commands joined by ``&&``: ``sleep S``, ``echo TEXT > PATH``,
 ``echo TEXT >> PATH``, ``cat PATH``, ``ls``, ``rm PATH``, ``true``. A command that fails
@@ -19,19 +25,28 @@ output, mini-swe-agent style.
 from __future__ import annotations
 
 import shlex
-from collections.abc import Callable, Mapping, Sequence
-from typing import ClassVar
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, ClassVar
 
 import anyio
 import xxhash
 
-from aospec.errors import SandboxError
-from aospec.protocols import ActionDraft, ObservationDraft
+from aospec.errors import DrafterError, SandboxError
+from aospec.protocols import ActionDraft, ActionDrafter, Actor, ObservationDraft, ObservationDrafter, Sandbox
 from aospec.types import Action, History, Trace, canonical_json, version_hash
 
 __all__ = [
+    "FAULT_KINDS",
+    "Fault",
+    "FaultCall",
+    "FaultyActionDrafter",
+    "FaultyActor",
+    "FaultyObservationDrafter",
+    "FaultySandbox",
     "FitRecorder",
     "InMemorySandbox",
+    "InjectedFault",
     "ScriptedActionDrafter",
     "ScriptedActor",
     "ScriptedObservationDrafter",
@@ -248,3 +263,271 @@ class FitRecorder:
 
     async def draft(self, history: History, action: Action, n: int) -> Sequence[ObservationDraft]:
         return []
+
+
+# ---------------------------------------------------------------------------------- faults
+
+#: How an injected fault shows: ``error`` raises the seam's own AospecError (SandboxError,
+#: DrafterError; the actor's is DrafterError too), ``unexpected`` raises
+#: :class:`InjectedFault` (no AospecError: a bug or a foreign library's error), ``hang``
+#: never returns (until cancelled), ``late`` (sandbox operations only) raises SandboxError
+#: after the operation took effect.
+FAULT_KINDS = ("error", "unexpected", "hang", "late")
+
+
+class InjectedFault(RuntimeError):
+    """An injected exception that is no AospecError."""
+
+
+def _raise(kind: str, what: str, error: type[Exception]) -> None:
+    if kind == "unexpected":
+        raise InjectedFault(f"injected fault: {what}")
+    raise error(f"injected fault: {what}")
+
+
+@dataclass(frozen=True, slots=True)
+class FaultCall:
+    """One call a :class:`FaultySandbox` sees. ``op``: ``fork``, ``execute``, ``commit``,
+    ``discard`` or ``version``; ``on``: ``committed`` (the wrapped sandbox itself) or
+    ``fork`` (one of its forks); ``origin``: the version the sandbox was forked at (the
+    committed sandbox's current version for it); ``action``: the action executed (for
+    ``commit``, the last one the committed fork executed; else None); ``n``: how many calls
+    of ``op`` the plan saw before this one."""
+
+    op: str
+    on: str
+    origin: str
+    action: Action | None
+    n: int
+
+
+@dataclass(frozen=True, slots=True)
+class Fault:
+    """Inject ``kind`` (:data:`FAULT_KINDS`) into the calls of ``op`` on ``on`` (``committed``,
+    ``fork`` or ``any``) for which ``when(call)`` holds (every call when None), at most
+    ``limit`` times (no limit when None). ``version`` cannot hang (it is a property)."""
+
+    op: str
+    kind: str = "error"
+    on: str = "any"
+    when: Callable[[FaultCall], bool] | None = None
+    limit: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.op not in ("fork", "execute", "commit", "discard", "version"):
+            raise ValueError(f"unknown sandbox operation {self.op!r}")
+        if self.kind not in FAULT_KINDS:
+            raise ValueError(f"unknown fault kind {self.kind!r}; known: {', '.join(FAULT_KINDS)}")
+        if self.on not in ("committed", "fork", "any"):
+            raise ValueError(f"on must be committed, fork or any, not {self.on!r}")
+
+
+class _FaultPlan:
+    def __init__(self, faults: Sequence[Fault]) -> None:
+        self.faults = tuple(faults)
+        self.calls: dict[str, int] = {}
+        self.used: dict[int, int] = {}
+        self.injected: list[tuple[Fault, FaultCall]] = []
+        self.hanging = 0
+
+    def match(self, op: str, on: str, origin: str, action: Action | None) -> Fault | None:
+        n = self.calls.get(op, 0)
+        self.calls[op] = n + 1
+        call = FaultCall(op, on, origin, action, n)
+        for i, f in enumerate(self.faults):
+            if f.op != op or f.on not in ("any", on):
+                continue
+            if f.limit is not None and self.used.get(i, 0) >= f.limit:
+                continue
+            if f.when is not None and not f.when(call):
+                continue
+            self.used[i] = self.used.get(i, 0) + 1
+            self.injected.append((f, call))
+            return f
+        return None
+
+    async def before(self, fault: Fault | None, what: str) -> None:
+        if fault is None or fault.kind == "late":
+            return
+        if fault.kind == "hang":
+            self.hanging += 1
+            try:
+                await anyio.sleep_forever()
+            finally:
+                self.hanging -= 1
+        _raise(fault.kind, what, SandboxError)
+
+
+class FaultySandbox:
+    """Any sandbox (and, through ``fork``, its forks) with the faults of a plan injected.
+
+    Calls pass to ``inner`` unless a :class:`Fault` matches: ``error``/``unexpected``/``hang``
+    strike before the inner call, ``late`` after it (the operation took effect, then
+    SandboxError). ``injected`` lists (fault, call) of every fault injected so far, across
+    the forks; ``hanging`` counts hung calls not yet cancelled (0 once a run is over: no
+    task left behind). Other attributes (``files``, ``live_forks``, ``root_path``, ...) are
+    the inner sandbox's.
+    """
+
+    def __init__(self, inner: Sandbox, faults: Sequence[Fault] = (), *, _plan: _FaultPlan | None = None) -> None:
+        self.inner = inner
+        self._plan = _plan if _plan is not None else _FaultPlan(faults)
+        self._on = "fork" if _plan is not None else "committed"
+        self.origin = inner.version
+        self.last_action: Action | None = None
+
+    def __getattr__(self, name: str) -> Any:
+        if name == "inner":
+            raise AttributeError(name)
+        return getattr(self.inner, name)
+
+    @property
+    def injected(self) -> list[tuple[Fault, FaultCall]]:
+        return list(self._plan.injected)
+
+    @property
+    def hanging(self) -> int:
+        return self._plan.hanging
+
+    def _origin_now(self) -> str:
+        return self.inner.version if self._on == "committed" else self.origin
+
+    @property
+    def version(self) -> str:
+        fault = self._plan.match("version", self._on, self._origin_now(), None)
+        if fault is not None and fault.kind != "late":
+            _raise("unexpected" if fault.kind == "unexpected" else "error", "version", SandboxError)
+        version = self.inner.version
+        if fault is not None:
+            raise SandboxError("injected fault: version (late)")
+        return version
+
+    async def execute(self, action: Action) -> str:
+        fault = self._plan.match("execute", self._on, self._origin_now(), action)
+        self.last_action = action
+        await self._plan.before(fault, f"execute {action.key}")
+        observation = await self.inner.execute(action)
+        if fault is not None:
+            raise SandboxError(f"injected fault: execute {action.key} (after it ran)")
+        return observation
+
+    async def fork(self) -> FaultySandbox:
+        fault = self._plan.match("fork", self._on, self._origin_now(), None)
+        await self._plan.before(fault, "fork")
+        child = FaultySandbox(await self.inner.fork(), _plan=self._plan)
+        if fault is not None:
+            await child.inner.discard()
+            raise SandboxError("injected fault: fork (after it forked; the fork was discarded)")
+        return child
+
+    async def commit(self, fork: FaultySandbox) -> None:
+        fault = self._plan.match("commit", self._on, fork.origin, fork.last_action)
+        await self._plan.before(fault, "commit")
+        await self.inner.commit(fork.inner)
+        if fault is not None:
+            raise SandboxError("injected fault: commit (after it took effect)")
+
+    async def discard(self) -> None:
+        fault = self._plan.match("discard", self._on, self._origin_now(), None)
+        await self._plan.before(fault, "discard")
+        await self.inner.discard()
+        if fault is not None:
+            raise SandboxError("injected fault: discard (after it took effect)")
+
+
+class _Faulty:
+    """What the faulty actor and drafters share: which calls fail, and counters."""
+
+    def __init__(self, kind: str, garbage: Callable[[Any], Any] | None) -> None:
+        if kind not in ("error", "unexpected", "hang", "garbage"):
+            raise ValueError(f"unknown fault kind {kind!r}; known: error, unexpected, hang, garbage")
+        if (kind == "garbage") != (garbage is not None):
+            raise ValueError("garbage= goes with kind='garbage' (and only with it)")
+        self.kind = kind
+        self.garbage = garbage
+        self.calls = 0
+        self.faults = 0
+        self.cancelled = 0
+        self.hanging = 0
+
+    async def _call(self, hit: bool, what: str, real: Callable[[], Awaitable[Any]]) -> Any:
+        self.calls += 1
+        if not hit:
+            return await real()
+        self.faults += 1
+        if self.kind == "garbage":
+            assert self.garbage is not None
+            return self.garbage(await real())
+        if self.kind == "hang":
+            self.hanging += 1
+            try:
+                await anyio.sleep_forever()
+            except anyio.get_cancelled_exc_class():
+                self.cancelled += 1
+                raise
+            finally:
+                self.hanging -= 1
+        _raise(self.kind, what, DrafterError)
+
+
+class FaultyActor(_Faulty):
+    """``inner``, except that decodes from a history for which ``when(history)`` holds
+    (every one when None) fail with ``kind`` (``error``, ``unexpected``, ``hang``).
+    ``hanging`` counts hung decodes not yet cancelled."""
+
+    def __init__(self, inner: Actor, kind: str = "error", *, when: Callable[[History], bool] | None = None) -> None:
+        super().__init__(kind, None)
+        self.inner = inner
+        self.when = when
+
+    async def decode(self, history: History) -> Action:
+        hit = self.when is None or self.when(history)
+        return await self._call(hit, f"decode after {len(history)} turns", lambda: self.inner.decode(history))
+
+
+class FaultyObservationDrafter(_Faulty):
+    """``inner`` (no drafts when None), except that calls for which ``when(history, action)``
+    holds (every one when None) fail with ``kind``: ``error`` (DrafterError),
+    ``unexpected``, ``hang``, or ``garbage``: return ``garbage(the inner drafts)``."""
+
+    def __init__(
+        self,
+        inner: ObservationDrafter | None = None,
+        kind: str = "error",
+        *,
+        when: Callable[[History, Action], bool] | None = None,
+        garbage: Callable[[list[ObservationDraft]], Any] | None = None,
+    ) -> None:
+        super().__init__(kind, garbage)
+        self.inner = inner
+        self.when = when
+
+    async def _real(self, history: History, action: Action, n: int) -> list[ObservationDraft]:
+        return [] if self.inner is None else list(await self.inner.draft(history, action, n))
+
+    async def draft(self, history: History, action: Action, n: int) -> Sequence[ObservationDraft]:
+        hit = self.when is None or self.when(history, action)
+        return await self._call(hit, f"draft {action.key}", lambda: self._real(history, action, n))
+
+
+class FaultyActionDrafter(_Faulty):
+    """Like :class:`FaultyObservationDrafter`, for action drafters (``when(history)``)."""
+
+    def __init__(
+        self,
+        inner: ActionDrafter | None = None,
+        kind: str = "error",
+        *,
+        when: Callable[[History], bool] | None = None,
+        garbage: Callable[[list[ActionDraft]], Any] | None = None,
+    ) -> None:
+        super().__init__(kind, garbage)
+        self.inner = inner
+        self.when = when
+
+    async def _real(self, history: History, width: int, depth: int) -> list[ActionDraft]:
+        return [] if self.inner is None else list(await self.inner.propose(history, width, depth))
+
+    async def propose(self, history: History, width: int, depth: int) -> Sequence[ActionDraft]:
+        hit = self.when is None or self.when(history)
+        return await self._call(hit, f"propose after {len(history)} turns", lambda: self._real(history, width, depth))
