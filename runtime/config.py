@@ -11,10 +11,19 @@ from typing import Any
 from aospec.config import from_mapping
 from aospec.errors import ConfigError
 
-__all__ = ["Bind", "Limits", "SandboxConfig"]
+__all__ = ["DEFAULT_ENV", "Bind", "Limits", "SandboxConfig"]
 
 GiB = 1 << 30
 MiB = 1 << 20
+
+#: The environment every sandbox command gets unless the configuration's ``env`` sets the
+#: key (to ``""`` to unset its effect). ``PYTHONDONTWRITEBYTECODE=1``: Python writes no
+#: ``__pycache__`` when a command merely imports or runs code, so a read-style command (a
+#: test run, a script) leaves the version unchanged and speculative forks of later steps
+#: stay reusable; timestamp-based bytecode would also make versions depend on when files
+#: were edited, so serial and speculative runs of the same trajectory would end on
+#: different versions (measured: scripts/bench_live.py, docs/runtime.md).
+DEFAULT_ENV: Mapping[str, str] = MappingProxyType({"PYTHONDONTWRITEBYTECODE": "1"})
 
 
 @dataclass(frozen=True, slots=True)
@@ -83,6 +92,9 @@ class SandboxConfig:
     keeps the committed state on disk and fsyncs it (survives power loss, slower).
     ``docker_fork``: how the docker backend forks (``auto`` picks copy-upper).
 
+    ``env`` is added to :data:`DEFAULT_ENV` (``PYTHONDONTWRITEBYTECODE=1``), which it
+    may override.
+
     ``memory_budget_bytes`` bounds the host memory the whole session (the root and all
     its forks, across commands) holds: their processes and every in-memory layer they
     wrote (uppers on tmpfs, frozen memory layers). ``sandbox_memory_budget_bytes`` bounds
@@ -99,7 +111,7 @@ class SandboxConfig:
     limits: Limits = field(default_factory=Limits)
     timeout_s: float = 30.0
     workdir: str = "/"
-    env: Mapping[str, str] = field(default_factory=lambda: MappingProxyType({}))
+    env: Mapping[str, str] = field(default_factory=lambda: DEFAULT_ENV)
     binds: tuple[Bind, ...] = ()
     cap_add: tuple[str, ...] = ()
     formatter: str = "mini-swe-agent"
@@ -113,6 +125,9 @@ class SandboxConfig:
     seccomp: str = "default"
 
     def __post_init__(self) -> None:
+        if not isinstance(self.env, Mapping):
+            raise ValueError(f"env must be a mapping, got {type(self.env).__name__}")
+        object.__setattr__(self, "env", MappingProxyType({**DEFAULT_ENV, **self.env}))
         if self.timeout_s <= 0:
             raise ValueError("timeout_s must be positive")
         if not self.workdir.startswith("/"):

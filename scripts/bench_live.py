@@ -1,0 +1,638 @@
+#!/usr/bin/env python3
+"""Live benchmark (issue 11): real tasks, real tools, real sandboxes, real time.
+
+Tasks (scripts/bench_live/): a Python package whose unittest suite runs for seconds, a C
+program built with gcc/make, installs from a local wheelhouse (built here with ``pip
+wheel``, no network) into a venv, and a CSV data-processing script, with the reads, greps
+and edits between them. Each task's scripted mini-swe-agent trajectory (explore, run,
+edit, re-run, submit) is served by ``serve-trace`` over HTTP at the TPOT measured; the
+bash agent (live/agent.py) runs it on overlay sandboxes, serially and speculatively (the
+``aospec`` policy's drafters, fitted only on the training tasks' recorded runs), each from
+a fresh sandbox of the same base and project copy.
+
+Per TPOT (20, 10, 1 ms) it reports, over all tasks: serial and speculative wall time, the
+saving, tool time hidden, observation and action hit rates, wasted sandbox CPU-seconds
+(the speculative run's sandbox CPU minus the serial run's), the engine overhead on the
+critical path per step, peak RSS, and beside them the replay prediction
+(``--state-model recorded``) for the serial run's recorded trace and its error. Every
+speculative run must reproduce the serial run exactly: same actions, observations and
+per-step versions (lossless), else the benchmark fails.
+
+It also measures what bytecode caches do to action reuse: the Python tasks once more with
+``PYTHONDONTWRITEBYTECODE`` unset (steps whose version changes only by ``__pycache__``,
+whether serial and speculative versions still agree, action hits).
+
+Usage:
+  .venv/bin/python scripts/bench_live.py [--json] [--quick] [--plot live.png] [--out DIR]
+  .venv/bin/python scripts/bench_live.py --sessions 32 [--quick] [--json]   # concurrency
+
+Run as root (overlay sandboxes). The base is built on first use (about 2 minutes, needs a
+Debian mirror): ``aospec sandbox build-base debootstrap:bookworm --include
+python3,python3-pip,python3-venv,gcc,libc6-dev,make``; ``--base busybox`` runs what it can
+(no python or gcc: the commands fail, fast, but still losslessly).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import shutil
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import anyio
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from bench_live.tasks import MEASURED, QUICK, TRAINING, Trajectory
+
+from aospec.types import Action, Step, Trace
+from runtime import Bind, SandboxConfig, default_state_root, open_sandbox
+
+TPOTS_MS = (20.0, 10.0, 1.0)
+BASE = "debootstrap:bookworm+gcc,libc6-dev,make,python3,python3-pip,python3-venv"
+#: The sandbox environment of every run: no pip self-check (no network), no pip cache,
+#: reproducible pip-compiled bytecode (hash-based .pyc). PYTHONDONTWRITEBYTECODE is set by
+#: the runs themselves (``bytecode`` below).
+ENV = {"PIP_DISABLE_PIP_VERSION_CHECK": "1", "PIP_NO_CACHE_DIR": "1", "SOURCE_DATE_EPOCH": "1700000000"}
+PLACEHOLDER = "<returncode>0</returncode>\n<output>\n</output>"
+
+
+def log(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def script_trace(traj: Trajectory) -> Trace:
+    """The trajectory as a canonical trace for serve-trace: the replies and their token
+    counts; the observations are placeholders (the sandbox produces the real ones)."""
+    steps = tuple(
+        Step(
+            action=Action.bash(cmd),
+            observation=PLACEHOLDER,
+            output_tokens=tokens,
+            output_tokens_estimated=True,
+            reply=reply,
+        )
+        for (_, cmd), reply, tokens in zip(traj.steps, traj.replies(), traj.output_tokens(), strict=True)
+    )
+    return Trace(
+        id=traj.id,
+        task=traj.task,
+        harness="mini-swe-agent",
+        actor_model="scripted",
+        source="scripts/bench_live/tasks.py",
+        steps=steps,
+        instruction=traj.instruction,
+    )
+
+
+def stage(trajs: Sequence[Trajectory], root: Path) -> dict[str, Path]:
+    """Copy each project once into ``root`` and prepare it (the wheelhouse)."""
+    out: dict[str, Path] = {}
+    for t in trajs:
+        if t.project in out:
+            continue
+        from bench_live.tasks import PROJECTS
+
+        dest = root / t.project
+        shutil.copytree(PROJECTS / t.project, dest, ignore=shutil.ignore_patterns("__pycache__"))
+        if t.prepare is not None:
+            t.prepare(dest)
+        out[t.project] = dest
+    return out
+
+
+class SandboxCpu:
+    """CPU-seconds used by this process's descendants (the sandboxes' commands), killed
+    ones included: this process moves itself into a cgroup of its own in the cgroup-v1
+    ``cpuacct`` hierarchy, which aospec does not use, so every command it starts is
+    counted there (``cpuacct.usage`` minus this process's own CPU). Without one (cgroup v2,
+    not root), commands that finished and were reaped (``RUSAGE_CHILDREN``): killed
+    speculative commands are then missed."""
+
+    def __init__(self) -> None:
+        self.group: Path | None = None
+        root = Path("/sys/fs/cgroup/cpuacct")
+        if (root / "cpuacct.usage").exists() and os.geteuid() == 0:
+            try:
+                group = root / f"aospec-bench-live-{os.getpid()}"
+                group.mkdir(exist_ok=True)
+                (group / "cgroup.procs").write_text(str(os.getpid()))
+                self.group = group
+            except OSError:
+                self.group = None
+
+    @property
+    def source(self) -> str:
+        return "cpuacct" if self.group else "rusage_children"
+
+    def __call__(self) -> float:
+        if self.group is not None:
+            me = resource.getrusage(resource.RUSAGE_SELF)
+            return int((self.group / "cpuacct.usage").read_text()) * 1e-9 - (me.ru_utime + me.ru_stime)
+        r = resource.getrusage(resource.RUSAGE_CHILDREN)
+        return r.ru_utime + r.ru_stime
+
+    def close(self) -> None:
+        if self.group is not None:
+            try:
+                (self.group.parent / "cgroup.procs").write_text(str(os.getpid()))
+                self.group.rmdir()
+            except OSError:
+                pass
+            self.group = None
+
+
+children_cpu_s = SandboxCpu()
+
+
+def peak_rss_mb() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+@dataclass
+class Run:
+    traj: Trajectory
+    speculate: bool
+    tpot_ms: float
+    result: Any
+    trace: Trace
+    cpu_s: float
+
+    @property
+    def key(self) -> list[tuple[Any, ...]]:
+        """What must be equal between a serial and a speculative run."""
+        return [(s.action.key, s.observation, s.version_before, s.version_after) for s in self.result.steps]
+
+
+async def run_agent(
+    traj: Trajectory,
+    base_url: str,
+    staged: dict[str, Path],
+    *,
+    speculate: bool,
+    tpot_ms: float,
+    drafters: Any,
+    base: str,
+    bytecode: bool = False,
+) -> Run:
+    """One run of ``traj`` in a fresh sandbox: the project copied to /work, then the agent."""
+    from live.actors import OpenAIChatActor
+    from live.agent import Agent
+    from live.record import step_of
+
+    env = {**ENV, "PYTHONDONTWRITEBYTECODE": "" if bytecode else "1"}
+    cfg = SandboxConfig(
+        base=base,
+        binds=(Bind(str(staged[traj.project]), f"/src/{traj.project}"),),
+        env=env,
+        timeout_s=300,
+    )
+    async with open_sandbox(cfg) as sb:
+        setup = await sb.run(f"mkdir -p /work && cp -a /src/{traj.project} /work/{traj.project}")
+        if setup.returncode != 0:
+            raise RuntimeError(f"{traj.id}: copying the project failed: {setup.output}")
+        async with OpenAIChatActor(base_url, "serve-trace") as actor:
+            agent = Agent(actor, sb, speculate=speculate, drafters=drafters, step_limit=len(traj.steps) + 2)
+            cpu0 = children_cpu_s()
+            result = await agent.run(traj.instruction)
+            cpu = children_cpu_s() - cpu0
+    mode = "spec" if speculate else "serial"
+    trace = Trace(
+        id=f"{traj.id}.{mode}.tpot{tpot_ms:g}{'.pyc' if bytecode else ''}",
+        task=traj.task,
+        harness="aospec-run",
+        actor_model="serve-trace",
+        source="scripts/bench_live.py",
+        steps=tuple(step_of(s) for s in result.steps),
+        instruction=traj.instruction,
+        meta={"tpot_ms": tpot_ms, "speculate": speculate, "bytecode": bytecode, "exit_reason": result.exit_reason},
+    )
+    return Run(traj, speculate, tpot_ms, result, trace, cpu)
+
+
+def divergence(serial: Run, spec: Run) -> str | None:
+    """None when the speculative run reproduced the serial one, else what differs."""
+    if serial.result.exit_reason != "submitted":
+        return f"serial run ended with {serial.result.exit_reason} ({serial.result.error})"
+    if spec.result.final_version != serial.result.final_version:
+        return f"final versions differ: {serial.result.final_version} vs {spec.result.final_version}"
+    a, b = serial.key, spec.key
+    if len(a) != len(b):
+        return f"{len(a)} vs {len(b)} steps"
+    for i, (x, y) in enumerate(zip(a, b, strict=True)):
+        if x != y:
+            what = ["action", "observation", "version before", "version after"]
+            return f"step {i}: {', '.join(w for w, p, q in zip(what, x, y, strict=True) if p != q)} differ"
+    return None
+
+
+def replay_prediction(traces: Sequence[Trace], train: Sequence[Trace], tpot_ms: float) -> tuple[int, int, str]:
+    """(serial ns, aospec ns) the replay predicts for ``traces`` at ``tpot_ms``, and the
+    state model used."""
+    import inspect
+
+    from replay.policies import DrafterSet, parse_policies
+    from replay.sweep import replay_trace
+
+    kw: dict[str, Any] = {"check_ceilings": False}
+    model = "default"
+    if "state_model" in inspect.signature(replay_trace).parameters:
+        kw["state_model"] = model = "recorded"
+    ds = DrafterSet(list(train))
+    serial = spec = 0
+    for t in traces:
+        res = replay_trace(t, parse_policies("serial,aospec"), [tpot_ms], ds, **kw)
+        by = {r.policy: r for r in res}
+        serial += by["serial"].latency_ns
+        spec += by["aospec"].latency_ns
+    return serial, spec, model
+
+
+@dataclass
+class TpotFigures:
+    tpot_ms: float
+    runs: list[tuple[Run, Run]] = field(default_factory=list)
+    diverged: list[str] = field(default_factory=list)
+
+    def figures(self, train: Sequence[Trace]) -> dict[str, Any]:
+        serial_wall = sum(s.result.wall_s for s, _ in self.runs)
+        spec_wall = sum(p.result.wall_s for _, p in self.runs)
+        steps = sum(len(p.result.steps) for _, p in self.runs)
+        st = [p.result.statistics for _, p in self.runs]
+        saving = 1 - spec_wall / serial_wall if serial_wall else 0.0
+        pred_serial_ns, pred_spec_ns, model = replay_prediction([s.trace for s, _ in self.runs], train, self.tpot_ms)
+        pred_saving = 1 - pred_spec_ns / pred_serial_ns if pred_serial_ns else 0.0
+        pred_spec_wall = serial_wall * (1 - pred_saving)
+        return {
+            "tpot_ms": self.tpot_ms,
+            "tasks": len(self.runs),
+            "steps": steps,
+            "serial_s": round(serial_wall, 3),
+            "speculative_s": round(spec_wall, 3),
+            "saving": round(saving, 4),
+            "serial_latency_s": round(sum(s.result.statistics.latency_s for s, _ in self.runs), 3),
+            "speculative_latency_s": round(sum(x.latency_s for x in st), 3),
+            "speculative_tool_s": round(sum(x.tool_time_s for x in st), 3),
+            "tool_s": round(sum(s.result.statistics.tool_time_s for s, _ in self.runs), 3),
+            "tool_hidden_s": round(sum(x.tool_time_hidden_s for x in st), 3),
+            "decode_hidden_s": round(sum(x.decode_time_hidden_s for x in st), 3),
+            "obs_hit_rate": round(sum(x.drafts_hit for x in st) / steps, 4) if steps else 0.0,
+            "action_hit_rate": round(sum(x.forks_reused for x in st) / steps, 4) if steps else 0.0,
+            "forks_launched": sum(x.forks_launched for x in st),
+            "forks_wasted": sum(x.forks_wasted for x in st),
+            "wasted_cpu_s": round(sum(p.cpu_s - s.cpu_s for s, p in self.runs), 3),
+            "serial_cpu_s": round(sum(s.cpu_s for s, _ in self.runs), 3),
+            "cpu_source": children_cpu_s.source,
+            "wasted_tool_s": round(sum(x.speculative_tool_time_wasted_s for x in st), 3),
+            "overhead_ms_per_step": round(1000 * sum(x.overhead_s for x in st) / steps, 3) if steps else 0.0,
+            "serial_overhead_ms_per_step": round(
+                1000 * sum(s.result.statistics.overhead_s for s, _ in self.runs) / steps, 3
+            )
+            if steps
+            else 0.0,
+            "peak_rss_mb": round(peak_rss_mb(), 1),
+            "replay_state_model": model,
+            "replay_serial_s": round(pred_serial_ns * 1e-9, 3),
+            "predicted_saving": round(pred_saving, 4),
+            "predicted_speculative_s": round(pred_spec_wall, 3),
+            "prediction_error": round(abs(pred_spec_wall - spec_wall) / spec_wall, 4) if spec_wall else 0.0,
+            "lossless": not self.diverged,
+            "diverged": self.diverged,
+            "per_task": {
+                s.traj.id: {
+                    "serial_s": round(s.result.wall_s, 3),
+                    "speculative_s": round(p.result.wall_s, 3),
+                    "steps": len(p.result.steps),
+                    "tool_s": round(s.result.statistics.tool_time_s, 3),
+                    "obs_hits": p.result.statistics.drafts_hit,
+                    "action_hits": p.result.statistics.forks_reused,
+                }
+                for s, p in self.runs
+            },
+        }
+
+
+async def record_training(staged: dict[str, Path], base: str, trajs: Sequence[Trajectory]) -> list[Trace]:
+    """The training tasks' runs, recorded (serial, no decode time): the drafters' data."""
+    from live.serve_trace import serve_trace
+
+    out = []
+    async with serve_trace([script_trace(t) for t in trajs], 0.0) as server:
+        for t in trajs:
+            run = await run_agent(t, server.base_url, staged, speculate=False, tpot_ms=0.0, drafters=None, base=base)
+            out.append(run.trace)
+            log(
+                f"  training {t.id}: {len(run.result.steps)} steps, {run.result.wall_s:.1f} s ({run.result.exit_reason})"
+            )
+    return out
+
+
+async def measure_tpot(
+    tpot_ms: float,
+    trajs: Sequence[Trajectory],
+    staged: dict[str, Path],
+    drafters: Any,
+    base: str,
+    *,
+    bytecode: bool = False,
+) -> TpotFigures:
+    from live.serve_trace import serve_trace
+
+    fig = TpotFigures(tpot_ms)
+    async with serve_trace([script_trace(t) for t in trajs], tpot_ms) as server:
+        for t in trajs:
+            kw = {"tpot_ms": tpot_ms, "drafters": drafters, "base": base, "bytecode": bytecode}
+            serial = await run_agent(t, server.base_url, staged, speculate=False, **kw)
+            spec = await run_agent(t, server.base_url, staged, speculate=True, **kw)
+            why = divergence(serial, spec)
+            if why:
+                fig.diverged.append(f"{t.id}: {why}")
+            fig.runs.append((serial, spec))
+            st = spec.result.statistics
+            log(
+                f"  tpot {tpot_ms:g} ms{' (bytecode)' if bytecode else ''} {t.id}: serial {serial.result.wall_s:.2f} s, "
+                f"speculative {spec.result.wall_s:.2f} s, obs hits {st.drafts_hit}/{len(spec.result.steps)}, "
+                f"action hits {st.forks_reused}, {'lossless' if not why else 'DIVERGED: ' + why}"
+            )
+    return fig
+
+
+def bytecode_effect(clean: TpotFigures, pyc: TpotFigures) -> dict[str, Any]:
+    """Steps whose version changed only because of bytecode caches: changed with bytecode
+    written, unchanged without it (same trajectory, same TPOT)."""
+    cache_only = changed_with = changed_without = steps = 0
+    per_task = {}
+    for (s0, _), (s1, _) in zip(clean.runs, pyc.runs, strict=True):
+        n = 0
+        for a, b in zip(s0.result.steps, s1.result.steps, strict=False):
+            c0, c1 = a.version_before != a.version_after, b.version_before != b.version_after
+            changed_with += c1
+            changed_without += c0
+            n += c1 and not c0
+        cache_only += n
+        steps += len(s1.result.steps)
+        per_task[s0.traj.id] = n
+    spec_hits = lambda f: sum(p.result.statistics.forks_reused for _, p in f.runs)  # noqa: E731
+    return {
+        "tpot_ms": clean.tpot_ms,
+        "steps": steps,
+        "state_changing_steps_with_bytecode": changed_with,
+        "state_changing_steps_without": changed_without,
+        "cache_only_steps": cache_only,
+        "cache_only_per_task": per_task,
+        "action_hits_with_bytecode": spec_hits(pyc),
+        "action_hits_without": spec_hits(clean),
+        "saving_with_bytecode": round(
+            1 - sum(p.result.wall_s for _, p in pyc.runs) / sum(s.result.wall_s for s, _ in pyc.runs), 4
+        ),
+        "saving_without": round(
+            1 - sum(p.result.wall_s for _, p in clean.runs) / sum(s.result.wall_s for s, _ in clean.runs), 4
+        ),
+        "diverged_with_bytecode": pyc.diverged,
+        "diverged_without": clean.diverged,
+    }
+
+
+def leaks() -> dict[str, int]:
+    """Mounts, marked sandbox processes and cgroups left by aospec on this host."""
+    from runtime._fs import mounts_under
+    from runtime.host import host_support
+    from runtime.processes import marked_processes
+
+    _, cgroups = host_support()
+    return {
+        "mounts": len(mounts_under(str(default_state_root()))),
+        "processes": len(marked_processes("aospec-")),
+        "cgroups": sum(len(list(r.glob("aospec-*"))) for r in set(cgroups.roots.values())) if cgroups else 0,
+        "state_dirs": len([p for p in default_state_root().glob("*") if p.is_dir()])
+        if default_state_root().exists()
+        else 0,
+    }
+
+
+async def concurrent_sessions(
+    n: int, trajs: Sequence[Trajectory], staged: dict[str, Path], drafters: Any, base: str, tpot_ms: float
+) -> dict[str, Any]:
+    """``n`` speculative sessions at once (cycling through ``trajs``), each compared with a
+    serial reference run of its trajectory; then the leak check."""
+    from live.serve_trace import serve_trace
+
+    before = leaks()
+    async with serve_trace([script_trace(t) for t in trajs], tpot_ms) as server:
+        refs = {}
+        for t in trajs:
+            refs[t.id] = await run_agent(
+                t, server.base_url, staged, speculate=False, tpot_ms=tpot_ms, drafters=None, base=base
+            )
+        runs: list[Run | BaseException] = [None] * n  # type: ignore[list-item]
+
+        async def one(i: int) -> None:
+            try:
+                runs[i] = await run_agent(
+                    trajs[i % len(trajs)],
+                    server.base_url,
+                    staged,
+                    speculate=True,
+                    tpot_ms=tpot_ms,
+                    drafters=drafters,
+                    base=base,
+                )
+            except Exception as exc:  # reported below
+                runs[i] = exc
+
+        t0 = time.monotonic()
+        async with anyio.create_task_group() as tg:
+            for i in range(n):
+                tg.start_soon(one, i)
+        wall = time.monotonic() - t0
+    await anyio.sleep(0.5)
+    after = leaks()
+    failed = [f"session {i}: {type(r).__name__}: {r}" for i, r in enumerate(runs) if isinstance(r, BaseException)]
+    diverged = [
+        f"session {i} ({r.traj.id}): {why}"
+        for i, r in enumerate(runs)
+        if isinstance(r, Run) and (why := divergence(refs[r.traj.id], r))
+    ]
+    ok = [r for r in runs if isinstance(r, Run)]
+    leaked = {k: after[k] - before[k] for k in after if after[k] > before[k]}
+    return {
+        "sessions": n,
+        "tpot_ms": tpot_ms,
+        "completed": len(ok),
+        "wall_s": round(wall, 3),
+        "serial_sum_s": round(sum(refs[r.traj.id].result.wall_s for r in ok), 3),
+        "failed": failed,
+        "diverged": diverged,
+        "leaked": leaked,
+        "peak_rss_mb": round(peak_rss_mb(), 1),
+        "ok": not failed and not diverged and not leaked,
+    }
+
+
+def plot(rows: Sequence[dict[str, Any]], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax, ax2) = plt.subplots(1, 2, figsize=(12, 4.5))
+    xs = range(len(rows))
+    labels = [f"{r['tpot_ms']:g} ms" for r in rows]
+    ax.bar([x - 0.27 for x in xs], [r["serial_s"] for r in rows], 0.27, label="serial")
+    ax.bar(list(xs), [r["speculative_s"] for r in rows], 0.27, label="speculative (live)")
+    ax.bar([x + 0.27 for x in xs], [r["predicted_speculative_s"] for r in rows], 0.27, label="speculative (replay)")
+    ax.set_xticks(list(xs), labels)
+    ax.set_xlabel("TPOT")
+    ax.set_ylabel("wall time, all tasks (s)")
+    ax.legend()
+    ax.set_title("live runs: serial vs speculative")
+    ax2.plot(labels, [100 * r["saving"] for r in rows], "o-", label="live saving")
+    ax2.plot(labels, [100 * r["predicted_saving"] for r in rows], "s--", label="replay prediction")
+    ax2.plot(labels, [100 * r["obs_hit_rate"] for r in rows], "^:", label="observation hits")
+    ax2.plot(labels, [100 * r["action_hit_rate"] for r in rows], "v:", label="action hits")
+    ax2.set_ylabel("%")
+    ax2.set_xlabel("TPOT")
+    ax2.legend()
+    ax2.set_title("saving and hit rates")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def print_table(rows: Sequence[dict[str, Any]]) -> None:
+    cols = [
+        ("TPOT", "tpot_ms", "{:g} ms"),
+        ("serial", "serial_s", "{:.1f} s"),
+        ("spec", "speculative_s", "{:.1f} s"),
+        ("saving", "saving", "{:.1%}"),
+        ("replay", "predicted_saving", "{:.1%}"),
+        ("pred err", "prediction_error", "{:.1%}"),
+        ("tool hidden", "tool_hidden_s", "{:.1f} s"),
+        ("obs hit", "obs_hit_rate", "{:.0%}"),
+        ("act hit", "action_hit_rate", "{:.0%}"),
+        ("wasted CPU", "wasted_cpu_s", "{:.1f} s"),
+        ("overhead/step", "overhead_ms_per_step", "{:.2f} ms"),
+        ("peak RSS", "peak_rss_mb", "{:.0f} MB"),
+        ("lossless", "lossless", "{}"),
+    ]
+    cells = [[fmt.format(r[k]) for _, k, fmt in cols] for r in rows]
+    widths = [max(len(h), *(len(c[i]) for c in cells)) for i, (h, _, _) in enumerate(cols)]
+    print("  ".join(h.rjust(w) for (h, _, _), w in zip(cols, widths, strict=True)))
+    for c in cells:
+        print("  ".join(x.rjust(w) for x, w in zip(c, widths, strict=True)))
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--json", action="store_true", help="one JSON line per TPOT (then the bytecode and sessions lines)")
+    ap.add_argument("--quick", action="store_true", help="two tasks (Python tests, C build): a few minutes")
+    ap.add_argument(
+        "--sessions", type=int, default=0, metavar="N", help="run N concurrent speculative sessions instead"
+    )
+    ap.add_argument("--tpots", default=",".join(f"{t:g}" for t in TPOTS_MS), help="TPOTs in ms (default 20,10,1)")
+    ap.add_argument("--tasks", default=None, help="comma-separated task names (default: all, or the quick subset)")
+    ap.add_argument("--base", default=BASE, help=f"sandbox base (default {BASE})")
+    ap.add_argument("--no-bytecode-check", action="store_true", help="skip the bytecode-cache measurement")
+    ap.add_argument(
+        "--train-traces",
+        action="append",
+        default=None,
+        metavar="PATH",
+        help="more training traces for the drafters, beside the training tasks' runs (default: the bundled "
+        "tb1 sample; 'none' for none)",
+    )
+    ap.add_argument("--plot", default=None, help="write a PNG plot here")
+    ap.add_argument("--out", default=None, help="keep the recorded traces (JSONL) in this directory")
+    args = ap.parse_args(argv)
+    tpots = [float(x) for x in args.tpots.split(",") if x]
+    names = args.tasks.split(",") if args.tasks else (list(QUICK) if args.quick else [t.task for t in MEASURED])
+    trajs = [t for t in MEASURED if t.task in names]
+    if not trajs:
+        ap.error(f"no task among {names}; have {', '.join(t.task for t in MEASURED)}")
+    from live.agent import default_drafters
+    from runtime.bases import build_base, open_base
+
+    if args.base.startswith("debootstrap"):
+        log(f"base {args.base} (built on first use, about 2 minutes) ...")
+        build_base(args.base)
+    base_fs = open_base(args.base)
+    log(f"base {base_fs.name} version {base_fs.version}; tasks: {', '.join(t.id for t in trajs)}; TPOTs {tpots} ms")
+
+    with tempfile.TemporaryDirectory(prefix="aospec-bench-live-") as tmp:
+        staged = stage([*trajs, *TRAINING], Path(tmp))
+        log("recording the training tasks (drafters are fitted on these only) ...")
+        train = anyio.run(record_training, staged, args.base, TRAINING)
+        from replay import bundled_traces_path, load_traces
+
+        paths = [p for p in (args.train_traces or [str(bundled_traces_path())]) if p != "none"]
+        extra_train = load_traces(paths) if paths else []
+        log(f"drafters fitted on {len(train)} training runs + {len(extra_train)} traces of {paths or 'nothing'}")
+        train = [*train, *extra_train]
+        drafters = default_drafters(train)
+        out_lines: list[dict[str, Any]] = []
+        if args.sessions:
+            log(f"{args.sessions} concurrent speculative sessions at TPOT {tpots[len(tpots) // 2]:g} ms ...")
+            res = anyio.run(
+                concurrent_sessions, args.sessions, trajs, staged, drafters, args.base, tpots[len(tpots) // 2]
+            )
+            print(json.dumps(res) if args.json else json.dumps(res, indent=2))
+            return 0 if res["ok"] else 1
+        rows, figs = [], {}
+        for tpot in tpots:
+            log(f"TPOT {tpot:g} ms ...")
+            figs[tpot] = anyio.run(measure_tpot, tpot, trajs, staged, drafters, args.base)
+            rows.append(figs[tpot].figures(train))
+            if args.json:
+                print(json.dumps(rows[-1]), flush=True)
+        extra: dict[str, Any] = {}
+        py = [t for t in trajs if t.project in ("inventory", "shipping", "sales")]
+        if not args.no_bytecode_check and py:
+            tpot = min(tpots)
+            log(f"bytecode caches: the Python tasks again at TPOT {tpot:g} ms with PYTHONDONTWRITEBYTECODE unset ...")
+            clean = TpotFigures(
+                tpot,
+                [r for r in figs[tpot].runs if r[0].traj in py],
+                [d for d in figs[tpot].diverged if d.split(":")[0] in {t.id for t in py}],
+            )
+            pyc = anyio.run(lambda: measure_tpot(tpot, py, staged, drafters, args.base, bytecode=True))
+            extra["bytecode"] = bytecode_effect(clean, pyc)
+            if args.json:
+                print(json.dumps(extra["bytecode"]), flush=True)
+        if args.out:
+            from replay import write_jsonl
+
+            out = Path(args.out)
+            out.mkdir(parents=True, exist_ok=True)
+            write_jsonl([t for t in train if t.source == "scripts/bench_live.py"], out / "training.jsonl")
+            write_jsonl([r.trace for f in figs.values() for s, p in f.runs for r in (s, p)], out / "live.jsonl")
+            (out / "figures.json").write_text(json.dumps({"tpots": rows, **extra}, indent=2) + "\n")
+        if args.plot:
+            plot(rows, args.plot)
+        if not args.json:
+            print_table(rows)
+            if "bytecode" in extra:
+                b = extra["bytecode"]
+                print(
+                    f"\nbytecode caches (Python tasks, TPOT {b['tpot_ms']:g} ms): {b['cache_only_steps']} of "
+                    f"{b['steps']} steps changed the version only by writing caches; action hits "
+                    f"{b['action_hits_with_bytecode']} with vs {b['action_hits_without']} without; saving "
+                    f"{b['saving_with_bytecode']:.1%} vs {b['saving_without']:.1%}; diverged with bytecode: "
+                    f"{b['diverged_with_bytecode'] or 'none'}"
+                )
+        del out_lines
+    ok = all(r["lossless"] for r in rows)
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    try:
+        sys.exit(main())
+    finally:
+        children_cpu_s.close()

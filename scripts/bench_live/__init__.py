@@ -1,0 +1,1 @@
+"""Tasks and projects of scripts/bench_live.py."""
