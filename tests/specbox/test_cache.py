@@ -369,3 +369,46 @@ def test_semantic_drafts_only_for_idempotent_reads_and_verified_as_drafts(method
         assert cache.stats.semantic_drafts >= 1
 
     run(main)
+
+
+# -- the engine, unchanged, on a cached sandbox -------------------------------------------
+
+
+@pytest.mark.parametrize("speculate", [False, True])
+def test_the_engine_runs_unchanged_on_a_cached_sandbox_and_stays_lossless(speculate: bool) -> None:
+    from aospec.engine import Engine
+    from aospec.engine_config import EngineConfig
+    from aospec.protocols import ActionDraft, ObservationDraft
+    from aospec.testing import ScriptedActionDrafter, ScriptedActor, ScriptedObservationDrafter
+
+    pool = [Action.bash(c) for c in ("cat a", "ls", "cat a && cat b", "echo 1 >> a", "echo 2 > b", "rm b")]
+
+    async def play(cached: bool) -> tuple[History, dict[str, str], ResultCache | None]:
+        inner = InMemorySandbox({"a": "0\n"}, op_delay_s=0.01)
+        sandbox = CachedSandbox(inner, deterministic=READS) if cached else inner
+        drafters = {}
+        if speculate:
+            drafters = {
+                "observation_drafters": [
+                    ScriptedObservationDrafter(
+                        lambda h, a: [ObservationDraft("<returncode>0</returncode>\n<output>\n</output>", 0.5)]
+                    )
+                ],
+                "action_drafters": [ScriptedActionDrafter(lambda h: [ActionDraft(pool[len(h) % len(pool)], 0, 0.5)])],
+            }
+        engine = Engine(
+            ScriptedActor.hashing(pool, seed=7, delay_s=0.005),
+            sandbox,
+            config=EngineConfig(branch_budget=2 if speculate else 0, fork_width=2 if speculate else 0),
+            **drafters,  # type: ignore[arg-type]
+        )
+        verified = await engine.run(History("t"), steps=30)
+        return verified, inner.files, sandbox.cache if cached else None  # type: ignore[union-attr]
+
+    async def main() -> None:
+        plain_history, plain_files, _ = await play(False)
+        cached_history, cached_files, cache = await play(True)
+        assert cached_history == plain_history and cached_files == plain_files
+        assert cache is not None and cache.stats.hits > 0
+
+    run(main)
