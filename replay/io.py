@@ -27,7 +27,7 @@ import os
 import stat
 import tempfile
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -410,11 +410,13 @@ def _walk(root: Path, errors: list[TraceFormatError]) -> list[Path]:
 @dataclass(frozen=True, slots=True)
 class LoadedTraces:
     """What :func:`import_traces` read: the traces (sorted by id), how many files they came
-    from, and one error per file skipped as invalid (``skip_invalid=True`` only)."""
+    from, one error per file skipped as invalid (``skip_invalid=True`` only), and the file
+    each trace came from (``paths[trace.id]``, so errors about a trace can name its file)."""
 
     traces: tuple[Trace, ...]
     files: int
     skipped: tuple[TraceFormatError, ...] = ()
+    paths: Mapping[str, str] = field(default_factory=dict, compare=False)
 
 
 def _file_key(p: Path) -> Any:
@@ -507,7 +509,7 @@ def import_traces(
     if bad and not traces:
         raise TraceImportError(bad, hint="no file was valid")
     traces.sort(key=lambda t: t.id)
-    return LoadedTraces(tuple(traces), imported, tuple(bad))
+    return LoadedTraces(tuple(traces), imported, tuple(bad), {i: str(f) for i, f in origin.items()})
 
 
 def load_traces(

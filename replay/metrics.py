@@ -19,6 +19,8 @@
   ceilings were not checked).
 - ``drafter_failures``: drafting calls that failed (their candidates were dropped), summed
   over traces; ``drafter_error`` the first such error.
+- ``state_model``: the state model every result was replayed under (replay/sandbox.py);
+  results of different state models are never summarised together (ConfigError).
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from typing import Any
 
 import numpy as np
 
+from aospec.errors import ConfigError
 from replay.sweep import TraceResult
 
 __all__ = ["PolicySummary", "summarize"]
@@ -67,6 +70,7 @@ class PolicySummary:
     drafter_failures: int = 0
     drafter_error: str = ""
     overhead_s: float = 0.0
+    state_model: str = "effects"
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -77,10 +81,19 @@ def _q(values: Sequence[float], q: float) -> float:
 
 
 def summarize(results: Iterable[TraceResult]) -> list[PolicySummary]:
-    """One summary per (policy, TPOT), in first-seen policy order, TPOTs descending."""
+    """One summary per (policy, TPOT), in first-seen policy order, TPOTs descending.
+
+    ConfigError when the results were replayed under different state models (a brackets'
+    comparison is two summaries, never one mixed mean).
+    """
     groups: dict[tuple[str, float], list[TraceResult]] = {}
+    models: dict[str, None] = {}
     for r in results:
         groups.setdefault((r.policy, r.tpot_ms), []).append(r)
+        models[r.state_model] = None
+    if len(models) > 1:
+        raise ConfigError(f"results replayed under different state models ({', '.join(models)}) cannot be summarised together")
+    state_model = next(iter(models), "effects")
     policy_order = list(dict.fromkeys(p for p, _ in groups))
     out: list[PolicySummary] = []
     for tpot in sorted({t for _, t in groups}, reverse=True):
@@ -126,6 +139,7 @@ def summarize(results: Iterable[TraceResult]) -> list[PolicySummary]:
                     drafter_failures=sum(r.drafter_failures for r in rs),
                     drafter_error=next((r.drafter_error for r in rs if r.drafter_error), ""),
                     overhead_s=sum(r.overhead_ns for r in rs) * 1e-9,
+                    state_model=state_model,
                 )
             )
     return out

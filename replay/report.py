@@ -11,7 +11,7 @@ from typing import Any
 from replay.metrics import PolicySummary
 from replay.sweep import TraceResult
 
-__all__ = ["PLOTS", "drafter_failure_note", "markdown_summary", "print_table", "write_report"]
+__all__ = ["PLOTS", "drafter_failure_note", "markdown_summary", "print_table", "state_model_caption", "write_report"]
 
 #: Files written by :func:`write_report` besides results.jsonl and summary.md.
 PLOTS = ("saving_vs_tpot.png", "latency_percentiles.png", "hidden_tool_time.png", "hit_rates.png", "waste.png")
@@ -50,6 +50,16 @@ def _header(summaries: Sequence[PolicySummary]) -> tuple[str, ...]:
     if any(s.drafter_failures for s in summaries):
         header = (*header, "drafter fails")
     return header
+
+
+def state_model_caption(summaries: Sequence[PolicySummary]) -> str:
+    """``state model: NAME: what it means`` for the summaries' state model ("" when empty)."""
+    from replay.sandbox import STATE_MODEL_MEANING
+
+    if not summaries:
+        return ""
+    model = summaries[0].state_model
+    return f"state model: {model}: {STATE_MODEL_MEANING.get(model, 'unknown')}"
 
 
 def drafter_failure_note(summaries: Sequence[PolicySummary]) -> str | None:
@@ -91,7 +101,8 @@ def markdown_summary(summaries: Sequence[PolicySummary], meta: dict[str, Any]) -
     lines = ["# aospec replay sweep", ""]
     for k, v in meta.items():
         lines.append(f"- {k}: {v}")
-    lines += ["", "## Savings, latency, hidden time, hit rates, waste", ""]
+    model = summaries[0].state_model if summaries else ""
+    lines += ["", f"## Savings, latency, hidden time, hit rates, waste (state model: {model})", ""]
     header = _header(summaries)
     lines.append("| " + " | ".join(header) + " |")
     lines.append("|" + "---|" * len(header))
@@ -116,6 +127,8 @@ def markdown_summary(summaries: Sequence[PolicySummary], meta: dict[str, Any]) -
         "byte-identical drafts, canonical hit (policies with accept=canonical) drafts equal only once "
         "canonicalised.",
         f"Steps with unknown tool time (counted as 0 s): {unknown}.",
+        f"{state_model_caption(summaries)[:1].upper()}{state_model_caption(summaries)[1:]}; policies and their "
+        "ceilings are replayed under it (docs/replay.md, 'State models').",
         "",
     ]
     note = drafter_failure_note(summaries)
@@ -130,7 +143,11 @@ def print_table(summaries: Sequence[PolicySummary]) -> None:
 
     from aospec.cli import print_table as print_fitted
 
-    table = Table(title="aospec replay: saving vs serial per policy and TPOT")
+    model = summaries[0].state_model if summaries else ""
+    table = Table(
+        title=f"aospec replay (state model: {model}): saving vs serial per policy and TPOT",
+        caption=state_model_caption(summaries),
+    )
     header = _header(summaries)
     for h in header:
         table.add_column(h, justify="left" if h == "policy" else "right")

@@ -1,10 +1,25 @@
 """The replay sandbox: recorded observations after recorded tool times, with versions.
 
-A :class:`ReplayWorld` holds one trace's filesystem versions: ``v_0`` at the start, and
-after step ``i`` a new version when the step may have changed the filesystem
-(:func:`aospec.effects.step_effect` is ``MAY_CHANGE``), the same version otherwise; exact
-hashes are used where the trace recorded them. Versions never return to an earlier value,
-like the chained root hashes of the real runtime.
+A :class:`ReplayWorld` holds one trace's filesystem versions under a *state model*
+(:data:`STATE_MODELS`, docs/replay.md "State models"):
+
+- ``recorded``: the exact versions the trace recorded around every step
+  (``Step.version_before``/``version_after``, written by aospec's own recorder; a step
+  with only ``state_changed`` recorded gets a new version exactly when it is true). A step
+  without a tool call and without versions ran nothing, so it keeps the version; a change
+  between two steps (``version_after[i] != version_before[i+1]``, e.g. a background
+  process) is attributed to step ``i``. A trace that lacks versions on a step that ran a
+  tool cannot be replayed this way (:func:`recorded_versions_problem`).
+- ``effects``: ``v_0`` at the start, and after step ``i`` a new version when the static
+  classifier (:func:`aospec.effects.classify_action`) says the action may change the
+  filesystem, the same version otherwise. Recorded versions and ``state_changed`` are
+  ignored: this is the conservative bracket, what is known without a recorder.
+- ``blind``: every step leaves the filesystem unchanged (one version throughout), so JASV
+  passes whenever the action matches: the state-blind upper bracket.
+
+``auto`` (:func:`resolve_state_model`) is ``recorded`` when every trace has its versions,
+else ``effects``. Versions never return to an earlier value under ``effects``, like the
+chained root hashes of the real runtime.
 
 A :class:`ReplaySandbox` at version ``v`` whose lineage has committed ``p`` steps executes
 action ``a`` by finding the first recorded step ``i >= p`` with ``version_before[i] == v``
@@ -14,35 +29,172 @@ emission of ``a`` at ``v``, and the engine never forks the action the committed 
 executing from the same state). An action with no such step is off the recording: it
 returns a deterministic placeholder after a plausible time (the same action's recorded time
 elsewhere in the trace, else the trace's median tool time) and moves to a version of its
-own, so it can never pass JASV for a recorded step.
+own, so it can never pass JASV for a recorded step (under every state model: what an
+unrecorded action does to the filesystem is unknown).
 """
 
 from __future__ import annotations
 
 import bisect
 import statistics
+from collections.abc import Mapping, Sequence
 
-from aospec.effects import step_effect
-from aospec.errors import SandboxError
+from aospec.effects import classify_action
+from aospec.errors import ConfigError, SandboxError
 from aospec.types import Action, Effect, Trace, version_hash
 from replay.actor import VirtualClock, seconds_to_ns
 
-__all__ = ["OFF_RECORD_PREFIX", "ReplaySandbox", "ReplayWorld"]
+__all__ = [
+    "OFF_RECORD_PREFIX",
+    "STATE_MODELS",
+    "STATE_MODEL_CHOICES",
+    "STATE_MODEL_MEANING",
+    "ReplaySandbox",
+    "ReplayWorld",
+    "recorded_versions_problem",
+    "resolve_state_model",
+    "world_versions",
+]
 
 #: Every off-record observation starts with this text.
 OFF_RECORD_PREFIX = "[aospec replay] no recorded result for this action from this state: "
+
+#: The state models a replay can use (docs/replay.md, "State models").
+STATE_MODELS = ("recorded", "effects", "blind")
+#: What ``--state-model`` accepts: a state model, or ``auto`` (see :func:`resolve_state_model`).
+STATE_MODEL_CHOICES = ("auto", *STATE_MODELS)
+#: One line per state model, for tables and summaries.
+STATE_MODEL_MEANING = {
+    "recorded": "the filesystem versions recorded around every step, exact",
+    "effects": "the static effect classifier, a step that may write changes the state; the conservative bracket",
+    "blind": "no step changes the filesystem, so JASV passes whenever the action matches; the upper bracket",
+}
+
+_FIX = (
+    "record the traces with aospec's own recorder (it writes version_before/version_after on every step), "
+    "or choose --state-model effects (the static classifier), blind (the upper bracket) or auto"
+)
+
+
+def _step_label(trace: Trace, i: int) -> str:
+    action = trace.steps[i].action
+    what = action.command if action.command is not None else action.tool
+    what = what if len(what) <= 60 else what[:57] + "..."
+    return f"step {i + 1} ({what!r})"
+
+
+def recorded_versions_problem(trace: Trace) -> str | None:
+    """Why ``trace`` cannot be replayed under the ``recorded`` state model, or None.
+
+    Every completed step that ran a tool needs both ``version_before`` and
+    ``version_after`` (or a recorded ``state_changed``); a step cut off by the end of the
+    recording needs ``version_before`` only; a step without a tool call may have neither
+    (it ran nothing). Steps are named 1-based, with their command.
+    """
+    for i, s in enumerate(trace.steps):
+        if s.version_before is not None and (s.version_after is not None or not s.completed):
+            continue
+        if s.state_changed is not None or (s.action.is_none and s.version_before is None and s.version_after is None):
+            continue
+        missing = [
+            name
+            for name, value, needed in (
+                ("version_before", s.version_before, True),
+                ("version_after", s.version_after, s.completed),
+            )
+            if needed and value is None
+        ]
+        return f"trace {trace.id!r} {_step_label(trace, i)} has no recorded {' or '.join(missing)}"
+    return None
+
+
+def resolve_state_model(
+    traces: Sequence[Trace], requested: str = "auto", files: Mapping[str, str] | None = None
+) -> tuple[str, str]:
+    """The state model to replay ``traces`` under, and why (one line).
+
+    ``recorded`` requires recorded versions on every trace (ConfigError naming the first
+    trace, its file from ``files`` (trace id -> path) when known, and step, with the fix);
+    ``auto`` picks ``recorded`` when every trace has them and ``effects`` otherwise;
+    ``effects`` and ``blind`` apply to any trace. An unknown name is a ConfigError.
+    """
+    if requested not in STATE_MODEL_CHOICES:
+        raise ConfigError(f"unknown state model {requested!r}; choose from {', '.join(STATE_MODEL_CHOICES)}")
+    if requested in ("effects", "blind"):
+        return requested, "as requested"
+    for t in traces:
+        problem = recorded_versions_problem(t)
+        if problem is None:
+            continue
+        where = f" (file {files[t.id]})" if files and t.id in files else ""
+        problem = problem.replace(f"trace {t.id!r}", f"trace {t.id!r}{where}", 1)
+        if requested == "recorded":
+            raise ConfigError(f"--state-model recorded: {problem}: {_FIX}")
+        return "effects", f"auto: {problem}, so the static classifier is used"
+    if requested == "recorded":
+        return "recorded", "as requested"
+    return "recorded", "auto: every step has recorded versions"
+
+
+def world_versions(trace: Trace, state_model: str) -> tuple[str, list[str], list[str], list[Effect]]:
+    """``(origin, version_before, version_after, effects)`` of ``trace``'s steps under
+    ``state_model`` (one of :data:`STATE_MODELS`; ``recorded`` raises ConfigError when the
+    trace lacks versions)."""
+    steps = trace.steps
+    before: list[str] = []
+    after: list[str] = []
+    effects: list[Effect] = []
+    if state_model == "recorded":
+        problem = recorded_versions_problem(trace)
+        if problem is not None:
+            raise ConfigError(f"--state-model recorded: {problem}: {_FIX}")
+        first = next((s.version_before for s in steps if s.version_before is not None), None)
+        v = origin = first if first is not None else version_hash("origin", trace.id)
+        for i, s in enumerate(steps):
+            if s.version_before is not None:
+                if after and s.version_before != v:
+                    after[-1] = s.version_before  # changed between steps: attributed to the step before
+                    effects[-1] = Effect.READ_ONLY if after[-1] == before[-1] else Effect.MAY_CHANGE
+                v = s.version_before
+            before.append(v)
+            if s.version_after is not None:
+                v = s.version_after
+            elif s.state_changed or (s.state_changed is None and not s.action.is_none):
+                v = version_hash(v, "step", str(i))  # changed, or cut off before it finished (unknown)
+            after.append(v)
+            effects.append(Effect.READ_ONLY if v == before[-1] else Effect.MAY_CHANGE)
+        return origin, before, after, effects
+    origin = v = version_hash("origin", trace.id)
+    if state_model == "blind":
+        n = len(steps)
+        return origin, [origin] * n, [origin] * n, [Effect.READ_ONLY] * n
+    if state_model != "effects":
+        raise ConfigError(f"unknown state model {state_model!r}; choose from {', '.join(STATE_MODELS)}")
+    for i, s in enumerate(steps):
+        effect = classify_action(s.action)
+        effects.append(effect)
+        before.append(v)
+        if effect is Effect.MAY_CHANGE:
+            v = version_hash(v, "step", str(i))
+        after.append(v)
+    return origin, before, after, effects
 
 
 class ReplayWorld:
     """Versions, results and tool times of one trace (shared by a sandbox and its forks).
 
     ``tool_ns[i]`` is the recorded tool time in exact nanoseconds; an unknown one counts as
-    0 and is listed in ``unknown_tool_steps``.
+    0 and is listed in ``unknown_tool_steps``. ``state_model`` is one of
+    :data:`STATE_MODEL_CHOICES` (``auto`` is resolved for this trace alone; the resolved
+    model is ``self.state_model``).
     """
 
-    def __init__(self, trace: Trace, clock: VirtualClock) -> None:
+    def __init__(self, trace: Trace, clock: VirtualClock, state_model: str = "auto") -> None:
         self.trace = trace
         self.clock = clock
+        if state_model == "auto":
+            state_model, _ = resolve_state_model([trace], "auto")
+        self.state_model = state_model
         steps = trace.steps
         n = len(steps)
         self.observations = [s.observation for s in steps]
@@ -54,22 +206,7 @@ class ReplayWorld:
                 self.unknown_tool_steps.append(i)
             else:
                 self.tool_ns.append(seconds_to_ns(s.tool_duration_s))
-        self.version_before: list[str] = []
-        self.version_after: list[str] = []
-        self.effects: list[Effect] = []
-        v = steps[0].version_before if n and steps[0].version_before else version_hash("origin", trace.id)
-        self.origin = v
-        for i, s in enumerate(steps):
-            if s.version_before:
-                v = s.version_before
-            effect = step_effect(s)
-            self.effects.append(effect)
-            self.version_before.append(v)
-            if s.version_after:
-                v = s.version_after
-            elif effect is Effect.MAY_CHANGE:
-                v = version_hash(v, "step", str(i))
-            self.version_after.append(v)
+        self.origin, self.version_before, self.version_after, self.effects = world_versions(trace, state_model)
         self._index: dict[tuple[str, str], list[int]] = {}
         self._first_ns: dict[str, int] = {}
         unknown = set(self.unknown_tool_steps)

@@ -7,7 +7,12 @@ time and checks the invariants on every run:
 - every committed step's decode time is ``D_i`` and its tool time ``T_i`` exactly, and a
   policy that speculates nothing takes exactly ``sum(D_i + T_i)`` (integer nanoseconds);
 - no policy beats its matching ceiling (the same engine configuration with free oracle
-  drafters, :meth:`replay.policies.Policy.twin`).
+  drafters, :meth:`replay.policies.Policy.twin`), replayed under the same state model.
+
+The state model (``recorded``, ``effects`` or ``blind``; ``auto`` picks ``recorded`` when
+every trace recorded its versions, else ``effects``: replay/sandbox.py) decides which
+recorded steps start from the same filesystem version, and so which forks JASV reuses;
+every result names it (``TraceResult.state_model``).
 
 A broken invariant raises EngineError naming the trace and the policy. A drafting call
 that fails (an AospecError from a drafter) only loses its candidates; such calls are
@@ -37,7 +42,7 @@ from aospec.types import Trace
 from replay.actor import ReplayActor, VirtualClock, estimate_tokens, ms_to_ns, seconds_to_ns
 from replay.executors import Executor, local_executor
 from replay.policies import DrafterFailures, DrafterSet, Policy, check_drafters
-from replay.sandbox import ReplayWorld
+from replay.sandbox import ReplayWorld, resolve_state_model
 
 __all__ = [
     "DEFAULT_TPOTS_MS",
@@ -93,6 +98,7 @@ class TraceResult:
     hidden_tool_ns: int = 0
     hidden_decode_ns: int = 0
     overhead_ns: int = 0
+    state_model: str = "effects"
 
     @property
     def saving(self) -> float:
@@ -115,13 +121,14 @@ async def _run_one(
     tpot_ns: int,
     drafters: DrafterSet,
     prefill_ns_per_token: int,
+    state_model: str,
 ) -> tuple[Any, ReplayActor, ReplayWorld, Engine, DrafterFailures]:
     clock = VirtualClock()
     canon = drafters.canonicalizer(policy.config.canonicalizer) if policy.engine.accept == "canonical" else None
     actor = ReplayActor(
         trace, tpot_ns=tpot_ns, clock=clock, prefill_ns_per_token=prefill_ns_per_token, canonicalizer=canon
     )
-    world = ReplayWorld(trace, clock)
+    world = ReplayWorld(trace, clock, state_model)
     failures = DrafterFailures()
     obs, act = drafters.charged(policy, clock, trace, actor, world, failures)
     evd = drafters.evd(policy.config.kernel) if obs and policy.engine.rank != "likelihood" else None
@@ -210,6 +217,7 @@ def _check_and_record(
         hidden_tool_ns=st.tool_hidden_ns,
         hidden_decode_ns=st.decode_hidden_ns,
         overhead_ns=st.overhead_ns,
+        state_model=world.state_model,
     )
 
 
@@ -222,11 +230,14 @@ def replay_trace(
     prefill_ms_per_ktok: float = 0.0,
     check_ceilings: bool = True,
     seed: int = 0,
+    state_model: str = "auto",
 ) -> list[TraceResult]:
     """Replay ``trace`` under every policy at every TPOT (one virtual-time event loop).
 
     Returns one result per (TPOT, policy) in that order; ``ceiling_ns`` holds the matching
-    ceiling's latency when ``check_ceilings``. Results are deterministic for a ``seed``.
+    ceiling's latency when ``check_ceilings`` (its ceiling replayed under the same
+    ``state_model``: ``recorded``, ``effects``, ``blind``, or ``auto`` = ``recorded`` when
+    the trace has its versions, else ``effects``). Results are deterministic for a ``seed``.
     """
     from trio.testing import MockClock
 
@@ -235,6 +246,7 @@ def replay_trace(
     check_tpots(tpots_ms, prefill_ms_per_ktok)
     prefill_ns = ms_to_ns(prefill_ms_per_ktok) // 1000
     check_virtual_time(trace, max(tpots_ms), prefill_ns)
+    state_model, _ = resolve_state_model([trace], state_model)
     runs: dict[Any, Policy] = {}
     for p in policies:
         runs.setdefault(p.key, p)
@@ -247,7 +259,9 @@ def replay_trace(
             tpot_ns = ms_to_ns(tpot_ms)
             by_key: dict[Any, TraceResult] = {}
             for key, policy in runs.items():
-                history, actor, world, engine, failures = await _run_one(trace, policy, tpot_ns, drafters, prefill_ns)
+                history, actor, world, engine, failures = await _run_one(
+                    trace, policy, tpot_ns, drafters, prefill_ns, state_model
+                )
                 by_key[key] = _check_and_record(trace, policy, tpot_ms, history, actor, world, engine, failures)
             for p in policies:
                 r = by_key[p.key]
@@ -336,6 +350,7 @@ class SweepJob:
     drafter_options: Mapping[str, Mapping[str, Any]]
     prefill_ms_per_ktok: float = 0.0
     check_ceilings: bool = True
+    state_model: str = "auto"
     _folds: dict[str, DrafterSet] = field(default_factory=dict, repr=False)
 
     def fold(self, index: int) -> DrafterSet:
@@ -361,6 +376,7 @@ class SweepJob:
             self.fold(index),
             prefill_ms_per_ktok=self.prefill_ms_per_ktok,
             check_ceilings=self.check_ceilings,
+            state_model=self.state_model,
         )
 
 
@@ -376,8 +392,14 @@ def run_sweep(
     check_ceilings: bool = True,
     on_trace_done: Callable[[Trace], None] | None = None,
     executor: Executor | None = None,
+    state_model: str = "auto",
 ) -> list[TraceResult]:
     """Replay every evaluation trace under every policy at every TPOT.
+
+    ``state_model`` applies to the whole set: ``recorded`` (ConfigError naming the first
+    trace and step without recorded versions), ``effects``, ``blind``, or ``auto``:
+    ``recorded`` when every trace has its versions, else ``effects``
+    (:func:`replay.sandbox.resolve_state_model`).
 
     Drafters are fit on ``train_traces`` when given, else leave-one-task-out (each trace's
     drafters see only traces of other tasks; a set with a single task cannot be swept that
@@ -399,6 +421,7 @@ def run_sweep(
     prefill_ns = ms_to_ns(prefill_ms_per_ktok) // 1000
     for t in traces:
         check_virtual_time(t, max(tpots_ms), prefill_ns)
+    state_model, _ = resolve_state_model(traces, state_model)
     check_drafters(policies, drafter_options)
     order = sorted(range(len(traces)), key=lambda i: (traces[i].task, traces[i].id))
     job = SweepJob(
@@ -409,6 +432,7 @@ def run_sweep(
         dict(drafter_options or {}),
         prefill_ms_per_ktok,
         check_ceilings,
+        state_model,
     )
     if executor is None:
         executor = local_executor(min(jobs, len(traces), os.cpu_count() or 1))

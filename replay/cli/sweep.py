@@ -82,6 +82,14 @@ def _register(sub: argparse._SubParsersAction, name: str, helptext: str) -> None
         default=0.0,
         help="prefill model: ms per 1000 new context tokens (default 0: off)",
     )
+    p.add_argument(
+        "--state-model",
+        choices=("auto", "recorded", "effects", "blind"),
+        default="auto",
+        help="filesystem versions of replayed steps: recorded (the versions the trace recorded; every step must "
+        "have them), effects (the static effect classifier: conservative bracket), blind (no step changes the "
+        "filesystem: upper bracket), auto (recorded when every trace has versions, else effects; the default)",
+    )
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     add_input_limits(p)
     add_format_option(p, records=True)
@@ -126,12 +134,13 @@ def _floats(text: str, what: str) -> list[float]:
     return values
 
 
-def _load(args: argparse.Namespace) -> tuple[list[Any], list[Any] | None, str, int]:
+def _load(args: argparse.Namespace) -> tuple[list[Any], list[Any] | None, str, int, dict[str, str]]:
     from aospec.errors import ConfigError
 
     sources = trace_sources(args, args.eval, missing="no traces: give PATH..., --eval DIR or --bundled")
     loaded = load_trace_inputs(sources, args)
     eval_traces = list(loaded.traces)
+    paths = dict(loaded.paths)
     skipped = len(loaded.skipped)
     train = None
     if args.train:
@@ -144,7 +153,7 @@ def _load(args: argparse.Namespace) -> tuple[list[Any], list[Any] | None, str, i
                 f"{len(overlap)} trace(s) are in both --train and the evaluation set, e.g. {sorted(overlap)[0]!r}"
             )
     split = "given training set" if train is not None else "leave-one-task-out"
-    return eval_traces, train, split, skipped
+    return eval_traces, train, split, skipped, paths
 
 
 def _slow_components(policy: Any) -> list[str]:
@@ -180,13 +189,16 @@ def _run(args: argparse.Namespace, tpots: list[float]) -> tuple[list[Any], list[
     from aospec.errors import ConfigError
     from aospec.progress import progress
     from replay.policies import check_drafters, parse_policies
+    from replay.sandbox import STATE_MODEL_MEANING, resolve_state_model
     from replay.sweep import run_sweep
 
     if not (math.isfinite(args.prefill_ms_per_ktok) and args.prefill_ms_per_ktok >= 0):
         raise ConfigError(f"--prefill-ms-per-ktok must be a finite number >= 0, got {args.prefill_ms_per_ktok:g}")
     policies = parse_policies(str(args.policies))
     options = _drafter_options(args.drafter_options)
-    eval_traces, train, split, skipped = _load(args)
+    eval_traces, train, split, skipped, paths = _load(args)
+    state_model, why = resolve_state_model(eval_traces, args.state_model, paths)
+    print(f"aospec: state model: {state_model} ({why}): {STATE_MODEL_MEANING[state_model]}", file=sys.stderr)
     jobs = args.jobs if args.jobs is not None else (os.cpu_count() or 1)
     note = slow_policy_note(policies, sum(len(t) for t in eval_traces), len(tpots), min(jobs, len(eval_traces)))
     if note:
@@ -204,6 +216,7 @@ def _run(args: argparse.Namespace, tpots: list[float]) -> tuple[list[Any], list[
             drafter_options=options,
             prefill_ms_per_ktok=args.prefill_ms_per_ktok,
             on_trace_done=lambda _t: bar.advance(task),
+            state_model=state_model,
         )
     meta = {
         "traces": len(eval_traces),
@@ -213,6 +226,7 @@ def _run(args: argparse.Namespace, tpots: list[float]) -> tuple[list[Any], list[
         "policies": ", ".join(p.name for p in policies),
         "TPOTs (ms)": ", ".join(f"{t:g}" for t in tpots),
         "prefill model (ms per 1k tokens)": f"{args.prefill_ms_per_ktok:g}",
+        "state model": f"{state_model} ({why}): {STATE_MODEL_MEANING[state_model]}",
         "wall time (s)": f"{time.perf_counter() - started:.1f}",
     }
     if args.skip_invalid:
@@ -259,7 +273,10 @@ def _replay(args: argparse.Namespace) -> int:
     if args.format in ("json", "jsonl"):
         print_records((r.to_json() for r in results), args.format)
         return 0
-    table = Table(title=f"aospec replay at {args.tpot_ms:g} ms/token: latency in s (saving vs serial)")
+    table = Table(
+        title=f"aospec replay at {args.tpot_ms:g} ms/token, state model {meta['state model'].split()[0]}: "
+        "latency in s (saving vs serial)"
+    )
     table.add_column("trace")
     table.add_column("steps", justify="right")
     table.add_column("serial s", justify="right")
