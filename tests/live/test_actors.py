@@ -347,3 +347,29 @@ def test_bad_configuration() -> None:
         OpenAIChatActor("localhost:8000", "m")
     with pytest.raises(ConfigError, match="stream"):
         OpenAIChatActor("http://x/v1", "m", sampling={"stream": False})
+
+
+async def test_a_shared_client_is_usable_after_a_cancelled_stream(serve_app) -> None:
+    import httpx
+
+    async def handler(request: Request):
+        if request.query_params.get("slow"):
+
+            async def forever():
+                yield _chunk({"content": "```bash\n"})
+                await anyio.sleep(3600)
+
+            return StreamingResponse(forever(), media_type="text/event-stream")
+        return _sse(GOOD_STREAM)
+
+    server = serve_app(_app(handler))
+    async with httpx.AsyncClient(limits=httpx.Limits(max_connections=1)) as client:
+        slow = OpenAIChatActor(server.base_url + "/chat/completions?slow=1", "m", client=client)
+        fast = OpenAIChatActor(server.base_url, "m", client=client)
+        with anyio.move_on_after(0.2):
+            await slow.decode(History("t"))
+        assert slow.stats.cancelled_requests == 1
+        # The one pooled connection was closed, not handed on half-read.
+        assert await fast.decode(History("t")) == Action.bash("ls")
+        await slow.aclose()  # a shared client stays open
+        assert await fast.decode(History("u")) == Action.bash("ls")
