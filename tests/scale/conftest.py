@@ -70,3 +70,40 @@ def raylets_of(pid: int) -> list[int]:
             out.append(c)
             todo.append(c)
     return out
+
+
+SWEEP_POLICIES = "serial,aospec"
+SWEEP_TPOTS = (20.0, 1.0)
+
+
+def bundled_traces() -> list[object]:
+    from replay import load_traces
+
+    return list(load_traces(Path(__file__).resolve().parents[2] / "replay" / "data" / "tb1-sample"))
+
+
+@pytest.fixture(scope="session")
+def sweep_reference() -> list[dict[str, object]]:
+    """The bundled sample swept in this process (the local executor): the records to match."""
+    from replay.executors import InlineExecutor
+    from replay.policies import parse_policies
+    from replay.sweep import run_sweep
+
+    results = run_sweep(
+        bundled_traces(), parse_policies(SWEEP_POLICIES), tpots_ms=SWEEP_TPOTS, executor=InlineExecutor()
+    )
+    return [r.to_json() for r in results]
+
+
+def _sweep_on(executor: object) -> list[dict[str, object]]:
+    from replay.policies import parse_policies
+    from replay.sweep import run_sweep
+
+    results = run_sweep(bundled_traces(), parse_policies(SWEEP_POLICIES), tpots_ms=SWEEP_TPOTS, executor=executor)
+    return [r.to_json() for r in results]
+
+
+@pytest.fixture(scope="session")
+def sweep_on():  # type: ignore[no-untyped-def]
+    """Sweep the bundled sample (the reference's policies and TPOTs) with an executor."""
+    return _sweep_on
