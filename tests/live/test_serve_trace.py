@@ -196,3 +196,32 @@ def test_the_command_needs_traces(tmp_path: Path) -> None:
     aospec = Path(sys.executable).with_name("aospec")
     r = subprocess.run([str(aospec), "serve-trace", "--tpot-ms", "1"], capture_output=True, text=True, timeout=60)
     assert r.returncode == 2 and "--bundled" in r.stderr
+
+
+def test_sigterm_with_a_reply_in_flight_still_exits_cleanly(bundled_traces) -> None:
+    aospec = Path(sys.executable).with_name("aospec")
+    proc = subprocess.Popen(
+        [str(aospec), "serve-trace", "--bundled", "--tpot-ms", "1e7", "--port", "0"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
+    try:
+        base = proc.stdout.readline().split(" at ")[1].split()[0]
+        trace = bundled_traces[0]
+        body = {"model": "m", "messages": _messages(trace, 0), "stream": True}
+        with httpx.Client(timeout=60) as client, client.stream("POST", base + "/chat/completions", json=body) as r:
+            lines = r.iter_lines()
+            assert next(lines).startswith("data: ")  # streaming, a day per token
+            proc.send_signal(signal.SIGTERM)
+            with pytest.raises(httpx.HTTPError):  # the server ends the stream: cut, never completed
+                for line in lines:
+                    assert "[DONE]" not in line
+                raise httpx.RemoteProtocolError("closed")
+        _out, err = proc.communicate(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 0, err
