@@ -224,6 +224,12 @@ class Outcome:
     injected: list[tuple[Fault, FaultCall]] = field(default_factory=list)
     hanging: int = 0
 
+    @property
+    def held(self) -> int:
+        """Forks whose discard failed before taking effect: the backend holds them until its
+        session closes (open_box checks the overlay session then leaves nothing behind)."""
+        return sum(1 for f, c in self.injected if c.op == "discard" and f.kind != "late")
+
 
 def run(
     backend: str,
@@ -281,7 +287,7 @@ def assert_lossless(backend: str, out: Outcome) -> None:
     assert out.error is None, f"{type(out.error).__name__}: {out.error}"
     assert out.history.turns == ref.history.turns
     assert out.state == ref.states[-1]
-    assert out.live_forks == 0
+    assert out.live_forks == out.held
     assert out.hanging == 0
 
 
@@ -296,7 +302,7 @@ def assert_clean_failure(backend: str, out: Outcome, error: type[BaseException])
     k = ref.prefix(out.history)
     assert k is not None, "the verified history is no prefix of the serial run"
     assert out.state == ref.states[k], "the committed state is not the verified history's"
-    assert out.live_forks == 0
+    assert out.live_forks == out.held
     assert out.hanging == 0
     return k
 
@@ -521,8 +527,10 @@ def test_a_speculative_fork_that_fails_on_a_wrong_guess_only_costs_speed(backend
     out = run(backend, faults=[Fault("execute", kind, on="fork", when=_wrong_guess(ref))])
     assert_lossless(backend, out)
     assert out.injected
-    if kind != "hang":
+    if kind in ("error", "unexpected"):
         assert out.failures >= len(out.injected)
+    elif kind == "late":
+        assert out.failures > 0  # (a fork pruned while its command ran never gets to fail)
 
 
 @pytest.mark.parametrize("kind", ["error", "unexpected", "late"])
