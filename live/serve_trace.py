@@ -93,10 +93,9 @@ def _text_of(content: Any) -> str:
     return ""
 
 
-def _split(text: str, pieces: int) -> list[str]:
-    """``text`` in ``pieces`` nearly equal, consecutive parts (some may be empty)."""
-    n = len(text)
-    return [text[n * k // pieces : n * (k + 1) // pieces] for k in range(pieces)]
+def _bounds(tokens: int, per_chunk: int) -> list[int]:
+    """Token counts at which chunks end: 1, then every ``per_chunk``, then ``tokens``."""
+    return sorted({1, *range(1 + per_chunk, tokens, per_chunk), tokens})
 
 
 async def _race_disconnect(receive: Callable[[], Awaitable[Any]], work: Callable[[], Awaitable[None]]) -> bool:
@@ -188,10 +187,11 @@ class _Reply:
                     "more_body": True,
                 }
             )
-            n_chunks = math.ceil(self.tokens / self.per_chunk)
-            pieces = _split(self.text, n_chunks)
-            for k, piece in enumerate(pieces):
-                done_tokens = min(self.tokens, (k + 1) * self.per_chunk)
+            # The first token alone (a true time to first token), then per_chunk at a time.
+            bounds = _bounds(self.tokens, self.per_chunk)
+            n = len(self.text)
+            for k, done_tokens in enumerate(bounds):
+                piece = self.text[n * (bounds[k - 1] if k else 0) // self.tokens : n * done_tokens // self.tokens]
                 await anyio.sleep(max(0.0, start + self.ttft_s + done_tokens * self.tpot_s - time.monotonic()))
                 if piece:
                     await send(

@@ -225,3 +225,17 @@ def test_sigterm_with_a_reply_in_flight_still_exits_cleanly(bundled_traces) -> N
             proc.kill()
             proc.wait()
     assert proc.returncode == 0, err
+
+
+def test_the_first_token_comes_alone_then_chunks_of_chunk_ms(serve_traces, bundled_traces) -> None:
+    trace = bundled_traces[0]
+    step = trace.steps[0]
+    server = serve_traces([trace], tpot_ms=0.5)  # chunk_ms 5: 10 tokens a chunk
+    body = {"model": "m", "messages": _messages(trace, 0), "stream": True}
+    with httpx.stream("POST", server.base_url + "/chat/completions", json=body) as r:
+        deltas = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+    content = [d["choices"][0]["delta"].get("content") for d in deltas if d["choices"]]
+    pieces = [c for c in content if c]
+    assert "".join(pieces) == reply_text(step)
+    assert len(pieces) == 1 + -(-(step.output_tokens - 1) // 10)
+    assert len(pieces[0]) == len(reply_text(step)) // step.output_tokens
