@@ -193,15 +193,18 @@ class OpenAIChatActor(MemoActor):
         resp = await self._client.post(self.url, json=body, headers=self._headers)
         if resp.status_code >= 400:
             raise self._status_error(resp.status_code, resp.text)
+        return self._from_json(resp.text, start)
+
+    def _from_json(self, raw: str, start: int) -> Reply:
         try:
-            obj = resp.json()
+            obj = json.loads(raw)
             choice = obj["choices"][0]
             message = choice["message"]
         except (ValueError, KeyError, IndexError, TypeError):
             raise ActorError(
-                f"{self.url} answered with no choices[0].message: {_excerpt(resp.text)}",
+                f"{self.url} answered with no choices[0].message: {_excerpt(raw)}",
                 url=self.url,
-                body=_excerpt(resp.text),
+                body=_excerpt(raw),
             ) from None
         text = message.get("content") or ""
         calls = tuple(message.get("tool_calls") or ())
@@ -222,6 +225,9 @@ class OpenAIChatActor(MemoActor):
                     if len(raw) > 8 * _EXCERPT:
                         break
                 raise self._status_error(resp.status_code, raw.decode("utf-8", "replace"))
+            if resp.headers.get("content-type", "").startswith("application/json"):
+                # A server that ignores ``stream: true`` answers with one JSON body.
+                return self._from_json((await resp.aread()).decode("utf-8", "replace"), start)
             async for line in resp.aiter_lines():
                 if not line.startswith("data:"):
                     continue  # SSE comments, event names, blank separators

@@ -373,3 +373,15 @@ async def test_a_shared_client_is_usable_after_a_cancelled_stream(serve_app) -> 
         assert await fast.decode(History("t")) == Action.bash("ls")
         await slow.aclose()  # a shared client stays open
         assert await fast.decode(History("u")) == Action.bash("ls")
+
+
+async def test_a_server_that_ignores_stream_true_is_read_as_json(serve_app) -> None:
+    async def handler(request: Request) -> JSONResponse:
+        message = {"role": "assistant", "content": "```bash\npwd\n```"}
+        usage = {"completion_tokens": 4, "prompt_tokens": 9}
+        return JSONResponse({"choices": [{"index": 0, "message": message, "finish_reason": "stop"}], "usage": usage})
+
+    server = serve_app(_app(handler))
+    async with OpenAIChatActor(server.base_url, "m", retries=0) as actor:
+        assert await actor.decode(History("t")) == Action.bash("pwd")
+        assert actor.reply_for(History("t")).output_tokens == 4
