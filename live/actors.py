@@ -29,9 +29,9 @@ import httpx
 
 from aospec.errors import ConfigError
 from aospec.types import History
-from live.chat import ActorError, ChatFormat, MemoActor, Reply, estimate_tokens
+from live.chat import ActorError, ChatFormat, DeterminismReport, MemoActor, Reply, estimate_tokens
 
-__all__ = ["OpenAIChatActor"]
+__all__ = ["ActorError", "DeterminismReport", "OpenAIChatActor", "Reply"]  # the last three re-exported
 
 _EXCERPT = 500
 _RETRY_STATUS = frozenset({408, 429})
