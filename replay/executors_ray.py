@@ -100,7 +100,8 @@ class RayExecutor:
     def connect(self) -> Any:
         ray = _ray()
         if not ray.is_initialized():
-            ray.init(address=self.address, namespace=self.namespace, log_to_driver=False)
+            local = {"include_dashboard": False} if self.address is None else {}
+            ray.init(address=self.address, namespace=self.namespace, log_to_driver=False, **local)
             self.started_ray = self.address is None
         return ray
 
