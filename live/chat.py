@@ -156,7 +156,7 @@ class ChatFormat:
     instance_template: str = DEFAULT_INSTANCE_TEMPLATE
     action_format: Literal["bash", "tools"] = "bash"
     format_error: str = DEFAULT_FORMAT_ERROR
-    tools: tuple[Mapping[str, Any], ...] = (BASH_TOOL,)
+    tools: tuple[Mapping[str, Any], ...] = field(default=(BASH_TOOL,), hash=False)
 
     def __post_init__(self) -> None:
         if self.action_format not in ("bash", "tools"):
