@@ -25,6 +25,9 @@ that declaration are purged, the action (a shell command) or tool (any other too
 cached again, the violation is counted (``CacheStats.violations``) and a warning is issued
 once per tool.
 
+Results that show an environmental failure (a timeout or a kill, :func:`storable`) are
+never stored: they depend on the machine's load, not on the version.
+
 The cache is bounded (entries and bytes, least recently used first out) and safe to use
 from several threads and anyio tasks at once (one short non-blocking lock; nothing awaits
 while holding it). Forks of a :class:`CachedSandbox` share its cache.
@@ -32,6 +35,7 @@ while holding it). Forks of a :class:`CachedSandbox` share its cache.
 
 from __future__ import annotations
 
+import re
 import threading
 import time
 import warnings
@@ -58,6 +62,7 @@ __all__ = [
     "action_text",
     "shell_commands",
     "similarity",
+    "storable",
 ]
 
 
@@ -169,6 +174,8 @@ class CacheStats:
       ``stale_differed``: of those, the ones whose fresh result really differed (a stale
       result that would have been wrong).
     - ``violations``: declared-deterministic runs that changed the version (not cached).
+    - ``refused``: deterministic runs whose result was not stored because it shows an
+      environmental failure (a timeout or a kill: see :func:`storable`).
     - ``stores``, ``evictions``, ``entries``, ``bytes``: the table itself.
     - ``semantic_lookups``, ``semantic_drafts``: drafter calls and drafts offered.
     """
@@ -179,6 +186,7 @@ class CacheStats:
     stale_avoided: int = 0
     stale_differed: int = 0
     violations: int = 0
+    refused: int = 0
     stores: int = 0
     evictions: int = 0
     entries: int = 0
@@ -340,6 +348,15 @@ class ResultCache:
 # ---------------------------------------------------------------------------------------
 # The sandbox wrapper
 
+_KILLED = re.compile(r"<returncode>(124|137)</returncode>|timed out and has been killed|\[timed out\]\s*$")
+
+
+def storable(action: Action, result: str) -> bool:
+    """The default check before a deterministic result is stored: not when it shows a
+    timeout or a kill (return code 124 or 137, the runtime's timeout markers), which depend
+    on the machine's load, not on the version. A refused result is simply run again."""
+    return _KILLED.search(result) is None
+
 
 @dataclass
 class _Shared:
@@ -377,6 +394,7 @@ class CachedSandbox:
         *,
         deterministic: Iterable[str] | Callable[[Action], bool] | None = None,
         namespace: str = "",
+        store_if: Callable[[Action, str], bool] = storable,
         _shared: _Shared | None = None,
     ) -> None:
         if policy is None:
@@ -390,7 +408,9 @@ class CachedSandbox:
         self.cache = cache if cache is not None else ResultCache()
         self.policy = policy
         self.namespace = namespace
+        self.store_if = store_if
         self._shared = _shared if _shared is not None else _Shared()
+        self._consumed = False
 
     @property
     def version(self) -> str:
@@ -403,7 +423,12 @@ class CachedSandbox:
         with self._shared.lock:
             return _unit(action) not in self._shared.disabled and f"tool:{action.tool}" not in self._shared.disabled
 
+    def _check(self) -> None:
+        if self._consumed:
+            raise SandboxError("the sandbox was already discarded or committed")
+
     async def execute(self, action: Action) -> str:
+        self._check()
         if not self.cacheable(action):
             self.cache.count(bypasses=1)
             return await self.inner.execute(action)
@@ -419,6 +444,9 @@ class CachedSandbox:
             return result
         if found.stale is not None and found.stale.result != result:
             self.cache.count(stale_differed=1)
+        if not self.store_if(action, result):
+            self.cache.count(refused=1)
+            return result
         self.cache.put(action, before, result, duration_ns=duration, namespace=self.namespace)
         return result
 
@@ -442,15 +470,23 @@ class CachedSandbox:
             )
 
     async def fork(self) -> Self:
+        self._check()
         child = await self.inner.fork()
-        return type(self)(child, self.cache, self.policy, namespace=self.namespace, _shared=self._shared)
+        return type(self)(
+            child, self.cache, self.policy, namespace=self.namespace, store_if=self.store_if, _shared=self._shared
+        )
 
     async def commit(self, fork: Self) -> None:
+        self._check()
         if not isinstance(fork, CachedSandbox) or fork.cache is not self.cache:
             raise SandboxError("commit: the fork is not a CachedSandbox of this cache")
+        if fork._consumed:
+            raise SandboxError("commit: the fork was already committed or discarded")
         await self.inner.commit(fork.inner)
+        fork._consumed = True
 
     async def discard(self) -> None:
+        self._consumed = True
         await self.inner.discard()
 
     def __getattr__(self, name: str) -> Any:

@@ -25,6 +25,7 @@ from specbox.cache import (
     action_text,
     shell_commands,
     similarity,
+    storable,
 )
 
 READS = shell_commands("cat", "ls", "wc")
@@ -99,19 +100,23 @@ def test_bounds_evict_least_recently_used() -> None:
 def test_concurrent_threads_keep_the_table_consistent() -> None:
     cache = ResultCache(max_entries=50)
 
+    errors: list[str] = []
+
     def worker(k: int) -> None:
         for i in range(300):
             a = Action("t", {"x": (i * 7 + k) % 80})
-            if cache.get(a, "v") is None:
+            got = cache.get(a, "v")
+            if got is None:
                 cache.put(a, "v", f"r{a.args['x']}")
-            else:
-                assert cache.get(a, "v") == f"r{a.args['x']}"
+            elif got != f"r{a.args['x']}":
+                errors.append(f"{a!r}: {got!r}")
 
     threads = [threading.Thread(target=worker, args=(k,)) for k in range(4)]
     for t in threads:
         t.start()
     for t in threads:
         t.join()
+    assert not errors
     s = cache.stats
     assert s.entries == len(cache) <= 50
     assert s.hits + s.misses >= 1200
@@ -412,3 +417,24 @@ def test_the_engine_runs_unchanged_on_a_cached_sandbox_and_stays_lossless(specul
         assert cache is not None and cache.stats.hits > 0
 
     run(main)
+
+
+def test_consumed_wrappers_refuse_use_and_timeouts_are_not_stored() -> None:
+    async def main() -> None:
+        sb = CachedSandbox(InMemorySandbox({"a": "1"}), deterministic=READS)
+        await sb.execute(Action.bash("cat a"))
+        fork = await sb.fork()
+        await sb.commit(fork)
+        with pytest.raises(SandboxError):
+            await fork.execute(Action.bash("cat a"))  # a hit would be there: still refused
+        with pytest.raises(SandboxError):
+            await sb.commit(fork)
+        other = await sb.fork()
+        await other.discard()
+        with pytest.raises(SandboxError):
+            await other.execute(Action.bash("cat a"))
+
+    run(main)
+    assert not storable(Action.bash("cat a"), "<returncode>124</returncode>\n<output>\n</output>")
+    assert not storable(Action.bash("cat a"), "partial\n[timed out]")
+    assert storable(Action.bash("cat a"), "<returncode>1</returncode>\n<output>\nno such file\n</output>")
