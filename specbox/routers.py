@@ -124,7 +124,9 @@ def parse_chunk(chunk: Any) -> list[Delta]:
         else:
             return [chunk]
     if not isinstance(chunk, Mapping):
-        raise ConfigError(f"a stream delta must be text, a ToolCallDelta or a chat-completions chunk, got {type(chunk).__name__}")
+        raise ConfigError(
+            f"a stream delta must be text, a ToolCallDelta or a chat-completions chunk, got {type(chunk).__name__}"
+        )
     if "choices" in chunk:
         out: list[Delta] = []
         for choice in chunk.get("choices") or ():
@@ -210,7 +212,11 @@ def step_stream(step: Step) -> list[Delta]:
 def stream_steps(traces: Iterable[Trace]) -> list[StreamStep]:
     """Every step of ``traces`` as a :class:`StreamStep` (:func:`step_stream`; a tau-bench
     call after the first of a reply has no reply text, so its stream is the call alone)."""
-    return [StreamStep(tuple(step_stream(step)), tool_label(step.action), trace.task) for trace in traces for step in trace.steps]
+    return [
+        StreamStep(tuple(step_stream(step)), tool_label(step.action), trace.task)
+        for trace in traces
+        for step in trace.steps
+    ]
 
 
 def delta_text(delta: Delta) -> str:
@@ -554,7 +560,16 @@ class TfidfRouter(Router):
         char_vec = TfidfVectorizer(analyzer="char_wb", ngram_range=(3, 5), lowercase=True)
         xw = word_vec.fit_transform(docs)
         xc = char_vec.fit_transform(docs)
-        return cls(word_vec, char_vec, xw.T.tocsr(), xc.T.tocsr(), labels, top_n=top_n, threshold=threshold, min_words=min_words)
+        return cls(
+            word_vec,
+            char_vec,
+            xw.T.tocsr(),
+            xc.T.tocsr(),
+            labels,
+            top_n=top_n,
+            threshold=threshold,
+            min_words=min_words,
+        )
 
     def reader(self) -> _Reader:
         return _TfidfReader(self)
@@ -951,4 +966,6 @@ def evaluate_router(router: Router, steps: Sequence[StreamStep], *, name: str | 
         else:
             non_calls += 1
             fp += len(fired)
-    return RouterScore(name or router.name, calls, non_calls, tp, fp, fn, top3, covered, tuple(positions), seconds, deltas_fed)
+    return RouterScore(
+        name or router.name, calls, non_calls, tp, fp, fn, top3, covered, tuple(positions), seconds, deltas_fed
+    )
