@@ -219,6 +219,7 @@ class Session:
         self._provisional_targets_on = config.provisional_targets and self._obs_on
         self._use_forks = self._targets_on or self._provisional_targets_on
         self._run = _Run(task_group, ledger, evd, history, clock.now_ns())
+        self._warned: set[str] = set()
 
     @property
     def history(self) -> History:
@@ -323,8 +324,10 @@ class Session:
         successor = run.successor = self._adopt(branch, observation, now)
         run.history = successor.history if successor is not None else run.history.extend(action, observation)
         if late_error is not None:
-            # The backend raised, but the commit took effect: the step is in H as it is in
-            # the committed state; the run still ends with the backend's error.
+            # The backend raised (or the run was cancelled), but the commit took effect: the
+            # step is in H as it is in the committed state; the error is raised all the same.
+            if not isinstance(late_error, Exception):
+                raise late_error
             late_error._aospec_noted = True  # type: ignore[attr-defined]
             late_error.add_note(
                 f"aospec: the backend raised while committing step {ledger.step - 1} ({_short(action.key)!r}), "
@@ -491,11 +494,11 @@ class Session:
             fork.state = ForkState.FAILED
             with anyio.CancelScope(shield=True):
                 await self._discard_sandbox(sandbox, fork.action, exc)
-            if not isinstance(exc, Exception):
-                raise
             try:
                 now_at = self._sandbox.version
             except Exception as version_exc:
+                if not isinstance(exc, Exception):
+                    raise exc from None
                 raise EngineError(
                     f"the commit of {_short(fork.action.key)!r} failed ({type(exc).__name__}: {exc}) and the "
                     f"committed sandbox's version cannot be read ({type(version_exc).__name__}: {version_exc}): "
@@ -504,8 +507,11 @@ class Session:
             if now_at == origin:
                 raise
             if target is not None and now_at == target:
+                # (also when cancelled: the step is in the committed state, so it goes into H)
                 self._run.ledger.fork_committed(self._clock.now_ns(), fork.action.key)
                 return exc
+            if not isinstance(exc, Exception):
+                raise
             raise EngineError(
                 f"the commit of {_short(fork.action.key)!r} failed ({type(exc).__name__}: {exc}) and left the "
                 f"committed sandbox at version {now_at}, neither its version before ({origin}) nor the fork's "
@@ -698,7 +704,9 @@ class Session:
         assert action is not None
         now = self._clock.now_ns()
         for d, form in zip(ranked, forms, strict=True):
-            child = Branch(branch.history.extend(action, d.text), branch.level + 1, d, branch.probability * d.probability, now)
+            child = Branch(
+                branch.history.extend(action, d.text), branch.level + 1, d, branch.probability * d.probability, now
+            )
             child.canonical_form = form
             child.decode_task = run.task_group.start_soon(self._decode_continuation, child)
             started[d.text] = child
@@ -868,7 +876,12 @@ class Session:
         in a drafter, an actor or a backend) is also logged, as is one with ``warn``."""
         self._run.ledger.failed(self._clock.now_ns(), f"{what}: {type(exc).__name__}: {exc}")
         if warn or not isinstance(exc, AospecError):
-            _log.warning("speculative %s failed (the run goes on without it): %s: %s", what, type(exc).__name__, exc)
+            # Once per kind of failure and run at WARNING (a drafter that is broken fails on
+            # every call), the repeats at DEBUG.
+            key = f"{what.split(' {')[0]}: {type(exc).__name__}"
+            level = logging.DEBUG if key in self._warned else logging.WARNING
+            self._warned.add(key)
+            _log.log(level, "speculative %s failed (the run goes on without it): %s: %s", what, type(exc).__name__, exc)
 
     async def close(self) -> None:
         """Discard the idle forks the run still holds (called when the run ends, after its
