@@ -719,7 +719,7 @@ class ParseRouter(Router):
         return _ParseReader()
 
 
-_PROGRAM = re.compile(r"\s*(?:[A-Za-z_]\w*=[^\s;&|()<>]*[ \t]+)*([^\s;&|()<>]+)[\s;&|()<>]")
+_PROGRAM = re.compile(r"\s*(?:[A-Za-z_]\w*=[^\s;&|()<>]*[ \t]+)*(?![A-Za-z_]\w*=)([^\s;&|()<>]+)[\s;&|()<>]")
 
 
 class _ParseReader(_Reader):
