@@ -165,7 +165,9 @@ class MarkovPrefetcher:
     def prefetch(self, labels: Sequence[str] | None = None) -> list[tuple[str, float]]:
         """Tools to prefetch now: probability >= tau, cost >= lam, not a non-call, at most
         ``budget`` of them, most likely first."""
-        out = []
+        out: list[tuple[str, float]] = []
+        if self.budget == 0:
+            return out
         for tool, p in self.predict(labels, k=len(self.vocab)):
             if p < self.tau:
                 break
