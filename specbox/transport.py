@@ -560,10 +560,33 @@ def _pid_alive(pid: int) -> bool:
     return True
 
 
+def _process_start(pid: int) -> float | None:
+    """When process ``pid`` started (seconds since the epoch), from /proc; None if unknown."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+        ticks = int(stat.rsplit(")", 1)[1].split()[19])  # field 22, after the command name
+        btime = next(
+            int(line.split()[1]) for line in Path("/proc/stat").read_text().splitlines() if line.startswith("btime")
+        )
+        return btime + ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError, StopIteration):
+        return None
+
+
+def _owner_alive(pid: int, made_at: float) -> bool:
+    """Whether the producer that made a segment at ``made_at`` still runs: its pid exists and
+    did not start after the segment was made (a reused pid)."""
+    if not _pid_alive(pid):
+        return False
+    start = _process_start(pid)
+    return start is None or start <= made_at + 2.0  # /proc's boot time has 1 s resolution
+
+
 def sweep_orphans(shm_dir: Path = SHM_DIR) -> list[str]:
     """Unlink the shared-memory segments (``aospec-<pid>-<token>``) whose producer process no
-    longer exists; returns their names. Safe to run any time: a live producer's segments
-    are never touched (a reused pid only delays the sweep)."""
+    longer exists (or whose pid now names a process started after the segment was made);
+    returns their names. Safe to run any time: a live producer's segments are never
+    touched. Pids are those of the caller's pid namespace: run it where the producers run."""
     removed = []
     try:
         names = os.listdir(shm_dir)
@@ -575,7 +598,11 @@ def sweep_orphans(shm_dir: Path = SHM_DIR) -> list[str]:
         pid_text, _, token = name[len(SHM_PREFIX) :].partition("-")
         if not pid_text.isdigit() or len(token) != 16:
             continue
-        if _pid_alive(int(pid_text)):
+        try:
+            made_at = os.stat(shm_dir / name).st_mtime  # >= the creation, which came after the producer started
+        except FileNotFoundError:
+            continue
+        if _owner_alive(int(pid_text), made_at):
             continue
         with contextlib.suppress(FileNotFoundError):
             os.unlink(shm_dir / name)

@@ -333,3 +333,19 @@ def test_the_json_rpc_baseline_moves_the_same_bytes() -> None:
         server.register("x", b"hello")
         with JsonRpcClient(server.address) as rpc:
             assert rpc.call("get", {"name": "x"}) == {"size": 5, "data": "aGVsbG8="}
+
+
+def test_the_sweep_spares_live_producers_and_catches_reused_pids() -> None:
+    mine = SHM_DIR / f"{SHM_PREFIX}{os.getpid()}-{'0' * 15}1"
+    reused = SHM_DIR / f"{SHM_PREFIX}{os.getpid()}-{'0' * 15}2"
+    for path in (mine, reused):
+        path.write_bytes(b"x")
+    try:
+        hour_ago = mine.stat().st_mtime - 3600
+        os.utime(reused, (hour_ago, hour_ago))  # made before this process started: its pid was reused
+        removed = sweep_orphans()
+        assert reused.name in removed and not reused.exists()
+        assert mine.name not in removed and mine.exists()
+    finally:
+        for path in (mine, reused):
+            path.unlink(missing_ok=True)
