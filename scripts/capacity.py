@@ -125,11 +125,10 @@ class _CountedSandbox:
 
 
 class _CountedObs:
+    """An observation drafter whose calls and drafted tokens are counted."""
+
     def __init__(self, inner: Any, ledger: SessionLedger) -> None:
         self._inner, self._ledger = inner, ledger
-        if not hasattr(inner, "draft_stream"):
-            self.draft_stream = None  # type: ignore[assignment]
-            del self.draft_stream
 
     async def draft(self, history: Any, action: Any, n: int) -> Any:
         self._ledger.obs_calls += 1
@@ -137,11 +136,19 @@ class _CountedObs:
         self._ledger.draft_tokens += sum(d.tokens for d in out)
         return out
 
-    async def draft_stream(self, history: Any, action: Any, n: int) -> Any:  # type: ignore[no-redef]
+
+class _CountedStreamingObs(_CountedObs):
+    """The same for a streaming drafter (the engine prefers ``draft_stream`` when present)."""
+
+    async def draft_stream(self, history: Any, action: Any, n: int) -> Any:
         self._ledger.obs_calls += 1
         async for batch in self._inner.draft_stream(history, action, n):
             self._ledger.draft_tokens += sum(d.tokens for d in batch)
             yield batch
+
+
+def _counted_obs(inner: Any, ledger: SessionLedger) -> _CountedObs:
+    return (_CountedStreamingObs if hasattr(inner, "draft_stream") else _CountedObs)(inner, ledger)
 
 
 class _CountedActions:
@@ -182,7 +189,7 @@ def replay_ledgers(traces: Sequence[Any], policies: Sequence[Any], tpot_ms: floa
         engine = Engine(
             actor,
             _CountedSandbox(world.sandbox(), counter, False),
-            observation_drafters=[_CountedObs(o, led) for o in obs],
+            observation_drafters=[_counted_obs(o, led) for o in obs],
             action_drafters=[_CountedActions(a, led) for a in act],
             evd=evd,
             config=policy.engine,
