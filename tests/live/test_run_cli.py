@@ -123,6 +123,37 @@ def test_run_speculative_and_serial_commit_the_same_and_the_recording_replays(
     assert "step_limit" in out and "final version" in out and "forks reused" in out
 
 
+class _Alternating:
+    """An endpoint that is not deterministic: successive requests are answered from two
+    traces whose replies differ (serve-trace's X-Trace-Id header, set here)."""
+
+    def __init__(self, inner: object, ids: tuple[str, str]) -> None:
+        self.inner, self.ids, self.n = inner, ids, 0
+
+    async def __call__(self, scope: dict, receive: object, send: object) -> None:
+        if scope["type"] == "http" and scope["path"].endswith("/chat/completions"):
+            trace_id = self.ids[self.n % 2]
+            self.n += 1
+            scope = dict(scope, headers=[*scope["headers"], (b"x-trace-id", trace_id.encode())])
+        await self.inner(scope, receive, send)  # type: ignore[operator]
+
+
+@pytest.mark.root
+def test_check_determinism_warns_when_two_identical_requests_differ(overlay_state, serve_app, capsys) -> None:
+    from live.serve_trace import serve_trace_app
+
+    a = demo_trace()
+    b = Trace("count-demo-2", "count", "mini-swe-agent", "m", "tests/live", (
+        Step(action=a.steps[0].action, observation="", output_tokens=5, reply="THOUGHT: look.\n\n```bash\nls /\n```"),
+    ), instruction=TASK)
+    server = serve_app(_Alternating(serve_trace_app([a, b], 0.0), (a.id, b.id)))
+    code, out, err = _run(capsys, TASK, "--model", server.base_url, "--check-determinism", "--step-limit", "1",
+                          "--no-speculate", "--format", "json")
+    assert code == 0, err
+    assert "warning" in err and "not deterministic" in err
+    assert json.loads(out)["steps"] == 1
+
+
 def test_usage_errors_are_one_line_and_exit_2(serve_traces, capsys, tmp_path) -> None:
     url = "http://127.0.0.1:9/v1"
     for argv, needle in [
