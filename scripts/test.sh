@@ -9,6 +9,6 @@ if [ ! -x .venv/bin/python ]; then
 fi
 # torch pinned to the CPU build first: an unpinned torch pulls a multi-GB CUDA build.
 .venv/bin/python -m pip install -q --disable-pip-version-check torch==2.13.0
-.venv/bin/python -m pip install -q --disable-pip-version-check -e '.[dev,train,docker,openai,embed,specbox,live]'
+.venv/bin/python -m pip install -q --disable-pip-version-check -e '.[dev,train,docker,openai,embed,specbox,live,ray,integrations]'
 .venv/bin/ruff check .
 exec .venv/bin/python -m pytest "$@"
