@@ -196,7 +196,10 @@ async def run_agent(
         timeout_s=300,
     )
     async with open_sandbox(cfg) as sb:
-        setup = await sb.run(f"mkdir -p /work && cp -a /src/{traj.project} /work/{traj.project}")
+        # cp -a keeps the project's times; /work's own is fixed too (``ls -la`` shows ``..``)
+        setup = await sb.run(
+            f"mkdir -p /work && cp -a /src/{traj.project} /work/{traj.project} && touch -d @1700000000 /work"
+        )
         if setup.returncode != 0:
             raise RuntimeError(f"{traj.id}: copying the project failed: {setup.output}")
         async with OpenAIChatActor(base_url, "serve-trace") as actor:
@@ -234,8 +237,10 @@ def divergence(serial: Run, spec: Run) -> str | None:
     return None
 
 
-def replay_prediction(traces: Sequence[Trace], train: Sequence[Trace], tpot_ms: float) -> tuple[int, int, str]:
-    """(serial ns, aospec ns) the replay predicts for ``traces`` at ``tpot_ms``, and the
+def replay_prediction(
+    traces: Sequence[Trace], train: Sequence[Trace], tpot_ms: float, policy: str = "aospec"
+) -> tuple[int, int, str]:
+    """(serial ns, ``policy`` ns) the replay predicts for ``traces`` at ``tpot_ms``, and the
     state model used."""
     import inspect
 
@@ -249,10 +254,10 @@ def replay_prediction(traces: Sequence[Trace], train: Sequence[Trace], tpot_ms: 
     ds = DrafterSet(list(train))
     serial = spec = 0
     for t in traces:
-        res = replay_trace(t, parse_policies("serial,aospec"), [tpot_ms], ds, **kw)
+        res = replay_trace(t, parse_policies(f"serial,{policy}"), [tpot_ms], ds, **kw)
         by = {r.policy: r for r in res}
         serial += by["serial"].latency_ns
-        spec += by["aospec"].latency_ns
+        spec += by[policy].latency_ns
     return serial, spec, model
 
 
@@ -261,6 +266,7 @@ class TpotFigures:
     tpot_ms: float
     runs: list[tuple[Run, Run]] = field(default_factory=list)
     diverged: list[str] = field(default_factory=list)
+    policy: str = "aospec"
 
     def figures(self, train: Sequence[Trace]) -> dict[str, Any]:
         serial_wall = sum(s.result.wall_s for s, _ in self.runs)
@@ -268,11 +274,14 @@ class TpotFigures:
         steps = sum(len(p.result.steps) for _, p in self.runs)
         st = [p.result.statistics for _, p in self.runs]
         saving = 1 - spec_wall / serial_wall if serial_wall else 0.0
-        pred_serial_ns, pred_spec_ns, model = replay_prediction([s.trace for s, _ in self.runs], train, self.tpot_ms)
+        pred_serial_ns, pred_spec_ns, model = replay_prediction(
+            [s.trace for s, _ in self.runs], train, self.tpot_ms, self.policy
+        )
         pred_saving = 1 - pred_spec_ns / pred_serial_ns if pred_serial_ns else 0.0
         pred_spec_wall = serial_wall * (1 - pred_saving)
         return {
             "tpot_ms": self.tpot_ms,
+            "policy": self.policy,
             "tasks": len(self.runs),
             "steps": steps,
             "serial_s": round(serial_wall, 3),
@@ -343,10 +352,11 @@ async def measure_tpot(
     base: str,
     *,
     bytecode: bool = False,
+    policy: str = "aospec",
 ) -> TpotFigures:
     from live.serve_trace import serve_trace
 
-    fig = TpotFigures(tpot_ms)
+    fig = TpotFigures(tpot_ms, policy=policy)
     async with serve_trace([script_trace(t) for t in trajs], tpot_ms) as server:
         for t in trajs:
             kw = {"tpot_ms": tpot_ms, "drafters": drafters, "base": base, "bytecode": bytecode}
@@ -539,6 +549,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--tpots", default=",".join(f"{t:g}" for t in TPOTS_MS), help="TPOTs in ms (default 20,10,1)")
     ap.add_argument("--tasks", default=None, help="comma-separated task names (default: all, or the quick subset)")
     ap.add_argument("--base", default=BASE, help=f"sandbox base (default {BASE})")
+    ap.add_argument(
+        "--policy",
+        default="aospec",
+        help="the replay policy whose drafters and engine configuration run (default aospec)",
+    )
     ap.add_argument("--no-bytecode-check", action="store_true", help="skip the bytecode-cache measurement")
     ap.add_argument(
         "--train-traces",
@@ -575,7 +590,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         extra_train = load_traces(paths) if paths else []
         log(f"drafters fitted on {len(train)} training runs + {len(extra_train)} traces of {paths or 'nothing'}")
         train = [*train, *extra_train]
-        drafters = default_drafters(train)
+        drafters = default_drafters(train, policy=args.policy)
         out_lines: list[dict[str, Any]] = []
         if args.sessions:
             log(f"{args.sessions} concurrent speculative sessions at TPOT {tpots[len(tpots) // 2]:g} ms ...")
@@ -587,7 +602,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         rows, figs = [], {}
         for tpot in tpots:
             log(f"TPOT {tpot:g} ms ...")
-            figs[tpot] = anyio.run(measure_tpot, tpot, trajs, staged, drafters, args.base)
+            figs[tpot] = anyio.run(
+                lambda tpot=tpot: measure_tpot(tpot, trajs, staged, drafters, args.base, policy=args.policy)
+            )
             rows.append(figs[tpot].figures(train))
             if args.json:
                 print(json.dumps(rows[-1]), flush=True)
@@ -600,8 +617,11 @@ def main(argv: Sequence[str] | None = None) -> int:
                 tpot,
                 [r for r in figs[tpot].runs if r[0].traj in py],
                 [d for d in figs[tpot].diverged if d.split(":")[0] in {t.id for t in py}],
+                args.policy,
             )
-            pyc = anyio.run(lambda: measure_tpot(tpot, py, staged, drafters, args.base, bytecode=True))
+            pyc = anyio.run(
+                lambda: measure_tpot(tpot, py, staged, drafters, args.base, bytecode=True, policy=args.policy)
+            )
             extra["bytecode"] = bytecode_effect(clean, pyc)
             if args.json:
                 print(json.dumps(extra["bytecode"]), flush=True)
