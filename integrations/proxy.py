@@ -1,0 +1,807 @@
+"""``aospec proxy``: an OpenAI-compatible reverse proxy that speculates tool observations
+across the HTTP boundary (issue 12, section 2). See docs/integrations.md.
+
+A harness changes only its base URL (``http://127.0.0.1:PORT/v1``). Every request goes to
+``--upstream`` (an API root such as ``http://host:8000/v1``; the request path's leading
+``/v1`` is replaced by it) with its body bytes unchanged, and the upstream's status, headers
+(less hop-by-hop ones, ``date`` and ``server``) and body bytes (plain or SSE, chunk by
+chunk) come back unchanged. A client that disconnects closes its upstream request at once.
+Upstream failures without a response (refused, reset, timed out) are a 502 naming the
+upstream, OpenAI-shaped.
+
+Speculation (``POST .../chat/completions`` only):
+
+- A request is *speculable* when its body is a JSON object without duplicate keys whose
+  fields are all in :data:`KNOWN_FIELDS`, sampling is deterministic (``temperature`` 0, or
+  an integer ``seed``), ``n`` is absent or 1, and ``messages`` is a list of objects.
+  Anything else is pure pass-through.
+- After a speculable request's reply (status 200) the proxy predicts the harness's next
+  request: the same body with ``messages`` + the assistant reply *as this harness appends
+  it* + a drafted observation message *in this harness's format*. Both are learned from
+  the harness's own requests (the first request that extends an earlier one shows how it
+  appends a reply and how it words an observation); until then nothing is speculated.
+  Drafts come from aospec observation drafters (default: the ``aospec`` replay policy's
+  ``patterns`` + ``cache``) on the conversation's History; the best ``max_speculative``
+  (K) are issued upstream at once, with the earlier request's headers.
+- A request is answered from a speculative request when both are equal: the canonical
+  JSON of the bodies (objects compared regardless of key order; values never normalised:
+  ``0`` and ``0.0``, ``"a"`` and ``"\\u0061"`` differ only as JSON text, so they compare
+  as parsed) and the forwarded headers (less the SDK's per-attempt ones, see
+  :data:`VOLATILE_HEADERS`). Chunks already received are replayed at once, the rest
+  streamed as they arrive; a speculative request that failed or answered non-200 is never
+  served (the request goes upstream live). All other speculative requests from the same
+  parent are closed upstream when the real request arrives.
+
+Action speculation (starting a declared tool early in a fork) is not implemented.
+
+Programmatic use: :func:`proxy_app` builds the ASGI app (``app.stats`` is its
+:class:`ProxyStats`, also served at ``GET /aospec/stats``); run it with any ASGI server
+(``live.serve_trace.serving(app)`` in tests).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import math
+import sys
+from collections import OrderedDict
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from aospec.errors import ConfigError
+from aospec.protocols import ObservationDrafter
+from aospec.types import History, Turn, canonical_json, version_hash
+from live.chat import ChatFormat
+
+__all__ = ["KNOWN_FIELDS", "VOLATILE_HEADERS", "ProxyStats", "SpeculatingProxy", "proxy_app", "register"]
+
+#: Request fields the proxy understands; a request with any other field is pass-through.
+KNOWN_FIELDS = frozenset(
+    {
+        "model", "messages", "stream", "stream_options", "temperature", "seed", "top_p", "n", "max_tokens",
+        "max_completion_tokens", "stop", "tools", "tool_choice", "parallel_tool_calls", "frequency_penalty",
+        "presence_penalty", "response_format", "logprobs", "top_logprobs", "user", "logit_bias",
+    }
+)  # fmt: skip
+
+#: Request headers never forwarded (hop-by-hop, or recomputed).
+_DROP_REQUEST = frozenset(
+    {"host", "content-length", "connection", "keep-alive", "transfer-encoding", "te", "upgrade",
+     "proxy-connection", "proxy-authorization", "accept-encoding"}
+)  # fmt: skip
+#: Response headers never forwarded (hop-by-hop, or the proxy's server sets its own).
+_DROP_RESPONSE = frozenset({"connection", "keep-alive", "transfer-encoding", "date", "server"})
+#: Headers that differ between attempts of the same request (the openai SDK's retry
+#: counter and timeouts); ignored when a request is matched to a speculative one.
+VOLATILE_HEADERS = frozenset({"x-stainless-retry-count", "x-stainless-read-timeout", "x-stainless-timeout"})
+
+_CHAT_PATHS = ("/chat/completions",)
+
+
+@dataclass
+class ProxyStats:
+    """What the proxy has done. ``hits`` counts requests answered from a speculative
+    request (``midstream_hits`` those whose speculative reply was still streaming);
+    ``speculated`` the speculative upstream requests issued, ``cancelled`` those closed
+    unused, ``wasted`` those that finished unused."""
+
+    requests: int = 0
+    chat_requests: int = 0
+    passthrough: int = 0
+    speculable: int = 0
+    speculated: int = 0
+    hits: int = 0
+    midstream_hits: int = 0
+    misses: int = 0
+    cancelled: int = 0
+    wasted: int = 0
+    upstream_errors: int = 0
+    disconnects: int = 0
+    learned: bool = False
+    drafter_errors: int = 0
+
+    def to_json(self) -> dict[str, Any]:
+        return {k: getattr(self, k) for k in self.__dataclass_fields__}
+
+
+# -- JSON helpers ------------------------------------------------------------------------------
+
+
+def _no_dupes(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    out = dict(pairs)
+    if len(out) != len(pairs):
+        raise ValueError("duplicate key")
+    return out
+
+
+def _strict_json(data: bytes) -> Any:
+    """The JSON value of ``data``; ValueError on bad JSON, duplicate keys or NaN."""
+
+    def bad_constant(name: str) -> Any:
+        raise ValueError(f"non-finite number {name}")
+
+    return json.loads(data, object_pairs_hook=_no_dupes, parse_constant=bad_constant)
+
+
+def _msg_digest(prev: str, message: Any) -> str:
+    return version_hash(prev, canonical_json(message))
+
+
+def _digests(messages: Sequence[Any]) -> list[str]:
+    """The digest of every prefix of ``messages`` (index L: the first L messages)."""
+    d = version_hash("messages")
+    out = [d]
+    for m in messages:
+        d = _msg_digest(d, m)
+        out.append(d)
+    return out
+
+
+def speculable(body: Any) -> bool:
+    """Whether a chat request may be answered from a speculative one (module doc)."""
+    if not isinstance(body, dict) or not set(body) <= KNOWN_FIELDS:
+        return False
+    msgs = body.get("messages")
+    if not isinstance(msgs, list) or not msgs or not all(isinstance(m, dict) for m in msgs):
+        return False
+    if body.get("n") not in (None, 1) or isinstance(body.get("n"), bool):
+        return False
+    t, seed = body.get("temperature"), body.get("seed")
+    zero_t = isinstance(t, (int, float)) and not isinstance(t, bool) and t == 0
+    seeded = isinstance(seed, int) and not isinstance(seed, bool)
+    return zero_t or seeded
+
+
+# -- reply reconstruction ----------------------------------------------------------------------
+
+
+def reply_message(body: bytes, stream: bool) -> dict[str, Any] | None:
+    """The assistant message of a complete 200 reply (plain JSON or SSE), None when it is
+    not exactly one choice."""
+    try:
+        if not stream:
+            obj = json.loads(body)
+            choices = obj.get("choices")
+            if not isinstance(choices, list) or len(choices) != 1 or not isinstance(choices[0].get("message"), dict):
+                return None
+            return dict(choices[0]["message"])
+        role: str | None = None
+        content: str | None = None
+        refusal: str | None = None
+        calls: dict[int, dict[str, Any]] = {}
+        done = False
+        for line in body.decode("utf-8").splitlines():
+            if not line.startswith("data:"):
+                continue
+            payload = line[5:].strip()
+            if payload == "[DONE]":
+                done = True
+                break
+            obj = json.loads(payload)
+            for choice in obj.get("choices") or ():
+                if choice.get("index", 0) != 0:
+                    return None
+                delta = choice.get("delta") or {}
+                role = delta.get("role") or role
+                if isinstance(delta.get("content"), str):
+                    content = (content or "") + delta["content"]
+                if isinstance(delta.get("refusal"), str):
+                    refusal = (refusal or "") + delta["refusal"]
+                for tc in delta.get("tool_calls") or ():
+                    slot = calls.setdefault(int(tc.get("index", 0)), {"function": {"name": "", "arguments": ""}})
+                    if tc.get("id"):
+                        slot["id"] = tc["id"]
+                    if tc.get("type"):
+                        slot["type"] = tc["type"]
+                    fn = tc.get("function") or {}
+                    if fn.get("name"):
+                        slot["function"]["name"] += fn["name"]
+                    if fn.get("arguments"):
+                        slot["function"]["arguments"] += fn["arguments"]
+        if not done:
+            return None
+        msg: dict[str, Any] = {"role": role or "assistant", "content": content}
+        if refusal is not None:
+            msg["refusal"] = refusal
+        if calls:
+            msg["tool_calls"] = [
+                {"id": c.get("id"), "type": c.get("type", "function"), "function": c["function"]}
+                for _, c in sorted(calls.items())
+            ]
+        return msg
+    except (ValueError, AttributeError, TypeError, UnicodeDecodeError):
+        return None
+
+
+# -- learned message shapes --------------------------------------------------------------------
+
+_COPY = ("copy",)
+
+
+def learn_shape(reply: Any, appended: Any) -> Any:
+    """A shape that turns ``reply`` into ``appended``: ``("copy",)``, ``("const", v)``,
+    ``("dict", {key: shape})`` (exactly those keys, each from the reply's same key or a
+    constant) or ``("list", shape)`` (every element alike)."""
+    if reply == appended and type(reply) is type(appended):
+        return _COPY
+    if isinstance(reply, dict) and isinstance(appended, dict):
+        return ("dict", {k: learn_shape(reply[k], v) if k in reply else ("const", v) for k, v in appended.items()})
+    if isinstance(reply, list) and isinstance(appended, list) and reply and len(reply) == len(appended):
+        shapes = [learn_shape(r, a) for r, a in zip(reply, appended, strict=True)]
+        if all(s == shapes[0] for s in shapes):
+            return ("list", shapes[0])
+    return ("const", appended)
+
+
+def apply_shape(shape: Any, reply: Any) -> Any:
+    kind = shape[0]
+    if kind == "copy":
+        return reply
+    if kind == "const":
+        return shape[1]
+    if kind == "dict":
+        if not isinstance(reply, dict):
+            raise ValueError("shape wants an object")
+        return {k: apply_shape(s, reply[k]) if s[0] != "const" else s[1] for k, s in shape[1].items()}
+    if not isinstance(reply, list):
+        raise ValueError("shape wants a list")
+    return [apply_shape(shape[1], r) for r in reply]
+
+
+@dataclass(frozen=True)
+class ObservationShape:
+    """How this harness words an observation: one message whose ``content`` is
+    ``prefix + observation + suffix``; ``slots`` maps other keys to ``"call_id"`` or
+    ``"tool_name"`` (filled from the reply's tool call), the rest constants."""
+
+    constants: Mapping[str, Any]
+    slots: Mapping[str, str]
+    key_order: tuple[str, ...]
+
+    def render(self, content: str, call: Mapping[str, Any] | None) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        for k in self.key_order:
+            if k == "content":
+                out[k] = content
+            elif k in self.slots:
+                if call is None:
+                    raise ValueError("no tool call")
+                out[k] = call.get("id") if self.slots[k] == "call_id" else (call.get("function") or {}).get("name")
+            else:
+                out[k] = self.constants[k]
+        return out
+
+
+def _learn_observation(message: dict[str, Any], call: Mapping[str, Any] | None) -> ObservationShape | None:
+    if not isinstance(message.get("content"), str):
+        return None
+    constants: dict[str, Any] = {}
+    slots: dict[str, str] = {}
+    for k, v in message.items():
+        if k == "content":
+            continue
+        if call is not None and v == call.get("id"):
+            slots[k] = "call_id"
+        elif call is not None and v == (call.get("function") or {}).get("name"):
+            slots[k] = "tool_name"
+        else:
+            constants[k] = v
+    return ObservationShape(constants, slots, tuple(message))
+
+
+def _wrapper(contents: Sequence[str]) -> tuple[str, str]:
+    """The prefix and suffix every observation message shares (the harness's template
+    around the tool output), cut back to a line or tag boundary; empty below two."""
+    if len(contents) < 2:
+        return "", ""
+    first = contents[0]
+    p = len(first)
+    s = len(first)
+    for c in contents[1:]:
+        p = min(p, next((i for i, (a, b) in enumerate(zip(first, c, strict=False)) if a != b), min(len(first), len(c))))
+        s = min(
+            s,
+            next(
+                (i for i, (a, b) in enumerate(zip(reversed(first), reversed(c), strict=False)) if a != b),
+                min(len(first), len(c)),
+            ),
+        )
+    shortest = min(len(c) for c in contents)
+    s = min(s, shortest - p)
+    prefix, suffix = first[:p], first[len(first) - s :] if s else ""
+    cut = max(prefix.rfind("\n"), prefix.rfind(">"))
+    prefix = prefix[: cut + 1] if cut >= 0 else ""
+    starts = [i for i in (suffix.find("\n"), suffix.find("<")) if i >= 0]
+    suffix = suffix[min(starts) :] if starts else ""
+    return prefix, suffix
+
+
+# -- upstream requests -------------------------------------------------------------------------
+
+
+class _Upstream:
+    """One upstream request being received: status, headers and raw chunks, readable from
+    the start by any number of consumers while it runs."""
+
+    def __init__(self) -> None:
+        self.status: int | None = None
+        self.headers: list[tuple[bytes, bytes]] = []
+        self.chunks: list[bytes] = []
+        self.done = False
+        self.error: BaseException | None = None
+        self.task: asyncio.Task[None] | None = None
+        self._changed = asyncio.Event()
+
+    def _pulse(self) -> None:
+        self._changed.set()
+        self._changed = asyncio.Event()
+
+    async def run(self, client: Any, method: str, url: str, headers: list[tuple[str, str]], body: bytes) -> None:
+        try:
+            async with client.stream(method, url, headers=headers, content=body) as resp:
+                self.headers = [
+                    (k.encode("latin-1"), v.encode("latin-1"))
+                    for k, v in resp.headers.multi_items()
+                    if k.lower() not in _DROP_RESPONSE
+                ]
+                self.status = resp.status_code
+                self._pulse()
+                async for chunk in resp.aiter_raw():
+                    self.chunks.append(chunk)
+                    self._pulse()
+        except asyncio.CancelledError:
+            self.error = asyncio.CancelledError()
+            raise
+        except Exception as exc:  # transport failures: reported to the consumer
+            self.error = exc
+        finally:
+            self.done = True
+            self._pulse()
+
+    async def started(self) -> None:
+        while self.status is None and not self.done:
+            await self._changed.wait()
+
+    async def body(self) -> Any:
+        """Yield chunks from the first as they arrive."""
+        i = 0
+        while True:
+            ev = self._changed
+            while i < len(self.chunks):
+                yield self.chunks[i]
+                i += 1
+            if self.done:
+                return
+            await ev.wait()
+
+    @property
+    def in_flight(self) -> bool:
+        return not self.done
+
+    def cancel(self) -> None:
+        if self.task is not None and not self.task.done():
+            self.task.cancel()
+
+
+@dataclass
+class _Speculation:
+    key: str
+    parent: str
+    upstream: _Upstream
+
+
+@dataclass
+class _Served:
+    """A speculable request the proxy answered, and its reply."""
+
+    body: dict[str, Any]
+    headers: list[tuple[str, str]]
+    reply: dict[str, Any]
+
+
+@dataclass
+class _Format:
+    assistant: Any
+    observation: ObservationShape
+    tools: bool
+
+
+def _error_body(status: int, message: str, code: str) -> tuple[int, list[tuple[bytes, bytes]], bytes]:
+    data = json.dumps({"error": {"message": message, "type": "proxy_error", "param": None, "code": code}}).encode()
+    return status, [(b"content-type", b"application/json"), (b"content-length", str(len(data)).encode())], data
+
+
+def _match_headers(headers: Sequence[tuple[str, str]]) -> str:
+    return canonical_json(sorted([k.lower(), v] for k, v in headers if k.lower() not in VOLATILE_HEADERS))
+
+
+class SpeculatingProxy:
+    """The ASGI app (module doc). ``drafters`` are aospec observation drafters (None: none,
+    pass-through only); at most ``max_speculative`` speculative requests are in flight."""
+
+    def __init__(
+        self,
+        upstream: str,
+        *,
+        drafters: Sequence[ObservationDrafter] | None = None,
+        max_speculative: int = 2,
+        timeout_s: float | None = None,
+        client: Any = None,
+        max_remembered: int = 1024,
+    ) -> None:
+        if not upstream.startswith(("http://", "https://")):
+            raise ConfigError(f"proxy: --upstream must be an http(s) URL, got {upstream!r}")
+        if max_speculative < 0:
+            raise ConfigError("proxy: max_speculative must be >= 0")
+        self.upstream = upstream.rstrip("/")
+        self.drafters = tuple(drafters or ())
+        self.max_speculative = max_speculative
+        self.timeout_s = timeout_s
+        self.stats = ProxyStats()
+        self._client = client
+        self._own_client = client is None
+        self._served: OrderedDict[str, _Served] = OrderedDict()
+        self._specs: dict[str, _Speculation] = {}
+        self._format: _Format | None = None
+        self._tasks: set[asyncio.Task[Any]] = set()
+        self.max_remembered = max_remembered
+
+    # -- plumbing --------------------------------------------------------------------------
+
+    def _http(self) -> Any:
+        if self._client is None:
+            import httpx
+
+            self._client = httpx.AsyncClient(
+                timeout=httpx.Timeout(self.timeout_s, connect=10.0 if self.timeout_s is None else self.timeout_s),
+                limits=httpx.Limits(max_connections=None, max_keepalive_connections=64),
+            )
+        return self._client
+
+    async def aclose(self) -> None:
+        for spec in list(self._specs.values()):
+            spec.upstream.cancel()
+        self._specs.clear()
+        if self._own_client and self._client is not None:
+            await self._client.aclose()
+            self._client = None
+
+    def _url(self, path: str, query: bytes) -> str:
+        rest = path[3:] if path == "/v1" or path.startswith("/v1/") else path
+        return self.upstream + rest + (("?" + query.decode("latin-1")) if query else "")
+
+    def _start(self, method: str, url: str, headers: list[tuple[str, str]], body: bytes) -> _Upstream:
+        up = _Upstream()
+        up.task = asyncio.ensure_future(up.run(self._http(), method, url, headers, body))
+        return up
+
+    def _spawn(self, coro: Awaitable[Any]) -> None:
+        task = asyncio.ensure_future(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    # -- ASGI ------------------------------------------------------------------------------
+
+    async def __call__(self, scope: Any, receive: Callable[[], Awaitable[Any]], send: Any) -> None:
+        if scope["type"] == "lifespan":
+            while True:
+                msg = await receive()
+                if msg["type"] == "lifespan.startup":
+                    await send({"type": "lifespan.startup.complete"})
+                elif msg["type"] == "lifespan.shutdown":
+                    await self.aclose()
+                    await send({"type": "lifespan.shutdown.complete"})
+                    return
+        if scope["type"] != "http":
+            return
+        self.stats.requests += 1
+        chunks = []
+        while True:
+            msg = await receive()
+            if msg["type"] == "http.disconnect":
+                return
+            chunks.append(msg.get("body", b""))
+            if not msg.get("more_body"):
+                break
+        body = b"".join(chunks)
+        method, path = scope["method"], scope["path"]
+        if method == "GET" and path == "/aospec/stats":
+            data = json.dumps(self.stats.to_json()).encode()
+            await send(
+                {"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"application/json")]}
+            )
+            await send({"type": "http.response.body", "body": data})
+            return
+        headers = [
+            (k.decode("latin-1"), v.decode("latin-1"))
+            for k, v in scope["headers"]
+            if k.decode("latin-1").lower() not in _DROP_REQUEST
+        ]
+        url = self._url(path, scope.get("query_string", b""))
+        if method == "POST" and path.endswith(_CHAT_PATHS):
+            await self._chat(url, headers, body, receive, send)
+            return
+        up = self._start(method, url, headers, body)
+        await self._relay(up, receive, send)
+
+    async def _relay(self, up: _Upstream, receive: Any, send: Any, *, on_done: Callable[[], Any] | None = None) -> bool:
+        """Send ``up``'s response to the client; True when it went out whole. A client
+        disconnect cancels ``up``."""
+        gone = asyncio.Event()
+
+        async def listen() -> None:
+            while True:
+                msg = await receive()
+                if msg["type"] == "http.disconnect":
+                    gone.set()
+                    return
+
+        async def relay() -> bool:
+            await up.started()
+            if up.status is None:
+                self.stats.upstream_errors += 1
+                status, hdrs, data = _error_body(
+                    502, f"aospec proxy: upstream {self.upstream} failed: {up.error!r}", "upstream_unreachable"
+                )
+                await send({"type": "http.response.start", "status": status, "headers": hdrs})
+                await send({"type": "http.response.body", "body": data})
+                return False
+            await send({"type": "http.response.start", "status": up.status, "headers": up.headers})
+            async for chunk in up.body():
+                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+            if up.error is not None:
+                self.stats.upstream_errors += 1
+                raise RuntimeError(f"upstream stream cut: {up.error!r}")  # the server aborts the response
+            await send({"type": "http.response.body", "body": b""})
+            return up.status == 200
+
+        listener = asyncio.ensure_future(listen())
+        relayer = asyncio.ensure_future(relay())
+        waiter = asyncio.ensure_future(gone.wait())
+        try:
+            await asyncio.wait({relayer, waiter}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            listener.cancel()
+            waiter.cancel()
+        if not relayer.done():
+            relayer.cancel()
+            up.cancel()
+            self.stats.disconnects += 1
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await relayer
+            return False
+        try:
+            return relayer.result()
+        except OSError:
+            up.cancel()
+            self.stats.disconnects += 1
+            return False
+
+    # -- chat completions ------------------------------------------------------------------
+
+    async def _chat(self, url: str, headers: list[tuple[str, str]], raw: bytes, receive: Any, send: Any) -> None:
+        self.stats.chat_requests += 1
+        try:
+            body = _strict_json(raw)
+        except (ValueError, UnicodeDecodeError):
+            body = None
+        messages = body.get("messages") if isinstance(body, dict) else None
+        digests = _digests(messages) if isinstance(messages, list) else []
+        hit = None
+        spec_ok = speculable(body)
+        if spec_ok:
+            self.stats.speculable += 1
+            key = canonical_json(body) + _match_headers(headers)
+            hit = self._specs.get(key)
+            if hit is not None:
+                await hit.upstream.started()
+                if hit.upstream.status != 200:
+                    hit = None
+        else:
+            self.stats.passthrough += 1
+        # close every sibling speculation whose parent this request extends
+        prefixes = set(digests[:-1])
+        for k, spec in list(self._specs.items()):
+            if spec.parent in prefixes and (hit is None or spec is not hit):
+                del self._specs[k]
+                if spec.upstream.in_flight:
+                    spec.upstream.cancel()
+                    self.stats.cancelled += 1
+                else:
+                    self.stats.wasted += 1
+        if spec_ok:
+            self._learn(body, digests)
+        if hit is not None:
+            self._specs.pop(hit.key, None)
+            self.stats.hits += 1
+            self.stats.midstream_hits += int(hit.upstream.in_flight)
+            up = hit.upstream
+        else:
+            if spec_ok:
+                self.stats.misses += 1
+            up = self._start("POST", url, headers, raw)
+        whole = await self._relay(up, receive, send)
+        if whole and spec_ok:
+            reply = reply_message(b"".join(up.chunks), bool(body.get("stream")))
+            if reply is not None:
+                self._remember(body, headers, digests[-1], reply)
+                self._spawn(self._speculate(url, body, headers, digests[-1], reply))
+
+    def _remember(
+        self, body: dict[str, Any], headers: list[tuple[str, str]], digest: str, reply: dict[str, Any]
+    ) -> None:
+        self._served[digest] = _Served(body, headers, reply)
+        self._served.move_to_end(digest)
+        while len(self._served) > self.max_remembered:
+            self._served.popitem(last=False)
+
+    def _learn(self, body: dict[str, Any], digests: list[str]) -> None:
+        """Learn how the harness appends a reply and words an observation from a request
+        that extends one the proxy answered."""
+        messages = body["messages"]
+        for n in range(len(messages) - 2, 0, -1):
+            parent = self._served.get(digests[n])
+            if parent is None:
+                continue
+            appended, rest = messages[n], messages[n + 1 :]
+            calls = parent.reply.get("tool_calls") or []
+            if len(rest) != 1 or len(calls) > 1:
+                return
+            assistant = learn_shape(parent.reply, appended)
+            try:
+                ok = apply_shape(assistant, parent.reply) == appended
+            except (ValueError, KeyError):
+                ok = False
+            obs = _learn_observation(rest[0], calls[0] if calls else None)
+            if ok and obs is not None:
+                self._format = _Format(assistant, obs, bool(calls))
+                self.stats.learned = True
+            return
+
+    # -- speculation -----------------------------------------------------------------------
+
+    def _history(self, messages: list[dict[str, Any]], fmt: _Format, prefix: str, suffix: str) -> History | None:
+        """The conversation as an aospec History (observations unwrapped)."""
+        task = next((m.get("content") for m in messages if m.get("role") == "user"), None)
+        if not isinstance(task, str):
+            return None
+        chat = ChatFormat(action_format="tools" if fmt.tools else "bash")
+        turns = []
+        for i, m in enumerate(messages[:-1]):
+            if m.get("role") != "assistant":
+                continue
+            obs = messages[i + 1].get("content")
+            if not isinstance(obs, str):
+                continue
+            action = chat.parse(
+                m.get("content") if isinstance(m.get("content"), str) else "", m.get("tool_calls") or ()
+            )
+            turns.append(Turn(action, _unwrap(obs, prefix, suffix)))
+        return History(task, tuple(turns))
+
+    async def _speculate(
+        self, url: str, body: dict[str, Any], headers: list[tuple[str, str]], parent: str, reply: dict[str, Any]
+    ) -> None:
+        fmt = self._format
+        if fmt is None or not self.drafters or self.max_speculative == 0:
+            return
+        calls = reply.get("tool_calls") or []
+        if len(calls) > 1 or bool(calls) != fmt.tools:
+            return
+        chat = ChatFormat(action_format="tools" if fmt.tools else "bash")
+        text = reply.get("content") if isinstance(reply.get("content"), str) else ""
+        action = chat.parse(text, calls)
+        if action.is_none:
+            return
+        try:
+            appended = apply_shape(fmt.assistant, reply)
+        except (ValueError, KeyError):
+            return
+        messages = body["messages"]
+        obs_contents = [
+            messages[i + 1]["content"]
+            for i, m in enumerate(messages[:-1])
+            if m.get("role") == "assistant" and isinstance(messages[i + 1].get("content"), str)
+        ]
+        prefix, suffix = _wrapper(obs_contents)
+        history = self._history(messages, fmt, prefix, suffix)
+        if history is None:
+            return
+        best: dict[str, float] = {}
+        for drafter in self.drafters:
+            try:
+                drafts = await drafter.draft(history, action, self.max_speculative)
+            except Exception:  # a drafter's failure loses only its drafts
+                self.stats.drafter_errors += 1
+                continue
+            for d in drafts:
+                if math.isfinite(d.probability):
+                    best[d.text] = max(best.get(d.text, 0.0), d.probability)
+        ranked = sorted(best.items(), key=lambda kv: -kv[1])
+        match_headers = _match_headers(headers)
+        for draft, _p in ranked:
+            if sum(1 for s in self._specs.values() if s.upstream.in_flight) >= self.max_speculative:
+                break
+            try:
+                obs_msg = fmt.observation.render(prefix + draft + suffix, calls[0] if calls else None)
+            except ValueError:
+                return
+            new_body = dict(body)
+            new_body["messages"] = [*messages, appended, obs_msg]
+            key = canonical_json(new_body) + match_headers
+            if key in self._specs:
+                continue
+            data = json.dumps(new_body, ensure_ascii=False).encode()
+            self._specs[key] = _Speculation(key, parent, self._start("POST", url, headers, data))
+            self.stats.speculated += 1
+
+
+def _unwrap(text: str, prefix: str, suffix: str) -> str:
+    if text.startswith(prefix) and text.endswith(suffix) and len(text) >= len(prefix) + len(suffix):
+        return text[len(prefix) : len(text) - len(suffix)]
+    return text
+
+
+def proxy_app(upstream: str, **kw: Any) -> SpeculatingProxy:
+    """The proxy's ASGI app (see :class:`SpeculatingProxy`)."""
+    return SpeculatingProxy(upstream, **kw)
+
+
+# -- the verb ----------------------------------------------------------------------------------
+
+
+def register(subparsers: Any) -> None:
+    p = subparsers.add_parser(
+        "proxy",
+        help="an OpenAI-compatible proxy that speculates tool observations (change only the harness's base URL)",
+        description="Forward every request to --upstream unchanged; for deterministic chat completions, draft "
+        "the harness's next request while it runs its tool and pre-issue it upstream, answering the real request "
+        "from it when they are equal. Harness base URL: http://HOST:PORT/v1. Stats: GET /aospec/stats. "
+        "Example: aospec proxy --upstream http://127.0.0.1:8000/v1 --port 8001",
+    )
+    p.add_argument("--upstream", required=True, help="the upstream API root, e.g. http://127.0.0.1:8000/v1")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    p.add_argument("--port", type=int, default=8001, help="port (default 8001; 0 picks a free one)")
+    p.add_argument("--max-speculative", type=int, default=2, help="speculative upstream requests in flight (default 2)")
+    p.add_argument("--train", nargs="*", default=[], help="traces to fit the drafters on (any format aospec reads)")
+    p.add_argument("--bundled", action="store_true", help="fit the drafters on the bundled tb1 sample too")
+    p.add_argument("--no-speculate", action="store_true", help="pure pass-through")
+    p.set_defaults(func=_serve)
+
+
+def default_drafters(train: Sequence[Any] = ()) -> tuple[Any, ...]:
+    """The ``aospec`` replay policy's observation drafters (patterns + cache), fitted on
+    ``train``."""
+    from live.agent import default_drafters as live_defaults
+
+    return tuple(live_defaults(list(train)).observation)
+
+
+def _serve(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from live.serve_trace import _bind
+
+    train: list[Any] = []
+    if args.train or args.bundled:
+        from replay import bundled_traces_path, load_traces
+
+        train = load_traces([*args.train, *([str(bundled_traces_path())] if args.bundled else [])])
+    drafters = () if args.no_speculate else default_drafters(train)
+    app = proxy_app(args.upstream, drafters=drafters, max_speculative=args.max_speculative)
+    sock = _bind(args.host, args.port)
+    host = f"[{args.host}]" if ":" in args.host else args.host
+    print(f"aospec proxy at http://{host}:{sock.getsockname()[1]}/v1 -> {app.upstream}; Ctrl-C stops", flush=True)
+    config = uvicorn.Config(app, log_level="warning", access_log=False, lifespan="on", timeout_graceful_shutdown=1)
+    try:
+        asyncio.run(uvicorn.Server(config).serve(sockets=[sock]))
+    except KeyboardInterrupt:
+        pass
+    finally:
+        sock.close()
+    print("aospec proxy: stopped", file=sys.stderr, flush=True)
+    return 0
