@@ -276,7 +276,7 @@ class Session:
 
     async def _execute_step(self, branch: Branch, action: Action) -> str:
         run = self._run
-        clock, ledger = self._clock, run.ledger
+        ledger = run.ledger
         emitted_ns = run.emitted_ns
         origin = self._sandbox.version
         run.inflight = (origin, action.key)
@@ -299,7 +299,45 @@ class Session:
         self._seal(branch)
         late_error = await self._commit(fork, origin)
 
-        now = clock.now_ns()
+        before = run.history
+        try:
+            self._after_commit(branch, action, fork, observation, emitted_ns)
+        except BaseException as exc:
+            if run.history is before:
+                # Why: the step is committed; whatever failed after the commit (adopting a
+                # continuation, the ledger), H must hold it, as the committed state does.
+                run.successor = None
+                run.history = before.extend(action, observation)
+            if isinstance(exc, Exception) and not getattr(exc, "_aospec_noted", False):
+                exc._aospec_noted = True  # type: ignore[attr-defined]
+                exc.add_note(
+                    f"aospec: step {len(before)} was committed, then this failed; the verified history holds it "
+                    f"({len(run.history)} steps in all) and the committed sandbox is at their state"
+                )
+            raise
+        finally:
+            run.pending = None
+        if late_error is not None:
+            # The backend raised (or the run was cancelled), but the commit took effect: the
+            # step is in H as it is in the committed state; the error is raised all the same.
+            if not isinstance(late_error, Exception):
+                raise late_error
+            late_error._aospec_noted = True  # type: ignore[attr-defined]
+            late_error.add_note(
+                f"aospec: the backend raised while committing step {ledger.step - 1} ({_short(action.key)!r}), "
+                f"but the commit took effect: the verified history holds that step ({len(run.history)} in all) "
+                "and the committed sandbox is at their state"
+            )
+            raise late_error
+        if self._use_forks:
+            self._prune()
+        return observation
+
+    def _after_commit(self, branch: Branch, action: Action, fork: ForkEntry, observation: str, emitted_ns: int) -> None:
+        """The step is committed: its times into the ledger, its tool time into EVD, the
+        matching continuation adopted, ``H`` extended."""
+        run, ledger = self._run, self._run.ledger
+        now = self._clock.now_ns()
         tool_ns = fork.tool_ns(now)
         tool_waited = 0
         if fork.exec_start_ns is not None:
@@ -317,27 +355,15 @@ class Session:
             executed=not action.is_none,
         )
         if run.evd is not None and not action.is_none:
-            run.evd.observe(action, observation, tool_ns * 1e-9)
+            try:
+                run.evd.observe(action, observation, tool_ns * 1e-9)
+            except Exception as exc:
+                self._speculation_failed("learning the step's tool time (EVD)", exc)  # it only ranks drafts
         run.boundary_ns = now
         run.pending = None
 
         successor = run.successor = self._adopt(branch, observation, now)
         run.history = successor.history if successor is not None else run.history.extend(action, observation)
-        if late_error is not None:
-            # The backend raised (or the run was cancelled), but the commit took effect: the
-            # step is in H as it is in the committed state; the error is raised all the same.
-            if not isinstance(late_error, Exception):
-                raise late_error
-            late_error._aospec_noted = True  # type: ignore[attr-defined]
-            late_error.add_note(
-                f"aospec: the backend raised while committing step {ledger.step - 1} ({_short(action.key)!r}), "
-                f"but the commit took effect: the verified history holds that step ({len(run.history)} in all) "
-                "and the committed sandbox is at their state"
-            )
-            raise late_error
-        if self._use_forks:
-            self._prune()
-        return observation
 
     def _note_failure(self, exc: BaseException, action: Action) -> None:
         """Name the failed step on an error of the verified path (once)."""
@@ -447,8 +473,15 @@ class Session:
         keep = continuations.pop(observation, None)
         canonical_hit = False
         if keep is None and self._canon is not None:
-            form = self._canon.canonical(observation)
-            text = next((t for t, c in continuations.items() if c.canonical_form == form), None)
+            try:
+                form: str | None = self._canon.canonical(observation)
+            except Exception as exc:
+                # Canonical acceptance only saves a decode: without it the step decodes afresh.
+                self._speculation_failed("canonicalising the observation", exc)
+                form = None
+            text = (
+                None if form is None else next((t for t, c in continuations.items() if c.canonical_form == form), None)
+            )
             if text is not None:
                 keep = continuations.pop(text)
                 canonical_hit = True
@@ -624,10 +657,9 @@ class Session:
         if stream is None:
             try:
                 drafts = self._valid_drafts(await drafter.draft(branch.history, action, n), ObservationDraft, who)
+                self._start_continuations(branch, drafts)
             except Exception as exc:
                 self._speculation_failed(who, exc)
-                return
-            self._start_continuations(branch, drafts)
             return
         try:
             batches = aiter(stream(branch.history, action, n))
@@ -638,12 +670,13 @@ class Session:
             while True:
                 try:
                     drafts = self._valid_drafts(await anext(batches), ObservationDraft, who)
+                    self._start_continuations(branch, drafts)
                 except StopAsyncIteration:
                     return
                 except Exception as exc:
+                    # (ranking or canonicalising them failing too: speculation only)
                     self._speculation_failed(who, exc)
                     return
-                self._start_continuations(branch, drafts)
 
     def _valid_drafts(self, drafts: object, kind: type, who: str) -> list:
         """The well-formed drafts of one drafter call (``kind``: ObservationDraft or
@@ -906,6 +939,8 @@ def _draft_problem(d: object, kind: type) -> str | None:
         assert isinstance(d, ObservationDraft)
         if not isinstance(d.text, str):
             return f"text is {type(d.text).__name__}, not str"
+        if d.template is not None and not isinstance(d.template, str):
+            return f"template is {type(d.template).__name__}, not str"
     else:
         assert isinstance(d, ActionDraft)
         if not isinstance(d.action, Action):

@@ -328,6 +328,7 @@ class _FaultPlan:
         self.calls: dict[str, int] = {}
         self.used: dict[int, int] = {}
         self.injected: list[tuple[Fault, FaultCall]] = []
+        self.undiscarded: list[Sandbox] = []
         self.hanging = 0
 
     def match(self, op: str, on: str, origin: str, action: Action | None) -> Fault | None:
@@ -427,8 +428,16 @@ class FaultySandbox:
         if fault is not None:
             raise SandboxError("injected fault: commit (after it took effect)")
 
+    @property
+    def undiscarded(self) -> list[Sandbox]:
+        """Inner sandboxes whose ``discard`` failed before it took effect (the backend still
+        holds those not consumed otherwise)."""
+        return list(self._plan.undiscarded)
+
     async def discard(self) -> None:
         fault = self._plan.match("discard", self._on, self._origin_now(), None)
+        if fault is not None and fault.kind != "late":
+            self._plan.undiscarded.append(self.inner)
         await self._plan.before(fault, "discard")
         await self.inner.discard()
         if fault is not None:

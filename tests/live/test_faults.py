@@ -224,11 +224,9 @@ class Outcome:
     injected: list[tuple[Fault, FaultCall]] = field(default_factory=list)
     hanging: int = 0
 
-    @property
-    def held(self) -> int:
-        """Forks whose discard failed before taking effect: the backend holds them until its
-        session closes (open_box checks the overlay session then leaves nothing behind)."""
-        return sum(1 for f, c in self.injected if c.op == "discard" and f.kind != "late")
+    held: int = 0
+    """Forks whose discard failed before taking effect: the backend holds them until its
+    session closes (open_box checks the overlay session then leaves nothing behind)."""
 
 
 def run(
@@ -276,9 +274,16 @@ def run(
                 events=list(engine.ledger.events),
                 injected=sb.injected,
                 hanging=sb.hanging,
+                held=held(sb),
             )
 
     return anyio.run(main)
+
+
+def held(sb: FaultySandbox) -> int:
+    """Forks the backend still holds because their discard failed (a fork committed after
+    all is not held)."""
+    return len({id(x) for x in sb.undiscarded if not getattr(x, "_closed", False)})
 
 
 def assert_lossless(backend: str, out: Outcome) -> None:
@@ -378,6 +383,7 @@ OBS_GARBAGE: dict[str, tuple[Callable[[list[ObservationDraft]], Any], bool]] = {
     "probability above 1": (lambda d: [*d, _obs(p=1.5)], True),
     "probability not a number": (lambda d: [*d, _obs(p="0.5")], True),
     "probability infinite": (lambda d: [_obs(p=math.inf), *d], True),
+    "template not str": (lambda d: [*d, ObservationDraft("t", 0.5, template=3)], True),  # type: ignore[arg-type]
     "empty text": (lambda d: [*d, _obs("")], False),  # a real observation may be empty: kept
     "huge": (lambda d: d + [_obs(f"x{i}", 0.1) for i in range(MAX_DRAFTS_PER_CALL * 3)], True),
     "endless": (_infinite, True),
@@ -451,6 +457,52 @@ def test_a_streaming_drafter_that_fails_midway_keeps_its_earlier_batches() -> No
     assert_lossless(backend, out)
     assert out.failures > 0 and stream.closed > 0
     assert any(e.kind is EventKind.DRAFT_HIT for e in out.events)
+
+
+class FaultyCanonicalizer:
+    """Canonical forms with digits replaced, failing for texts ``fails(text)`` picks."""
+
+    def __init__(self, fails: Callable[[str], bool]) -> None:
+        self.fails = fails
+        self.faults = 0
+
+    def canonical(self, text: str) -> str:
+        if self.fails(text):
+            self.faults += 1
+            raise InjectedFault("injected fault: canonical")
+        return "".join("0" if ch.isdigit() else ch for ch in text)
+
+
+@pytest.mark.parametrize("on", ["drafts", "real observations"])
+def test_a_canonicalizer_that_raises_only_costs_speed(on: str) -> None:
+    # On drafts: those drafts are not continued. On the real observation (no byte-identical
+    # draft matched): no continuation is adopted under canonical acceptance; the step
+    # decodes afresh from H.
+    backend = "memory"
+    ref = reference(backend)
+    real = {t.observation for t in ref.history.turns}
+    fails = (lambda t: "wrong" in t) if on == "drafts" else (lambda t: t in real)
+    canon = FaultyCanonicalizer(fails)
+
+    async def main() -> tuple[History, int]:
+        sb = InMemorySandbox(op_delay_s=OP_DELAY_S)
+        wrong = ScriptedObservationDrafter(
+            lambda h, a: [ObservationDraft(f"<returncode>0</returncode>\n<output>\nwrong {len(h)}\n</output>", 0.5)]
+        )
+        engine = Engine(
+            make_actor(),
+            sb,
+            observation_drafters=[wrong],
+            config=EngineConfig(branch_budget=2, fork_width=0, accept="canonical"),
+            canonicalizer=canon,
+        )
+        history = await engine.run(History(TASK), steps=STEPS)
+        assert sb.version == ref.states[-1][0] and sb.live_forks == 0
+        return history, engine.statistics().speculative_failures
+
+    history, failures = anyio.run(main)
+    assert history.turns == ref.history.turns
+    assert canon.faults > 0 and failures >= canon.faults
 
 
 # ---------------------------------------------------------------------------------- the actor
