@@ -447,7 +447,7 @@ class SpeculatingProxy:
         self._served: OrderedDict[str, _Served] = OrderedDict()
         self._specs: dict[str, _Speculation] = {}
         self._format: _Format | None = None
-        self._tasks: set[asyncio.Task[Any]] = set()
+        self._pending: dict[str, asyncio.Event] = {}
         self.max_remembered = max_remembered
 
     # -- plumbing --------------------------------------------------------------------------
@@ -478,11 +478,6 @@ class SpeculatingProxy:
         up = _Upstream()
         up.task = asyncio.ensure_future(up.run(self._http(), method, url, headers, body))
         return up
-
-    def _spawn(self, coro: Awaitable[Any]) -> None:
-        task = asyncio.ensure_future(coro)
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
 
     # -- ASGI ------------------------------------------------------------------------------
 
@@ -591,18 +586,45 @@ class SpeculatingProxy:
             body = None
         messages = body.get("messages") if isinstance(body, dict) else None
         digests = _digests(messages) if isinstance(messages, list) else []
-        hit = None
         spec_ok = speculable(body)
+        if not spec_ok:
+            self.stats.passthrough += 1
+            await self._answer(url, headers, raw, body, digests, None, receive, send)
+            return
+        self.stats.speculable += 1
+        # the reply this request follows may still be drafting its speculations (they are
+        # registered right after its last byte went out): wait for them
+        parent = self._pending.get(digests[-3]) if len(digests) >= 3 else None
+        if parent is not None:
+            await parent.wait()
+        mine = self._pending[digests[-1]] = asyncio.Event()
+        try:
+            await self._answer(url, headers, raw, body, digests, mine, receive, send)
+        finally:
+            mine.set()
+            if self._pending.get(digests[-1]) is mine:
+                del self._pending[digests[-1]]
+
+    async def _answer(
+        self,
+        url: str,
+        headers: list[tuple[str, str]],
+        raw: bytes,
+        body: Any,
+        digests: list[str],
+        pending: asyncio.Event | None,
+        receive: Any,
+        send: Any,
+    ) -> None:
+        spec_ok = pending is not None
+        hit = None
         if spec_ok:
-            self.stats.speculable += 1
             key = canonical_json(body) + _match_headers(headers)
             hit = self._specs.get(key)
             if hit is not None:
                 await hit.upstream.started()
                 if hit.upstream.status != 200:
                     hit = None
-        else:
-            self.stats.passthrough += 1
         # close every sibling speculation whose parent this request extends
         prefixes = set(digests[:-1])
         for k, spec in list(self._specs.items()):
@@ -629,7 +651,7 @@ class SpeculatingProxy:
             reply = reply_message(b"".join(up.chunks), bool(body.get("stream")))
             if reply is not None:
                 self._remember(body, headers, digests[-1], reply)
-                self._spawn(self._speculate(url, body, headers, digests[-1], reply))
+                await self._speculate(url, body, headers, digests[-1], reply)
 
     def _remember(
         self, body: dict[str, Any], headers: list[tuple[str, str]], digest: str, reply: dict[str, Any]
@@ -664,8 +686,10 @@ class SpeculatingProxy:
 
     # -- speculation -----------------------------------------------------------------------
 
-    def _history(self, messages: list[dict[str, Any]], fmt: _Format, prefix: str, suffix: str) -> History | None:
-        """The conversation as an aospec History (observations unwrapped)."""
+    def _history(self, messages: list[dict[str, Any]], fmt: _Format) -> History | None:
+        """The conversation as an aospec History: the task is the first user message, an
+        observation the whole content of the message after an assistant message (as in
+        aospec's traces, where the observation is what the model saw)."""
         task = next((m.get("content") for m in messages if m.get("role") == "user"), None)
         if not isinstance(task, str):
             return None
@@ -680,7 +704,7 @@ class SpeculatingProxy:
             action = chat.parse(
                 m.get("content") if isinstance(m.get("content"), str) else "", m.get("tool_calls") or ()
             )
-            turns.append(Turn(action, _unwrap(obs, prefix, suffix)))
+            turns.append(Turn(action, obs))
         return History(task, tuple(turns))
 
     async def _speculate(
@@ -708,7 +732,7 @@ class SpeculatingProxy:
             if m.get("role") == "assistant" and isinstance(messages[i + 1].get("content"), str)
         ]
         prefix, suffix = _wrapper(obs_contents)
-        history = self._history(messages, fmt, prefix, suffix)
+        history = self._history(messages, fmt)
         if history is None:
             return
         best: dict[str, float] = {}
@@ -723,11 +747,18 @@ class SpeculatingProxy:
                     best[d.text] = max(best.get(d.text, 0.0), d.probability)
         ranked = sorted(best.items(), key=lambda kv: -kv[1])
         match_headers = _match_headers(headers)
-        for draft, _p in ranked:
+        # drafts verbatim first (drafters fit on traces draft what the model saw), then
+        # wrapped in the learned template (drafters that draft raw tool output)
+        contents = [draft for draft, _p in ranked]
+        if prefix or suffix:
+            contents += [
+                prefix + d + suffix for d in list(contents) if not (d.startswith(prefix) and d.endswith(suffix))
+            ]
+        for content in contents:
             if sum(1 for s in self._specs.values() if s.upstream.in_flight) >= self.max_speculative:
                 break
             try:
-                obs_msg = fmt.observation.render(prefix + draft + suffix, calls[0] if calls else None)
+                obs_msg = fmt.observation.render(content, calls[0] if calls else None)
             except ValueError:
                 return
             new_body = dict(body)
@@ -738,12 +769,6 @@ class SpeculatingProxy:
             data = json.dumps(new_body, ensure_ascii=False).encode()
             self._specs[key] = _Speculation(key, parent, self._start("POST", url, headers, data))
             self.stats.speculated += 1
-
-
-def _unwrap(text: str, prefix: str, suffix: str) -> str:
-    if text.startswith(prefix) and text.endswith(suffix) and len(text) >= len(prefix) + len(suffix):
-        return text[len(prefix) : len(text) - len(suffix)]
-    return text
 
 
 def proxy_app(upstream: str, **kw: Any) -> SpeculatingProxy:

@@ -1,0 +1,255 @@
+"""``aospec proxy`` (integrations/proxy.py) with the official ``openai`` SDK as the client
+and ``aospec serve-trace`` as the upstream (real HTTP on loopback, servers in threads).
+
+The harness loop here behaves like mini-swe-agent: it sends the growing messages list,
+appends the reply, "runs" the command (the observation is the recorded one of that step,
+a pure function of the step) and appends the observation, either as a ``tool`` message
+answering the tool call or as a ``user`` message wrapped in a template.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import ExitStack
+from typing import Any
+
+import httpx
+import openai
+import pytest
+from starlette.applications import Starlette
+from starlette.responses import JSONResponse
+from starlette.routing import Route
+
+from aospec.protocols import ObservationDraft
+from aospec.types import Action, History, Trace
+from integrations.proxy import SpeculatingProxy, proxy_app, speculable
+from live.serve_trace import TraceServer, serve_trace_app, serving
+from replay import bundled_traces_path, load_traces
+
+#: The text harness's observation template. The bundled traces are mini-swe-agent's, whose
+#: recorded observations already hold its ``<returncode>``/``<output>`` template, so
+#: verbatim by default; ``test_learns_a_wrapper`` uses another one.
+WRAP = "{obs}"
+
+
+@pytest.fixture(scope="module")
+def traces() -> list[Trace]:
+    return load_traces(bundled_traces_path())
+
+
+@pytest.fixture
+def servers() -> Iterator[Callable[[Any], TraceServer]]:
+    with ExitStack() as stack:
+        yield lambda app: stack.enter_context(serving(app))
+
+
+class TruthDrafter:
+    """Drafts the recorded observation of the step (a stand-in for a perfect drafter), and
+    a wrong one, so one speculation hits and one is cancelled."""
+
+    def __init__(self, trace: Trace) -> None:
+        self.trace = trace
+
+    async def draft(self, history: History, action: Action, n: int) -> Sequence[ObservationDraft]:
+        i = len(history)
+        if i >= len(self.trace.steps):
+            return []
+        return [ObservationDraft("wrong guess", 0.9), ObservationDraft(self.trace.steps[i].observation, 0.8)][:n]
+
+
+def run_harness(
+    base_url: str,
+    trace: Trace,
+    *,
+    tools: bool,
+    stream: bool,
+    steps: int,
+    extra: dict[str, Any] | None = None,
+    wrap: str = WRAP,
+) -> list[Any]:
+    """Drive ``steps`` turns with the openai SDK; returns what the harness saw per reply."""
+    client = openai.OpenAI(base_url=base_url, api_key="sk-test", max_retries=0)
+    messages: list[dict[str, Any]] = [
+        {"role": "system", "content": "You are a shell agent."},
+        {"role": "user", "content": trace.instruction or trace.task},
+    ]
+    kw: dict[str, Any] = {"model": "m", "temperature": 0, **(extra or {})}
+    if tools:
+        kw["tools"] = [{"type": "function", "function": {"name": "bash", "parameters": {"type": "object"}}}]
+    seen = []
+    for i in range(steps):
+        if stream:
+            text, calls, usage = "", {}, None
+            for chunk in client.chat.completions.create(
+                messages=messages, stream=True, stream_options={"include_usage": True}, **kw
+            ):
+                usage = chunk.usage.model_dump() if chunk.usage else usage
+                for ch in chunk.choices:
+                    text += ch.delta.content or ""
+                    for tc in ch.delta.tool_calls or ():
+                        c = calls.setdefault(tc.index, {"id": "", "name": "", "arguments": ""})
+                        c["id"] = tc.id or c["id"]
+                        c["name"] += (tc.function.name or "") if tc.function else ""
+                        c["arguments"] += (tc.function.arguments or "") if tc.function else ""
+            tool_calls = [
+                {"id": c["id"], "type": "function", "function": {"name": c["name"], "arguments": c["arguments"]}}
+                for _, c in sorted(calls.items())
+            ]
+            seen.append((text, tool_calls, usage))
+        else:
+            r = client.chat.completions.create(messages=messages, **kw)
+            msg = r.choices[0].message
+            text = msg.content or ""
+            tool_calls = [tc.model_dump() for tc in msg.tool_calls or ()]
+            seen.append((r.id, text, tool_calls, r.usage.model_dump(), r.choices[0].finish_reason))
+        obs = trace.steps[i].observation
+        if tool_calls:
+            messages.append({"role": "assistant", "content": text, "tool_calls": tool_calls})
+            messages.append({"role": "tool", "tool_call_id": tool_calls[0]["id"], "content": obs})
+        else:
+            messages.append({"role": "assistant", "content": text})
+            messages.append({"role": "user", "content": wrap.replace("{obs}", obs)})
+    return seen
+
+
+def _wait_idle(proxy: SpeculatingProxy, upstream: TraceServer, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and upstream.stats.active:
+        time.sleep(0.01)
+
+
+@pytest.mark.parametrize(("tools", "stream"), [(True, True), (False, True), (True, False), (False, False)])
+def test_replies_identical_and_speculation_hits(servers, traces, tools, stream) -> None:
+    trace = traces[1]  # grid-pattern-transform: 13 steps
+    steps = 8
+    up = servers(serve_trace_app([trace], 1.0))
+    direct = run_harness(up.base_url, trace, tools=tools, stream=stream, steps=steps)
+    proxy = proxy_app(up.base_url, drafters=[TruthDrafter(trace)], max_speculative=2)
+    px = servers(proxy)
+    via = run_harness(px.base_url, trace, tools=tools, stream=stream, steps=steps)
+    assert via == direct
+    s = proxy.stats
+    assert s.learned
+    # step 0 and 1 go upstream (nothing learned before request 1); from then on every
+    # request is answered from a speculative request, and the wrong draft is closed
+    assert s.hits == steps - 2, s
+    assert s.speculated >= 2 * (steps - 2)
+    assert s.cancelled + s.wasted >= steps - 2
+    stats = httpx.get(f"{px.url}/aospec/stats").json()
+    assert stats["hits"] == s.hits
+
+
+def test_default_drafters_stay_lossless(servers, traces) -> None:
+    """The real drafters (patterns + cache, fit on the other traces): whatever they hit,
+    the harness sees exactly what it sees without the proxy."""
+    from integrations.proxy import default_drafters
+
+    trace = traces[9]  # train-fasttext: repeated actions
+    up = servers(serve_trace_app([trace], 0.0))
+    direct = run_harness(up.base_url, trace, tools=True, stream=True, steps=20)
+    proxy = proxy_app(up.base_url, drafters=default_drafters([t for t in traces if t is not trace]))
+    px = servers(proxy)
+    assert run_harness(px.base_url, trace, tools=True, stream=True, steps=20) == direct
+    assert proxy.stats.speculated > 0
+    assert proxy.stats.hits + proxy.stats.misses == proxy.stats.speculable
+
+
+def test_raw_bytes_and_headers_pass_through(servers, traces) -> None:
+    trace = traces[0]
+    up = servers(serve_trace_app([trace], 0.0))
+    px = servers(proxy_app(up.base_url))
+    body = {"model": "m", "messages": [{"role": "user", "content": trace.instruction}], "stream": True}
+    a = httpx.post(f"{up.base_url}/chat/completions", json=body)
+    b = httpx.post(f"{px.base_url}/chat/completions", json=body)
+    assert (a.status_code, a.content, a.headers["content-type"]) == (
+        b.status_code,
+        b.content,
+        b.headers["content-type"],
+    )
+    assert httpx.get(f"{px.base_url}/models").content == httpx.get(f"{up.base_url}/models").content
+    # errors come back unchanged: an unknown route, a bad body, an exhausted trace
+    for path, payload in [("/nope", {}), ("/chat/completions", {"x": 1})]:
+        a = httpx.post(up.base_url + path, json=payload)
+        b = httpx.post(px.base_url + path, json=payload)
+        assert (a.status_code, a.content) == (b.status_code, b.content)
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [{"temperature": 0.7}, {"n": 2}, {"extra_body": {"mystery_field": 1}}],
+    ids=["temperature", "n", "unknown-field"],
+)
+def test_pass_through_when_not_lossless(servers, traces, extra) -> None:
+    trace = traces[1]
+    up = servers(serve_trace_app([trace], 0.0))
+    proxy = proxy_app(up.base_url, drafters=[TruthDrafter(trace)])
+    px = servers(proxy)
+    kw = dict(extra)
+    if "temperature" in kw:  # run_harness sets temperature 0; override it
+        pass
+    seen = run_harness(px.base_url, trace, tools=True, stream=False, steps=4, extra=kw)
+    assert len(seen) == 4
+    assert proxy.stats.speculable == 0 and proxy.stats.speculated == 0 and proxy.stats.passthrough == 4
+
+
+def test_speculable_rules() -> None:
+    base = {"model": "m", "messages": [{"role": "user", "content": "x"}]}
+    assert speculable({**base, "temperature": 0})
+    assert speculable({**base, "temperature": 0.0, "n": 1})
+    assert speculable({**base, "temperature": 1, "seed": 7})
+    assert not speculable(base)  # default temperature is 1
+    assert not speculable({**base, "temperature": 0, "n": 2})
+    assert not speculable({**base, "temperature": 0, "foo": 1})
+    assert not speculable({**base, "temperature": 0, "seed": True} | {"temperature": 0.5})
+
+
+def test_upstream_500_and_unreachable(servers) -> None:
+    async def boom(request: Any) -> Any:
+        return JSONResponse({"error": {"message": "kaput", "type": "server_error"}}, status_code=500,
+                            headers={"x-request-id": "req-1"})  # fmt: skip
+
+    up = servers(Starlette(routes=[Route("/v1/chat/completions", boom, methods=["POST"])]))
+    px = servers(proxy_app(up.base_url))
+    body = {"model": "m", "messages": [{"role": "user", "content": "x"}], "temperature": 0}
+    a = httpx.post(f"{up.base_url}/chat/completions", json=body)
+    b = httpx.post(f"{px.base_url}/chat/completions", json=body)
+    assert (b.status_code, b.content, b.headers["x-request-id"]) == (500, a.content, "req-1")
+    client = openai.OpenAI(base_url=px.base_url, api_key="k", max_retries=0)
+    with pytest.raises(openai.InternalServerError) as err:
+        client.chat.completions.create(model="m", messages=body["messages"], temperature=0)
+    assert "kaput" in str(err.value)
+
+    dead = servers(proxy_app("http://127.0.0.1:9/v1"))
+    r = httpx.post(f"{dead.base_url}/chat/completions", json=body)
+    assert r.status_code == 502 and "127.0.0.1:9" in r.json()["error"]["message"]
+
+
+def test_client_disconnect_cancels_upstream(servers, traces) -> None:
+    trace = traces[0]
+    up = servers(serve_trace_app([trace], 50.0))  # a reply takes seconds
+    px = servers(proxy_app(up.base_url))
+    body = {"model": "m", "messages": [{"role": "user", "content": trace.instruction}], "stream": True}
+    with httpx.stream("POST", f"{px.base_url}/chat/completions", json=body) as r:
+        for _ in r.iter_bytes():
+            break  # the first chunk, then hang up
+    deadline = time.monotonic() + 10
+    while up.stats.disconnected == 0 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert up.stats.disconnected == 1 and up.stats.completed == 0
+    assert [o for *_, o in up.stats.log] == ["disconnected"]
+
+
+def test_answered_mid_stream(servers, traces) -> None:
+    """A slow upstream: the real request arrives while its speculative twin is still
+    streaming; it gets what was received at once and the rest live, byte for byte."""
+    trace = traces[1]
+    up = servers(serve_trace_app([trace], 5.0))
+    direct = run_harness(up.base_url, trace, tools=True, stream=True, steps=4)
+    proxy = proxy_app(up.base_url, drafters=[TruthDrafter(trace)])
+    px = servers(proxy)
+    assert run_harness(px.base_url, trace, tools=True, stream=True, steps=4) == direct
+    assert proxy.stats.hits == 2 and proxy.stats.midstream_hits >= 1
+    _wait_idle(proxy, up)
+    assert json.loads(httpx.get(f"{px.url}/aospec/stats").content)["hits"] == 2
