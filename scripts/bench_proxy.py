@@ -1,0 +1,169 @@
+#!/usr/bin/env python3
+"""The speculating proxy's latency (issue 12, section 2): a harness loop with the official
+``openai`` SDK against ``aospec serve-trace`` at several TPOTs, directly and through
+``aospec proxy``, byte-identical replies required.
+
+The harness behaves like mini-swe-agent: it sends the growing messages list (temperature
+0, streamed), appends the reply, "runs" the command (sleeps the step's recorded tool time,
+capped at ``--max-tool-s``; the observation is the recorded one, verbatim, as a user
+message) and appends the observation. Per TPOT and trace it runs:
+
+- ``direct``: the harness on serve-trace;
+- ``proxy-passthrough``: through the proxy with speculation off (its overhead);
+- ``proxy``: through the proxy with the ``aospec`` policy's observation drafters (patterns
+  + cache) fitted on the other bundled traces (leave one trace out);
+- ``proxy-oracle``: through the proxy with a drafter that knows the recorded observation
+  (the ceiling of observation speculation across the HTTP boundary, not a real drafter).
+
+It fails unless every proxied run saw exactly the replies the direct run saw (text, tool
+calls, usage). Figures are wall-clock seconds of the whole loop.
+
+Usage:
+  .venv/bin/python scripts/bench_proxy.py [--tpot 20 10 1] [--traces 3] [--steps 8] [--json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from collections.abc import Sequence
+from contextlib import ExitStack
+from typing import Any
+
+import openai
+
+from aospec.protocols import ObservationDraft
+from aospec.types import Action, History, Trace
+from integrations.proxy import default_drafters, proxy_app
+from live.serve_trace import serve_trace_app, serving
+from replay import bundled_traces_path, load_traces
+
+
+class OracleDrafter:
+    """The recorded observation of the step (an upper bound, not a real drafter)."""
+
+    def __init__(self, trace: Trace) -> None:
+        self.trace = trace
+
+    async def draft(self, history: History, action: Action, n: int) -> Sequence[ObservationDraft]:
+        i = len(history)
+        return [ObservationDraft(self.trace.steps[i].observation, 1.0)] if i < len(self.trace.steps) else []
+
+
+def harness(base_url: str, trace: Trace, steps: int, max_tool_s: float) -> tuple[float, list[Any]]:
+    client = openai.OpenAI(base_url=base_url, api_key="sk-bench", max_retries=0)
+    messages: list[dict[str, Any]] = [
+        {"role": "system", "content": "You are a shell agent."},
+        {"role": "user", "content": trace.instruction or trace.task},
+    ]
+    seen = []
+    start = time.perf_counter()
+    for i in range(min(steps, len(trace.steps))):
+        text, usage = "", None
+        for chunk in client.chat.completions.create(
+            model="m", messages=messages, temperature=0, stream=True, stream_options={"include_usage": True}
+        ):
+            usage = chunk.usage.model_dump() if chunk.usage else usage
+            for ch in chunk.choices:
+                text += ch.delta.content or ""
+        seen.append((text, usage))
+        step = trace.steps[i]
+        time.sleep(min(max_tool_s, step.tool_duration_s or 0.0))
+        messages.append({"role": "assistant", "content": text})
+        messages.append({"role": "user", "content": step.observation})
+    return time.perf_counter() - start, seen
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--tpot", type=float, nargs="+", default=[20.0, 10.0, 1.0], help="ms per output token")
+    ap.add_argument("--traces", type=int, default=3, help="how many bundled traces (fewest output tokens first)")
+    ap.add_argument("--steps", type=int, default=8, help="steps per trace")
+    ap.add_argument("--max-tool-s", type=float, default=1.0, help="cap on each step's tool time (s)")
+    ap.add_argument("--json", action="store_true", help="print one JSON object")
+    args = ap.parse_args(argv)
+
+    all_traces = load_traces(bundled_traces_path())
+    chosen = sorted(all_traces, key=lambda t: sum(s.output_tokens for s in t.steps[: args.steps]))[: args.traces]
+    rows: list[dict[str, Any]] = []
+    for tpot in args.tpot:
+        for trace in chosen:
+            train = [t for t in all_traces if t.task != trace.task]
+            configs: dict[str, Any] = {
+                "direct": None,
+                "proxy-passthrough": (),
+                "proxy": default_drafters(train),
+                "proxy-oracle": (OracleDrafter(trace),),
+            }
+            baseline: list[Any] | None = None
+            for name, drafters in configs.items():
+                with ExitStack() as stack:
+                    up = stack.enter_context(serving(serve_trace_app([trace], tpot)))
+                    proxy = None
+                    url = up.base_url
+                    if drafters is not None:
+                        proxy = proxy_app(up.base_url, drafters=drafters, max_speculative=2)
+                        url = stack.enter_context(serving(proxy)).base_url
+                    wall, seen = harness(url, trace, args.steps, args.max_tool_s)
+                if baseline is None:
+                    baseline = seen
+                elif seen != baseline:
+                    print(f"NOT LOSSLESS: {name} on {trace.id} at tpot {tpot}", file=sys.stderr)
+                    return 1
+                st = proxy.stats if proxy is not None else None
+                rows.append(
+                    {
+                        "tpot_ms": tpot,
+                        "trace": trace.id,
+                        "config": name,
+                        "steps": len(seen),
+                        "wall_s": round(wall, 3),
+                        "hits": st.hits if st else 0,
+                        "midstream_hits": st.midstream_hits if st else 0,
+                        "speculated": st.speculated if st else 0,
+                        "cancelled": st.cancelled if st else 0,
+                    }
+                )
+    summary = []
+    for tpot in args.tpot:
+        base = sum(r["wall_s"] for r in rows if r["tpot_ms"] == tpot and r["config"] == "direct")
+        for name in ("direct", "proxy-passthrough", "proxy", "proxy-oracle"):
+            sel = [r for r in rows if r["tpot_ms"] == tpot and r["config"] == name]
+            wall = sum(r["wall_s"] for r in sel)
+            summary.append(
+                {
+                    "tpot_ms": tpot,
+                    "config": name,
+                    "wall_s": round(wall, 3),
+                    "saving_pct": round(100 * (base - wall) / base, 1) if base else 0.0,
+                    "hits": sum(r["hits"] for r in sel),
+                    "requests": sum(r["steps"] for r in sel),
+                    "speculated": sum(r["speculated"] for r in sel),
+                }
+            )
+    out = {
+        "traces": [t.id for t in chosen],
+        "steps": args.steps,
+        "max_tool_s": args.max_tool_s,
+        "lossless": True,
+        "summary": summary,
+        "runs": rows,
+    }
+    if args.json:
+        print(json.dumps(out, indent=2))
+        return 0
+    print(f"traces: {', '.join(out['traces'])}; {args.steps} steps each; tool time capped at {args.max_tool_s} s")
+    print(f"{'tpot ms':>8} {'config':<18} {'wall s':>8} {'saving':>8} {'hits':>9} {'speculated':>10}")
+    for s in summary:
+        print(
+            f"{s['tpot_ms']:>8g} {s['config']:<18} {s['wall_s']:>8.2f} {s['saving_pct']:>7.1f}% "
+            f"{s['hits']:>4}/{s['requests']:<4} {s['speculated']:>10}"
+        )
+    print("all proxied runs saw byte-identical replies (text and usage) to the direct runs")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
