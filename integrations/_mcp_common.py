@@ -1,0 +1,207 @@
+"""What the MCP sandbox server and the MCP proxy share: the call predictors, the
+arrival-order gate, the trust configuration and the result helpers.
+
+Predictors propose the calls likely to come next; the server runs them speculatively
+(in sandbox forks, or against the upstream at the current state epoch) and serves a
+result only when the real call matches (same tool, same canonical arguments: the
+:attr:`aospec.types.Action.key`) and the state it ran on is still the committed one.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import Counter, OrderedDict
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import anyio
+import mcp_types as types
+
+from aospec.types import Action
+
+__all__ = [
+    "ArrivalGate",
+    "Predictor",
+    "RepeatPredictor",
+    "TransitionPredictor",
+    "combine",
+    "error_result",
+    "load_transitions",
+    "load_trust",
+    "result_meta",
+    "text_result",
+]
+
+#: The key of aospec's entry in a CallToolResult's ``_meta``.
+META_KEY = "aospec"
+
+
+class ArrivalGate:
+    """Executes calls one at a time, in the order their handlers were entered.
+
+    The MCP SDK starts one task per incoming request, in the order the transport delivered
+    them; the first thing each tools/call handler does is take a ticket here, so calls
+    run in delivery order (anyio's Lock wakes waiters first-come first-served)."""
+
+    def __init__(self) -> None:
+        self._lock = anyio.Lock()
+        self.tickets = 0
+
+    async def __aenter__(self) -> int:
+        self.tickets += 1
+        ticket = self.tickets
+        await self._lock.acquire()
+        return ticket
+
+    async def __aexit__(self, *exc: object) -> None:
+        self._lock.release()
+
+
+# -- results ---------------------------------------------------------------------------------
+
+
+def text_result(text: str, *, is_error: bool = False) -> types.CallToolResult:
+    return types.CallToolResult(content=[types.TextContent(text=text)], is_error=is_error)
+
+
+def error_result(message: str) -> types.CallToolResult:
+    """A tool error (``isError: true``): the model sees the message, the call failed."""
+    return text_result(message, is_error=True)
+
+
+def result_meta(result: types.CallToolResult, **fields: Any) -> types.CallToolResult:
+    """A copy of ``result`` with aospec's fields under ``_meta.aospec`` (clients ignore it)."""
+    meta = dict(result.meta or {})
+    meta[META_KEY] = {**meta.get(META_KEY, {}), **fields}
+    return result.model_copy(update={"meta": meta})
+
+
+# -- predictors ------------------------------------------------------------------------------
+
+#: A predictor: given the call just committed (None before the first), the calls to run
+#: speculatively next, most likely first.
+Predictor = Callable[[Action | None], list[Action]]
+
+
+class RepeatPredictor:
+    """Speculates the ``k`` most recently used distinct calls that ``eligible`` accepts
+    (read-only ones by default): agents re-read the same files and re-run the same tests
+    and listings after every edit. Call ``observe`` with every committed call."""
+
+    def __init__(self, eligible: Callable[[Action], bool], k: int = 2, memory: int = 64) -> None:
+        self.eligible = eligible
+        self.k = k
+        self.memory = memory
+        self._recent: OrderedDict[str, Action] = OrderedDict()
+
+    def observe(self, action: Action) -> None:
+        if not self.eligible(action):
+            return
+        self._recent.pop(action.key, None)
+        self._recent[action.key] = action
+        while len(self._recent) > self.memory:
+            self._recent.popitem(last=False)
+
+    def __call__(self, last: Action | None) -> list[Action]:
+        if last is not None:
+            self.observe(last)
+        return list(reversed(self._recent.values()))[: self.k]
+
+
+class TransitionPredictor:
+    """A first-order transition table: after call A, speculate the calls that followed A
+    most often (``table[A.key]``, most frequent first, at most ``k``)."""
+
+    def __init__(self, table: Mapping[str, Sequence[Action]], k: int = 2) -> None:
+        self.table = {key: list(v) for key, v in table.items()}
+        self.k = k
+
+    @classmethod
+    def fit(cls, sequences: Iterable[Sequence[Action]], k: int = 2) -> TransitionPredictor:
+        """Count transitions in ``sequences`` (e.g. the actions of recorded traces)."""
+        counts: dict[str, Counter[str]] = {}
+        actions: dict[str, Action] = {}
+        for seq in sequences:
+            prev: Action | None = None
+            for action in seq:
+                if action.is_none:
+                    prev = None
+                    continue
+                actions[action.key] = action
+                if prev is not None:
+                    counts.setdefault(prev.key, Counter())[action.key] += 1
+                prev = action
+        table = {
+            key: [actions[nk] for nk, _ in sorted(c.items(), key=lambda kv: (-kv[1], kv[0]))[:k]]
+            for key, c in counts.items()
+        }
+        return cls(table, k)
+
+    def __call__(self, last: Action | None) -> list[Action]:
+        if last is None:
+            return []
+        return self.table.get(last.key, [])[: self.k]
+
+
+def combine(*predictors: Predictor, k: int) -> Predictor:
+    """The predictors' proposals in order, without repeats, at most ``k``."""
+
+    def predict(last: Action | None) -> list[Action]:
+        out: dict[str, Action] = {}
+        for p in predictors:
+            for a in p(last):
+                out.setdefault(a.key, a)
+        return list(out.values())[:k]
+
+    return predict
+
+
+def load_transitions(path: str | Path, k: int) -> TransitionPredictor:
+    """A transition table from a JSON file: a list of ``{"after": ACTION, "next": [ACTION,
+    ...]}`` where an ACTION is ``{"tool": NAME, "args": {...}}``."""
+    data = json.loads(Path(path).read_text())
+    if not isinstance(data, list):
+        raise ValueError(f"{path}: a transition file is a JSON list of {{after, next}} objects")
+    table: dict[str, list[Action]] = {}
+    for i, row in enumerate(data):
+        if not isinstance(row, Mapping) or set(row) != {"after", "next"} or not isinstance(row["next"], list):
+            raise ValueError(f"{path}: entry {i} must be an object with exactly 'after' and 'next' (a list)")
+        after = Action.from_json(row["after"])
+        table.setdefault(after.key, []).extend(Action.from_json(a) for a in row["next"])
+    return TransitionPredictor(table, k)
+
+
+def fit_from_traces(paths: Sequence[str], k: int) -> TransitionPredictor:
+    """A transition table counted from aospec traces (any format ``aospec traces`` reads)."""
+    from replay.io import load_traces
+
+    traces = load_traces(list(paths))
+    return TransitionPredictor.fit(([s.action for s in t.steps] for t in traces), k)
+
+
+# -- trust -----------------------------------------------------------------------------------
+
+_TRUST_KEYS = {"readOnly", "openWorld"}
+
+
+def load_trust(path: str | Path) -> frozenset[str]:
+    """The tools a trusted configuration allows to speculate.
+
+    The file is JSON: ``{"tools": {"NAME": {"readOnly": true, "openWorld": false}, ...}}``
+    with NAME the tool's name as the proxy lists it. A tool is speculated only when its
+    entry says ``readOnly: true`` AND ``openWorld: false`` (both explicit); the upstream's
+    own annotations are never consulted for this. Unknown keys are an error."""
+    data = json.loads(Path(path).read_text())
+    if not isinstance(data, Mapping) or set(data) - {"tools"} or not isinstance(data.get("tools", {}), Mapping):
+        raise ValueError(f'{path}: a trust file is {{"tools": {{NAME: {{"readOnly": ..., "openWorld": ...}}}}}}')
+    trusted = set()
+    for name, entry in data.get("tools", {}).items():
+        if not isinstance(entry, Mapping) or set(entry) - _TRUST_KEYS:
+            raise ValueError(f"{path}: tool {name!r}: allowed keys are {sorted(_TRUST_KEYS)}")
+        for key in entry:
+            if not isinstance(entry[key], bool):
+                raise ValueError(f"{path}: tool {name!r}: {key!r} must be true or false")
+        if entry.get("readOnly") is True and entry.get("openWorld") is False:
+            trusted.add(name)
+    return frozenset(trusted)

@@ -1,0 +1,535 @@
+"""``aospec mcp``: an MCP tool server whose tool calls are co-speculated (docs/integrations.md).
+
+Sandbox mode (the default) serves four tools on one committed aospec sandbox:
+
+- ``bash(command)``: run a shell command (bash in the sandbox, working directory the
+  sandbox's ``workdir``, default ``/``); the result is the interleaved stdout and stderr,
+  followed by ``[exit status N]`` when N is not 0 and ``[timed out after S s]`` on a
+  timeout. A failing command is a normal result, not a tool error.
+- ``read_file(path)``: a UTF-8 text file's content. ``path`` is a sandbox path (relative
+  ones resolve against ``workdir``; symlinks and ``..`` never leave the sandbox). Errors:
+  missing, a directory, not UTF-8, more than :data:`MAX_READ_BYTES`.
+- ``write_file(path, content)``: create or truncate ``path`` and write ``content``
+  (at most :data:`MAX_WRITE_BYTES` of UTF-8); the parent directory must exist; an existing
+  file keeps its mode, a new one gets 0644.
+- ``edit_file(path, old_str, new_str)``: exact string replacement: ``old_str`` (not empty)
+  must occur exactly once in the file, else a tool error saying how often it occurs.
+
+Every error is an MCP tool error (``isError: true``) with a one-line message.
+
+Speculation: after each committed call the predictor proposes likely next calls; each
+runs in a copy-on-write fork of the committed sandbox. A ``tools/call`` whose action key
+(tool + canonical JSON arguments) equals a speculated call's AND whose fork's origin
+version equals the committed version (JASV) is answered with the fork's result and the
+fork is committed (its state becomes the committed state, for writing tools too);
+anything else runs on the committed sandbox. Forks whose origin is no longer the committed
+version are discarded after every call.
+
+Concurrency: all clients (and all sessions, over HTTP) share the one committed sandbox.
+Calls are executed one at a time in the order the server received them (the order their
+handlers started, which is the transport's delivery order); a call's result reflects every
+call received before it and none received after it. ``tools/list`` never waits.
+
+Proxy mode (``--upstream``): see ``integrations/_mcp_proxy.py``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import posixpath
+import signal
+import socket
+import sys
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import anyio
+import mcp_types as types
+
+from aospec.effects import classify_command
+from aospec.errors import SandboxError
+from aospec.types import Action, Effect
+from integrations._mcp_common import (
+    ArrivalGate,
+    Predictor,
+    RepeatPredictor,
+    combine,
+    error_result,
+    fit_from_traces,
+    load_transitions,
+    result_meta,
+    text_result,
+)
+
+__all__ = [
+    "MAX_READ_BYTES",
+    "MAX_WRITE_BYTES",
+    "SANDBOX_TOOLS",
+    "SandboxToolServer",
+    "build_server",
+    "register",
+]
+
+MAX_READ_BYTES = 1 << 20  # read_file refuses larger files (use bash: head, sed -n)
+MAX_WRITE_BYTES = 1 << 20  # write_file/edit_file refuse larger contents
+MAX_COMMAND_CHARS = 1 << 16
+
+
+def _tool(name: str, description: str, props: dict[str, Any], ann: types.ToolAnnotations) -> types.Tool:
+    return types.Tool(
+        name=name,
+        description=description,
+        input_schema={"type": "object", "properties": props, "required": list(props), "additionalProperties": False},
+        annotations=ann,
+    )
+
+
+_STR = {"type": "string"}
+
+#: The sandbox tools and their annotations. Every tool is closed-world (the sandbox has no
+#: network unless configured, and sees no host path but declared binds).
+SANDBOX_TOOLS: tuple[types.Tool, ...] = (
+    _tool(
+        "bash",
+        "Run a shell command in the sandbox; returns its output (stdout and stderr), then "
+        "[exit status N] when it is not 0.",
+        {"command": {**_STR, "description": "the command line (bash)"}},
+        types.ToolAnnotations(
+            read_only_hint=False, destructive_hint=True, idempotent_hint=False, open_world_hint=False
+        ),
+    ),
+    _tool(
+        "read_file",
+        "Read a UTF-8 text file in the sandbox (at most 1 MiB).",
+        {"path": {**_STR, "description": "path in the sandbox (relative to the working directory)"}},
+        types.ToolAnnotations(read_only_hint=True, destructive_hint=False, idempotent_hint=True, open_world_hint=False),
+    ),
+    _tool(
+        "write_file",
+        "Create or overwrite a text file in the sandbox (the parent directory must exist).",
+        {"path": _STR, "content": _STR},
+        types.ToolAnnotations(read_only_hint=False, destructive_hint=True, idempotent_hint=True, open_world_hint=False),
+    ),
+    _tool(
+        "edit_file",
+        "Replace the one occurrence of old_str in a file with new_str (old_str must occur exactly once).",
+        {"path": _STR, "old_str": _STR, "new_str": _STR},
+        types.ToolAnnotations(
+            read_only_hint=False, destructive_hint=True, idempotent_hint=False, open_world_hint=False
+        ),
+    ),
+)
+_SCHEMAS = {t.name: t.input_schema["properties"] for t in SANDBOX_TOOLS}
+
+
+class ToolArgumentError(ValueError):
+    """Arguments that do not fit the tool's schema (an MCP tool error)."""
+
+
+def check_args(tool: str, args: dict[str, Any]) -> None:
+    props = _SCHEMAS.get(tool)
+    if props is None:
+        raise ToolArgumentError(f"unknown tool {tool!r}; the tools are {', '.join(sorted(_SCHEMAS))}")
+    missing = [k for k in props if k not in args]
+    extra = [k for k in args if k not in props]
+    if missing or extra:
+        raise ToolArgumentError(
+            f"{tool}: "
+            + "; ".join(
+                ([f"missing argument(s) {', '.join(missing)}"] if missing else [])
+                + ([f"unknown argument(s) {', '.join(extra)}"] if extra else [])
+            )
+        )
+    for k in props:
+        if not isinstance(args[k], str):
+            raise ToolArgumentError(f"{tool}: argument {k!r} must be a string")
+
+
+def read_only(action: Action) -> bool:
+    """Calls that never change the sandbox: read_file, and bash commands aospec's effect
+    rules classify read-only."""
+    if action.tool == "read_file":
+        return True
+    return action.command is not None and classify_command(action.command) is Effect.READ_ONLY
+
+
+async def run_tool(sb: Any, action: Action, *, workdir: str, timeout_s: float | None) -> types.CallToolResult:
+    """Execute ``action`` on sandbox ``sb`` (the committed one or a fork)."""
+    args = dict(action.args)
+    try:
+        check_args(action.tool, args)
+    except ToolArgumentError as exc:
+        return error_result(str(exc))
+    try:
+        if action.tool == "bash":
+            command = args["command"]
+            if len(command) > MAX_COMMAND_CHARS:
+                return error_result(f"bash: the command is longer than {MAX_COMMAND_CHARS} characters")
+            r = await sb.run(command, timeout=timeout_s)
+            text = r.output
+            if r.timed_out:
+                text += ("" if not text or text.endswith("\n") else "\n") + f"[timed out after {timeout_s or 'the'} s]"
+            elif r.returncode != 0:
+                text += ("" if not text or text.endswith("\n") else "\n") + f"[exit status {r.returncode}]"
+            if r.truncated:
+                text += "\n[the middle of the output was truncated]"
+            out = text_result(text)
+            return out.model_copy(update={"meta": {"aospec": {"timed_out": r.timed_out}}}) if r.timed_out else out
+        path = posixpath.join(workdir, args["path"])
+        if action.tool == "write_file":
+            data = args["content"].encode()
+            if len(data) > MAX_WRITE_BYTES:
+                return error_result(
+                    f"write_file: the content is {len(data)} bytes, over the {MAX_WRITE_BYTES}-byte limit"
+                )
+            await sb.write_file(path, data)
+            return text_result(f"wrote {len(data)} bytes to {args['path']}")
+        raw = await sb.read_file(path)
+        if len(raw) > MAX_READ_BYTES:
+            return error_result(
+                f"{action.tool}: {args['path']} is {len(raw)} bytes, over the {MAX_READ_BYTES}-byte limit "
+                "(use bash: head, tail, sed -n)"
+            )
+        try:
+            text = raw.decode()
+        except UnicodeDecodeError:
+            return error_result(f"{action.tool}: {args['path']} is not UTF-8 text")
+        if action.tool == "read_file":
+            return text_result(text)
+        old, new = args["old_str"], args["new_str"]
+        if not old:
+            return error_result("edit_file: old_str must not be empty")
+        n = text.count(old)
+        if n != 1:
+            where = "does not occur" if n == 0 else f"occurs {n} times"
+            return error_result(f"edit_file: old_str {where} in {args['path']}; it must occur exactly once")
+        data = text.replace(old, new, 1).encode()
+        if len(data) > MAX_WRITE_BYTES:
+            return error_result(f"edit_file: the result is {len(data)} bytes, over the {MAX_WRITE_BYTES}-byte limit")
+        await sb.write_file(path, data)
+        return text_result(f"edited {args['path']}")
+    except (SandboxError, OSError) as exc:
+        msg = str(exc) if isinstance(exc, SandboxError) else f"{args.get('path', '')}: {exc.strerror or exc}"
+        return error_result(f"{action.tool}: {msg}")
+
+
+@dataclass
+class _Spec:
+    """One speculative call: ``action`` running in ``fork``, forked at ``origin``."""
+
+    action: Action
+    origin: str
+    scope: anyio.CancelScope = field(default_factory=anyio.CancelScope)
+    done: anyio.Event = field(default_factory=anyio.Event)
+    fork: Any = None
+    result: types.CallToolResult | None = None
+    taken: bool = False
+
+
+@dataclass
+class Stats:
+    calls: int = 0  # tools/call requests executed
+    served_speculated: int = 0  # answered from a fork that JASV accepted
+    ran_committed: int = 0  # run on the committed sandbox
+    launched: int = 0  # speculative calls started
+    stale_discarded: int = 0  # forks thrown away because the committed version moved
+    wasted: int = 0  # speculative forks that ran but whose result was not used (incl. stale)
+
+    def as_dict(self) -> dict[str, int]:
+        return dict(self.__dict__)
+
+
+class SandboxToolServer:
+    """The sandbox tools on one committed sandbox, with speculative forks (see module doc)."""
+
+    def __init__(
+        self,
+        root: Any,
+        tg: anyio.abc.TaskGroup,
+        *,
+        predictor: Predictor | None,
+        max_forks: int = 4,
+        workdir: str = "/",
+        timeout_s: float | None = None,
+        on_commit: Callable[[Action], None] | None = None,
+    ) -> None:
+        self.root = root
+        self.tg = tg
+        self.predictor = predictor
+        self.max_forks = max_forks
+        self.workdir = workdir
+        self.timeout_s = timeout_s
+        self.gate = ArrivalGate()
+        self.stats = Stats()
+        self._specs: dict[tuple[str, str], _Spec] = {}
+
+    async def list_tools(self) -> list[types.Tool]:
+        return list(SANDBOX_TOOLS)
+
+    async def call(self, name: str, arguments: dict[str, Any] | None) -> types.CallToolResult:
+        try:
+            action = Action(name, arguments or {})
+        except (ValueError, TypeError) as exc:
+            return error_result(f"invalid call: {exc}")
+        async with self.gate:
+            self.stats.calls += 1
+            origin = self.root.version
+            spec = self._specs.pop((origin, action.key), None)
+            result: types.CallToolResult | None = None
+            if spec is not None:
+                spec.taken = True
+                await spec.done.wait()
+                if spec.result is not None and spec.fork is not None and self.root.version == spec.origin:
+                    await self.root.commit(spec.fork)  # JASV accepted: the fork's state is the state
+                    spec.fork = None
+                    result = spec.result
+                    self.stats.served_speculated += 1
+                    speculated = True
+                else:
+                    await self._drop(spec)
+            if result is None:
+                speculated = False
+                self.stats.ran_committed += 1
+                result = await run_tool(self.root, action, workdir=self.workdir, timeout_s=self.timeout_s)
+            await self._prune()
+            self._speculate(action)
+            return result_meta(
+                result, speculated=speculated, origin=origin, version=self.root.version, stats=self.stats.as_dict()
+            )
+
+    # -- speculation ---------------------------------------------------------------------------
+
+    async def _prune(self) -> None:
+        version = self.root.version
+        for key in [k for k in self._specs if k[0] != version]:
+            spec = self._specs.pop(key)
+            self.stats.stale_discarded += 1
+            await self._drop(spec)
+
+    async def _drop(self, spec: _Spec) -> None:
+        spec.scope.cancel()
+        if spec.done.is_set():
+            self.stats.wasted += 1
+            if spec.fork is not None:
+                fork, spec.fork = spec.fork, None
+                await fork.discard()
+        # a running spec discards its own fork when its scope is cancelled
+
+    def _speculate(self, last: Action) -> None:
+        if self.predictor is None:
+            return
+        version = self.root.version
+        for action in self.predictor(last):
+            if len(self._specs) >= self.max_forks:
+                break
+            key = (version, action.key)
+            if key in self._specs:
+                continue
+            spec = _Spec(action, version)
+            self._specs[key] = spec
+            self.stats.launched += 1
+            self.tg.start_soon(self._run_spec, spec)
+
+    async def _run_spec(self, spec: _Spec) -> None:
+        fork = None
+        try:
+            with spec.scope:
+                fork = await self.root.fork()
+                if fork.version != spec.origin:
+                    return  # the committed state moved before the fork was made
+                result = await run_tool(fork, spec.action, workdir=self.workdir, timeout_s=self.timeout_s)
+                if (result.meta or {}).get("aospec", {}).get("timed_out"):
+                    return  # a timeout depends on the machine's load, not on the state: rerun
+                spec.result, spec.fork, fork = result, fork, None
+        except Exception as exc:  # a failed speculation is only a missed chance
+            print(f"aospec mcp: speculative {spec.action.tool} failed: {exc}", file=sys.stderr)
+        finally:
+            if fork is not None:
+                with anyio.CancelScope(shield=True):
+                    await fork.discard()
+            spec.done.set()
+            if spec.scope.cancel_called and spec.fork is not None:
+                with anyio.CancelScope(shield=True):
+                    await spec.fork.discard()
+                spec.fork = None
+
+    async def aclose(self) -> None:
+        for spec in list(self._specs.values()):
+            await self._drop(spec)
+        self._specs.clear()
+
+
+# -- the MCP server --------------------------------------------------------------------------
+
+
+class ToolBackend:  # the structural seam between build_server and the two modes
+    list_tools: Callable[[], Awaitable[list[types.Tool]]]
+    call: Callable[[str, dict[str, Any] | None], Awaitable[types.CallToolResult]]
+
+
+def build_server(backend: Any, name: str = "aospec") -> Any:
+    """An MCP low-level Server answering tools/list and tools/call from ``backend``."""
+    from mcp.server.lowlevel import Server
+
+    async def on_list_tools(ctx: Any, params: Any) -> types.ListToolsResult:
+        return types.ListToolsResult(tools=await backend.list_tools())
+
+    async def on_call_tool(ctx: Any, params: types.CallToolRequestParams) -> types.CallToolResult:
+        return await backend.call(params.name, params.arguments)
+
+    return Server(name, on_list_tools=on_list_tools, on_call_tool=on_call_tool)
+
+
+async def serve_stdio(server: Any) -> None:
+    from mcp.server.stdio import stdio_server
+
+    async with stdio_server() as (read, write):
+        await server.run(read, write, server.create_initialization_options())
+
+
+async def serve_http(server: Any, host: str, port: int) -> None:
+    """Streamable HTTP at ``http://HOST:PORT/mcp`` (port 0: any free port; the URL is
+    printed on stderr as ``aospec mcp: listening on URL``)."""
+    import uvicorn
+
+    app = server.streamable_http_app(host=host)
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    sock.listen(128)
+    sock.setblocking(False)
+    bound = sock.getsockname()[1]
+    config = uvicorn.Config(app, log_level="warning", lifespan="on")
+    userver = uvicorn.Server(config)
+    print(f"aospec mcp: listening on http://{host}:{bound}/mcp", file=sys.stderr, flush=True)
+    try:
+        await userver.serve(sockets=[sock])
+    finally:
+        sock.close()
+
+
+@contextlib.asynccontextmanager
+async def _sandbox_backend(args: argparse.Namespace) -> AsyncIterator[SandboxToolServer]:
+    from runtime import open_sandbox
+
+    overrides: dict[str, Any] = {"backend": args.backend, "base": args.base}
+    if args.state:
+        overrides["state_dir"] = args.state
+    if args.timeout is not None:
+        overrides["timeout_s"] = args.timeout
+    predictor = _predictor(args, eligible=read_only)
+    async with open_sandbox(**overrides) as root, anyio.create_task_group() as tg:
+        backend = SandboxToolServer(
+            root,
+            tg,
+            predictor=predictor,
+            max_forks=args.max_forks,
+            workdir=root.store.config.workdir,
+            timeout_s=args.timeout,
+        )
+        try:
+            yield backend
+        finally:
+            with anyio.CancelScope(shield=True):
+                await backend.aclose()
+            tg.cancel_scope.cancel()
+        if args.stats:
+            print(f"aospec mcp: {backend.stats.as_dict()}", file=sys.stderr)
+
+
+def _predictor(args: argparse.Namespace, eligible: Callable[[Action], bool]) -> Predictor | None:
+    if args.no_speculate:
+        return None
+    parts: list[Predictor] = []
+    if args.predict_file:
+        parts.append(load_transitions(args.predict_file, args.speculate))
+    if args.train_traces:
+        parts.append(fit_from_traces(args.train_traces, args.speculate))
+    if args.predict in ("repeat", "both") or (args.predict == "auto" and not parts):
+        parts.append(RepeatPredictor(eligible, k=args.speculate))
+    if not parts:
+        return None
+    return combine(*parts, k=args.speculate)
+
+
+async def _serve(args: argparse.Namespace) -> None:
+    if args.upstream:
+        from integrations._mcp_proxy import open_proxy
+
+        opener: Any = open_proxy(args, _predictor)
+    else:
+        opener = _sandbox_backend(args)
+    async with opener as backend, anyio.create_task_group() as tg:
+
+        async def on_signal() -> None:
+            with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+                async for _ in signals:
+                    tg.cancel_scope.cancel()
+                    return
+
+        tg.start_soon(on_signal)
+        server = build_server(backend)
+        if args.http is not None:
+            await serve_http(server, args.host, args.http)
+        else:
+            await serve_stdio(server)
+        tg.cancel_scope.cancel()
+
+
+def _run(args: argparse.Namespace) -> int:
+    if args.upstream and (args.state or args.backend != "overlay" or args.base != "busybox"):
+        print(
+            "aospec mcp: --state, --backend and --base apply to the sandbox tools, not to --upstream", file=sys.stderr
+        )
+        return 2
+    if args.upstream and not args.trust and not args.no_speculate:
+        print("aospec mcp: note: no --trust file, so no upstream tool is speculated", file=sys.stderr)
+    try:
+        anyio.run(_serve, args)
+    except KeyboardInterrupt:
+        return 130
+    except (OSError, ValueError, SandboxError, ConnectionError) as exc:
+        print(f"aospec mcp: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def register(subparsers: Any) -> None:
+    p = subparsers.add_parser(
+        "mcp",
+        help="an MCP server of sandbox tools (or a proxy of other MCP servers) with speculative tool calls",
+        description="Serve bash, read_file, write_file and edit_file on a copy-on-write aospec sandbox over MCP "
+        "(stdio by default, or streamable HTTP), speculating likely next calls in forks; or, with --upstream, "
+        "proxy other MCP servers and speculate the calls a --trust file marks read-only and closed-world.",
+    )
+    t = p.add_mutually_exclusive_group()
+    t.add_argument("--stdio", action="store_true", help="serve on stdin/stdout (the default)")
+    t.add_argument("--http", type=int, metavar="PORT", help="serve streamable HTTP at http://HOST:PORT/mcp (0: any)")
+    p.add_argument("--host", default="127.0.0.1", help="address for --http (default 127.0.0.1)")
+    p.add_argument("--backend", default="overlay", help="sandbox backend: overlay (default) or docker")
+    p.add_argument("--base", default="busybox", help="sandbox base (default busybox)")
+    p.add_argument("--state", metavar="DIR", help="a persistent sandbox state directory (kept on exit)")
+    p.add_argument("--timeout", type=float, default=None, metavar="S", help="per-command timeout of bash")
+    p.add_argument(
+        "--upstream",
+        action="append",
+        metavar="CMD_OR_URL",
+        help="proxy this MCP server (a command line run over stdio, or an http(s):// streamable HTTP URL); repeatable",
+    )
+    p.add_argument("--trust", metavar="FILE", help="JSON naming the upstream tools that are read-only and closed-world")
+    p.add_argument("--no-speculate", action="store_true", help="never speculate (plain serial server)")
+    p.add_argument("--speculate", type=int, default=2, metavar="K", help="speculative calls after each call (2)")
+    p.add_argument("--max-forks", type=int, default=4, metavar="N", help="live speculative calls at most (4)")
+    p.add_argument(
+        "--predict",
+        choices=("auto", "repeat", "table", "both"),
+        default="auto",
+        help="repeat: recent read-only calls; table: only --predict-file/--train-traces; "
+        "both; auto (default): repeat unless a table is given",
+    )
+    p.add_argument("--predict-file", metavar="FILE", help="a JSON transition table [{after, next: [...]}]")
+    p.add_argument("--train-traces", action="append", metavar="PATH", help="fit a transition table from traces")
+    p.add_argument("--stats", action="store_true", help="print speculation counters on stderr at exit")
+    p.set_defaults(func=_run)
