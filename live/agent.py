@@ -120,7 +120,8 @@ def serial_config() -> EngineConfig:
 
 class FormatErrorSandbox:
     """A sandbox (and, through ``fork``, each of its forks) whose answer to
-    ``Action.none()`` is ``format_error``; everything else goes to ``inner``."""
+    ``Action.none()`` (or to a tool call of another tool than ``bash``) is
+    ``format_error``; everything else goes to ``inner``."""
 
     def __init__(self, inner: Sandbox, format_error: str) -> None:
         self.inner = inner
@@ -131,7 +132,9 @@ class FormatErrorSandbox:
         return self.inner.version
 
     async def execute(self, action: Action) -> str:
-        if action.is_none:
+        if action.is_none or action.command is None:
+            # No action, or a tool call of a tool other than bash (mini-swe-agent 2.x answers
+            # an unknown tool with its format error too): nothing runs.
             return self.format_error
         return await self.inner.execute(action)
 

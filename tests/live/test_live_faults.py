@@ -131,7 +131,7 @@ async def _run(
 ) -> tuple[Any, OpenAIChatActor]:
     actor = OpenAIChatActor(base_url, "demo", timeout_s=timeout_s, retries=2, backoff_s=0.01)
     try:
-        async with open_sandbox(backend="overlay", base="busybox", timeout_s=20) as sb:
+        async with open_sandbox(backend="overlay", base="busybox", timeout_s=120) as sb:
             rec = TraceRecorder(record, task=TASK, actor_model="demo")
             agent = Agent(actor, sb, speculate=speculate, drafters=drafters, on_step=rec.add)
             result = await agent.run(TASK)
