@@ -31,6 +31,7 @@ from __future__ import annotations
 import enum
 import itertools
 import logging
+import numbers
 from collections.abc import Sequence
 from contextlib import aclosing
 from dataclasses import dataclass, field
@@ -928,7 +929,8 @@ class Session:
 
 
 def _valid_probability(p: object) -> bool:
-    return isinstance(p, (int, float)) and not isinstance(p, bool) and 0.0 <= p <= 1.0  # NaN fails both
+    # numbers.Real: numpy scalars too; NaN fails both comparisons
+    return isinstance(p, numbers.Real) and not isinstance(p, bool) and 0.0 <= p <= 1.0
 
 
 def _draft_problem(d: object, kind: type) -> str | None:
@@ -945,7 +947,7 @@ def _draft_problem(d: object, kind: type) -> str | None:
         assert isinstance(d, ActionDraft)
         if not isinstance(d.action, Action):
             return f"action is {type(d.action).__name__}, not Action"
-        if not isinstance(d.offset, int) or isinstance(d.offset, bool) or d.offset < 0:
+        if not isinstance(d.offset, numbers.Integral) or isinstance(d.offset, bool) or d.offset < 0:
             return f"offset {d.offset!r} is not an integer >= 0"
     if not _valid_probability(d.probability):
         return f"probability {d.probability!r} is not in [0, 1]"
