@@ -14,8 +14,10 @@ yields ``(item, result)`` as each item completes) with Ray actors::
   the driver holds only their references: memory on the driver stays bounded however
   many items there are. Results stream back as they finish (``ray.wait``).
 - A failed item is retried once (on a fresh actor when its actor died: a lost node, an
-  out-of-memory kill); a second failure raises :class:`SweepTaskError`, naming the trace,
-  the policies and the TPOTs of the item (for a job that is not a SweepJob: the item).
+  out-of-memory kill); a second failure raises :class:`replay.executors.SweepTaskError`,
+  naming the trace, and the policy and TPOT that failed (every policy and TPOT of the item
+  when the failure was outside a replay; for a job that is not a SweepJob: the item), as
+  the local executors do.
 
 ``address``: ``None`` uses the Ray this process is connected to, else starts a local one
 (``ray.init()``); ``"auto"`` or ``"ray://HOST:PORT"`` connect to a cluster. Ray is an
@@ -29,33 +31,17 @@ from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, TypeVar
 
-from aospec.errors import AospecError, ConfigError, MissingDependencyError
+from aospec.errors import ConfigError, MissingDependencyError
+from replay.executors import SweepTaskError, describe_failure, describe_item
 
-__all__ = ["RayExecutor", "SweepTaskError", "describe_item"]
+__all__ = ["RayExecutor", "SweepTaskError", "describe_item", "require_ray"]
 
 R = TypeVar("R")
 
 
-class SweepTaskError(AospecError):
-    """A sweep item failed twice on Ray; names its trace, policies and TPOTs."""
-
-    def __init__(self, message: str, *, item: int, trace_id: str | None, policies: list[str], tpots_ms: list[float]):
-        super().__init__(message)
-        self.item = item
-        self.trace_id = trace_id
-        self.policies = policies
-        self.tpots_ms = tpots_ms
-
-
-def describe_item(job: Any, item: int) -> tuple[str | None, list[str], list[float]]:
-    """The trace id, policy names and TPOTs of ``job(item)`` (a SweepJob), else (None, [], [])."""
-    try:
-        trace_id = str(job.eval_traces[item].id)
-    except (AttributeError, IndexError, TypeError):
-        return None, [], []
-    policies = [str(getattr(p, "name", p)) for p in getattr(job, "policies", ())]
-    tpots = [float(t) for t in getattr(job, "tpots_ms", ())]
-    return trace_id, policies, tpots
+def require_ray() -> None:
+    """MissingDependencyError (naming ``pip install 'aospec[ray]'``) unless Ray imports."""
+    _ray()
 
 
 def _ray() -> Any:
@@ -171,16 +157,4 @@ class RayExecutor:
 
     @staticmethod
     def _failed(job: Any, item: int, attempts: int, cause: BaseException) -> SweepTaskError:
-        trace_id, policies, tpots = describe_item(job, item)
-        what = (
-            f"trace {trace_id!r}, policies {', '.join(policies)}, TPOTs {', '.join(f'{t:g}' for t in tpots)} ms"
-            if trace_id is not None
-            else f"item {item}"
-        )
-        return SweepTaskError(
-            f"{what}: failed {attempts} times on Ray: {type(cause).__name__}: {cause}",
-            item=item,
-            trace_id=trace_id,
-            policies=policies,
-            tpots_ms=tpots,
-        )
+        return describe_failure(job, item, attempts, cause, " on Ray")

@@ -25,6 +25,7 @@
 
 from __future__ import annotations
 
+from array import array
 from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -80,16 +81,102 @@ def _q(values: Sequence[float], q: float) -> float:
     return float(np.percentile(np.asarray(values, dtype=float), q)) if values else 0.0
 
 
+class _Group:
+    """What a summary needs of one (policy, TPOT)'s results: four numbers per trace (for
+    the means, median and quantiles) and running integer sums; never the records."""
+
+    __slots__ = ("ceilings", "drafter_error", "lat", "savings", "ser", "sums", "traces")
+
+    _SUMMED = (
+        "steps",
+        "actions_executed",
+        "hidden_tool_ns",
+        "hidden_decode_ns",
+        "drafts_hit",
+        "forks_reused",
+        "wasted_tool_ns",
+        "wasted_decode_ns",
+        "forks_launched",
+        "drafts_started",
+        "unknown_tool_steps",
+        "drafts_canonical_hit",
+        "drafter_failures",
+        "overhead_ns",
+    )
+
+    def __init__(self) -> None:
+        self.lat, self.ser, self.savings, self.ceilings = array("d"), array("d"), array("d"), array("d")
+        self.traces = 0
+        self.sums = dict.fromkeys(self._SUMMED, 0)
+        self.drafter_error = ""
+
+    def add(self, r: TraceResult) -> None:
+        self.traces += 1
+        self.lat.append(r.latency_ns * 1e-9)
+        self.ser.append(r.serial_ns * 1e-9)
+        self.savings.append(r.saving)
+        self.ceilings.append(
+            1.0 - r.ceiling_ns / r.serial_ns if r.ceiling_ns >= 0 and r.serial_ns else float("nan")
+        )
+        sums = self.sums
+        for k in self._SUMMED:
+            sums[k] += getattr(r, k)
+        if not self.drafter_error and r.drafter_error:
+            self.drafter_error = r.drafter_error
+
+    def summary(self, policy: str, tpot: float, state_model: str) -> PolicySummary:
+        lat, ser, n = list(self.lat), list(self.ser), self.sums
+        executed = n["actions_executed"] or 1
+        return PolicySummary(
+            policy=policy,
+            tpot_ms=tpot,
+            traces=self.traces,
+            steps=n["steps"],
+            mean_saving=float(np.mean(self.savings)),
+            median_saving=float(np.median(self.savings)),
+            saving_of_total=1.0 - sum(lat) / sum(ser) if sum(ser) else 0.0,
+            serial_total_s=sum(ser),
+            latency_total_s=sum(lat),
+            p50_s=_q(lat, 50),
+            p90_s=_q(lat, 90),
+            p95_s=_q(lat, 95),
+            p99_s=_q(lat, 99),
+            serial_p50_s=_q(ser, 50),
+            serial_p99_s=_q(ser, 99),
+            hidden_tool_s=n["hidden_tool_ns"] * 1e-9,
+            hidden_decode_s=n["hidden_decode_ns"] * 1e-9,
+            obs_hit_rate=n["drafts_hit"] / executed,
+            action_hit_rate=n["forks_reused"] / executed,
+            wasted_tool_s=n["wasted_tool_ns"] * 1e-9,
+            wasted_decode_s=n["wasted_decode_ns"] * 1e-9,
+            forks_launched=n["forks_launched"],
+            drafts_started=n["drafts_started"],
+            mean_ceiling_saving=float(np.mean(self.ceilings)),
+            unknown_tool_steps=n["unknown_tool_steps"],
+            obs_canonical_hit_rate=n["drafts_canonical_hit"] / executed,
+            drafter_failures=n["drafter_failures"],
+            drafter_error=self.drafter_error,
+            overhead_s=n["overhead_ns"] * 1e-9,
+            state_model=state_model,
+        )
+
+
 def summarize(results: Iterable[TraceResult]) -> list[PolicySummary]:
     """One summary per (policy, TPOT), in first-seen policy order, TPOTs descending.
+
+    ``results`` may be a stream (e.g. :func:`replay.report.read_results` of a sweep's
+    results.jsonl): only a few numbers per result are kept, not the results.
 
     ConfigError when the results were replayed under different state models (a brackets'
     comparison is two summaries, never one mixed mean).
     """
-    groups: dict[tuple[str, float], list[TraceResult]] = {}
+    groups: dict[tuple[str, float], _Group] = {}
     models: dict[str, None] = {}
     for r in results:
-        groups.setdefault((r.policy, r.tpot_ms), []).append(r)
+        group = groups.get((r.policy, r.tpot_ms))
+        if group is None:
+            group = groups[(r.policy, r.tpot_ms)] = _Group()
+        group.add(r)
         models[r.state_model] = None
     if len(models) > 1:
         raise ConfigError(f"results replayed under different state models ({', '.join(models)}) cannot be summarised together")
@@ -98,48 +185,7 @@ def summarize(results: Iterable[TraceResult]) -> list[PolicySummary]:
     out: list[PolicySummary] = []
     for tpot in sorted({t for _, t in groups}, reverse=True):
         for policy in policy_order:
-            rs = groups.get((policy, tpot))
-            if not rs:
-                continue
-            lat = [r.latency_ns * 1e-9 for r in rs]
-            ser = [r.serial_ns * 1e-9 for r in rs]
-            savings = [r.saving for r in rs]
-            executed = sum(r.actions_executed for r in rs) or 1
-            ceilings = [
-                1.0 - r.ceiling_ns / r.serial_ns if r.ceiling_ns >= 0 and r.serial_ns else float("nan") for r in rs
-            ]
-            out.append(
-                PolicySummary(
-                    policy=policy,
-                    tpot_ms=tpot,
-                    traces=len(rs),
-                    steps=sum(r.steps for r in rs),
-                    mean_saving=float(np.mean(savings)),
-                    median_saving=float(np.median(savings)),
-                    saving_of_total=1.0 - sum(lat) / sum(ser) if sum(ser) else 0.0,
-                    serial_total_s=sum(ser),
-                    latency_total_s=sum(lat),
-                    p50_s=_q(lat, 50),
-                    p90_s=_q(lat, 90),
-                    p95_s=_q(lat, 95),
-                    p99_s=_q(lat, 99),
-                    serial_p50_s=_q(ser, 50),
-                    serial_p99_s=_q(ser, 99),
-                    hidden_tool_s=sum(r.hidden_tool_ns for r in rs) * 1e-9,
-                    hidden_decode_s=sum(r.hidden_decode_ns for r in rs) * 1e-9,
-                    obs_hit_rate=sum(r.drafts_hit for r in rs) / executed,
-                    action_hit_rate=sum(r.forks_reused for r in rs) / executed,
-                    wasted_tool_s=sum(r.wasted_tool_ns for r in rs) * 1e-9,
-                    wasted_decode_s=sum(r.wasted_decode_ns for r in rs) * 1e-9,
-                    forks_launched=sum(r.forks_launched for r in rs),
-                    drafts_started=sum(r.drafts_started for r in rs),
-                    mean_ceiling_saving=float(np.mean(ceilings)),
-                    unknown_tool_steps=sum(r.unknown_tool_steps for r in rs),
-                    obs_canonical_hit_rate=sum(r.drafts_canonical_hit for r in rs) / executed,
-                    drafter_failures=sum(r.drafter_failures for r in rs),
-                    drafter_error=next((r.drafter_error for r in rs if r.drafter_error), ""),
-                    overhead_s=sum(r.overhead_ns for r in rs) * 1e-9,
-                    state_model=state_model,
-                )
-            )
+            g = groups.get((policy, tpot))
+            if g is not None:
+                out.append(g.summary(policy, tpot, state_model))
     return out

@@ -1,17 +1,38 @@
-"""Reports of a sweep: results JSONL, a markdown summary, PNG plots and a terminal table."""
+"""Reports of a sweep: results JSONL, a markdown summary, PNG plots and a terminal table.
+
+``aospec sweep`` streams: :class:`ResultsFile` appends each trace's records to
+``results.jsonl`` (flushed) as the trace finishes, so the driver holds no records and an
+interrupted sweep leaves every finished trace on disk; when the sweep completes it
+rewrites the file in trace order (the order :func:`replay.sweep.run_sweep` returns), from
+the file itself. The summary is then computed by reading the file back
+(:func:`read_results`, one record at a time) and :func:`write_summary` writes
+summary.md, summary.jsonl and the plots from it.
+"""
 
 from __future__ import annotations
 
 import json
 import math
-from collections.abc import Sequence
+import os
+from collections.abc import Iterator, Sequence
 from pathlib import Path
+from types import TracebackType
 from typing import Any
 
 from replay.metrics import PolicySummary
 from replay.sweep import TraceResult
 
-__all__ = ["PLOTS", "drafter_failure_note", "markdown_summary", "print_table", "state_model_caption", "write_report"]
+__all__ = [
+    "PLOTS",
+    "ResultsFile",
+    "drafter_failure_note",
+    "markdown_summary",
+    "print_table",
+    "read_results",
+    "state_model_caption",
+    "write_report",
+    "write_summary",
+]
 
 #: Files written by :func:`write_report` besides results.jsonl and summary.md.
 PLOTS = ("saving_vs_tpot.png", "latency_percentiles.png", "hidden_tool_time.png", "hit_rates.png", "waste.png")
@@ -253,13 +274,97 @@ def write_report(
     """Write results.jsonl, summary.md and the PNG plots into ``out_dir``; returns the paths."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    written = [out / "results.jsonl", out / "summary.md", out / "summary.jsonl"]
-    with written[0].open("w", encoding="utf-8") as f:
-        for r in results:
-            f.write(json.dumps(r.to_json()) + "\n")
-    written[1].write_text(markdown_summary(summaries, meta), encoding="utf-8")
-    with written[2].open("w", encoding="utf-8") as f:
+    with ResultsFile(out / "results.jsonl") as f:
+        f.add(0, results)
+        f.finish()
+    return [out / "results.jsonl", *write_summary(out, summaries, meta)]
+
+
+def write_summary(out_dir: str | Path, summaries: Sequence[PolicySummary], meta: dict[str, Any]) -> list[Path]:
+    """Write summary.md, summary.jsonl and the PNG plots into ``out_dir``; returns the paths."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    written = [out / "summary.md", out / "summary.jsonl"]
+    written[0].write_text(markdown_summary(summaries, meta), encoding="utf-8")
+    with written[1].open("w", encoding="utf-8") as f:
         for s in summaries:
             f.write(json.dumps(s.to_json()) + "\n")
     written += _plots(summaries, out)
     return written
+
+
+class ResultsFile:
+    """``results.jsonl`` written as a sweep goes: :meth:`add` appends one trace's records
+    (one JSON object a line) and flushes them; :meth:`finish` rewrites the file with the
+    traces in index order. The driver keeps only each trace's offset and length in the
+    file (two integers), never a record.
+
+    Until :meth:`finish` the records are in the order their traces finished (what an
+    interrupted sweep leaves); after it, in the order :func:`replay.sweep.run_sweep`
+    returns them (trace, then TPOT, then policy), byte for byte the same whatever the
+    executor.
+    """
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path)
+        self._file: Any = None
+        self._spans: dict[int, tuple[int, int]] = {}
+        self.records = 0
+
+    def open(self) -> None:
+        """Create (or empty) the file now; :meth:`add` does it on its first call otherwise."""
+        if self._file is None:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self._file = self.path.open("wb")
+
+    def add(self, index: int, results: Sequence[TraceResult]) -> None:
+        """Append trace ``index``'s results (a trace is added once)."""
+        self.open()
+        if index in self._spans:
+            raise ValueError(f"trace {index} added twice")
+        data = "".join(json.dumps(r.to_json()) + "\n" for r in results).encode("utf-8")
+        offset = self._file.tell()
+        self._file.write(data)
+        self._file.flush()
+        self._spans[index] = (offset, len(data))
+        self.records += len(results)
+
+    def finish(self) -> Path:
+        """Rewrite the file in trace order (through a temporary file beside it, then an
+        atomic rename) and close it."""
+        self.open()
+        self._file.close()
+        tmp = self.path.with_name(self.path.name + ".tmp")
+        with self.path.open("rb") as src, tmp.open("wb") as dst:
+            for index in sorted(self._spans):
+                offset, length = self._spans[index]
+                src.seek(offset)
+                dst.write(src.read(length))
+        os.replace(tmp, self.path)
+        self._spans.clear()
+        return self.path
+
+    def close(self) -> None:
+        """Close the file as it stands (finished traces, in the order they finished)."""
+        if self._file is not None:
+            self._file.close()
+
+    def __enter__(self) -> ResultsFile:
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.close()
+
+
+_FIELDS = TraceResult.__slots__  # type: ignore[attr-defined]
+
+
+def read_results(path: str | Path) -> Iterator[TraceResult]:
+    """The records of a ``results.jsonl``, one at a time, as TraceResults."""
+    with Path(path).open(encoding="utf-8") as f:
+        for line in f:
+            if line.strip():
+                record = json.loads(line)
+                yield TraceResult(**{k: record[k] for k in _FIELDS if k in record})

@@ -28,9 +28,10 @@ The work is a :class:`SweepJob` (one trace per work item) run by an executor
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -50,6 +51,7 @@ __all__ = [
     "TraceResult",
     "check_ceiling",
     "check_trajectory",
+    "iter_sweep",
     "replay_trace",
     "run_sweep",
 ]
@@ -259,15 +261,23 @@ def replay_trace(
             tpot_ns = ms_to_ns(tpot_ms)
             by_key: dict[Any, TraceResult] = {}
             for key, policy in runs.items():
-                history, actor, world, engine, failures = await _run_one(
-                    trace, policy, tpot_ns, drafters, prefill_ns, state_model
-                )
-                by_key[key] = _check_and_record(trace, policy, tpot_ms, history, actor, world, engine, failures)
+                try:
+                    history, actor, world, engine, failures = await _run_one(
+                        trace, policy, tpot_ns, drafters, prefill_ns, state_model
+                    )
+                    by_key[key] = _check_and_record(trace, policy, tpot_ms, history, actor, world, engine, failures)
+                except Exception as exc:
+                    _mark(exc, trace.id, policy.name, tpot_ms)
+                    raise
             for p in policies:
                 r = by_key[p.key]
                 if check_ceilings:
                     ceiling = by_key[p.twin().key]
-                    check_ceiling(trace.id, p.name, tpot_ms, r.latency_ns, ceiling.latency_ns)
+                    try:
+                        check_ceiling(trace.id, p.name, tpot_ms, r.latency_ns, ceiling.latency_ns)
+                    except EngineError as exc:
+                        _mark(exc, trace.id, p.name, tpot_ms)
+                        raise
                     r = _with(r, policy=p.name, ceiling_ns=ceiling.latency_ns)
                 else:
                     r = _with(r, policy=p.name)
@@ -328,6 +338,14 @@ def _seed_trio_scheduler(seed: int) -> None:
         rng.seed(seed)
 
 
+def _mark(exc: BaseException, trace_id: str, policy: str, tpot_ms: float) -> None:
+    """Note on ``exc`` the replay it broke (``sweep_where``: trace id, policy name, TPOT),
+    unless an inner replay already did; executors name them when they report the failure."""
+    if getattr(exc, "sweep_where", None) is None:
+        with contextlib.suppress(AttributeError, TypeError):
+            exc.sweep_where = (trace_id, policy, tpot_ms)  # type: ignore[attr-defined]
+
+
 def _with(r: TraceResult, **changes: Any) -> TraceResult:
     from dataclasses import replace
 
@@ -380,7 +398,7 @@ class SweepJob:
         )
 
 
-def run_sweep(
+def iter_sweep(
     eval_traces: Sequence[Trace],
     policies: Sequence[Policy],
     *,
@@ -390,21 +408,19 @@ def run_sweep(
     drafter_options: Mapping[str, Mapping[str, Any]] | None = None,
     prefill_ms_per_ktok: float = 0.0,
     check_ceilings: bool = True,
-    on_trace_done: Callable[[Trace], None] | None = None,
     executor: Executor | None = None,
     state_model: str = "auto",
-) -> list[TraceResult]:
-    """Replay every evaluation trace under every policy at every TPOT.
+) -> Iterator[tuple[int, list[TraceResult]]]:
+    """:func:`run_sweep` as a stream: yields ``(index, results)`` for each evaluation trace
+    (its index in ``eval_traces``; its results ordered by TPOT, then policy) as soon as it
+    finishes, in the order traces finish. Nothing is kept after it is yielded, so a caller
+    that writes each trace's results out (``aospec sweep``: replay/report.py's
+    :class:`replay.report.ResultsFile`) holds only the traces in flight.
 
-    ``state_model`` applies to the whole set: ``recorded`` (ConfigError naming the first
-    trace and step without recorded versions), ``effects``, ``blind``, or ``auto``:
-    ``recorded`` when every trace has its versions, else ``effects``
-    (:func:`replay.sandbox.resolve_state_model`).
-
-    Drafters are fit on ``train_traces`` when given, else leave-one-task-out (each trace's
-    drafters see only traces of other tasks; a set with a single task cannot be swept that
-    way). The traces are replayed by ``executor`` (default: ``jobs`` local processes, in
-    this process for one). Results are ordered by trace, then TPOT, then policy.
+    The arguments are checked before the first trace runs (ConfigError). A trace that
+    fails is retried once by the executor, then reported (:class:`replay.executors.SweepTaskError`,
+    naming the trace, policy and TPOT); the stream ends there, after the traces that
+    finished before it. Closing the generator early stops the executor's workers.
     """
     traces = list(eval_traces)
     if not traces:
@@ -436,15 +452,61 @@ def run_sweep(
     )
     if executor is None:
         executor = local_executor(min(jobs, len(traces), os.cpu_count() or 1))
-    results: dict[int, list[TraceResult]] = {}
+    return _stream(executor, job, order)
+
+
+def _stream(executor: Executor, job: SweepJob, order: list[int]) -> Iterator[tuple[int, list[TraceResult]]]:
     done = executor.map_unordered(job, order)
     try:
-        for i, trace_results in done:
-            results[i] = trace_results
-            if on_trace_done is not None:
-                on_trace_done(traces[i])
+        yield from done
     finally:
         close = getattr(done, "close", None)
         if close is not None:
             close()  # stops the executor's workers when the sweep ends early
+
+
+def run_sweep(
+    eval_traces: Sequence[Trace],
+    policies: Sequence[Policy],
+    *,
+    train_traces: Sequence[Trace] | None = None,
+    tpots_ms: Sequence[float] = DEFAULT_TPOTS_MS,
+    jobs: int = 1,
+    drafter_options: Mapping[str, Mapping[str, Any]] | None = None,
+    prefill_ms_per_ktok: float = 0.0,
+    check_ceilings: bool = True,
+    on_trace_done: Callable[[Trace], None] | None = None,
+    executor: Executor | None = None,
+    state_model: str = "auto",
+) -> list[TraceResult]:
+    """Replay every evaluation trace under every policy at every TPOT.
+
+    ``state_model`` applies to the whole set: ``recorded`` (ConfigError naming the first
+    trace and step without recorded versions), ``effects``, ``blind``, or ``auto``:
+    ``recorded`` when every trace has its versions, else ``effects``
+    (:func:`replay.sandbox.resolve_state_model`).
+
+    Drafters are fit on ``train_traces`` when given, else leave-one-task-out (each trace's
+    drafters see only traces of other tasks; a set with a single task cannot be swept that
+    way). The traces are replayed by ``executor`` (default: ``jobs`` local processes, in
+    this process for one). Results are ordered by trace, then TPOT, then policy. Every
+    result is held in memory; :func:`iter_sweep` streams them instead.
+    """
+    traces = list(eval_traces)
+    results: dict[int, list[TraceResult]] = {}
+    for i, trace_results in iter_sweep(
+        traces,
+        policies,
+        train_traces=train_traces,
+        tpots_ms=tpots_ms,
+        jobs=jobs,
+        drafter_options=drafter_options,
+        prefill_ms_per_ktok=prefill_ms_per_ktok,
+        check_ceilings=check_ceilings,
+        executor=executor,
+        state_model=state_model,
+    ):
+        results[i] = trace_results
+        if on_trace_done is not None:
+            on_trace_done(traces[i])
     return [r for i in range(len(traces)) for r in results[i]]

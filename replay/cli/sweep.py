@@ -7,6 +7,7 @@ import math
 import os
 import sys
 import time
+from collections.abc import Callable
 from typing import Any
 
 from aospec.cli import add_format_option, print_records, print_table
@@ -69,7 +70,25 @@ def _register(sub: argparse._SubParsersAction, name: str, helptext: str) -> None
         p.add_argument("--out", default="results", metavar="DIR", help="output directory (default ./results)")
     else:
         p.add_argument("--tpot-ms", type=float, default=10.0, help="ms per output token (default 10)")
-    p.add_argument("--jobs", type=int, default=None, help="worker processes (default: number of CPUs)")
+    p.add_argument(
+        "--jobs",
+        type=int,
+        default=None,
+        help="workers: local processes (default: number of CPUs), or Ray actors with --executor ray "
+        "(default: one per CPU of the cluster)",
+    )
+    p.add_argument(
+        "--executor",
+        choices=("local", "ray"),
+        default="local",
+        help="where traces are replayed: local processes (the default) or a Ray cluster (pip install 'aospec[ray]')",
+    )
+    p.add_argument(
+        "--address",
+        default=None,
+        metavar="auto|ray://HOST:PORT",
+        help="the Ray cluster of --executor ray (default: start a local Ray)",
+    )
     p.add_argument(
         "--drafter-options",
         default=None,
@@ -185,39 +204,80 @@ def slow_policy_note(policies: list[Any], steps: int, tpots: int, jobs: int) -> 
     )
 
 
-def _run(args: argparse.Namespace, tpots: list[float]) -> tuple[list[Any], list[Any], dict[str, Any]]:
+def _executor(args: argparse.Namespace, n_traces: int) -> tuple[Any, str, int]:
+    """The sweep executor ``--executor``/``--address``/``--jobs`` ask for, its description
+    for the summary, and the worker count the slow-policy note assumes."""
+    from aospec.errors import ConfigError
+
+    if args.jobs is not None and args.jobs < 1:
+        raise ConfigError(f"--jobs must be >= 1, got {args.jobs}")
+    if args.executor == "ray":
+        from replay.executors_ray import RayExecutor, require_ray
+
+        require_ray()  # MissingDependencyError naming pip install 'aospec[ray]', before any work
+        where = args.address or "a local Ray"
+        workers = "one per cluster CPU" if args.jobs is None else f"{args.jobs} workers"
+        return RayExecutor(address=args.address, workers=args.jobs), f"ray ({where}, {workers})", args.jobs or 1
+    if args.address is not None:
+        raise ConfigError("--address needs --executor ray")
+    from replay.executors import local_executor
+
+    jobs = min(args.jobs if args.jobs is not None else (os.cpu_count() or 1), n_traces, os.cpu_count() or 1)
+    return local_executor(max(1, jobs)), f"local ({jobs} worker{'s' if jobs != 1 else ''})", jobs
+
+
+def _run(
+    args: argparse.Namespace,
+    tpots: list[float],
+    sink: Callable[[int, list[Any]], None],
+    on_start: Callable[[], None] | None = None,
+) -> tuple[list[Any], dict[str, Any]]:
+    """Replay the traces ``args`` name; ``on_start()`` runs once the sweep's arguments are
+    checked, and ``sink(index, results)`` receives each trace's results as it finishes.
+    Returns the policies and the run's metadata."""
     from aospec.errors import ConfigError
     from aospec.progress import progress
     from replay.policies import check_drafters, parse_policies
     from replay.sandbox import STATE_MODEL_MEANING, resolve_state_model
-    from replay.sweep import run_sweep
+    from replay.sweep import iter_sweep
 
     if not (math.isfinite(args.prefill_ms_per_ktok) and args.prefill_ms_per_ktok >= 0):
         raise ConfigError(f"--prefill-ms-per-ktok must be a finite number >= 0, got {args.prefill_ms_per_ktok:g}")
+    if args.address is not None and args.executor != "ray":
+        raise ConfigError("--address needs --executor ray")
     policies = parse_policies(str(args.policies))
     options = _drafter_options(args.drafter_options)
     eval_traces, train, split, skipped, paths = _load(args)
     state_model, why = resolve_state_model(eval_traces, args.state_model, paths)
     print(f"aospec: state model: {state_model} ({why}): {STATE_MODEL_MEANING[state_model]}", file=sys.stderr)
-    jobs = args.jobs if args.jobs is not None else (os.cpu_count() or 1)
+    executor, executor_text, jobs = _executor(args, len(eval_traces))
     note = slow_policy_note(policies, sum(len(t) for t in eval_traces), len(tpots), min(jobs, len(eval_traces)))
     if note:
         check_drafters(policies, options)  # a configuration error first, not a note about a sweep that cannot run
         print(f"aospec: note: {note}", file=sys.stderr)
     started = time.perf_counter()
-    with progress(disable=True if args.no_progress else None) as bar:
-        task = bar.add_task("replaying traces", total=len(eval_traces))
-        results = run_sweep(
-            eval_traces,
-            policies,
-            train_traces=train,
-            tpots_ms=tpots,
-            jobs=jobs,
-            drafter_options=options,
-            prefill_ms_per_ktok=args.prefill_ms_per_ktok,
-            on_trace_done=lambda _t: bar.advance(task),
-            state_model=state_model,
-        )
+    try:
+        with progress(disable=True if args.no_progress else None) as bar:
+            task = bar.add_task(f"replaying traces ({args.executor})", total=len(eval_traces))
+            stream = iter_sweep(
+                eval_traces,
+                policies,
+                train_traces=train,
+                tpots_ms=tpots,
+                drafter_options=options,
+                prefill_ms_per_ktok=args.prefill_ms_per_ktok,
+                executor=executor,
+                state_model=state_model,
+            )  # checks everything before the first trace runs
+            if on_start is not None:
+                on_start()
+            for index, results in stream:
+                sink(index, results)
+                bar.advance(task)
+    finally:
+        close = getattr(executor, "close", None)
+        if close is not None:
+            close()  # a local Ray this run started stops
     meta = {
         "traces": len(eval_traces),
         "tasks": len({t.task for t in eval_traces}),
@@ -227,22 +287,30 @@ def _run(args: argparse.Namespace, tpots: list[float]) -> tuple[list[Any], list[
         "TPOTs (ms)": ", ".join(f"{t:g}" for t in tpots),
         "prefill model (ms per 1k tokens)": f"{args.prefill_ms_per_ktok:g}",
         "state model": f"{state_model} ({why}): {STATE_MODEL_MEANING[state_model]}",
+        "executor": executor_text,
         "wall time (s)": f"{time.perf_counter() - started:.1f}",
     }
     if args.skip_invalid:
         meta["invalid files skipped"] = skipped
-    return results, policies, meta
+    return policies, meta
 
 
 def _sweep(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
     from replay.metrics import summarize
-    from replay.report import drafter_failure_note, write_report
+    from replay.report import ResultsFile, drafter_failure_note, read_results, write_summary
     from replay.report import print_table as print_summary_table
 
     tpots = _floats(args.tpots, "--tpots")
-    results, _, meta = _run(args, tpots)
-    summaries = summarize(results)
-    written = write_report(args.out, results, summaries, meta)
+    out = Path(args.out)
+    with ResultsFile(out / "results.jsonl") as results:
+        # each trace's records reach the file (flushed) as it finishes; on an error the
+        # finished traces stay there, in the order they finished
+        _, meta = _run(args, tpots, results.add, results.open)
+        path = results.finish()
+    summaries = summarize(read_results(path))
+    written = [path, *write_summary(out, summaries, meta)]
     note = drafter_failure_note(summaries)
     if note:
         print(f"aospec: warning: {note}", file=sys.stderr)
@@ -266,7 +334,9 @@ def _replay(args: argparse.Namespace) -> int:
         from aospec.errors import ConfigError
 
         raise ConfigError(f"--tpot-ms must be a positive finite number, got {args.tpot_ms}")
-    results, policies, meta = _run(args, [args.tpot_ms])
+    by_trace: dict[int, list[Any]] = {}
+    policies, meta = _run(args, [args.tpot_ms], by_trace.__setitem__)
+    results = [r for i in sorted(by_trace) for r in by_trace[i]]
     note = drafter_failure_note(summarize(results))
     if note:
         print(f"aospec: warning: {note}", file=sys.stderr)

@@ -9,7 +9,7 @@ import pytest
 
 from aospec.errors import ConfigError
 from replay import bundled_traces_path, load_traces
-from replay.executors import InlineExecutor, LocalProcessExecutor, WorkerDied, local_executor
+from replay.executors import InlineExecutor, LocalProcessExecutor, SweepTaskError, local_executor
 from replay.policies import parse_policies
 from replay.sweep import run_sweep
 
@@ -41,14 +41,17 @@ def test_inline_and_local_pool_run_every_item_once():
     assert sum(served.values()) == len(items) and os.getpid() not in served
 
 
-def test_an_error_in_the_job_is_raised_by_the_executor():
+def test_an_error_in_the_job_is_retried_once_then_raised_by_the_executor():
     for executor in (InlineExecutor(), LocalProcessExecutor(2)):
-        with pytest.raises(ValueError, match="unlucky item 13"):
+        with pytest.raises(SweepTaskError, match="item 13: failed 2 times: ValueError: unlucky item 13") as info:
             list(executor.map_unordered(CountingJob(), [1, 13, 2, 3]))
+        assert isinstance(info.value.__cause__, ValueError) and info.value.attempts == 2
+    with pytest.raises(SweepTaskError, match="item 13: failed 1 time: ValueError"):
+        list(InlineExecutor(retries=0).map_unordered(CountingJob(), [13]))
 
 
-def test_a_worker_that_dies_is_reported_with_its_item():
-    with pytest.raises(WorkerDied, match=r"exit code 3\) while working on item 66"):
+def test_a_worker_that_dies_is_replaced_then_reported_with_its_item():
+    with pytest.raises(SweepTaskError, match=r"item 66: failed 2 times: WorkerDied: .*exit code 3\) while working on item 66"):
         list(LocalProcessExecutor(2).map_unordered(CountingJob(), [1, 66, 2]))
 
 
