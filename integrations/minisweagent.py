@@ -402,7 +402,12 @@ class ModelActor:
             return known.action
         if history.turns and any(_finished(o) for o in _safe_outputs(history.turns[-1].observation)):
             return Action.none()  # the run has ended here: the harness never asks
-        messages = self.messages_for(history)
+        try:
+            messages = self.messages_for(history)
+        except ValueError:
+            # a drafted observation no step can produce (not an encoding of output dicts):
+            # this history never happens, so the model is not asked
+            return Action.none()
         self.stats.requests += 1
         decoded = await anyio.to_thread.run_sync(self._query, messages, len(history.turns), abandon_on_cancel=True)
         kept = self.memo.setdefault(key, decoded)

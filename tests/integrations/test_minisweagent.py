@@ -1,0 +1,288 @@
+"""mini-swe-agent 2.x on aospec, end to end with the real package (no mocks).
+
+One small real task, scripted for mini-swe-agent's own ``DeterministicModel`` (explore, read,
+write a script, run it, submit; with a reply without a command, a reply with two commands,
+and ``/sleep`` outputs standing for model latency), under mini-swe-agent's own default
+configuration (``config/default.yaml``: templates, environment variables, observation
+template), run three ways:
+
+(a) ``DefaultAgent`` + mini-swe-agent's ``LocalEnvironment`` in a temporary directory;
+(b) ``DefaultAgent`` + ``AospecEnvironment`` chosen by ``environment_class`` in the config;
+(c) ``SpeculativeAgent`` + ``AospecEnvironment`` (drafters fitted on the bundled traces).
+
+The three agents' messages are identical (timestamps aside), the final files are the same,
+(b) and (c) end on the same sandbox version, and (c)'s trajectory equals (b)'s but for the
+agent class. The saved trajectory opens in mini-swe-agent's inspector (headless) and reads
+back through aospec's importer. Needs root and overlayfs (skips saying why elsewhere).
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("MSWEA_SILENT_STARTUP", "1")
+
+import json
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import anyio
+import pytest
+import yaml
+from minisweagent.agents.default import DefaultAgent
+from minisweagent.config import builtin_config_dir
+from minisweagent.environments import get_environment
+from minisweagent.environments.local import LocalEnvironment
+from minisweagent.models.test_models import DeterministicModel, make_output
+
+from integrations.minisweagent import (
+    AospecEnvironment,
+    SpeculativeAgent,
+    action_of,
+    decode_outputs,
+    encode_outputs,
+)
+
+pytestmark = pytest.mark.root
+
+CONFIG = yaml.safe_load((builtin_config_dir / "default.yaml").read_text())
+TASK = "Write run.sh that greets its first argument, run it, and submit it."
+README = "# greeter\nrun.sh NAME prints a greeting.\n"
+TIMEOUT = 120  # the shared test machine can be very loaded; no command here takes long
+
+
+def _reply(command: str) -> str:
+    return f"THOUGHT: next step.\n\n```mswea_bash_command\n{command}\n```"
+
+
+def script(latency_s: float) -> list[dict[str, Any]]:
+    """The model's outputs: each real reply preceded by a ``/sleep`` (model latency)."""
+    steps: list[tuple[str, list[str]]] = [
+        (_reply("ls"), ["ls"]),
+        (_reply("pwd && cat README.md"), ["pwd && cat README.md"]),
+        ("THOUGHT: let me think before writing.", []),  # no command: nothing runs
+        (_reply("printf 'echo hello, $1\\n' > run.sh"), ["printf 'echo hello, $1\\n' > run.sh"]),
+        ("THOUGHT: two at once.", ["sh run.sh world", "ls"]),  # a reply with two commands
+        (_reply("cat run.sh"), ["cat run.sh"]),
+        (
+            _reply("echo COMPLETE_TASK_AND_SUBMIT_FINAL_OUTPUT && cat run.sh"),
+            ["echo COMPLETE_TASK_AND_SUBMIT_FINAL_OUTPUT && cat run.sh"],
+        ),
+    ]
+    out = []
+    for text, commands in steps:
+        if latency_s:
+            out.append(make_output("", [{"command": f"/sleep {latency_s}"}], cost=0.0))
+        out.append(make_output(text, [{"command": c} for c in commands]))
+    return out
+
+
+def model(outputs: list[dict[str, Any]]) -> DeterministicModel:
+    return DeterministicModel(outputs=outputs, observation_template=CONFIG["model"]["observation_template"])
+
+
+def agent_kwargs(path: Path) -> dict[str, Any]:
+    return {**CONFIG["agent"], "step_limit": 20, "output_path": path}
+
+
+def env_config(cwd: Path) -> dict[str, Any]:
+    return {**CONFIG["environment"], "cwd": str(cwd), "timeout": TIMEOUT}
+
+
+def strip_times(value: Any) -> Any:
+    """``value`` without its ``timestamp`` fields (they record when, not what)."""
+    if isinstance(value, dict):
+        return {k: strip_times(v) for k, v in value.items() if k != "timestamp"}
+    if isinstance(value, list):
+        return [strip_times(v) for v in value]
+    return value
+
+
+def sandbox_files(env: AospecEnvironment, cwd: Path) -> dict[str, bytes]:
+    names = env.execute({"command": "ls -A"})["output"].split()
+    return {n: env.read_file(f"{cwd}/{n}") for n in names}
+
+
+@pytest.fixture(scope="module")
+def aospec_dirs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    from runtime._fs import mounts_under
+    from runtime.host import host_support
+
+    support, _ = host_support()
+    if support.problems():
+        pytest.skip(f"overlay backend cannot run here: {'; '.join(support.problems())}")
+    cache, state = tmp_path_factory.mktemp("mswea-cache"), tmp_path_factory.mktemp("mswea-state")
+    mp = pytest.MonkeyPatch()
+    mp.setenv("AOSPEC_CACHE_DIR", str(cache))
+    mp.setenv("AOSPEC_STATE_ROOT", str(state))
+    yield state
+    mp.undo()
+    assert not mounts_under(str(state)), "sandbox mounts leaked"
+
+
+@pytest.fixture(scope="module")
+def drafters() -> Any:
+    from live.agent import default_drafters
+    from replay import bundled_traces_path, load_traces
+
+    return default_drafters(load_traces([bundled_traces_path()]))
+
+
+def test_observation_encoding_round_trips() -> None:
+    cases = [
+        [{"output": "a\n</output>\nb", "returncode": 0, "exception_info": ""}],
+        [{"output": "", "returncode": -1, "exception_info": "x", "extra": {"exception_type": "TimeoutExpired"}}],
+        [{"output": "{not json", "returncode": 2, "exception_info": ""}],
+    ]
+    for outputs in cases:
+        assert decode_outputs(encode_outputs(outputs)) == outputs
+    two = cases[0] + cases[2]
+    assert decode_outputs(encode_outputs(two, single=False)) == two
+    assert decode_outputs("") == []
+    # an ordinary output is the runtime's mini-swe-agent text, which observation drafters draft
+    assert encode_outputs(cases[0][:1]) == "<returncode>0</returncode>\n<output>\na\n</output>\nb</output>"
+    assert action_of({"extra": {"actions": []}}).is_none
+    assert action_of({"extra": {"actions": [{"command": "ls"}]}}).command == "ls"
+
+
+def test_speculative_agent_is_lossless_against_mini_swe_agent(aospec_dirs: Path, drafters: Any, tmp_path: Path) -> None:
+    cwd = tmp_path / "task"  # the same absolute path on the host (a) and in the sandboxes (b, c)
+    cwd.mkdir()
+    (cwd / "README.md").write_text(README)
+    outputs = script(latency_s=0.2)
+    runs: dict[str, dict[str, Any]] = {}
+
+    # (a) mini-swe-agent as shipped
+    local = LocalEnvironment(**env_config(cwd))
+    a = DefaultAgent(model(outputs), local, **agent_kwargs(tmp_path / "a.traj.json"))
+    t0 = time.monotonic()
+    result_a = a.run(TASK)
+    runs["a"] = {"wall_s": time.monotonic() - t0, "result": result_a}
+    files_a = {p.name: p.read_bytes() for p in sorted(cwd.iterdir())}
+
+    # (b) the same agent, AospecEnvironment picked by mini-swe-agent's own config key
+    env_b = get_environment({**env_config(cwd), "environment_class": "integrations.minisweagent.AospecEnvironment"})
+    assert isinstance(env_b, AospecEnvironment)
+    # (c) the co-speculating agent
+    env_c = AospecEnvironment(**env_config(cwd))
+    try:
+        for env in (env_b, env_c):
+            env.execute({"command": f"printf %s {_quote(README)} > README.md"})
+        assert env_b.version == env_c.version
+        b = DefaultAgent(model(outputs), env_b, **agent_kwargs(tmp_path / "b.traj.json"))
+        t0 = time.monotonic()
+        result_b = b.run(TASK)
+        runs["b"] = {"wall_s": time.monotonic() - t0, "result": result_b}
+
+        model_c = model(outputs)
+        c = SpeculativeAgent(model_c, env_c, drafters=drafters, **agent_kwargs(tmp_path / "c.traj.json"))
+        t0 = time.monotonic()
+        result_c = c.run(TASK)
+        runs["c"] = {"wall_s": time.monotonic() - t0, "result": result_c}
+
+        assert result_a == result_b == result_c == {"exit_status": "Submitted", "submission": "echo hello, $1\n"}
+        # the same messages, in the same order, with the same contents and extras
+        assert strip_times(a.messages) == strip_times(b.messages) == strip_times(c.messages)
+        assert (
+            len(c.messages) == 2 + 13 + 1
+        )  # system, task; 7 replies; 6 outputs (2 from one reply, none from two); exit
+        assert (a.n_calls, a.cost) == (b.n_calls, b.cost) == (c.n_calls, c.cost)
+        assert model_c.current_index == len(outputs) - 1  # the model is left where DefaultAgent leaves it
+        # the same final files; (b) and (c) on the same version, i.e. the same whole tree
+        assert sandbox_files(env_b, cwd) == sandbox_files(env_c, cwd) == files_a
+        assert env_b.version == env_c.version
+        stats = c.statistics
+        assert stats is not None and stats.steps == 7
+        runs["c"]["statistics"] = {
+            "forks_reused": stats.forks_reused,
+            "drafts_hit": stats.drafts_hit,
+            "tool_hidden_s": stats.tool_hidden_ns / 1e9,
+            "decode_hidden_s": stats.decode_hidden_ns / 1e9,
+        }
+    finally:
+        env_b.close()
+        env_c.close()
+    print("one small run:", json.dumps(runs, default=str))
+
+    # the trajectories: (c) is what (b) saved, but for the agent class named in it
+    traj_b = json.loads((tmp_path / "b.traj.json").read_text())
+    traj_c = json.loads((tmp_path / "c.traj.json").read_text())
+    assert traj_c["info"]["config"]["agent_type"] == "integrations.minisweagent.SpeculativeAgent"
+    traj_c["info"]["config"]["agent_type"] = traj_b["info"]["config"]["agent_type"]
+    traj_c["info"]["config"]["agent"]["output_path"] = traj_b["info"]["config"]["agent"]["output_path"]
+    assert strip_times(traj_c) == strip_times(traj_b)
+    assert traj_c["trajectory_format"] == "mini-swe-agent-1.1"
+    assert traj_c["info"]["config"]["environment_type"] == "integrations.minisweagent.AospecEnvironment"
+
+    check_inspector(tmp_path / "c.traj.json", traj_c)
+    check_importer(tmp_path / "c.traj.json")
+
+
+def _quote(text: str) -> str:
+    import shlex
+
+    return shlex.quote(text)
+
+
+def check_inspector(path: Path, traj: dict[str, Any]) -> None:
+    """mini-swe-agent's own inspector loads the file and pages through it (headless)."""
+    from minisweagent.run.utilities.inspector import TrajectoryInspector
+
+    app = TrajectoryInspector([path])
+    assert app.messages == traj["messages"]
+    assert app.n_steps == 1 + 7  # the task page, then one page per reply
+
+    async def page_through() -> None:
+        async with app.run_test() as pilot:
+            for _ in range(app.n_steps):
+                await pilot.press("l")
+            assert app.i_step == app.n_steps - 1
+
+    anyio.run(page_through)
+
+
+def check_importer(path: Path) -> None:
+    """aospec's importer reads the trajectory back: one step per executed command (plus
+    one for the reply without a command)."""
+    from replay import load_traces
+
+    (trace,) = load_traces([path])
+    commands = [s.action.command for s in trace.steps]
+    assert commands == [
+        "ls",
+        "pwd && cat README.md",
+        None,
+        "printf 'echo hello, $1\\n' > run.sh",
+        "sh run.sh world",
+        "ls",
+        "cat run.sh",
+        "echo COMPLETE_TASK_AND_SUBMIT_FINAL_OUTPUT && cat run.sh",
+    ]
+    assert trace.steps[4].observation.endswith("<output>\nhello, world\n</output>")
+
+
+def test_environment_mirrors_the_local_environment(aospec_dirs: Path, tmp_path: Path) -> None:
+    """Output dicts equal LocalEnvironment's: exit codes, stderr, CRLF, timeouts, submission."""
+    from minisweagent.exceptions import Submitted
+
+    cwd = tmp_path / "w"
+    cwd.mkdir()
+    local = LocalEnvironment(cwd=str(cwd), timeout=8)
+    commands = [
+        "echo out; echo err >&2; exit 3",
+        "printf 'a\\r\\nb\\rc'",
+        "pwd",
+        "echo partial; sleep 30",
+    ]
+    with AospecEnvironment(cwd=str(cwd), timeout=8) as env:
+        for command in commands:
+            assert env.execute({"command": command}) == local.execute({"command": command}), command
+        for e in (env, local):
+            with pytest.raises(Submitted) as info:
+                e.execute({"command": "echo COMPLETE_TASK_AND_SUBMIT_FINAL_OUTPUT; echo done"})
+            assert info.value.messages[0]["extra"] == {"exit_status": "Submitted", "submission": "done\n"}
+        tv = env.get_template_vars()
+        assert tv["system"] == os.uname().sysname and tv["cwd"] == str(cwd) and tv["HOME"] == "/root"
+        assert env.serialize()["info"]["config"]["environment"]["backend"] == "overlay"
