@@ -348,6 +348,29 @@ def test_a_lone_hung_observation_drafter_is_cancelled_at_each_step(backend: str)
     assert len(lost) >= STEPS
 
 
+def test_each_step_commits_while_the_hung_drafter_is_still_hanging() -> None:
+    # The step does not wait for drafting: when execute() returns, the hung call of that
+    # step has only been told to stop (its cancellation is delivered afterwards).
+    ref = reference("memory")
+    hung = FaultyObservationDrafter(None, "hang")
+
+    async def main() -> list[int]:
+        engine = Engine(
+            make_actor(), InMemorySandbox(op_delay_s=OP_DELAY_S), observation_drafters=[hung], config=CONFIG
+        )
+        hanging = []
+        async with engine.session(History(TASK)) as session:
+            for _ in range(STEPS):
+                await session.execute(await session.decode())
+                hanging.append(hung.hanging)
+        assert session.history.turns == ref.history.turns
+        return hanging
+
+    hanging = anyio.run(main)
+    assert all(n >= 1 for n in hanging), hanging
+    assert hung.hanging == 0 and hung.cancelled == hung.faults
+
+
 @pytest.mark.parametrize("kind", ["error", "unexpected", "hang"])
 def test_an_action_drafter_that_raises_or_hangs_only_costs_speed(backend: str, kind: str) -> None:
     _, true_act = truth_drafters(reference(backend))
