@@ -313,11 +313,22 @@ def _wrapper(contents: Sequence[str]) -> tuple[str, str]:
     shortest = min(len(c) for c in contents)
     s = min(s, shortest - p)
     prefix, suffix = first[:p], first[len(first) - s :] if s else ""
-    cut = max(prefix.rfind("\n"), prefix.rfind(">"))
+    cut = prefix.rfind("\n") if "\n" in prefix else prefix.rfind(">")
     prefix = prefix[: cut + 1] if cut >= 0 else ""
-    starts = [i for i in (suffix.find("\n"), suffix.find("<")) if i >= 0]
-    suffix = suffix[min(starts) :] if starts else ""
+    start = suffix.find("\n") if "\n" in suffix else suffix.find("<")
+    suffix = suffix[start:] if start >= 0 else ""
     return prefix, suffix
+
+
+def _wrapped(draft: str, prefix: str, suffix: str) -> list[str]:
+    """``draft`` in the template ``prefix``/``suffix``: whole, and overlapping where the
+    draft already begins with the template's end or ends with its start (a learned
+    template can take in a part every observation shares)."""
+    out = [prefix + draft + suffix]
+    k = next(k for k in range(len(prefix) + 1) if draft.startswith(prefix[k:]))
+    j = next(j for j in range(len(suffix), -1, -1) if draft.endswith(suffix[:j]))
+    out.append(prefix[:k] + draft + suffix[j:])
+    return [w for i, w in enumerate(out) if w != draft and w not in out[:i]]
 
 
 # -- upstream requests -------------------------------------------------------------------------
@@ -751,9 +762,7 @@ class SpeculatingProxy:
         # wrapped in the learned template (drafters that draft raw tool output)
         contents = [draft for draft, _p in ranked]
         if prefix or suffix:
-            contents += [
-                prefix + d + suffix for d in list(contents) if not (d.startswith(prefix) and d.endswith(suffix))
-            ]
+            contents += [w for d in list(contents) for w in _wrapped(d, prefix, suffix) if w not in contents]
         for content in contents:
             if sum(1 for s in self._specs.values() if s.upstream.in_flight) >= self.max_speculative:
                 break

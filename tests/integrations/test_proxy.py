@@ -253,3 +253,69 @@ def test_answered_mid_stream(servers, traces) -> None:
     assert proxy.stats.hits == 2 and proxy.stats.midstream_hits >= 1
     _wait_idle(proxy, up)
     assert json.loads(httpx.get(f"{px.url}/aospec/stats").content)["hits"] == 2
+
+
+def test_learns_a_wrapper(servers, traces) -> None:
+    """A text harness that wraps the tool output in its own template, and a drafter that
+    drafts raw output: the proxy learns the template from two observations and wraps."""
+    import re
+    from dataclasses import replace
+
+    recorded = traces[1]
+    # the raw tool output: the recorded observation without mini-swe-agent's template
+    raw = [re.sub(r"(?s)^<returncode>\d+</returncode>\n<output>\n(.*)</output>$", r"\1", s.observation)
+           for s in recorded.steps]  # fmt: skip
+    trace = replace(recorded, steps=tuple(replace(s, observation=o) for s, o in zip(recorded.steps, raw, strict=True)))
+    wrap = "Observation:\n{obs}\n[end of output]"
+    up = servers(serve_trace_app([trace], 0.0))
+    direct = run_harness(up.base_url, trace, tools=False, stream=True, steps=7, wrap=wrap)
+    proxy = proxy_app(up.base_url, drafters=[TruthDrafter(trace)], max_speculative=4)
+    px = servers(proxy)
+    assert run_harness(px.base_url, trace, tools=False, stream=True, steps=7, wrap=wrap) == direct
+    assert proxy.stats.hits == 7 - 3, proxy.stats  # from the request after two observations
+
+
+def test_learns_how_the_reply_is_appended() -> None:
+    from integrations.proxy import apply_shape, learn_shape, reply_message
+
+    reply = {"role": "assistant", "content": None, "refusal": None,
+             "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "bash", "arguments": "{}"}}]}  # fmt: skip
+    appended = {"role": "assistant", "content": "", "tool_calls": [{"id": "c1", "function": {"name": "bash", "arguments": "{}"}}]}  # fmt: skip
+    shape = learn_shape(reply, appended)
+    assert apply_shape(shape, reply) == appended
+    nxt = {**reply, "tool_calls": [{"id": "c2", "type": "function", "function": {"name": "bash", "arguments": "{\"a\":1}"}}]}  # fmt: skip
+    assert apply_shape(shape, nxt)["tool_calls"] == [{"id": "c2", "function": {"name": "bash", "arguments": "{\"a\":1}"}}]  # fmt: skip
+    sse = (
+        b'data: {"choices":[{"index":0,"delta":{"role":"assistant","content":"Hi "}}]}\n\n'
+        b'data: {"choices":[{"index":0,"delta":{"content":"there"}}]}\n\n'
+        b'data: {"choices":[{"index":0,"delta":{"tool_calls":[{"index":0,"id":"x","type":"function",'
+        b'"function":{"name":"bash","arguments":"{\\"command\\":"}}]}}]}\n\n'
+        b'data: {"choices":[{"index":0,"delta":{"tool_calls":[{"index":0,"function":{"arguments":"\\"ls\\"}"}}]}}]}\n\n'
+        b"data: [DONE]\n\n"
+    )
+    assert reply_message(sse, True) == {
+        "role": "assistant",
+        "content": "Hi there",
+        "tool_calls": [{"id": "x", "type": "function", "function": {"name": "bash", "arguments": '{"command":"ls"}'}}],
+    }
+    assert reply_message(sse.replace(b"data: [DONE]\n\n", b""), True) is None  # cut short: not a reply
+
+
+def test_request_headers_must_match(servers, traces) -> None:
+    """A request whose headers differ from its speculative twin's (another API key) is
+    not answered from it."""
+    trace = traces[1]
+    up = servers(serve_trace_app([trace], 0.0))
+    proxy = proxy_app(up.base_url, drafters=[TruthDrafter(trace)])
+    px = servers(proxy)
+    run_harness(px.base_url, trace, tools=True, stream=False, steps=3)
+    hits = proxy.stats.hits
+    assert hits == 1
+    # the same conversation from another key: the speculated next step is not used
+    client = openai.OpenAI(base_url=px.base_url, api_key="sk-other", max_retries=0)
+    messages: list[dict[str, Any]] = [
+        {"role": "system", "content": "You are a shell agent."},
+        {"role": "user", "content": trace.instruction or trace.task},
+    ]
+    client.chat.completions.create(model="m", messages=messages, temperature=0)
+    assert proxy.stats.hits == hits
