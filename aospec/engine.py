@@ -38,6 +38,12 @@ the committed history holds the real observation either way.
 
 Every speculative task lives in the run's task group, each in its own cancel scope. Forks
 are owned by exactly one task, which discards them on cancellation unless JASV consumed them.
+
+Faults change speed, never results: whatever fails on a speculative path (a drafter, a
+provisional decode, a speculative fork, a discard) is counted (``speculative_failures``)
+and the step runs as serial execution would; a failure on the verified path ends the run
+with that one error, the verified history and the committed sandbox still in step
+(docs/engine.md, Faults).
 """
 
 from __future__ import annotations
