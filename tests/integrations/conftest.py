@@ -1,0 +1,94 @@
+"""Shared fixtures of the integration tests."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import subprocess
+import sys
+from collections.abc import AsyncIterator, Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import anyio
+import pytest
+
+AOSPEC = str(Path(sys.executable).with_name("aospec"))
+
+
+@pytest.fixture
+def anyio_backend() -> str:
+    return "asyncio"
+
+
+@pytest.fixture(scope="module")
+def mcp_state_root(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    """A private AOSPEC_STATE_ROOT for ``aospec mcp`` subprocesses (skips where the overlay
+    backend cannot run); fails if any mount is left under it afterwards."""
+    from runtime._fs import mounts_under
+    from runtime.host import host_support
+
+    support, _ = host_support()
+    if support.problems():
+        pytest.skip(f"overlay backend cannot run here: {'; '.join(support.problems())}")
+    state = tmp_path_factory.mktemp("mcp-state")
+    yield state
+    leaked = mounts_under(str(state))
+    assert not leaked, f"mounts leaked by aospec mcp: {leaked}"
+
+
+@pytest.fixture
+def mcp_connect(tmp_path: Path) -> Callable[..., contextlib.AbstractAsyncContextManager[Any]]:
+    """``async with mcp_connect(ARGS, transport="stdio"|"http", env=...) as session``: run
+    ``aospec mcp ARGS`` as a subprocess and yield an initialised official-SDK ClientSession
+    to it, over stdio or streamable HTTP on loopback (``--http 0``; the server prints its
+    URL). The subprocess is always ended and waited for."""
+    from mcp import ClientSession, StdioServerParameters, stdio_client
+    from mcp.client.streamable_http import streamable_http_client
+
+    @contextlib.asynccontextmanager
+    async def connect(
+        args: list[str], transport: str = "stdio", env: dict[str, str] | None = None
+    ) -> AsyncIterator[ClientSession]:
+        full_env = {**os.environ, **(env or {})}
+        if transport == "stdio":
+            params = StdioServerParameters(command=AOSPEC, args=["mcp", "--stdio", *args], env=full_env)
+            async with stdio_client(params) as (read, write), ClientSession(read, write) as session:
+                with anyio.fail_after(300):  # a hang guard, not a performance assertion
+                    await session.initialize()
+                yield session
+            return
+        errlog = tmp_path / f"mcp-http-{os.urandom(4).hex()}.log"
+        with open(errlog, "wb") as err:
+            proc = subprocess.Popen(
+                [AOSPEC, "mcp", "--http", "0", *args],
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.DEVNULL,
+                stderr=err,
+                env=full_env,
+            )
+        try:
+            url = None
+            for _ in range(3000):  # bounded wait for the "listening on URL" line
+                text = errlog.read_text()
+                if "listening on " in text:
+                    url = text.split("listening on ", 1)[1].split()[0]
+                    break
+                if proc.poll() is not None:
+                    break
+                await anyio.sleep(0.1)
+            assert url, f"aospec mcp --http did not start: {errlog.read_text()}"
+            async with streamable_http_client(url) as (read, write), ClientSession(read, write) as session:
+                with anyio.fail_after(300):
+                    await session.initialize()
+                yield session
+        finally:
+            proc.terminate()
+            try:
+                proc.wait(timeout=120)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+            assert proc.returncode == 0, f"aospec mcp exited with {proc.returncode}: {errlog.read_text()}"
+
+    return connect

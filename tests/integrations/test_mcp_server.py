@@ -1,0 +1,155 @@
+"""``aospec mcp``: the sandbox tool server, driven by the official MCP SDK client over stdio
+and streamable HTTP on loopback (issue 12 section 3). Needs root and overlayfs."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytestmark = pytest.mark.anyio
+
+TRANSPORTS = ["stdio", "http"]
+
+W = "/tmp/w"
+#: A scripted session: setup, repeated reads, edits, writes, errors, a failing command.
+SCRIPT: list[tuple[str, dict[str, Any]]] = [
+    ("bash", {"command": f"mkdir -p {W} && printf 'a=1\\nb=2\\n' > {W}/conf"}),
+    ("read_file", {"path": f"{W}/conf"}),
+    ("bash", {"command": f"cat {W}/conf"}),
+    ("edit_file", {"path": f"{W}/conf", "old_str": "a=1", "new_str": "a=10"}),
+    ("read_file", {"path": f"{W}/conf"}),
+    ("bash", {"command": f"cat {W}/conf"}),
+    ("write_file", {"path": f"{W}/notes", "content": "hello\n"}),
+    ("write_file", {"path": f"{W}/notes", "content": "hello again\n"}),
+    ("read_file", {"path": f"{W}/notes"}),
+    ("bash", {"command": f"cat {W}/conf"}),
+    ("edit_file", {"path": f"{W}/conf", "old_str": "=", "new_str": ":"}),  # twice: a tool error
+    ("read_file", {"path": f"{W}/missing"}),  # a tool error
+    ("write_file", {"path": f"{W}/no/such/dir/f", "content": "x"}),  # a tool error
+    ("bash", {"command": f"cd {W} && ls && exit 3"}),
+    ("bash", {"command": f"cat {W}/conf {W}/notes | wc -c"}),
+    ("read_file", {"path": "conf"}),  # relative to the working directory /: missing
+]
+
+#: A transition table that also speculates writing calls, so forks of writes get committed.
+TABLE = [
+    {
+        "after": {"tool": "read_file", "args": {"path": f"{W}/conf"}},
+        "next": [
+            {"tool": "bash", "args": {"command": f"cat {W}/conf"}},
+            {"tool": "edit_file", "args": {"path": f"{W}/conf", "old_str": "a=1", "new_str": "a=10"}},
+        ],
+    },
+    {
+        "after": {"tool": "write_file", "args": {"path": f"{W}/notes", "content": "hello\n"}},
+        "next": [{"tool": "write_file", "args": {"path": f"{W}/notes", "content": "hello again\n"}}],
+    },
+]
+SNAPSHOT = ("bash", {"command": f'cd {W} && for f in $(find . -type f | sort); do echo "$f"; md5sum < "$f"; done'})
+
+
+def _meta(result: Any) -> dict[str, Any]:
+    return result.meta["aospec"]
+
+
+async def _run_script(session: Any, script: list[tuple[str, dict[str, Any]]]) -> tuple[list[Any], list[Any]]:
+    """(what the client sees: text and isError per call; aospec's meta per call)."""
+    seen, metas = [], []
+    for name, args in script:
+        result = await session.call_tool(name, args, read_timeout_seconds=300)
+        seen.append((name, [c.text for c in result.content], result.is_error))
+        metas.append(_meta(result))
+    return seen, metas
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+async def test_tools_list_has_the_sandbox_tools_with_annotations(
+    mcp_state_root: Path, mcp_connect: Any, transport: str
+) -> None:
+    async with mcp_connect([], transport, env={"AOSPEC_STATE_ROOT": str(mcp_state_root)}) as session:
+        tools = {t.name: t for t in (await session.list_tools()).tools}
+    assert set(tools) == {"bash", "read_file", "write_file", "edit_file"}
+    ann = {n: t.annotations.model_dump(by_alias=True, exclude_none=True) for n, t in tools.items()}
+    assert ann["read_file"] == {
+        "readOnlyHint": True,
+        "destructiveHint": False,
+        "idempotentHint": True,
+        "openWorldHint": False,
+    }
+    assert ann["bash"] == {
+        "readOnlyHint": False,
+        "destructiveHint": True,
+        "idempotentHint": False,
+        "openWorldHint": False,
+    }
+    assert ann["write_file"]["readOnlyHint"] is False and ann["write_file"]["idempotentHint"] is True
+    assert ann["edit_file"]["readOnlyHint"] is False and ann["edit_file"]["idempotentHint"] is False
+    assert tools["bash"].input_schema["required"] == ["command"]
+    assert tools["edit_file"].input_schema["required"] == ["path", "old_str", "new_str"]
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+async def test_speculation_is_lossless(mcp_state_root: Path, mcp_connect: Any, transport: str, tmp_path: Path) -> None:
+    table = tmp_path / "table.json"
+    table.write_text(json.dumps(TABLE))
+    env = {"AOSPEC_STATE_ROOT": str(mcp_state_root)}
+    runs = {}
+    for mode, args in {
+        "serial": ["--no-speculate"],
+        "speculative": ["--predict", "both", "--predict-file", str(table), "--speculate", "3"],
+    }.items():
+        async with mcp_connect(args, transport, env=env) as session:
+            seen, metas = await _run_script(session, [*SCRIPT, SNAPSHOT])
+        runs[mode] = (seen, [m["version"] for m in metas], metas)
+    serial, spec = runs["serial"], runs["speculative"]
+    assert spec[0] == serial[0]  # every result, errors included, and the final files
+    assert spec[1] == serial[1]  # the sandbox version after every call
+    assert not any(m["speculated"] for m in serial[2])
+    served = [name for (name, _, _), m in zip(spec[0], spec[2], strict=True) if m["speculated"]]
+    assert "read_file" in served and "bash" in served
+    assert "edit_file" in served and "write_file" in served  # writes committed from their forks
+    errors = [name for name, _, is_error in serial[0] if is_error]
+    assert errors == ["edit_file", "read_file", "write_file", "read_file"]
+    texts = {name: text for name, text, _ in serial[0][10:14]}
+    assert "occurs 2 times" in texts["edit_file"][0]
+    assert serial[0][13][1] == ["conf\nnotes\n[exit status 3]"]
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+async def test_a_fork_with_a_stale_origin_is_never_served(
+    mcp_state_root: Path, mcp_connect: Any, transport: str, tmp_path: Path
+) -> None:
+    write_old = ("write_file", {"path": "/tmp/f", "content": "old\n"})
+    # reading records every run that reaches the committed state in /tmp/runs
+    read = ("bash", {"command": "cat /tmp/f; echo run >> /tmp/runs"})
+    table = tmp_path / "table.json"
+    table.write_text(
+        json.dumps(
+            [{"after": {"tool": write_old[0], "args": write_old[1]}, "next": [{"tool": read[0], "args": read[1]}]}]
+        )
+    )
+    env = {"AOSPEC_STATE_ROOT": str(mcp_state_root)}
+    async with mcp_connect(["--predict", "table", "--predict-file", str(table)], transport, env=env) as session:
+
+        async def call(name: str, args: dict[str, Any]) -> tuple[str, dict[str, Any]]:
+            r = await session.call_tool(name, args, read_timeout_seconds=300)
+            assert not r.is_error, r.content
+            return r.content[0].text, _meta(r)
+
+        _, m0 = await call(*write_old)  # speculates `read` in a fork at this version
+        assert m0["stats"]["launched"] == 1
+        _, m1 = await call("bash", {"command": "echo new > /tmp/f"})  # moves the version on
+        assert m1["version"] != m0["version"]
+        text, m2 = await call(*read)  # its fork is stale: JASV refuses it, the server re-runs it
+        assert text == "new\n"
+        assert m2["speculated"] is False and m2["origin"] == m1["version"]
+        assert m2["stats"]["stale_discarded"] >= 1
+        _, m3 = await call(*write_old)
+        text, m4 = await call(*read)  # origin matches: served from the fork, and committed
+        assert text == "old\n"
+        assert m4["speculated"] is True and m4["origin"] == m3["version"]
+        text, _ = await call("read_file", {"path": "/tmp/runs"})
+        assert text == "run\nrun\n"  # exactly the two committed runs; discarded forks left nothing
