@@ -35,6 +35,7 @@ python3,python3-pip,python3-venv,gcc,libc6-dev,make``; ``--base busybox`` runs w
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import resource
@@ -165,6 +166,7 @@ class Run:
     result: Any
     trace: Trace
     cpu_s: float
+    store_id: str = ""
 
     @property
     def key(self) -> list[tuple[Any, ...]]:
@@ -196,6 +198,7 @@ async def run_agent(
         timeout_s=300,
     )
     async with open_sandbox(cfg) as sb:
+        store_id = str(getattr(getattr(sb, "store", None), "id", ""))
         # cp -a keeps the project's times; /work's own is fixed too (``ls -la`` shows ``..``)
         setup = await sb.run(
             f"mkdir -p /work && cp -a /src/{traj.project} /work/{traj.project} && touch -d @1700000000 /work"
@@ -218,7 +221,7 @@ async def run_agent(
         instruction=traj.instruction,
         meta={"tpot_ms": tpot_ms, "speculate": speculate, "bytecode": bytecode, "exit_reason": result.exit_reason},
     )
-    return Run(traj, speculate, tpot_ms, result, trace, cpu)
+    return Run(traj, speculate, tpot_ms, result, trace, cpu, store_id)
 
 
 def divergence(serial: Run, spec: Run) -> str | None:
@@ -411,20 +414,23 @@ def bytecode_effect(clean: TpotFigures, pyc: TpotFigures) -> dict[str, Any]:
     }
 
 
-def leaks() -> dict[str, int]:
-    """Mounts, marked sandbox processes and cgroups left by aospec on this host."""
+def leaks(store_ids: Sequence[str]) -> dict[str, int]:
+    """What the sessions of ``store_ids`` left on this host: mounts and state directories
+    under this benchmark's private state root, sandbox processes (orphans included) and
+    cgroups of those stores. Scoped, since other aospec users of the host may be running."""
     from runtime._fs import mounts_under
     from runtime.host import host_support
     from runtime.processes import marked_processes
 
     _, cgroups = host_support()
+    root = default_state_root()
+    roots = set(cgroups.roots.values()) if cgroups else set()
+    ids = [i for i in store_ids if i]
     return {
-        "mounts": len(mounts_under(str(default_state_root()))),
-        "processes": len(marked_processes("aospec-")),
-        "cgroups": sum(len(list(r.glob("aospec-*"))) for r in set(cgroups.roots.values())) if cgroups else 0,
-        "state_dirs": len([p for p in default_state_root().glob("*") if p.is_dir()])
-        if default_state_root().exists()
-        else 0,
+        "mounts": len(mounts_under(str(root))),
+        "processes": sum(len(marked_processes(f"aospec-{i}-")) for i in ids),
+        "cgroups": sum(len(list(r.glob(f"aospec-{i}*"))) for r in roots for i in ids),
+        "state_dirs": len([p for p in root.glob("*") if p.is_dir()]) if root.exists() else 0,
     }
 
 
@@ -435,7 +441,6 @@ async def concurrent_sessions(
     serial reference run of its trajectory; then the leak check."""
     from live.serve_trace import serve_trace
 
-    before = leaks()
     async with serve_trace([script_trace(t) for t in trajs], tpot_ms) as server:
         refs = {}
         for t in trajs:
@@ -457,6 +462,8 @@ async def concurrent_sessions(
                 )
             except Exception as exc:  # reported below
                 runs[i] = exc
+            r = runs[i]
+            log(f"  session {i}: " + (f"{r.result.wall_s:.1f} s" if isinstance(r, Run) else f"failed: {r}"))
 
         t0 = time.monotonic()
         async with anyio.create_task_group() as tg:
@@ -464,7 +471,6 @@ async def concurrent_sessions(
                 tg.start_soon(one, i)
         wall = time.monotonic() - t0
     await anyio.sleep(0.5)
-    after = leaks()
     failed = [f"session {i}: {type(r).__name__}: {r}" for i, r in enumerate(runs) if isinstance(r, BaseException)]
     diverged = [
         f"session {i} ({r.traj.id}): {why}"
@@ -472,7 +478,7 @@ async def concurrent_sessions(
         if isinstance(r, Run) and (why := divergence(refs[r.traj.id], r))
     ]
     ok = [r for r in runs if isinstance(r, Run)]
-    leaked = {k: after[k] - before[k] for k in after if after[k] > before[k]}
+    leaked = {k: v for k, v in leaks([r.store_id for r in [*ok, *refs.values()]]).items() if v}
     return {
         "sessions": n,
         "tpot_ms": tpot_ms,
@@ -567,6 +573,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--out", default=None, help="keep the recorded traces (JSONL) in this directory")
     args = ap.parse_args(argv)
     tpots = [float(x) for x in args.tpots.split(",") if x]
+    if "AOSPEC_STATE_ROOT" not in os.environ:  # a private one: the leak check counts only this run's
+        os.environ["AOSPEC_STATE_ROOT"] = tempfile.mkdtemp(prefix="aospec-bench-live-", dir="/var/tmp")
     names = args.tasks.split(",") if args.tasks else (list(QUICK) if args.quick else [t.task for t in MEASURED])
     trajs = [t for t in MEASURED if t.task in names]
     if not trajs:
@@ -656,3 +664,7 @@ if __name__ == "__main__":
         sys.exit(main())
     finally:
         children_cpu_s.close()
+        root = os.environ.get("AOSPEC_STATE_ROOT", "")
+        if Path(root).name.startswith("aospec-bench-live-"):
+            with contextlib.suppress(OSError):
+                os.rmdir(root)  # only when the sessions left it empty
