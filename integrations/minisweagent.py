@@ -1,3 +1,4 @@
+# ruff: noqa: E402  (mini-swe-agent is imported after silencing its startup banner)
 """mini-swe-agent (2.x) on aospec: an Environment on aospec sandboxes and a co-speculating agent.
 
 - :class:`AospecEnvironment` is a mini-swe-agent ``Environment`` whose ``execute`` runs each
@@ -28,9 +29,11 @@ from __future__ import annotations
 
 import copy
 import json
+import os
 import platform
 import re
 import subprocess
+import sys
 import weakref
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -39,6 +42,23 @@ from typing import Any
 import anyio
 import anyio.from_thread
 import anyio.to_thread
+
+
+def _import_quietly() -> None:
+    """Import mini-swe-agent without its startup banner on stdout (which would corrupt the
+    output of a program that only imports this module); a program that imported it first,
+    or set ``MSWEA_SILENT_STARTUP`` itself, keeps its choice."""
+    if "minisweagent" in sys.modules or "MSWEA_SILENT_STARTUP" in os.environ:
+        return
+    os.environ["MSWEA_SILENT_STARTUP"] = "1"
+    try:
+        import minisweagent  # noqa: F401
+    finally:
+        del os.environ["MSWEA_SILENT_STARTUP"]
+
+
+_import_quietly()
+
 from minisweagent.agents.default import AgentConfig, DefaultAgent
 from minisweagent.environments.local import LocalEnvironment
 from minisweagent.exceptions import InterruptAgentFlow
