@@ -778,6 +778,14 @@ class SpeculatingProxy:
             data = json.dumps(new_body, ensure_ascii=False).encode()
             self._specs[key] = _Speculation(key, parent, self._start("POST", url, headers, data))
             self.stats.speculated += 1
+        # speculations of conversations that went away: keep the newest max_remembered
+        while len(self._specs) > self.max_remembered:
+            old = self._specs.pop(next(iter(self._specs)))
+            if old.upstream.in_flight:
+                old.upstream.cancel()
+                self.stats.cancelled += 1
+            else:
+                self.stats.wasted += 1
 
 
 def proxy_app(upstream: str, **kw: Any) -> SpeculatingProxy:
@@ -815,6 +823,21 @@ def default_drafters(train: Sequence[Any] = ()) -> tuple[Any, ...]:
     return tuple(live_defaults(list(train)).observation)
 
 
+def _probe(upstream: str) -> None:
+    """Warn (not fail: it may start later) when the upstream does not answer now."""
+    import httpx
+
+    try:
+        httpx.get(f"{upstream}/models", timeout=3.0)
+    except httpx.HTTPError as exc:
+        print(
+            f"aospec proxy: warning: upstream {upstream} does not answer now ({type(exc).__name__}: {exc}); "
+            "requests get a 502 until it does",
+            file=sys.stderr,
+            flush=True,
+        )
+
+
 def _serve(args: argparse.Namespace) -> int:
     import uvicorn
 
@@ -827,6 +850,7 @@ def _serve(args: argparse.Namespace) -> int:
         train = load_traces([*args.train, *([str(bundled_traces_path())] if args.bundled else [])])
     drafters = () if args.no_speculate else default_drafters(train)
     app = proxy_app(args.upstream, drafters=drafters, max_speculative=args.max_speculative)
+    _probe(app.upstream)
     sock = _bind(args.host, args.port)
     host = f"[{args.host}]" if ":" in args.host else args.host
     print(f"aospec proxy at http://{host}:{sock.getsockname()[1]}/v1 -> {app.upstream}; Ctrl-C stops", flush=True)
