@@ -186,10 +186,7 @@ def test_pass_through_when_not_lossless(servers, traces, extra) -> None:
     up = servers(serve_trace_app([trace], 0.0))
     proxy = proxy_app(up.base_url, drafters=[TruthDrafter(trace)])
     px = servers(proxy)
-    kw = dict(extra)
-    if "temperature" in kw:  # run_harness sets temperature 0; override it
-        pass
-    seen = run_harness(px.base_url, trace, tools=True, stream=False, steps=4, extra=kw)
+    seen = run_harness(px.base_url, trace, tools=True, stream=False, steps=4, extra=extra)  # overrides temperature 0
     assert len(seen) == 4
     assert proxy.stats.speculable == 0 and proxy.stats.speculated == 0 and proxy.stats.passthrough == 4
 
