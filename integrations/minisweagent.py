@@ -463,14 +463,26 @@ class _SessionModel:
         return getattr(self._model, name)
 
 
+def _load_train(paths: list[str]) -> list[Any]:
+    """The training traces under ``paths`` (``bundled``: the traces shipped with aospec)."""
+    if not paths:
+        return []
+    from replay import bundled_traces_path, load_traces
+
+    return load_traces([bundled_traces_path() if p == "bundled" else p for p in paths])
+
+
 class SpeculativeAgent(DefaultAgent):
     """``DefaultAgent`` co-speculating through one aospec session.
 
     ``env`` must be an :class:`AospecEnvironment` (its sandbox is the committed sandbox).
-    ``drafters`` default to the ``aospec`` replay policy's, unfitted
-    (:func:`live.agent.default_drafters`; pass ``default_drafters(traces)`` to fit them);
-    ``speculate=False`` runs the same session serially. Everything else is
-    ``DefaultAgent``'s keyword configuration. After a run, ``statistics`` holds the
+    The drafters are ``drafters`` when given (:class:`live.agent.Drafters`), else those of
+    the replay policy ``policy`` (default ``aospec``) fitted on the traces under ``train``
+    (paths; ``bundled`` names the traces shipped with aospec; none: unfitted), built by
+    :func:`live.agent.default_drafters`. ``policy`` and ``train`` can come from
+    mini-swe-agent's YAML (``agent: {agent_class: integrations.minisweagent.SpeculativeAgent,
+    train: [bundled]}``). ``speculate=False`` runs the same session serially. Everything
+    else is ``DefaultAgent``'s keyword configuration. After a run, ``statistics`` holds the
     engine's figures; the trajectory holds none of them, so it stays what ``DefaultAgent``
     writes (``info.config.agent_type`` names this class).
 
@@ -486,6 +498,8 @@ class SpeculativeAgent(DefaultAgent):
         *,
         drafters: Drafters | None = None,
         speculate: bool = True,
+        policy: str = "aospec",
+        train: Sequence[str] | str = (),
         config_class: type = AgentConfig,
         **kwargs: Any,
     ) -> None:
@@ -494,6 +508,8 @@ class SpeculativeAgent(DefaultAgent):
                 f"SpeculativeAgent needs an integrations.minisweagent.AospecEnvironment, got {type(env).__name__}"
             )
         super().__init__(model, env, config_class=config_class, **kwargs)
+        if drafters is None and speculate:
+            drafters = default_drafters(_load_train([train] if isinstance(train, str) else list(train)), policy)
         self.drafters = drafters
         self.speculate = speculate
         self.actor: ModelActor | None = None
@@ -508,7 +524,7 @@ class SpeculativeAgent(DefaultAgent):
         if not self.speculate:
             return Engine(actor, sandbox, config=serial_config())
         d = self.drafters if self.drafters is not None else default_drafters(())
-        return Engine(
+        return Engine(  # a fresh engine per run: its statistics are that run's
             actor, sandbox, observation_drafters=d.observation, action_drafters=d.action, evd=d.evd, config=d.config
         )
 

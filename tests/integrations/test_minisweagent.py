@@ -23,6 +23,7 @@ import os
 os.environ.setdefault("MSWEA_SILENT_STARTUP", "1")
 
 import json
+import subprocess
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -286,3 +287,58 @@ def test_environment_mirrors_the_local_environment(aospec_dirs: Path, tmp_path: 
         tv = env.get_template_vars()
         assert tv["system"] == os.uname().sysname and tv["cwd"] == str(cwd) and tv["HOME"] == "/root"
         assert env.serialize()["info"]["config"]["environment"]["backend"] == "overlay"
+
+
+CLI_CONFIG = """\
+agent:
+  agent_class: integrations.minisweagent.SpeculativeAgent
+  train: [bundled]
+environment:
+  environment_class: integrations.minisweagent.AospecEnvironment
+  cwd: /work
+model:
+  model_class: deterministic
+  model_name: deterministic
+  outputs:
+    - {role: assistant, content: "THOUGHT: write it", extra: {actions: [{command: "echo 'echo hi' > hi.sh"}]}}
+    - {role: assistant, content: "THOUGHT: run it", extra: {actions: [{command: "sh hi.sh"}]}}
+    - {role: assistant, content: "THOUGHT: done", extra: {actions: [{command: "echo COMPLETE_TASK_AND_SUBMIT_FINAL_OUTPUT; cat hi.sh"}]}}
+"""
+
+
+def test_mini_cli_runs_the_speculative_agent_from_its_own_config(aospec_dirs: Path, tmp_path: Path) -> None:
+    """``mini`` itself, configured by YAML only: agent_class, environment_class."""
+    import sys
+
+    (tmp_path / "aospec.yaml").write_text(CLI_CONFIG)
+    out = tmp_path / "run.traj.json"
+    env = {**os.environ, "MSWEA_CONFIGURED": "1", "MSWEA_SILENT_STARTUP": "1"}
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "minisweagent.run.mini",
+            "-c",
+            "mini.yaml",
+            "-c",
+            str(tmp_path / "aospec.yaml"),
+            "-t",
+            "write hi.sh and run it",
+            "-y",
+            "--exit-immediately",
+            "-o",
+            str(out),
+        ],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    traj = json.loads(out.read_text())
+    info = traj["info"]
+    assert (info["exit_status"], info["submission"]) == ("Submitted", "echo hi\n")
+    assert info["config"]["agent_type"] == "integrations.minisweagent.SpeculativeAgent"
+    assert info["config"]["environment_type"] == "integrations.minisweagent.AospecEnvironment"
+    assert "hi" in traj["messages"][5]["content"] and traj["messages"][5]["extra"]["raw_output"] == "hi\n"
