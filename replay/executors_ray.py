@@ -20,7 +20,7 @@ yields ``(item, result)`` as each item completes) with Ray actors::
   the local executors do.
 
 ``address``: ``None`` uses the Ray this process is connected to, else starts a local one
-(``ray.init()``); ``"auto"`` or ``"ray://HOST:PORT"`` connect to a cluster. Ray is an
+of its own (``ray.init(address="local")``, stopped by :meth:`RayExecutor.close`); ``"auto"`` or ``"ray://HOST:PORT"`` connect to a cluster. Ray is an
 optional dependency (``pip install 'aospec[ray]'``).
 """
 
@@ -87,7 +87,9 @@ class RayExecutor:
         ray = _ray()
         if not ray.is_initialized():
             local = {"include_dashboard": False} if self.address is None else {}
-            ray.init(address=self.address, namespace=self.namespace, log_to_driver=False, **local)
+            # "local": a new Ray of this process's own, never another one found on the host
+            address = self.address if self.address is not None else "local"
+            ray.init(address=address, namespace=self.namespace, log_to_driver=False, **local)
             self.started_ray = self.address is None
         return ray
 
