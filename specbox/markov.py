@@ -40,7 +40,7 @@ from aospec.protocols import ActionDraft
 from aospec.types import Action, History, Trace
 from specbox.routers import NON_CALLS, tool_label
 
-__all__ = ["START", "MarkovPrefetcher", "MarkovScore", "evaluate_markov", "tool_costs_ms"]
+__all__ = ["START", "MarkovPrefetcher", "MarkovScore", "evaluate_markov", "prefetch_task", "tool_costs_ms"]
 
 #: The state before a trace's first step.
 START = "<start>"
@@ -259,3 +259,24 @@ def evaluate_markov(model: MarkovPrefetcher, traces: Sequence[Trace]) -> MarkovS
                 hits += any(tool == lab for tool, _ in pf)
             labels.append(lab)
     return MarkovScore(steps, top1, top3, prefetched, hits)
+
+
+async def prefetch_task(
+    model: MarkovPrefetcher,
+    receive: Any,
+    on_prefetch: Any,
+) -> None:
+    """The background variant: for each ``(tool, action)`` (action may be None) from the anyio
+    receive stream ``receive``, :meth:`~MarkovPrefetcher.observe` it and pass the tools to
+    prefetch now to ``on_prefetch`` (a function or a coroutine function) when there are any.
+    Returns when the stream is closed; cancel-safe (holds nothing)."""
+    import inspect
+
+    async with receive:
+        async for tool, action in receive:
+            model.observe(tool, action)
+            tools = model.prefetch()
+            if tools:
+                result = on_prefetch(tools)
+                if inspect.isawaitable(result):
+                    await result

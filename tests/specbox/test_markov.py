@@ -107,3 +107,23 @@ def test_evaluate_markov_on_held_out_traces() -> None:
     # ls from start: right; cat after ls: right; gcc (unseen) wrong.
     assert score["steps"] == 3 and score["top1"] == pytest.approx(2 / 3, abs=1e-4)
     assert "gcc" not in m.vocab  # evaluation never updates the model
+
+
+def test_background_task_observes_and_prefetches() -> None:
+    from specbox.markov import prefetch_task
+
+    m = MarkovPrefetcher(tau=0.6, lam=5.0, costs={"cat": 100.0, "ls": 100.0})
+    m.fit([_trace(f"t{i}", ["ls", "cat x"]) for i in range(8)])
+    m.costs = {"cat": 100.0, "ls": 100.0}
+    got: list[list[tuple[str, float]]] = []
+
+    async def main() -> None:
+        send, receive = anyio.create_memory_object_stream[tuple[str, Action | None]](4)
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(prefetch_task, m, receive, got.append)
+            async with send:
+                await send.send(("ls", Action.bash("ls")))
+
+    anyio.run(main)
+    assert [[t for t, _ in g] for g in got] == [["cat"]]
+    assert m.counts[(START,)]["ls"] == 9  # the observation was counted online
