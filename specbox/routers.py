@@ -465,11 +465,11 @@ class _KeywordReader(_Reader):
         hits = []
         profiles = self._profiles
         for raw in words:
-            kw = profiles.get(raw.lower().rstrip("."))
+            w = raw.lower().rstrip(".")
+            kw = profiles.get(w)
             if kw is None:
                 continue
             seen = self._matched.setdefault(kw.tool, set())
-            w = raw.lower()
             if w in seen:
                 continue
             seen.add(w)

@@ -124,8 +124,9 @@ def test_keyword_fires_at_exactly_gamma_distinct_keywords() -> None:
     s = _kw(gamma=2).session()
     assert s.feed("let me search ") == []
     assert s.feed("search again ") == []  # a repeat is not a second keyword
+    assert s.feed("Search. ") == []  # nor is it with other case or a full stop
     events = s.feed("for the pattern ")
-    assert events == [RouteEvent("grep", 1.0, 3, "keyword")]
+    assert events == [RouteEvent("grep", 1.0, 4, "keyword")]
     assert s.feed("matches ") == []  # each tool fires once per session
 
 
