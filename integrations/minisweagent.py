@@ -262,9 +262,14 @@ class AospecEnvironment:
     async def _make_cwd(self) -> None:
         import shlex
 
-        result = await self.sandbox.inner.run(f"mkdir -p -- {shlex.quote(self.config.cwd)}", cwd="/")
+        # a one-off setup step: a generous timeout, since a loaded host can be slow to start one
+        timeout = max(self.config.timeout, 300)
+        result = await self.sandbox.inner.run(f"mkdir -p -- {shlex.quote(self.config.cwd)}", cwd="/", timeout=timeout)
         if result.returncode != 0:
-            raise AospecError(f"cannot create the working directory {self.config.cwd!r}: {result.output.strip()}")
+            why = f"timed out after {timeout} s" if result.timed_out else f"exit status {result.returncode}"
+            raise AospecError(
+                f"cannot create the working directory {self.config.cwd!r} ({why}): {result.output.strip()}"
+            )
 
     def execute(self, action: dict, cwd: str = "", *, timeout: int | None = None) -> dict[str, Any]:
         """Run ``action["command"]`` in the sandbox; ``LocalEnvironment``'s output dict."""
