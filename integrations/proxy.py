@@ -46,7 +46,9 @@ import asyncio
 import contextlib
 import json
 import math
+import socket
 import sys
+import time
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -103,6 +105,8 @@ class ProxyStats:
     disconnects: int = 0
     learned: bool = False
     drafter_errors: int = 0
+    drafting_s: float = 0.0
+    waited_s: float = 0.0
 
     def to_json(self) -> dict[str, Any]:
         return {k: getattr(self, k) for k in self.__dataclass_fields__}
@@ -467,9 +471,14 @@ class SpeculatingProxy:
         if self._client is None:
             import httpx
 
+            limits = httpx.Limits(max_connections=None, max_keepalive_connections=64)
             self._client = httpx.AsyncClient(
                 timeout=httpx.Timeout(self.timeout_s, connect=10.0 if self.timeout_s is None else self.timeout_s),
-                limits=httpx.Limits(max_connections=None, max_keepalive_connections=64),
+                limits=limits,
+                # no Nagle delay between a request's headers and body (separate writes)
+                transport=httpx.AsyncHTTPTransport(
+                    limits=limits, socket_options=[(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)]
+                ),
             )
         return self._client
 
@@ -534,10 +543,12 @@ class SpeculatingProxy:
         up = self._start(method, url, headers, body)
         await self._relay(up, receive, send)
 
-    async def _relay(self, up: _Upstream, receive: Any, send: Any, *, on_done: Callable[[], Any] | None = None) -> bool:
-        """Send ``up``'s response to the client; True when it went out whole. A client
-        disconnect cancels ``up``."""
+    async def _relay(self, up: _Upstream, receive: Any, send: Any) -> bool:
+        """Send ``up``'s response to the client; True when it went out whole (every byte
+        of a 200 response sent; the client may hang up right after the last one, as SDKs
+        do after ``[DONE]``). A client disconnect before that cancels ``up``."""
         gone = asyncio.Event()
+        sent_all = False
 
         async def listen() -> None:
             while True:
@@ -562,6 +573,8 @@ class SpeculatingProxy:
             if up.error is not None:
                 self.stats.upstream_errors += 1
                 raise RuntimeError(f"upstream stream cut: {up.error!r}")  # the server aborts the response
+            nonlocal sent_all
+            sent_all = True
             await send({"type": "http.response.body", "body": b""})
             return up.status == 200
 
@@ -575,14 +588,18 @@ class SpeculatingProxy:
             waiter.cancel()
         if not relayer.done():
             relayer.cancel()
-            up.cancel()
-            self.stats.disconnects += 1
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await relayer
+            if sent_all:
+                return up.status == 200
+            up.cancel()
+            self.stats.disconnects += 1
             return False
         try:
             return relayer.result()
         except OSError:
+            if sent_all:
+                return up.status == 200
             up.cancel()
             self.stats.disconnects += 1
             return False
@@ -607,7 +624,9 @@ class SpeculatingProxy:
         # registered right after its last byte went out): wait for them
         parent = self._pending.get(digests[-3]) if len(digests) >= 3 else None
         if parent is not None:
+            t0 = time.perf_counter()
             await parent.wait()
+            self.stats.waited_s += time.perf_counter() - t0
         mine = self._pending[digests[-1]] = asyncio.Event()
         try:
             await self._answer(url, headers, raw, body, digests, mine, receive, send)
@@ -749,7 +768,9 @@ class SpeculatingProxy:
         best: dict[str, float] = {}
         for drafter in self.drafters:
             try:
+                t0 = time.perf_counter()
                 drafts = await drafter.draft(history, action, self.max_speculative)
+                self.stats.drafting_s += time.perf_counter() - t0
             except Exception:  # a drafter's failure loses only its drafts
                 self.stats.drafter_errors += 1
                 continue
