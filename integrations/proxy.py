@@ -6,6 +6,8 @@ A harness changes only its base URL (``http://127.0.0.1:PORT/v1``). Every reques
 ``/v1`` is replaced by it) with its body bytes unchanged, and the upstream's status, headers
 (less hop-by-hop ones, ``date`` and ``server``) and body bytes (plain or SSE, chunk by
 chunk) come back unchanged. A client that disconnects closes its upstream request at once.
+Chat completions are asked for uncompressed (``accept-encoding: identity``: the proxy reads
+them); other requests carry the client's ``accept-encoding`` (identity when it sent none).
 Upstream failures without a response (refused, reset, timed out) are a 502 naming the
 upstream, OpenAI-shaped.
 
@@ -73,13 +75,15 @@ KNOWN_FIELDS = frozenset(
 #: Request headers never forwarded (hop-by-hop, or recomputed).
 _DROP_REQUEST = frozenset(
     {"host", "content-length", "connection", "keep-alive", "transfer-encoding", "te", "upgrade",
-     "proxy-connection", "proxy-authorization", "accept-encoding"}
+     "proxy-connection", "proxy-authorization"}
 )  # fmt: skip
 #: Response headers never forwarded (hop-by-hop, or the proxy's server sets its own).
 _DROP_RESPONSE = frozenset({"connection", "keep-alive", "transfer-encoding", "date", "server"})
 #: Headers that differ between attempts of the same request (the openai SDK's retry
 #: counter and timeouts); ignored when a request is matched to a speculative one.
-VOLATILE_HEADERS = frozenset({"x-stainless-retry-count", "x-stainless-read-timeout", "x-stainless-timeout"})
+VOLATILE_HEADERS = frozenset(
+    {"x-stainless-retry-count", "x-stainless-read-timeout", "x-stainless-timeout", "accept-encoding"}
+)
 
 _CHAT_PATHS = ("/chat/completions",)
 
@@ -359,7 +363,7 @@ class _Upstream:
         try:
             async with client.stream(method, url, headers=headers, content=body) as resp:
                 self.headers = [
-                    (k.encode("latin-1"), v.encode("latin-1"))
+                    (k.lower().encode("latin-1"), v.encode("latin-1"))
                     for k, v in resp.headers.multi_items()
                     if k.lower() not in _DROP_RESPONSE
                 ]
@@ -536,10 +540,15 @@ class SpeculatingProxy:
             for k, v in scope["headers"]
             if k.decode("latin-1").lower() not in _DROP_REQUEST
         ]
-        url = self._url(path, scope.get("query_string", b""))
+        raw_path = scope.get("raw_path")
+        url = self._url(raw_path.decode("latin-1") if raw_path else path, scope.get("query_string", b""))
         if method == "POST" and path.endswith(_CHAT_PATHS):
+            # chat replies are read by the proxy: ask for them uncompressed
+            headers = [(k, v) for k, v in headers if k.lower() != "accept-encoding"] + [("accept-encoding", "identity")]
             await self._chat(url, headers, body, receive, send)
             return
+        if not any(k.lower() == "accept-encoding" for k, _ in headers):
+            headers.append(("accept-encoding", "identity"))  # not httpx's default: what the client accepts
         up = self._start(method, url, headers, body)
         await self._relay(up, receive, send)
 

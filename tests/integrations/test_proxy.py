@@ -316,3 +316,34 @@ def test_request_headers_must_match(servers, traces) -> None:
     ]
     client.chat.completions.create(model="m", messages=messages, temperature=0)
     assert proxy.stats.hits == hits
+
+
+def test_compressing_upstream(servers) -> None:
+    """An upstream that gzips what it can: chat replies are asked for uncompressed (the
+    proxy reads them), other routes pass through compressed as the client accepts."""
+    from starlette.middleware import Middleware
+    from starlette.middleware.gzip import GZipMiddleware
+
+    reply = {"id": "x", "object": "chat.completion", "created": 0, "model": "m",
+             "choices": [{"index": 0, "message": {"role": "assistant", "content": "hi " * 400}, "finish_reason": "stop"}],
+             "usage": {"prompt_tokens": 1, "completion_tokens": 400, "total_tokens": 401}}  # fmt: skip
+
+    async def chat(request: Any) -> Any:
+        return JSONResponse(reply)
+
+    async def models(request: Any) -> Any:
+        return JSONResponse({"object": "list", "data": [{"id": "m" * 2000}]})
+
+    app = Starlette(
+        routes=[Route("/v1/chat/completions", chat, methods=["POST"]), Route("/v1/models", models)],
+        middleware=[Middleware(GZipMiddleware, minimum_size=10)],
+    )
+    up = servers(app)
+    px = servers(proxy_app(up.base_url))
+    body = {"model": "m", "messages": [{"role": "user", "content": "x"}], "temperature": 0}
+    r = httpx.post(f"{px.base_url}/chat/completions", json=body)
+    assert r.json() == reply and "content-encoding" not in r.headers
+    m = httpx.get(f"{px.base_url}/models")
+    assert m.headers["content-encoding"] == "gzip" and m.json()["data"][0]["id"] == "m" * 2000
+    client = openai.OpenAI(base_url=px.base_url, api_key="k", max_retries=0)
+    assert client.chat.completions.create(model="m", messages=body["messages"], temperature=0).usage.total_tokens == 401
