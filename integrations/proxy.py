@@ -758,8 +758,6 @@ class SpeculatingProxy:
         chat = ChatFormat(action_format="tools" if fmt.tools else "bash")
         text = reply.get("content") if isinstance(reply.get("content"), str) else ""
         action = chat.parse(text, calls)
-        if action.is_none:
-            return
         try:
             appended = apply_shape(fmt.assistant, reply)
         except (ValueError, KeyError):
@@ -775,7 +773,13 @@ class SpeculatingProxy:
         if history is None:
             return
         best: dict[str, float] = {}
-        for drafter in self.drafters:
+        if action.is_none:
+            # a reply without an action: the harness answers it with its format-error
+            # message, drafted as the one it sent the last time
+            errors = [t.observation for t in history.turns if t.action.is_none]
+            if errors:
+                best[errors[-1]] = 1.0
+        for drafter in () if action.is_none else self.drafters:
             try:
                 t0 = time.perf_counter()
                 drafts = await drafter.draft(history, action, self.max_speculative)

@@ -347,3 +347,55 @@ def test_compressing_upstream(servers) -> None:
     assert m.headers["content-encoding"] == "gzip" and m.json()["data"][0]["id"] == "m" * 2000
     client = openai.OpenAI(base_url=px.base_url, api_key="k", max_retries=0)
     assert client.chat.completions.create(model="m", messages=body["messages"], temperature=0).usage.total_tokens == 401
+
+
+def test_local_tiny_model_upstream(servers) -> None:
+    """A real generating upstream: the project's tiny model (random weights, greedy) behind
+    a minimal OpenAI-compatible endpoint. Its replies hold no bash block, so the harness
+    answers each with its format-error message, which the proxy drafts from the last one:
+    the same replies with and without the proxy, and hits from the third request on."""
+    pytest.importorskip("torch")
+    import anyio
+
+    from live.local import TransformersActor
+
+    texts = ["```bash\nls -la\n```", "THOUGHT: list the files", "<returncode>0</returncode>\n<output>\nf\n</output>"]
+    actor = TransformersActor("tiny", texts=texts * 20, vocab_size=400, max_new_tokens=12)
+    lock = anyio.Lock()
+
+    async def chat(request: Any) -> Any:
+        body = await request.json()
+        async with lock:  # one decode at a time on the CPU
+            r = await actor._generate(body["messages"])
+        return JSONResponse(
+            {
+                "id": "local",
+                "object": "chat.completion",
+                "created": 0,
+                "model": body["model"],
+                "choices": [
+                    {"index": 0, "message": {"role": "assistant", "content": r.text}, "finish_reason": r.finish_reason}
+                ],
+                "usage": {"prompt_tokens": 0, "completion_tokens": r.output_tokens, "total_tokens": r.output_tokens},
+            }
+        )
+
+    up = servers(Starlette(routes=[Route("/v1/chat/completions", chat, methods=["POST"])]))
+
+    def harness(base_url: str) -> list[Any]:
+        client = openai.OpenAI(base_url=base_url, api_key="k", max_retries=0)
+        messages: list[dict[str, Any]] = [{"role": "user", "content": "list the files"}]
+        seen = []
+        for _ in range(5):
+            r = client.chat.completions.create(model="tiny", messages=messages, temperature=0)
+            text = r.choices[0].message.content or ""
+            seen.append((text, r.usage.model_dump()))
+            messages += [{"role": "assistant", "content": text},
+                         {"role": "user", "content": "Please always provide EXACTLY ONE action in triple backticks."}]  # fmt: skip
+        return seen
+
+    direct = harness(up.base_url)
+    proxy = proxy_app(up.base_url, drafters=[TruthDrafter(Trace("t", "t", "h", "m", "s", ()))])
+    px = servers(proxy)
+    assert harness(px.base_url) == direct
+    assert proxy.stats.hits == 3, proxy.stats
