@@ -264,8 +264,23 @@ def check_importer(path: Path) -> None:
     assert trace.steps[4].observation.endswith("<output>\nhello, world\n</output>")
 
 
-def test_environment_mirrors_the_local_environment(aospec_dirs: Path, tmp_path: Path) -> None:
+def _docker_skip_reason() -> str | None:
+    from aospec.errors import SandboxUnavailableError
+
+    try:
+        from runtime.daemon import docker_client
+
+        driver = docker_client().info().get("Driver")
+    except SandboxUnavailableError as exc:
+        return str(exc)
+    return None if driver == "overlay2" else f"the Docker daemon uses storage driver {driver!r}, not overlay2"
+
+
+@pytest.mark.parametrize("backend", ["overlay", pytest.param("docker", marks=pytest.mark.docker)])
+def test_environment_mirrors_the_local_environment(aospec_dirs: Path, tmp_path: Path, backend: str) -> None:
     """Output dicts equal LocalEnvironment's: exit codes, stderr, CRLF, timeouts, submission."""
+    if backend == "docker" and (reason := _docker_skip_reason()):
+        pytest.skip(f"docker backend cannot run here: {reason}")
     from minisweagent.exceptions import Submitted
 
     cwd = tmp_path / "w"
@@ -277,7 +292,7 @@ def test_environment_mirrors_the_local_environment(aospec_dirs: Path, tmp_path: 
         "pwd",
         "echo partial; sleep 30",
     ]
-    with AospecEnvironment(cwd=str(cwd), timeout=8) as env:
+    with AospecEnvironment(cwd=str(cwd), timeout=8, backend=backend) as env:
         for command in commands:
             assert env.execute({"command": command}) == local.execute({"command": command}), command
         for e in (env, local):
@@ -286,7 +301,7 @@ def test_environment_mirrors_the_local_environment(aospec_dirs: Path, tmp_path: 
             assert info.value.messages[0]["extra"] == {"exit_status": "Submitted", "submission": "done\n"}
         tv = env.get_template_vars()
         assert tv["system"] == os.uname().sysname and tv["cwd"] == str(cwd) and tv["HOME"] == "/root"
-        assert env.serialize()["info"]["config"]["environment"]["backend"] == "overlay"
+        assert env.serialize()["info"]["config"]["environment"]["backend"] == backend
 
 
 CLI_CONFIG = """\
