@@ -37,6 +37,7 @@ from minisweagent.config import builtin_config_dir
 from minisweagent.environments import get_environment
 from minisweagent.environments.local import LocalEnvironment
 from minisweagent.models.test_models import DeterministicModel, make_output
+from pydantic import BaseModel
 
 from integrations.minisweagent import (
     AospecEnvironment,
@@ -357,3 +358,76 @@ def test_mini_cli_runs_the_speculative_agent_from_its_own_config(aospec_dirs: Pa
     assert info["config"]["agent_type"] == "integrations.minisweagent.SpeculativeAgent"
     assert info["config"]["environment_type"] == "integrations.minisweagent.AospecEnvironment"
     assert "hi" in traj["messages"][5]["content"] and traj["messages"][5]["extra"]["raw_output"] == "hi\n"
+
+
+class ScriptedTextModel:
+    """A deterministic text model: its reply depends only on its messages (on how many
+    replies they hold), and is parsed by mini-swe-agent's own regex parser, so a reply
+    without exactly one ``mswea_bash_command`` block raises mini-swe-agent's FormatError."""
+
+    class Config(BaseModel):
+        replies: list[str]
+        action_regex: str = r"```mswea_bash_command\s*\n(.*?)\n```"
+        format_error_template: str = "Format error: {{error}}"
+        observation_template: str = (
+            "<returncode>{{output.returncode}}</returncode>\n<output>\n{{output.output}}</output>"
+        )
+
+    def __init__(self, **kwargs: Any) -> None:
+        self.config = self.Config(**kwargs)
+
+    def query(self, messages: list[dict[str, Any]], **kwargs: Any) -> dict[str, Any]:
+        from minisweagent.models.utils.actions_text import parse_regex_actions
+
+        k = sum(
+            m["role"] == "assistant" or (m.get("extra") or {}).get("interrupt_type") == "FormatError" for m in messages
+        )
+        text = self.config.replies[k]
+        actions = parse_regex_actions(
+            text, action_regex=self.config.action_regex, format_error_template=self.config.format_error_template
+        )
+        return {"role": "assistant", "content": text, "extra": {"actions": actions, "cost": 0.5}}
+
+    def format_message(self, **kwargs: Any) -> dict[str, Any]:
+        return kwargs
+
+    def format_observation_messages(
+        self, message: dict, outputs: list[dict], template_vars: dict | None = None
+    ) -> list[dict]:
+        from minisweagent.models.utils.actions_text import format_observation_messages
+
+        return format_observation_messages(
+            outputs, observation_template=self.config.observation_template, template_vars=template_vars
+        )
+
+    def get_template_vars(self, **kwargs: Any) -> dict[str, Any]:
+        return self.config.model_dump()
+
+    def serialize(self) -> dict:
+        return {"info": {"config": {"model": self.config.model_dump(mode="json")}}}
+
+
+def test_format_errors_go_through_the_session_as_in_default_agent(aospec_dirs: Path, tmp_path: Path) -> None:
+    """A reply mini-swe-agent rejects (two blocks) is a FormatError message in both runs."""
+    replies = [
+        _reply("echo one > one.txt"),
+        _reply("ls") + "\n" + _reply("pwd"),  # two actions: FormatError
+        "no block at all",  # FormatError again
+        _reply("cat one.txt"),
+        _reply("echo COMPLETE_TASK_AND_SUBMIT_FINAL_OUTPUT && cat one.txt"),
+    ]
+    runs = []
+    for agent_class in (DefaultAgent, SpeculativeAgent):
+        with AospecEnvironment(cwd="/w", timeout=TIMEOUT) as env:
+            agent = agent_class(
+                ScriptedTextModel(replies=replies), env, **CONFIG["agent"], max_consecutive_format_errors=3
+            )
+            result = agent.run("make one.txt")
+            runs.append((result, strip_times(agent.messages), agent.n_calls, agent.cost, env.version))
+    assert runs[0] == runs[1]
+    result, messages = runs[0][0], runs[0][1]
+    assert result == {"exit_status": "Submitted", "submission": "one\n"}
+    assert [m["extra"]["interrupt_type"] for m in messages if "interrupt_type" in m.get("extra", {})] == [
+        "FormatError",
+        "FormatError",
+    ]
