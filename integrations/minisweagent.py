@@ -257,7 +257,11 @@ class AospecEnvironment:
         self.sandbox = _Sandbox(root, self)
         self._finalizer = weakref.finalize(self, _close, portal_cm, sandbox_cm)
         if self.config.cwd:
-            self.portal.call(self._make_cwd)
+            try:
+                self.portal.call(self._make_cwd)
+            except BaseException:
+                self.close()
+                raise
 
     async def _make_cwd(self) -> None:
         import shlex
