@@ -743,6 +743,8 @@ class ParseRouter(Router):
     word is complete (confidence 1), or a tool call's function name as it arrives."""
 
     name = "parse"
+    #: What it fires is certain: an assembly stops guessing once it has (Assembly).
+    exact = True
     _FENCE = re.compile(r"```(?:bash|sh)[^\n]*\n")
 
     def reader(self) -> _Reader:
@@ -801,6 +803,10 @@ class Assembly(Router):
       confidence: the members' minimum);
     - ``weighted``: once ``sum_k weights[k] * score_k(tool)`` reaches ``threshold``, each
       member's current score (:meth:`RouterSession.scores`); weights default to equal.
+
+    Once an exact member (``exact = True``: :class:`ParseRouter`) has fired, the tool is
+    known: the assembly passes that event on and fires nothing else for the rest of the
+    stream (a later guess could only be a wasted prewarm).
     """
 
     def __init__(
@@ -833,12 +839,21 @@ class _AssemblyReader(_Reader):
         self.a = a
         self.readers = [m.reader() for m in a.members]
         self.fired: list[dict[str, float]] = [{} for _ in a.members]
+        self.exact = [bool(getattr(m, "exact", False)) for m in a.members]
+        self.settled = False
 
     def _collect(self, results: list[list[tuple[str, float]]]) -> list[tuple[str, float]]:
         a = self.a
+        if self.settled:
+            return []
         for k, hits in enumerate(results):
             for tool, conf in hits:
                 self.fired[k].setdefault(tool, conf)
+        certain = [h for k, hits in enumerate(results) if self.exact[k] for h in hits]
+        if certain:
+            # An exact member named the tool: any other bet from now on is a wasted prewarm.
+            self.settled = True
+            return certain
         if a.mode == "union":
             return [h for hits in results for h in hits]
         if a.mode == "intersection":

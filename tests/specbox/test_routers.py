@@ -313,3 +313,12 @@ def test_false_positives_on_non_calls_count_against_precision() -> None:
     steps = [StreamStep(("we search ", "now"), "respond", "t"), StreamStep(("search ", "x"), "grep", "t")]
     j = evaluate_router(kw, steps).to_json()
     assert (j["precision"], j["recall"], j["non_calls"]) == (0.5, 1.0, 1)
+
+
+def test_an_exact_fire_settles_the_assembly() -> None:
+    learned = _Fixed("a", {1: [("cat", 0.9)], 4: [("grep", 0.9)]})
+    union = Assembly([learned, ParseRouter()], "union")  # type: ignore[list-item]
+    s = union.session()
+    got = [(e.tool, e.position) for d in ("x ", "```bash\n", "ls ", "-la ", "/app") for e in s.feed(d)]
+    # The learned guess before the program is known is passed on; after 'ls' nothing else.
+    assert got == [("cat", 1), ("ls", 3)]
