@@ -369,9 +369,14 @@ class ModelActor:
     the history, as a deterministic model does.
     """
 
-    def __init__(self, model: Any, template_vars: Callable[..., dict[str, Any]] | None = None) -> None:
+    def __init__(
+        self, model: Any, template_vars: Callable[..., dict[str, Any]] | None = None, *, calls_before: int = 0
+    ) -> None:
         self.model = model
         self.template_vars = template_vars or (lambda **kw: dict(kw))
+        self.calls_before = calls_before  # the agent's n_calls when the run began (it is never reset)
+        # a scripted model continues where an earlier run of the same model left it
+        self.offset = model.current_index + 1 if self.scripted else 0
         self.memo: dict[str, Decoded] = {}
         self.known: dict[str, list[dict[str, Any]]] = {}
         self.stats = ActorStats()
@@ -407,7 +412,7 @@ class ModelActor:
             messages.append(decoded.message)
             outputs = decode_outputs(history.turns[k].observation)
             if outputs:
-                tv = self.template_vars(n_model_calls=k + 1)
+                tv = self.template_vars(n_model_calls=self.calls_before + k + 1)
                 messages.extend(self.model.format_observation_messages(decoded.message, outputs, tv))
         return messages
 
@@ -415,7 +420,7 @@ class ModelActor:
         model = self.model
         if self.scripted:
             model = copy.copy(self.model)
-            model.current_index = _scripted_start(model.config.outputs, step) - 1
+            model.current_index = self.offset + _scripted_start(model.config.outputs[self.offset :], step) - 1
         index = lambda: model.current_index if self.scripted else None  # noqa: E731
         try:
             message = model.query(messages)
@@ -538,7 +543,7 @@ class SpeculativeAgent(DefaultAgent):
         )
 
     def run(self, task: str = "", **kwargs: Any) -> dict:
-        self.actor = ModelActor(self.model, template_vars=self.get_template_vars)
+        self.actor = ModelActor(self.model, template_vars=self.get_template_vars, calls_before=self.n_calls)
         self.engine = self._engine(self.actor)
         portal = self.env.portal
         self._last = None

@@ -431,3 +431,24 @@ def test_format_errors_go_through_the_session_as_in_default_agent(aospec_dirs: P
         "FormatError",
         "FormatError",
     ]
+
+
+def test_a_second_run_of_the_same_agent_continues_the_scripted_model(aospec_dirs: Path) -> None:
+    """DefaultAgent keeps its model (and n_calls) across runs; so does SpeculativeAgent."""
+    commands = [
+        "echo a > a",
+        "cat a",
+        "echo COMPLETE_TASK_AND_SUBMIT_FINAL_OUTPUT",
+        "ls",
+        "echo COMPLETE_TASK_AND_SUBMIT_FINAL_OUTPUT",
+    ]
+    outputs = [make_output(_reply(c), [{"command": c}]) for c in commands]
+    runs = []
+    for agent_class in (DefaultAgent, SpeculativeAgent):
+        with AospecEnvironment(cwd="/w", timeout=TIMEOUT) as env:
+            agent = agent_class(model(outputs), env, **CONFIG["agent"])
+            first = (agent.run("one"), strip_times(agent.messages))
+            second = (agent.run("two"), strip_times(agent.messages))
+            runs.append((first, second, agent.n_calls, agent.model.current_index, env.version))
+    assert runs[0] == runs[1]
+    assert runs[0][1][1][-3]["extra"]["raw_output"] == "a\n"  # the second run's `ls`
