@@ -41,7 +41,7 @@ import json
 import math
 import re
 from collections import Counter, defaultdict
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -897,13 +897,6 @@ def _as_steps(items: Sequence[StreamStep] | Sequence[Trace]) -> list[StreamStep]
     if items and isinstance(items[0], Trace):
         return stream_steps(items)  # type: ignore[arg-type]
     return items  # type: ignore[return-value]
-
-
-def run_stream(router: Router, deltas: Sequence[Any]) -> Iterator[tuple[int, list[RouteEvent]]]:
-    """Feed ``deltas`` one by one; yields (position, events) after each."""
-    session = router.session()
-    for d in deltas:
-        yield session.position + 1, session.feed(d)
 
 
 # ------------------------------------------------------------------ evaluation
