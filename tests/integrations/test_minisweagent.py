@@ -452,3 +452,36 @@ def test_a_second_run_of_the_same_agent_continues_the_scripted_model(aospec_dirs
             runs.append((first, second, agent.n_calls, agent.model.current_index, env.version))
     assert runs[0] == runs[1]
     assert runs[0][1][1][-3]["extra"]["raw_output"] == "a\n"  # the second run's `ls`
+
+
+def test_repeated_test_runs_overlap_with_the_model(aospec_dirs: Path, drafters: Any) -> None:
+    """A task that runs its (1 s) tests three times, with a 0.4 s model: the speculative run
+    reuses forks and drafts and stays lossless. Wall times are printed, not asserted (the
+    test machine is shared); one run here measured 7.0 s serial, 5.6 s speculative."""
+    commands = [
+        "ls",
+        "cat README.md",
+        "printf 'sleep 1; echo tests passed\\n' > test.sh",
+        "sh test.sh",
+        "cat test.sh",
+        "sh test.sh",
+        "ls",
+        "sh test.sh",
+        "echo COMPLETE_TASK_AND_SUBMIT_FINAL_OUTPUT",
+    ]
+    outputs = []
+    for c in commands:
+        outputs += [make_output("", [{"command": "/sleep 0.4"}], cost=0.0), make_output(_reply(c), [{"command": c}])]
+    runs, walls = [], {}
+    for agent_class, kw in ((DefaultAgent, {}), (SpeculativeAgent, {"drafters": drafters})):
+        with AospecEnvironment(cwd="/w", timeout=TIMEOUT) as env:
+            env.execute({"command": "echo hi > README.md"})
+            agent = agent_class(model(outputs), env, **CONFIG["agent"], **kw)
+            t0 = time.monotonic()
+            result = agent.run("run the tests")
+            walls[agent_class.__name__] = round(time.monotonic() - t0, 3)
+            runs.append((result, strip_times(agent.messages), env.version))
+    assert runs[0] == runs[1]
+    stats = agent.statistics
+    assert stats is not None and stats.forks_reused + stats.drafts_hit > 0
+    print("one small run, wall s:", walls, "forks reused", stats.forks_reused, "drafts hit", stats.drafts_hit)
