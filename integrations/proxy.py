@@ -411,6 +411,7 @@ class _Speculation:
     key: str
     parent: str
     upstream: _Upstream
+    wrapped: bool = False
 
 
 @dataclass
@@ -467,6 +468,9 @@ class SpeculatingProxy:
         self._specs: dict[str, _Speculation] = {}
         self._format: _Format | None = None
         self._pending: dict[str, asyncio.Event] = {}
+        # which drafts hit: once only verbatim ones have, wrapped ones are not sent
+        self._hits_verbatim = 0
+        self._hits_wrapped = 0
         self.max_remembered = max_remembered
 
     # -- plumbing --------------------------------------------------------------------------
@@ -679,6 +683,10 @@ class SpeculatingProxy:
         if hit is not None:
             self._specs.pop(hit.key, None)
             self.stats.hits += 1
+            if hit.wrapped:
+                self._hits_wrapped += 1
+            else:
+                self._hits_verbatim += 1
             self.stats.midstream_hits += int(hit.upstream.in_flight)
             up = hit.upstream
         else:
@@ -795,9 +803,10 @@ class SpeculatingProxy:
         # drafts verbatim first (drafters fit on traces draft what the model saw), then
         # wrapped in the learned template (drafters that draft raw tool output)
         contents = [draft for draft, _p in ranked]
-        if prefix or suffix:
+        verbatim = len(contents)
+        if (prefix or suffix) and not (self._hits_verbatim and not self._hits_wrapped):
             contents += [w for d in list(contents) for w in _wrapped(d, prefix, suffix) if w not in contents]
-        for content in contents:
+        for i, content in enumerate(contents):
             if sum(1 for s in self._specs.values() if s.upstream.in_flight) >= self.max_speculative:
                 break
             try:
@@ -810,7 +819,7 @@ class SpeculatingProxy:
             if key in self._specs:
                 continue
             data = json.dumps(new_body, ensure_ascii=False).encode()
-            self._specs[key] = _Speculation(key, parent, self._start("POST", url, headers, data))
+            self._specs[key] = _Speculation(key, parent, self._start("POST", url, headers, data), i >= verbatim)
             self.stats.speculated += 1
         # speculations of conversations that went away: keep the newest max_remembered
         while len(self._specs) > self.max_remembered:

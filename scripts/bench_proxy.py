@@ -18,18 +18,27 @@ message) and appends the observation. Per TPOT and trace it runs:
 It fails unless every proxied run saw exactly the replies the direct run saw (text, tool
 calls, usage). Figures are wall-clock seconds of the whole loop.
 
+By default serve-trace and the proxy run in threads of this process (so the proxy's own
+overhead includes sharing the interpreter lock with the upstream and the harness);
+``--processes`` starts them as ``aospec serve-trace`` and ``aospec proxy`` processes, as a
+user would (no oracle row there: its drafter exists only in process).
+
 Usage:
-  .venv/bin/python scripts/bench_proxy.py [--tpot 20 10 1] [--traces 3] [--steps 8] [--json]
+  .venv/bin/python scripts/bench_proxy.py [--tpot 20 10 1] [--traces 3] [--steps 8] [--processes] [--json]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import re
+import subprocess
 import sys
+import tempfile
 import time
-from collections.abc import Sequence
-from contextlib import ExitStack
+from collections.abc import Iterator, Sequence
+from contextlib import ExitStack, contextmanager
+from pathlib import Path
 from typing import Any
 
 import openai
@@ -39,6 +48,27 @@ from aospec.types import Action, History, Trace
 from integrations.proxy import default_drafters, proxy_app
 from live.serve_trace import serve_trace_app, serving
 from replay import bundled_traces_path, load_traces
+from replay.io import write_jsonl
+
+AOSPEC = str(Path(sys.executable).parent / "aospec")
+
+
+@contextmanager
+def process(args: list[str]) -> Iterator[str]:
+    """Run an aospec verb that prints its ``http://.../v1`` URL; yield the URL."""
+    proc = subprocess.Popen([AOSPEC, *args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        url = None
+        while url is None:
+            line = proc.stdout.readline()  # type: ignore[union-attr]
+            if not line:
+                raise RuntimeError(f"aospec {args[0]} exited before serving")
+            m = re.search(r"(http://\S+/v1)", line)
+            url = m.group(1) if m else None
+        yield url
+    finally:
+        proc.terminate()
+        proc.wait(10)
 
 
 class OracleDrafter:
@@ -82,6 +112,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--traces", type=int, default=3, help="how many bundled traces (fewest output tokens first)")
     ap.add_argument("--steps", type=int, default=8, help="steps per trace")
     ap.add_argument("--max-tool-s", type=float, default=1.0, help="cap on each step's tool time (s)")
+    ap.add_argument("--processes", action="store_true", help="serve-trace and the proxy as their own processes")
     ap.add_argument("--json", action="store_true", help="print one JSON object")
     args = ap.parse_args(argv)
 
@@ -94,25 +125,44 @@ def main(argv: Sequence[str] | None = None) -> int:
             configs: dict[str, Any] = {
                 "direct": None,
                 "proxy-passthrough": (),
-                "proxy": default_drafters(train),
-                "proxy-oracle": (OracleDrafter(trace),),
+                "proxy": default_drafters(train) if not args.processes else ["--train", "TRAIN"],
             }
+            if not args.processes:
+                configs["proxy-oracle"] = (OracleDrafter(trace),)
             baseline: list[Any] | None = None
             for name, drafters in configs.items():
                 with ExitStack() as stack:
-                    up = stack.enter_context(serving(serve_trace_app([trace], tpot)))
                     proxy = None
-                    url = up.base_url
-                    if drafters is not None:
-                        proxy = proxy_app(up.base_url, drafters=drafters, max_speculative=2)
-                        url = stack.enter_context(serving(proxy)).base_url
+                    if args.processes:
+                        tmp = Path(stack.enter_context(tempfile.TemporaryDirectory()))
+                        write_jsonl([trace], tmp / "served.jsonl")
+                        write_jsonl(train, tmp / "train.jsonl")
+                        url = stack.enter_context(
+                            process(["serve-trace", str(tmp / "served.jsonl"), "--tpot-ms", str(tpot), "--port", "0"])
+                        )
+                        if drafters is not None:
+                            extra = ["--no-speculate"] if not drafters else ["--train", str(tmp / "train.jsonl")]
+                            url = stack.enter_context(process(["proxy", "--upstream", url, "--port", "0", *extra]))
+                    else:
+                        up = stack.enter_context(serving(serve_trace_app([trace], tpot)))
+                        url = up.base_url
+                        if drafters is not None:
+                            proxy = proxy_app(up.base_url, drafters=drafters, max_speculative=2)
+                            url = stack.enter_context(serving(proxy)).base_url
+                    stats_url = url.removesuffix("/v1") + "/aospec/stats"
                     wall, seen = harness(url, trace, args.steps, args.max_tool_s)
+                    st = None
+                    if proxy is not None:
+                        st = proxy.stats.to_json()
+                    elif args.processes and drafters is not None:
+                        import httpx
+
+                        st = httpx.get(stats_url).json()
                 if baseline is None:
                     baseline = seen
                 elif seen != baseline:
                     print(f"NOT LOSSLESS: {name} on {trace.id} at tpot {tpot}", file=sys.stderr)
                     return 1
-                st = proxy.stats if proxy is not None else None
                 rows.append(
                     {
                         "tpot_ms": tpot,
@@ -120,10 +170,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                         "config": name,
                         "steps": len(seen),
                         "wall_s": round(wall, 3),
-                        "hits": st.hits if st else 0,
-                        "midstream_hits": st.midstream_hits if st else 0,
-                        "speculated": st.speculated if st else 0,
-                        "cancelled": st.cancelled if st else 0,
+                        "hits": st["hits"] if st else 0,
+                        "midstream_hits": st["midstream_hits"] if st else 0,
+                        "speculated": st["speculated"] if st else 0,
+                        "cancelled": st["cancelled"] if st else 0,
                     }
                 )
     summary = []
@@ -131,6 +181,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         base = sum(r["wall_s"] for r in rows if r["tpot_ms"] == tpot and r["config"] == "direct")
         for name in ("direct", "proxy-passthrough", "proxy", "proxy-oracle"):
             sel = [r for r in rows if r["tpot_ms"] == tpot and r["config"] == name]
+            if not sel:
+                continue
             wall = sum(r["wall_s"] for r in sel)
             summary.append(
                 {
@@ -147,6 +199,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "traces": [t.id for t in chosen],
         "steps": args.steps,
         "max_tool_s": args.max_tool_s,
+        "processes": args.processes,
         "lossless": True,
         "summary": summary,
         "runs": rows,
