@@ -60,12 +60,25 @@ def test_the_installed_verbs_come_from_entry_points_of_their_packages():
 
     verbs = {ep.name: ep.value for ep in command_entry_points()}
     assert verbs == {
+        "mcp": "integrations.mcp_server:register",
+        "proxy": "integrations.proxy:register",
         "replay": "replay.cli.sweep:register_replay",
+        "routers": "specbox.cli:register",
+        "run": "live.cli:register",
         "sandbox": "runtime.cli:register",
+        "serve-trace": "live.serve_trace:register",
         "sweep": "replay.cli.sweep:register_sweep",
         "traces": "replay.cli.traces:register",
         "train": "training.cli:register",
     }
+
+
+def test_every_installed_verb_loads_and_shows_help():
+    proc = subprocess.run([sys.executable, "-m", "aospec", "--help"], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    assert "warning" not in proc.stderr.lower(), proc.stderr
+    for verb in ("mcp", "proxy", "replay", "routers", "run", "sandbox", "serve-trace", "sweep", "traces", "train"):
+        assert verb in proc.stdout
 
 
 def test_a_third_party_entry_point_adds_a_verb(tmp_path):
