@@ -76,6 +76,7 @@ __all__ = [
     "MULTI_ACTION_TOOL",
     "AospecEnvironment",
     "AospecEnvironmentConfig",
+    "Decoded",
     "ModelActor",
     "SpeculativeAgent",
     "action_of",
