@@ -485,3 +485,41 @@ def test_repeated_test_runs_overlap_with_the_model(aospec_dirs: Path, drafters: 
     stats = agent.statistics
     assert stats is not None and stats.forks_reused + stats.drafts_hit > 0
     print("one small run, wall s:", walls, "forks reused", stats.forks_reused, "drafts hit", stats.drafts_hit)
+
+
+def test_tool_call_models_with_parallel_calls(aospec_dirs: Path) -> None:
+    """mini-swe-agent's tool-call test model, one reply with two tool calls: lossless."""
+    from minisweagent.models.test_models import DeterministicToolcallModel, make_toolcall_output
+
+    def call(k: int, command: str) -> tuple[dict[str, Any], dict[str, Any]]:
+        cid = f"call_{k}"
+        tool_call = {
+            "id": cid,
+            "type": "function",
+            "function": {"name": "bash", "arguments": json.dumps({"command": command})},
+        }
+        return tool_call, {"command": command, "tool_call_id": cid}
+
+    replies = [["echo x > x.txt"], ["cat x.txt", "ls"], ["echo COMPLETE_TASK_AND_SUBMIT_FINAL_OUTPUT", "echo never"]]
+    outputs, k = [], 0
+    for commands in replies:
+        calls = []
+        for c in commands:
+            calls.append(call(k, c))
+            k += 1
+        outputs.append(make_toolcall_output(None, [t for t, _ in calls], [a for _, a in calls]))
+    runs = []
+    for agent_class in (DefaultAgent, SpeculativeAgent):
+        with AospecEnvironment(cwd="/w", timeout=TIMEOUT) as env:
+            agent = agent_class(DeterministicToolcallModel(outputs=outputs), env, **CONFIG["agent"])
+            runs.append((agent.run("x"), strip_times(agent.messages), env.version))
+    assert runs[0] == runs[1]
+    assert [m["role"] for m in runs[0][1][2:]] == [
+        "assistant",
+        "tool",
+        "assistant",
+        "tool",
+        "tool",
+        "assistant",
+        "exit",
+    ]
