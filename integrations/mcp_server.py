@@ -41,7 +41,7 @@ import posixpath
 import signal
 import socket
 import sys
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -389,10 +389,15 @@ async def serve_stdio(server: Any) -> None:
         await server.run(read, write, server.create_initialization_options())
 
 
-async def serve_http(server: Any, host: str, port: int) -> None:
+async def serve_http(server: Any, host: str, port: int, stop: anyio.Event) -> None:
     """Streamable HTTP at ``http://HOST:PORT/mcp`` (port 0: any free port; the URL is
-    printed on stderr as ``aospec mcp: listening on URL``)."""
+    printed on stderr as ``aospec mcp: listening on URL``) until ``stop`` is set."""
     import uvicorn
+
+    class _Server(uvicorn.Server):
+        @contextlib.contextmanager
+        def capture_signals(self) -> Iterator[None]:  # aospec handles SIGINT/SIGTERM itself
+            yield
 
     app = server.streamable_http_app(host=host)
     sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
@@ -401,11 +406,18 @@ async def serve_http(server: Any, host: str, port: int) -> None:
     sock.listen(128)
     sock.setblocking(False)
     bound = sock.getsockname()[1]
-    config = uvicorn.Config(app, log_level="warning", lifespan="on")
-    userver = uvicorn.Server(config)
+    userver = _Server(uvicorn.Config(app, log_level="warning", lifespan="on"))
+
+    async def stopper() -> None:
+        await stop.wait()
+        userver.should_exit = True
+
     print(f"aospec mcp: listening on http://{host}:{bound}/mcp", file=sys.stderr, flush=True)
     try:
-        await userver.serve(sockets=[sock])
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(stopper)
+            await userver.serve(sockets=[sock])
+            tg.cancel_scope.cancel()
     finally:
         sock.close()
 
@@ -462,17 +474,20 @@ async def _serve(args: argparse.Namespace) -> None:
     else:
         opener = _sandbox_backend(args)
     async with opener as backend, anyio.create_task_group() as tg:
+        stop = anyio.Event()
 
         async def on_signal() -> None:
             with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
                 async for _ in signals:
-                    tg.cancel_scope.cancel()
+                    stop.set()  # HTTP: uvicorn shuts down gracefully
+                    if args.http is None:
+                        tg.cancel_scope.cancel()
                     return
 
         tg.start_soon(on_signal)
         server = build_server(backend)
         if args.http is not None:
-            await serve_http(server, args.host, args.http)
+            await serve_http(server, args.host, args.http, stop)
         else:
             await serve_stdio(server)
         tg.cancel_scope.cancel()

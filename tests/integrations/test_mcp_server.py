@@ -12,6 +12,8 @@ import pytest
 pytestmark = pytest.mark.anyio
 
 TRANSPORTS = ["stdio", "http"]
+#: A bash timeout far above any command here, so a loaded test machine cannot change results.
+SLOW_OK = ["--timeout", "600"]
 
 W = "/tmp/w"
 #: A scripted session: setup, repeated reads, edits, writes, errors, a failing command.
@@ -69,7 +71,7 @@ async def _run_script(session: Any, script: list[tuple[str, dict[str, Any]]]) ->
 async def test_tools_list_has_the_sandbox_tools_with_annotations(
     mcp_state_root: Path, mcp_connect: Any, transport: str
 ) -> None:
-    async with mcp_connect([], transport, env={"AOSPEC_STATE_ROOT": str(mcp_state_root)}) as session:
+    async with mcp_connect(SLOW_OK, transport, env={"AOSPEC_STATE_ROOT": str(mcp_state_root)}) as session:
         tools = {t.name: t for t in (await session.list_tools()).tools}
     assert set(tools) == {"bash", "read_file", "write_file", "edit_file"}
     ann = {n: t.annotations.model_dump(by_alias=True, exclude_none=True) for n, t in tools.items()}
@@ -98,8 +100,8 @@ async def test_speculation_is_lossless(mcp_state_root: Path, mcp_connect: Any, t
     env = {"AOSPEC_STATE_ROOT": str(mcp_state_root)}
     runs = {}
     for mode, args in {
-        "serial": ["--no-speculate"],
-        "speculative": ["--predict", "both", "--predict-file", str(table), "--speculate", "3"],
+        "serial": [*SLOW_OK, "--no-speculate"],
+        "speculative": [*SLOW_OK, "--predict", "both", "--predict-file", str(table), "--speculate", "3"],
     }.items():
         async with mcp_connect(args, transport, env=env) as session:
             seen, metas = await _run_script(session, [*SCRIPT, SNAPSHOT])
@@ -132,7 +134,9 @@ async def test_a_fork_with_a_stale_origin_is_never_served(
         )
     )
     env = {"AOSPEC_STATE_ROOT": str(mcp_state_root)}
-    async with mcp_connect(["--predict", "table", "--predict-file", str(table)], transport, env=env) as session:
+    async with mcp_connect(
+        [*SLOW_OK, "--predict", "table", "--predict-file", str(table)], transport, env=env
+    ) as session:
 
         async def call(name: str, args: dict[str, Any]) -> tuple[str, dict[str, Any]]:
             r = await session.call_tool(name, args, read_timeout_seconds=300)

@@ -1,0 +1,128 @@
+"""``aospec mcp --upstream``: the speculating MCP proxy in front of real MCP servers (the
+demo key-value server shipped in the package, run over stdio; the aospec sandbox server
+over streamable HTTP), driven by the official SDK client (issue 12 section 3)."""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import anyio
+import pytest
+
+AOSPEC = str(Path(sys.executable).with_name("aospec"))
+pytestmark = pytest.mark.anyio
+
+DEMO = f"{shlex.quote(sys.executable)} -m integrations.mcp_demo_server"
+RO_CLOSED = {"readOnly": True, "openWorld": False}
+
+
+def _trust(tmp_path: Path, tools: dict[str, Any]) -> str:
+    path = tmp_path / "trust.json"
+    path.write_text(json.dumps({"tools": tools}))
+    return str(path)
+
+
+async def _call(session: Any, name: str, args: dict[str, Any]) -> tuple[str, bool, dict[str, Any]]:
+    r = await session.call_tool(name, args, read_timeout_seconds=300)
+    return r.content[0].text, r.is_error, (r.meta or {}).get("aospec", {})
+
+
+@pytest.mark.parametrize("transport", ["stdio", "http"])
+async def test_no_stale_result_after_a_write_through_the_upstream(
+    mcp_connect: Any, transport: str, tmp_path: Path
+) -> None:
+    trust = _trust(tmp_path, {"get": RO_CLOSED, "list_keys": RO_CLOSED})
+    table = tmp_path / "table.json"
+    get = {"tool": "get", "args": {"key": "k"}}
+    table.write_text(json.dumps([{"after": get, "next": [get]}]))
+    args = ["--upstream", DEMO, "--trust", trust, "--predict", "table", "--predict-file", str(table)]
+    async with mcp_connect(args, transport) as session:
+        tools = {t.name: t for t in (await session.list_tools()).tools}
+        assert set(tools) == {"get", "list_keys", "put", "calls"}
+        assert tools["get"].annotations.read_only_hint is True  # forwarded as the upstream says
+        assert (await _call(session, "put", {"key": "k", "value": "1"}))[:2] == ("ok k", False)
+        text, _, m = await _call(session, "get", {"key": "k"})  # speculates get(k) again
+        assert (text, m["speculated"]) == ("1", False)
+        text, _, m = await _call(session, "get", {"key": "k"})
+        assert (text, m["speculated"]) == ("1", True)  # same call, same epoch: served
+        epoch = m["epoch"]
+        await _call(session, "put", {"key": "k", "value": "2"})  # untrusted: the epoch moves
+        text, _, m = await _call(session, "get", {"key": "k"})
+        assert text == "2" and m["speculated"] is False and m["epoch"] > epoch
+        text, is_error, m = await _call(session, "get", {"key": "missing"})
+        assert is_error and "no key" in text
+        calls = json.loads((await _call(session, "calls", {}))[0])
+    # the upstream ran get(k) four times: three real calls, one speculation served, two
+    # speculations discarded or unused (the one in flight across the put, the last one)
+    assert calls["put"] == 2 and calls["get"] >= 4
+
+
+async def test_the_upstreams_own_annotations_never_suffice(mcp_connect: Any, tmp_path: Path) -> None:
+    # the demo server annotates get read-only and closed-world; without a trust entry it is
+    # never speculated (and calls, read-only but trusted open-world, is not either)
+    trust = _trust(tmp_path, {"calls": {"readOnly": True, "openWorld": True}})
+    async with mcp_connect(["--upstream", DEMO, "--trust", trust, "--predict", "repeat"]) as session:
+        await _call(session, "put", {"key": "k", "value": "v"})
+        for _ in range(3):
+            text, _, m = await _call(session, "get", {"key": "k"})
+            assert text == "v" and m["speculated"] is False
+        assert m["stats"]["launched"] == 0
+        assert json.loads((await _call(session, "calls", {}))[0])["get"] == 3
+
+
+async def test_colliding_tool_names_are_namespaced(mcp_connect: Any, tmp_path: Path) -> None:
+    trust = _trust(tmp_path, {"a__get": RO_CLOSED, "b__get": RO_CLOSED})
+    args = ["--upstream", f"{DEMO} --name a", "--upstream", f"{DEMO} --name b", "--trust", trust]
+    async with mcp_connect(args) as session:
+        names = {t.name for t in (await session.list_tools()).tools}
+        assert names == {f"{s}__{t}" for s in "ab" for t in ("get", "list_keys", "put", "calls")}
+        await _call(session, "a__put", {"key": "k", "value": "in a"})
+        assert (await _call(session, "a__get", {"key": "k"}))[:2] == ("in a", False)
+        assert (await _call(session, "b__get", {"key": "k"}))[1] is True  # b has its own store
+        text, is_error, _ = await _call(session, "get", {"key": "k"})
+        assert is_error and "unknown tool" in text
+
+
+async def test_proxy_of_the_sandbox_server_over_http(mcp_state_root: Path, mcp_connect: Any, tmp_path: Path) -> None:
+    """The proxy (stdio) in front of ``aospec mcp --http`` (streamable HTTP on loopback):
+    read_file is trusted, bash is not; a write through bash is never answered stale."""
+    env = {"AOSPEC_STATE_ROOT": str(mcp_state_root)}
+    trust = _trust(tmp_path, {"read_file": RO_CLOSED})
+    log = tmp_path / "upstream.log"
+    with open(log, "wb") as err:
+        up = subprocess.Popen(
+            [AOSPEC, "mcp", "--http", "0", "--no-speculate", "--timeout", "600"],
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=err,
+            env={**os.environ, **env},
+        )
+    try:
+        url = None
+        for _ in range(3000):
+            if "listening on " in log.read_text():
+                url = log.read_text().split("listening on ", 1)[1].split()[0]
+                break
+            assert up.poll() is None, log.read_text()
+            await anyio.sleep(0.1)
+        assert url
+        async with mcp_connect(["--upstream", url, "--trust", trust, "--predict", "repeat"]) as session:
+            names = {t.name for t in (await session.list_tools()).tools}
+            assert names == {"bash", "read_file", "write_file", "edit_file"}
+            await _call(session, "bash", {"command": "echo 1 > /tmp/x"})
+            assert (await _call(session, "read_file", {"path": "/tmp/x"}))[0] == "1\n"
+            text, _, m = await _call(session, "read_file", {"path": "/tmp/x"})
+            assert text == "1\n" and m["speculated"] is True
+            await _call(session, "bash", {"command": "echo 2 > /tmp/x"})
+            text, _, m = await _call(session, "read_file", {"path": "/tmp/x"})
+            assert text == "2\n"
+    finally:
+        up.terminate()
+        up.wait(timeout=120)
+    assert up.returncode == 0, log.read_text()
