@@ -26,6 +26,7 @@ __all__ = [
     "ObservationCanonicalizer",
     "ObservationDraft",
     "ObservationDrafter",
+    "PrioritizedSandbox",
     "Sandbox",
     "StreamingObservationDrafter",
     "Trainable",
@@ -89,6 +90,20 @@ class Sandbox(Protocol):
     async def commit(self, fork: Self) -> None: ...
 
     async def discard(self) -> None: ...
+
+
+@runtime_checkable
+class PrioritizedSandbox(Protocol):
+    """An optional Sandbox capability: run its commands at background priority.
+
+    ``set_priority(foreground=False)`` makes this sandbox's commands yield CPU (and IO)
+    to foreground work; ``foreground=True`` (the default state) undoes it. Either applies
+    at once, to a command already running too. The engine puts every speculative fork in
+    the background and raises a fork to the foreground once the step waits on it (the
+    step's own fork runs in the foreground from the start). Backends without it are used
+    as they are."""
+
+    async def set_priority(self, *, foreground: bool) -> None: ...
 
 
 @dataclass(frozen=True, slots=True)

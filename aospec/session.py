@@ -184,6 +184,9 @@ class _Run:
     """The target-drafting task of the current boundary (cancelled at the next one)."""
     inflight: tuple[str, str] | None = None
     """``(v, a.key)`` while the committed step executes ``a`` from ``v``."""
+    awaited: set[ForkEntry] = field(default_factory=set)
+    """Speculative forks JASV accepted while they still ran: the step waits on them, so
+    they run at foreground priority (the others in the background)."""
 
 
 class Session:
@@ -285,9 +288,16 @@ class Session:
         fork = self._verify(action) if self._use_forks else None
         if fork is not None:
             ledger.fork_reused(emitted_ns, action.key)
+            if fork.running:
+                # Why: the step now waits on this fork; its command must not yield the CPU
+                # to speculative ones.
+                run.awaited.add(fork)
+                if fork.sandbox is not None:
+                    await self._prioritize(fork.sandbox, foreground=True)
             if self._obs_on and fork.running and branch.state is BranchState.DECODED:
                 self._predict_observations(branch)
             await fork.wait_finished()
+            run.awaited.discard(fork)
             if fork.state is ForkState.FAILED:
                 fork = None
         if fork is None:
@@ -837,6 +847,11 @@ class Session:
                     # Released before it started, or the committed state moved on between launch
                     # and fork: this fork could never pass JASV under the version it is registered for.
                     return
+                if fork not in run.awaited:
+                    # Why: a guess must never take CPU or IO from the command the agent waits on.
+                    await self._prioritize(sandbox, foreground=False)
+                    if fork in run.awaited:  # JASV accepted it meanwhile
+                        await self._prioritize(sandbox, foreground=True)
                 fork.exec_start_ns = self._clock.now_ns()
                 fork.observation = await sandbox.execute(fork.action)
             except Exception as exc:
@@ -862,6 +877,17 @@ class Session:
                         await self._discard_sandbox(sandbox, fork.action)
                     now = self._clock.now_ns()
                     run.ledger.fork_discarded(now, fork.action.key, fork.tool_ns(now), speculative=fork.speculative)
+
+    async def _prioritize(self, sandbox: Sandbox, *, foreground: bool) -> None:
+        """Run ``sandbox``'s commands at foreground or background priority, where the
+        backend can (:class:`aospec.protocols.PrioritizedSandbox`); a failure only costs speed."""
+        setter = getattr(sandbox, "set_priority", None)
+        if setter is None:
+            return
+        try:
+            await setter(foreground=foreground)
+        except Exception as exc:
+            self._speculation_failed("setting a fork's priority", exc)
 
     def _release(self, forks: Sequence[ForkEntry]) -> None:
         """Give up forks that can no longer be reused: a running one is stopped (its task

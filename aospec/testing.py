@@ -70,6 +70,7 @@ class InMemorySandbox:
         self._busy = False
         self.forks_opened = 0
         self.forks_released = 0
+        self.foreground = True
 
     @property
     def version(self) -> str:
@@ -165,8 +166,14 @@ class InMemorySandbox:
         child._closed = False
         child._busy = False
         child.forks_opened = child.forks_released = 0
+        child.foreground = True
         self._root.forks_opened += 1
         return child
+
+    async def set_priority(self, *, foreground: bool) -> None:
+        """The :class:`aospec.protocols.PrioritizedSandbox` capability: recorded in
+        ``foreground`` only (nothing here competes for a CPU)."""
+        self.foreground = foreground
 
     async def commit(self, fork: InMemorySandbox) -> None:
         self._check()

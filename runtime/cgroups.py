@@ -177,6 +177,32 @@ class Cgroups:
             raise
         return CommandCgroup(self, dirs)
 
+    def set_cpu_priority(self, rel: str, *, background: bool) -> bool:
+        """Give the cgroup ``rel`` (and everything below it, running processes included)
+        background CPU priority (the least weight and, where the kernel has it, the idle
+        class) or the default; False when there is no cpu controller or no such cgroup."""
+        if "cpu" not in self.roots:
+            return False
+        d = self.roots["cpu"] / rel
+        if not d.is_dir():
+            return False
+        if self.version == 2:
+            weight, name = ("1" if background else "100"), "cpu.weight"
+        else:
+            weight, name = ("2" if background else "1024"), "cpu.shares"
+        idle = d / "cpu.idle"
+        # an idle group refuses a weight: leave idle before setting one, enter it after
+        try:
+            if not background and idle.exists():
+                idle.write_text("0")
+            (d / name).write_text(weight)
+            if background and idle.exists():
+                with contextlib.suppress(OSError):
+                    idle.write_text("1")
+        except FileNotFoundError:
+            return False
+        return True
+
     def memory_usage(self, rel: str) -> int | None:
         """Bytes charged to ``rel`` and everything below it (None: no memory controller)."""
         if "memory" not in self.roots:

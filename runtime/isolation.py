@@ -34,11 +34,12 @@ from runtime.cgroups import CommandCgroup
 from runtime.config import Bind, Limits
 from runtime.host import host_support
 from runtime.observation import TIMEOUT_RETURNCODE, CommandResult, OutputBuffer
-from runtime.processes import MARKER_ENV, OWNER_ENV, kill_marked, own_owner_token
+from runtime.processes import MARKER_ENV, OWNER_ENV, kill_marked, own_owner_token, set_process_priority
 from runtime.seccomp import program_fd
 
 __all__ = [
     "DEFAULT_PATH",
+    "CommandPriority",
     "bwrap_argv",
     "check_binds",
     "missing_bind_points",
@@ -217,10 +218,95 @@ class _Started:
     outer_pidfd: int  # bwrap itself: readable when it exited
     init_pidfd: int = -1  # the PID namespace's init: killing it kills the whole command
     cg: CommandCgroup | None = None
+    child_pid: int = -1
+
+
+class CommandPriority:
+    """The CPU and IO priority of one sandbox's commands, settable while one runs.
+
+    Background: the sandbox's cgroup gets the least CPU weight (and the idle class where
+    the kernel has ``cpu.idle``), and the command's processes SCHED_IDLE and the idle IO
+    class (set on the blocked init, so every process of the command inherits them).
+    :meth:`set` applies a change at once, to the processes already running too."""
+
+    def __init__(self, *, background: bool = False) -> None:
+        self.background = background
+        self._group: str | None = None  # the sandbox's cgroup, once a command created it
+        self._group_background = False  # what that cgroup is set to
+        self._running: list[_Started] = []
+
+    def set(self, *, background: bool) -> None:
+        if background == self.background:
+            return
+        self.background = background
+        self._apply_group()
+        for st in list(self._running):
+            _set_tree_priority(st, background=background)
+
+    def _apply_group(self) -> None:
+        if self._group is None or self._group_background == self.background:
+            return
+        _, cgroups = host_support()
+        if cgroups is not None:
+            with contextlib.suppress(OSError):
+                cgroups.set_cpu_priority(self._group, background=self.background)
+                self._group_background = self.background
+
+    def _started(self, st: _Started, child: int, group: str | None) -> None:
+        """A command's init is blocked in its cgroup: give it (and its cgroup) the priority."""
+        if group is not None and group != self._group:
+            self._group, self._group_background = group, False
+        self._apply_group()
+        if self.background:
+            set_process_priority(child, background=True)
+        self._running.append(st)
+
+    def _stopped(self, st: _Started) -> None:
+        with contextlib.suppress(ValueError):
+            self._running.remove(st)
+
+
+def _tree(pid: int) -> set[int]:
+    """``pid`` and its descendants, from /proc's children lists."""
+    found, todo = set(), [pid]
+    while todo:
+        p = todo.pop()
+        if p in found:
+            continue
+        found.add(p)
+        try:
+            tasks = os.listdir(f"/proc/{p}/task")
+        except OSError:
+            continue
+        for t in tasks:
+            with contextlib.suppress(OSError), open(f"/proc/{p}/task/{t}/children") as f:
+                todo.extend(int(x) for x in f.read().split())
+    return found
+
+
+def _set_tree_priority(st: _Started, *, background: bool) -> None:
+    """Set the priority of every process of a running command, until a pass finds no new
+    one (a process forked by one not yet set inherits the old priority)."""
+    if st.child_pid < 0:
+        return
+    done: set[int] = set()
+    for _ in range(10):
+        in_cgroup = st.cg.pids() if st.cg is not None else set()
+        pids = (in_cgroup or _tree(st.child_pid)) - done
+        if not pids:
+            return
+        for pid in pids:
+            set_process_priority(pid, background=background)
+        done |= pids
 
 
 def _release(
-    st: _Started, child: int, limits: Limits, cgroup_name: str, cgroup_parents: Sequence[tuple[str, int | None]]
+    st: _Started,
+    child: int,
+    limits: Limits,
+    cgroup_name: str,
+    cgroup_parents: Sequence[tuple[str, int | None]],
+    priority: CommandPriority | None = None,
 ) -> None:
     """Put the blocked sandbox init in its cgroup (below ``cgroup_parents``, outermost
     first: name and memory budget, created when missing) with its rlimits. cgroupfs and
@@ -242,10 +328,14 @@ def _release(
                             raise
                         cgroups._made.clear()  # a parent was removed (gc): make it again
                 st.cg.add(child)
+                if priority is not None:
+                    priority._started(st, child, "/".join(name for name, _ in cgroup_parents) or None)
             except ProcessLookupError:
                 raise
             except OSError as exc:
                 raise SandboxError(f"cannot put the command in a cgroup ({exc}); see aospec sandbox info") from None
+        elif priority is not None:
+            priority._started(st, child, None)
         for field, res in _RLIMITS:
             value = getattr(limits, field)
             if value is not None:
@@ -282,13 +372,15 @@ async def run_bwrap(
     after: Callable[[], T],
     cgroup_parents: Sequence[tuple[str, int | None]] = (),
     seccomp: bytes | None = None,
+    priority: CommandPriority | None = None,
 ) -> tuple[CommandResult, T]:
     """Run ``argv_for(info_fd, block_fd)`` (a bwrap command line, started in ``cwd``)
     to completion: ``before()`` first and ``after()`` last, both in worker threads;
     ``after`` runs also when the command fails or is cancelled. Returns the result and
     what ``after`` returned. The command's cgroup ``cgroup_name`` nests in
     ``cgroup_parents`` (see :meth:`Cgroups.ensure_group`); ``seccomp`` is a compiled
-    filter (:func:`runtime.seccomp.filter_program`) bwrap loads before the command.
+    filter (:func:`runtime.seccomp.filter_program`) bwrap loads before the command;
+    ``priority`` the sandbox's :class:`CommandPriority`.
 
     bwrap is spawned from the event loop's thread on purpose: ``--die-with-parent``
     ties the sandbox's life to the *thread* that spawned it, and a worker thread may
@@ -340,7 +432,8 @@ async def run_bwrap(
             raise SandboxError(f"bwrap could not start the command: {out.text()[0].strip()}")
         child = int(info["child-pid"])
         st.init_pidfd = os.pidfd_open(child)
-        _release(st, child, limits, cgroup_name, cgroup_parents)
+        st.child_pid = child
+        _release(st, child, limits, cgroup_name, cgroup_parents, priority)
         os.write(block_w, b"1")
         with anyio.move_on_after(timeout_s) as scope:
             await _drain(proc.stdout.fileno(), out)
@@ -359,6 +452,8 @@ async def run_bwrap(
         # a bwrap dying while setting up leaves its child blocked forever.
         with anyio.CancelScope(shield=True):
             if st is not None:
+                if priority is not None:
+                    priority._stopped(st)
                 await _reap(st, cgroup_name)
             for fd in (info_r, info_w, block_r, block_w, seccomp_r):
                 if fd >= 0:
@@ -369,6 +464,14 @@ async def run_bwrap(
             limits_hit.append(what)
     text, truncated = out.text()
     rc = st.proc.returncode if st.proc.returncode is not None else -1
+    if rc < 0 and not timed_out:
+        # bwrap itself died of a signal: something outside killed the sandbox (the command's
+        # own death by a signal is bwrap's exit status 128+N). Not an observation of the
+        # command: what it would have printed and left is unknown.
+        raise SandboxError(
+            f"the sandbox was killed from outside ({_signal_name(-rc)} to its bubblewrap process) while running "
+            "the command: no result"
+        )
     if timed_out:
         rc = TIMEOUT_RETURNCODE
     if rc == 128 + signal.SIGXFSZ:
@@ -382,6 +485,13 @@ async def run_bwrap(
         truncated=truncated,
     )
     return result, value
+
+
+def _signal_name(sig: int) -> str:
+    try:
+        return signal.Signals(sig).name
+    except ValueError:
+        return f"signal {sig}"
 
 
 async def _reap(st: _Started, marker: str) -> None:

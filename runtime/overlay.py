@@ -29,6 +29,7 @@ from runtime.bases import open_base
 from runtime.config import SandboxConfig
 from runtime.host import host_support
 from runtime.isolation import (
+    CommandPriority,
     bwrap_argv,
     check_binds,
     missing_bind_points,
@@ -95,6 +96,7 @@ class OverlaySandbox(SandboxSession):
         self._rw_mounted = False
         self.tracker = UpperTracker(self._upper, self._lower_view)
         self._stats = _Stats()
+        self._priority = CommandPriority()
         store.live[self.sid] = self
 
     # -- the Sandbox protocol ----------------------------------------------------------------
@@ -177,6 +179,17 @@ class OverlaySandbox(SandboxSession):
         if dead:
             await anyio.to_thread.run_sync(self.store.delete_layers, dead)
 
+    async def set_priority(self, *, foreground: bool) -> None:
+        """Run this sandbox's commands at foreground (the default) or background CPU and
+        IO priority (:class:`aospec.protocols.PrioritizedSandbox`); applies at once, to a
+        command already running too."""
+        self._priority.set(background=not foreground)
+
+    @property
+    def foreground(self) -> bool:
+        """Whether this sandbox's commands run at foreground priority."""
+        return not self._priority.background
+
     # -- richer API -------------------------------------------------------------------------
 
     async def _run_locked(self, command: str, *, timeout_s: float, env: dict[str, str], cwd: str) -> CommandResult:
@@ -202,6 +215,7 @@ class OverlaySandbox(SandboxSession):
                 cgroup_name=self.store.next_cgroup(self.sid),
                 cgroup_parents=self.store.cgroup_parents(self.sid),
                 seccomp=self.store.seccomp_program,
+                priority=self._priority,
                 max_output_bytes=cfg.max_output_bytes,
                 before=lambda: self._prepare(cwd),
                 # also when cancelled: the version must describe what the command left

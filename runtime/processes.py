@@ -5,6 +5,7 @@ that recovery and ``aospec sandbox gc`` find orphans, even ones left mid-setup."
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import os
 import signal
 from collections.abc import Iterator
@@ -22,6 +23,7 @@ __all__ = [
     "owner_token",
     "process_environments",
     "process_identity",
+    "set_process_priority",
 ]
 
 MARKER_ENV = "AOSPEC_SANDBOX"
@@ -89,3 +91,22 @@ def kill_marked(prefix: str, *, exact: bool = False) -> list[int]:
             os.kill(pid, signal.SIGKILL)
             killed.append(pid)
     return killed
+
+
+# ioprio_set(2): no libc wrapper; the syscall number per architecture
+_IOPRIO_SET = {"x86_64": 251, "aarch64": 30}.get(os.uname().machine)
+_IOPRIO_WHO_PROCESS = 1
+_IOPRIO_IDLE = 3 << 13  # IOPRIO_CLASS_IDLE
+_IOPRIO_BEST_EFFORT = (2 << 13) | 4  # IOPRIO_CLASS_BE, the default level
+_libc = ctypes.CDLL(None, use_errno=True)
+
+
+def set_process_priority(pid: int, *, background: bool) -> None:
+    """Run ``pid`` at background priority (SCHED_IDLE, idle IO class) or back at the normal
+    one (SCHED_OTHER, best-effort IO). Children started later inherit it. Best effort: a
+    process that is gone or a policy the host refuses is skipped."""
+    with contextlib.suppress(OSError):
+        policy = os.SCHED_IDLE if background else os.SCHED_OTHER
+        os.sched_setscheduler(pid, policy, os.sched_param(0))
+    if _IOPRIO_SET is not None:
+        _libc.syscall(_IOPRIO_SET, _IOPRIO_WHO_PROCESS, pid, _IOPRIO_IDLE if background else _IOPRIO_BEST_EFFORT)
