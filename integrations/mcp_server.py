@@ -508,7 +508,21 @@ def _run(args: argparse.Namespace) -> int:
     except (OSError, ValueError, SandboxError, ConnectionError) as exc:
         print(f"aospec mcp: {exc}", file=sys.stderr)
         return 1
+    except BaseExceptionGroup as group:  # a transport's task group wraps what failed
+        leaves = _leaves(group)
+        if not all(isinstance(e, Exception) for e in leaves):
+            raise
+        print(f"aospec mcp: {'; '.join(f'{type(e).__name__}: {e}' for e in leaves)}", file=sys.stderr)
+        if args.upstream:
+            print(f"aospec mcp: check that every --upstream is reachable: {', '.join(args.upstream)}", file=sys.stderr)
+        return 1
     return 0
+
+
+def _leaves(exc: BaseException) -> list[BaseException]:
+    if isinstance(exc, BaseExceptionGroup):
+        return [leaf for sub in exc.exceptions for leaf in _leaves(sub)]
+    return [exc]
 
 
 def register(subparsers: Any) -> None:
