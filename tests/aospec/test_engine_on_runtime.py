@@ -64,9 +64,13 @@ async def _run(speculate: bool, seed: int) -> tuple[History, str, str]:
         if not speculate:
             history = await Engine(actor, sb).run(History("live"), steps=STEPS)
         else:
+
             def observations(h: History, a: Action) -> list[ObservationDraft]:
                 guess = f"<returncode>0</returncode>\n<output>\n{rng.choice(['', 'zero', 'one'])}\n</output>"
-                return [ObservationDraft(guess, 0.5), ObservationDraft("<returncode>0</returncode>\n<output>\n</output>", 0.4)]
+                return [
+                    ObservationDraft(guess, 0.5),
+                    ObservationDraft("<returncode>0</returncode>\n<output>\n</output>", 0.4),
+                ]
 
             def actions(h: History) -> list[ActionDraft]:
                 return [ActionDraft(rng.choice(POOL), rng.randrange(2), rng.random()) for _ in range(4)]
@@ -95,7 +99,9 @@ async def test_speculative_run_on_overlay_equals_serial_run(seed):
     assert speculative[2] == serial[2], "final filesystem contents differ"
 
 
-async def test_engine_run_cancelled_midway_leaves_no_forks_behind():
+async def test_engine_run_cancelled_midway_leaves_no_forks_behind(monkeypatch, tmp_path):
+    # a private state root: the shared one may hold other sessions' mounts
+    monkeypatch.setenv("AOSPEC_STATE_ROOT", str(tmp_path / "state"))
     actor = ScriptedActor.hashing(POOL, seed=7, delay_s=0.02)
     async with open_sandbox(backend="overlay", base="busybox", timeout_s=10) as sb:
         await sb.execute(Action.bash("mkdir -p /work && echo zero > /work/a"))
@@ -110,4 +116,5 @@ async def test_engine_run_cancelled_midway_leaves_no_forks_behind():
         assert engine.statistics().forks_launched > 0
         # cancelled mid-run, the committed sandbox is intact and usable
         assert "zero" in await sb.execute(Action.bash("cat /work/a"))
+    assert default_state_root() == tmp_path / "state"
     assert mounts_under(str(default_state_root())) == []
