@@ -23,7 +23,12 @@ would come near it is refused with a ConfigError before it runs.
 :func:`run_sweep` does this for a set of evaluation traces, fitting drafters only on
 training traces: leave-one-task-out when no training set is given, else the given set.
 The work is a :class:`SweepJob` (one trace per work item) run by an executor
-(replay/executors.py): ``jobs`` local processes unless another executor is given.
+(replay/executors.py): ``jobs`` local processes unless another executor is given (e.g.
+replay/executors_ray.py's RayExecutor). A trace that fails is retried once by every
+executor, then reported (SweepTaskError: its trace, and the policy and TPOT whose replay
+failed, which :func:`replay_trace` notes on the exception as ``sweep_where``).
+:func:`iter_sweep` yields each trace's results as it finishes (``aospec sweep`` streams
+them to results.jsonl); :func:`run_sweep` collects them.
 """
 
 from __future__ import annotations
