@@ -126,3 +126,40 @@ async def test_proxy_of_the_sandbox_server_over_http(mcp_state_root: Path, mcp_c
         up.terminate()
         up.wait(timeout=120)
     assert up.returncode == 0, log.read_text()
+
+
+def test_trust_needs_both_explicit_marks(tmp_path: Path) -> None:
+    from integrations._mcp_common import load_trust
+
+    f = tmp_path / "t.json"
+    f.write_text(
+        json.dumps(
+            {
+                "tools": {
+                    "a": RO_CLOSED,
+                    "b": {"readOnly": True},
+                    "c": {"openWorld": False},
+                    "d": {"readOnly": True, "openWorld": True},
+                }
+            }
+        )
+    )
+    assert load_trust(f) == {"a"}
+    f.write_text(json.dumps({"tools": {"a": {"readOnlyHint": True}}}))
+    with pytest.raises(ValueError, match="allowed keys"):
+        load_trust(f)
+    f.write_text(json.dumps({"tools": {"a": {"readOnly": "yes"}}}))
+    with pytest.raises(ValueError, match="true or false"):
+        load_trust(f)
+
+
+def test_an_unreachable_upstream_is_one_error_line() -> None:
+    out = subprocess.run(
+        [AOSPEC, "mcp", "--upstream", "http://127.0.0.1:1/mcp"],
+        stdin=subprocess.DEVNULL,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert out.returncode == 1
+    assert "check that every --upstream is reachable" in out.stderr and "Traceback" not in out.stderr

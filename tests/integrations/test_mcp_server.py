@@ -157,3 +157,56 @@ async def test_a_fork_with_a_stale_origin_is_never_served(
         assert m4["speculated"] is True and m4["origin"] == m3["version"]
         text, _ = await call("read_file", {"path": "/tmp/runs"})
         assert text == "run\nrun\n"  # exactly the two committed runs; discarded forks left nothing
+
+
+async def test_concurrent_calls_run_one_at_a_time_in_arrival_order(mcp_state_root: Path, mcp_connect: Any) -> None:
+    import anyio
+
+    env = {"AOSPEC_STATE_ROOT": str(mcp_state_root)}
+    async with mcp_connect([*SLOW_OK, "--no-speculate"], env=env) as session:
+        sent = []
+
+        async def call(command: str) -> None:
+            sent.append(command)
+            await session.call_tool("bash", {"command": command}, read_timeout_seconds=300)
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(call, "sleep 1; echo a >> /tmp/o")
+            await anyio.sleep(0)  # let the first request go out first
+            tg.start_soon(call, "echo b >> /tmp/o")
+        result = await session.call_tool("read_file", {"path": "/tmp/o"})
+    assert result.content[0].text == "a\nb\n"  # b waited for a, though a sleeps and b does not
+
+
+def test_transition_table_from_actions_and_files(tmp_path: Path) -> None:
+    from aospec.types import Action
+    from integrations._mcp_common import TransitionPredictor, load_transitions
+
+    a, b, c = Action.bash("ls"), Action("read_file", {"path": "x"}), Action.bash("pytest")
+    p = TransitionPredictor.fit([[a, b, c], [a, b], [a, c]], k=2)
+    assert p(a) == [b, c] and p(b) == [c] and p(c) == [] and p(None) == []
+    f = tmp_path / "t.json"
+    f.write_text(json.dumps([{"after": a.to_json(), "next": [c.to_json()]}]))
+    assert load_transitions(f, 2)(a) == [c]
+    f.write_text(json.dumps([{"after": a.to_json()}]))
+    with pytest.raises(ValueError, match="exactly 'after' and 'next'"):
+        load_transitions(f, 2)
+
+
+def test_tool_arguments_are_checked() -> None:
+    from aospec.types import Action
+    from integrations.mcp_server import ToolArgumentError, check_args, read_only
+
+    check_args("edit_file", {"path": "p", "old_str": "a", "new_str": "b"})
+    for tool, args, message in [
+        ("bash", {}, "missing argument"),
+        ("bash", {"command": "ls", "cwd": "/"}, "unknown argument"),
+        ("read_file", {"path": 3}, "must be a string"),
+        ("rm", {}, "unknown tool"),
+    ]:
+        with pytest.raises(ToolArgumentError, match=message):
+            check_args(tool, args)
+    assert read_only(Action("read_file", {"path": "x"})) and read_only(Action.bash("cat x | wc -l"))
+    assert not read_only(Action.bash("echo x > y")) and not read_only(
+        Action("write_file", {"path": "x", "content": ""})
+    )
