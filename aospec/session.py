@@ -224,6 +224,13 @@ class Session:
         self._use_forks = self._targets_on or self._provisional_targets_on
         self._run = _Run(task_group, ledger, evd, history, clock.now_ns())
         self._warned: set[str] = set()
+        # Speculative forks of the committed sandbox go one at a time, and none starts while
+        # the verified path forks or commits it: the backend serialises these calls, and a
+        # step's own fork or commit queued behind a burst of guesses' forks was most of a
+        # step's overhead in live runs.
+        self._fork_gate = anyio.Lock()
+        self._critical = 0
+        self._critical_done = anyio.Event()
 
     @property
     def history(self) -> History:
@@ -442,7 +449,11 @@ class Session:
             fork.exec_end_ns = clock.now_ns()
             fork.finish(ForkState.IDLE)
             return fork
-        sandbox = await self._sandbox.fork()
+        self._enter_critical()
+        try:
+            sandbox = await self._sandbox.fork()
+        finally:
+            self._leave_critical()
         try:
             fork.exec_start_ns = clock.now_ns()
             fork.observation = await sandbox.execute(action)
@@ -533,7 +544,11 @@ class Session:
             target = sandbox.version
             # Why: the fork ran the action from exactly the committed version (JASV, or a fresh
             # fork just taken), so its state is what serial execution would give.
-            await self._sandbox.commit(sandbox)
+            self._enter_critical()
+            try:
+                await self._sandbox.commit(sandbox)
+            finally:
+                self._leave_critical()
         except BaseException as exc:
             fork.state = ForkState.FAILED
             with anyio.CancelScope(shield=True):
@@ -841,7 +856,11 @@ class Session:
             # Why: a fork released before its task ever ran must not fork at all.
             await anyio.lowlevel.checkpoint_if_cancelled()
             try:
-                sandbox = await self._sandbox.fork()
+                sandbox = await self._speculative_fork(fork)
+                if sandbox is None:
+                    # released, or the committed state moved on first: it could never pass JASV
+                    run.ledger.fork_discarded(self._clock.now_ns(), fork.action.key, 0)
+                    return
                 fork.sandbox = sandbox
                 if fork.state is ForkState.RELEASED or sandbox.version != fork.origin:
                     # Released before it started, or the committed state moved on between launch
@@ -877,6 +896,25 @@ class Session:
                         await self._discard_sandbox(sandbox, fork.action)
                     now = self._clock.now_ns()
                     run.ledger.fork_discarded(now, fork.action.key, fork.tool_ns(now), speculative=fork.speculative)
+
+    def _enter_critical(self) -> None:
+        self._critical += 1
+
+    def _leave_critical(self) -> None:
+        self._critical -= 1
+        if not self._critical:
+            self._critical_done.set()
+            self._critical_done = anyio.Event()
+
+    async def _speculative_fork(self, fork: ForkEntry) -> Sandbox | None:
+        """Fork the committed sandbox for ``fork`` (None when it is no longer at the fork's
+        origin): one speculative fork at a time, after the verified path's fork or commit."""
+        async with self._fork_gate:
+            while self._critical:
+                await self._critical_done.wait()
+            if fork.state is ForkState.RELEASED or self._sandbox.version != fork.origin:
+                return None
+            return await self._sandbox.fork()
 
     async def _prioritize(self, sandbox: Sandbox, *, foreground: bool) -> None:
         """Run ``sandbox``'s commands at foreground or background priority, where the
