@@ -106,6 +106,7 @@ class _Box:
         self.container = container
         self.dir = box_dir
         self.image_owned = image_owned  # an image made for this container by a commit-fork
+        self.background = False  # the container runs at the least CPU shares
         self.lv = box_dir / "lv"
         self.lv_mounted = False
         self.keep: set[int] = set()
@@ -132,6 +133,12 @@ class _Box:
             _fs.mount("overlay", str(self.lv), "overlay", _fs.MS_RDONLY, "lowerdir=" + ":".join(self.lower))
             self.lv_mounted = True
         return str(self.lv)
+
+    def set_background(self, background: bool) -> None:
+        if background == self.background:
+            return
+        self.store.client.api.update_container(self.container.id, cpu_shares=2 if background else 1024)
+        self.background = background
 
     def started(self) -> None:
         """Learn the container's init pids and cgroups after a (re)start."""
@@ -424,6 +431,13 @@ class DockerSandbox(SandboxSession):
             box.tracker.adopt(known=parent.tracker.states())
         return box
 
+    async def set_priority(self, *, foreground: bool) -> None:
+        """Run this sandbox's container at the least CPU shares (background) or the default
+        (``docker update --cpu-shares``; :class:`aospec.protocols.PrioritizedSandbox`),
+        for processes already running too."""
+        self._check_open()
+        await anyio.to_thread.run_sync(self._box.set_background, not foreground)
+
     async def commit(self, fork: DockerSandbox) -> None:
         self._check_open()
         self._check_fork_committable(fork)
@@ -438,6 +452,8 @@ class DockerSandbox(SandboxSession):
                 self.store.live.pop(fork.sid, None)
                 if self.is_root:
                     await anyio.to_thread.run_sync(self._write_head)
+                if self._box.background:
+                    await anyio.to_thread.run_sync(self._box.set_background, False)
                 await anyio.to_thread.run_sync(old.remove)
                 self._stats["commits"] += 1
 
@@ -566,7 +582,6 @@ class DockerSandbox(SandboxSession):
 
     def statistics(self) -> SandboxStatistics:
         return SandboxStatistics(**self._stats)
-
 
 
 @asynccontextmanager
