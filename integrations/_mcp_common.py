@@ -9,26 +9,30 @@ result only when the real call matches (same tool, same canonical arguments: the
 
 from __future__ import annotations
 
+import inspect
 import json
 from collections import Counter, OrderedDict
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import anyio
 import mcp_types as types
 
-from aospec.types import Action
+from aospec.types import Action, History
 
 __all__ = [
     "ArrivalGate",
     "Predictor",
     "RepeatPredictor",
     "TransitionPredictor",
+    "DrafterPredictor",
     "combine",
+    "drafter_from_traces",
     "error_result",
     "load_transitions",
     "load_trust",
+    "propose",
     "result_meta",
     "text_result",
 ]
@@ -79,9 +83,10 @@ def result_meta(result: types.CallToolResult, **fields: Any) -> types.CallToolRe
 
 # -- predictors ------------------------------------------------------------------------------
 
-#: A predictor: given the call just committed (None before the first), the calls to run
-#: speculatively next, most likely first.
-Predictor = Callable[[Action | None], list[Action]]
+#: A predictor: given the call just committed (None before the first) and the text of its
+#: result, the calls to run speculatively next, most likely first (a list, or an awaitable
+#: of one).
+Predictor = Callable[[Action | None, str], "list[Action] | Awaitable[list[Action]]"]
 
 
 class RepeatPredictor:
@@ -103,7 +108,7 @@ class RepeatPredictor:
         while len(self._recent) > self.memory:
             self._recent.popitem(last=False)
 
-    def __call__(self, last: Action | None) -> list[Action]:
+    def __call__(self, last: Action | None, observation: str = "") -> list[Action]:
         if last is not None:
             self.observe(last)
         return list(reversed(self._recent.values()))[: self.k]
@@ -138,23 +143,50 @@ class TransitionPredictor:
         }
         return cls(table, k)
 
-    def __call__(self, last: Action | None) -> list[Action]:
+    def __call__(self, last: Action | None, observation: str = "") -> list[Action]:
         if last is None:
             return []
         return self.table.get(last.key, [])[: self.k]
 
 
-def combine(*predictors: Predictor, k: int) -> Predictor:
+def combine(*predictors: Predictor, k: int) -> Callable[[Action | None, str], Awaitable[list[Action]]]:
     """The predictors' proposals in order, without repeats, at most ``k``."""
 
-    def predict(last: Action | None) -> list[Action]:
+    async def predict(last: Action | None, observation: str = "") -> list[Action]:
         out: dict[str, Action] = {}
         for p in predictors:
-            for a in p(last):
+            proposed = p(last, observation)
+            if inspect.isawaitable(proposed):
+                proposed = await proposed
+            for a in proposed:
                 out.setdefault(a.key, a)
         return list(out.values())[:k]
 
     return predict
+
+
+async def propose(predictor: Predictor, last: Action | None, observation: str) -> list[Action]:
+    """What ``predictor`` proposes, awaited if it is asynchronous."""
+    proposed = predictor(last, observation)
+    if inspect.isawaitable(proposed):
+        proposed = await proposed
+    return list(proposed)
+
+
+class DrafterPredictor:
+    """An aospec :class:`~aospec.protocols.ActionDrafter` as a predictor: the session's
+    calls and result texts so far are its history; it proposes the next call (offset 0)."""
+
+    def __init__(self, drafter: Any, k: int = 2, task: str = "") -> None:
+        self.drafter = drafter
+        self.k = k
+        self.history = History(task=task)
+
+    async def __call__(self, last: Action | None, observation: str = "") -> list[Action]:
+        if last is not None:
+            self.history = self.history.extend(last, observation)
+        drafts = await self.drafter.propose(self.history, self.k, 1)
+        return [d.action for d in drafts if d.offset == 0 and not d.action.is_none][: self.k]
 
 
 def load_transitions(path: str | Path, k: int) -> TransitionPredictor:
@@ -172,12 +204,15 @@ def load_transitions(path: str | Path, k: int) -> TransitionPredictor:
     return TransitionPredictor(table, k)
 
 
-def fit_from_traces(paths: Sequence[str], k: int) -> TransitionPredictor:
-    """A transition table counted from aospec traces (any format ``aospec traces`` reads)."""
+def drafter_from_traces(paths: Sequence[str], k: int) -> DrafterPredictor:
+    """aospec's history action drafter (``drafters.history``) fitted on recorded traces
+    (any format ``aospec traces`` reads), as a predictor."""
+    from drafters.history import HistoryActionDrafter
     from replay.io import load_traces
 
-    traces = load_traces(list(paths))
-    return TransitionPredictor.fit(([s.action for s in t.steps] for t in traces), k)
+    drafter = HistoryActionDrafter()
+    drafter.fit(load_traces(list(paths)))
+    return DrafterPredictor(drafter, k)
 
 
 # -- trust -----------------------------------------------------------------------------------

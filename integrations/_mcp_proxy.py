@@ -33,7 +33,7 @@ import anyio
 import mcp_types as types
 
 from aospec.types import Action
-from integrations._mcp_common import ArrivalGate, Predictor, error_result, load_trust, result_meta
+from integrations._mcp_common import ArrivalGate, Predictor, error_result, load_trust, propose, result_meta
 
 __all__ = ["ProxyBackend", "Upstream", "connect_upstream", "open_proxy"]
 
@@ -154,7 +154,7 @@ class ProxyBackend:
                 finally:
                     if not trusted:
                         self._move_epoch()  # what ran while it was in flight saw an unknown state
-            self._speculate(action)
+            await self._speculate(action, "".join(getattr(c, "text", "") for c in result.content))
             return result_meta(result, speculated=speculated, epoch=self.epoch, stats=dict(self.stats))
 
     def _move_epoch(self) -> None:
@@ -162,10 +162,10 @@ class ProxyBackend:
         self.stats["epoch_moves"] += 1
         self._specs.clear()  # in-flight ones see the epoch moved and keep no result
 
-    def _speculate(self, last: Action) -> None:
+    async def _speculate(self, last: Action, observation: str) -> None:
         if self.predictor is None:
             return
-        for action in self.predictor(last):
+        for action in await propose(self.predictor, last, observation):
             if action.tool not in self.trusted or action.tool not in self.route:
                 continue  # only what the trusted configuration allows
             if len(self._specs) >= self.max_inflight:

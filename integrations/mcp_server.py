@@ -56,9 +56,10 @@ from integrations._mcp_common import (
     Predictor,
     RepeatPredictor,
     combine,
+    drafter_from_traces,
     error_result,
-    fit_from_traces,
     load_transitions,
+    propose,
     result_meta,
     text_result,
 )
@@ -294,7 +295,7 @@ class SandboxToolServer:
                 self.stats.ran_committed += 1
                 result = await run_tool(self.root, action, workdir=self.workdir, timeout_s=self.timeout_s)
             await self._prune()
-            self._speculate(action)
+            await self._speculate(action, _text(result))
             return result_meta(
                 result, speculated=speculated, origin=origin, version=self.root.version, stats=self.stats.as_dict()
             )
@@ -317,11 +318,11 @@ class SandboxToolServer:
                 await fork.discard()
         # a running spec discards its own fork when its scope is cancelled
 
-    def _speculate(self, last: Action) -> None:
+    async def _speculate(self, last: Action, observation: str) -> None:
         if self.predictor is None:
             return
         version = self.root.version
-        for action in self.predictor(last):
+        for action in await propose(self.predictor, last, observation):
             if len(self._specs) >= self.max_forks:
                 break
             key = (version, action.key)
@@ -451,6 +452,10 @@ async def _sandbox_backend(args: argparse.Namespace) -> AsyncIterator[SandboxToo
             print(f"aospec mcp: {backend.stats.as_dict()}", file=sys.stderr)
 
 
+def _text(result: types.CallToolResult) -> str:
+    return "".join(c.text for c in result.content if isinstance(c, types.TextContent))
+
+
 def _predictor(args: argparse.Namespace, eligible: Callable[[Action], bool]) -> Predictor | None:
     if args.no_speculate:
         return None
@@ -458,7 +463,7 @@ def _predictor(args: argparse.Namespace, eligible: Callable[[Action], bool]) -> 
     if args.predict_file:
         parts.append(load_transitions(args.predict_file, args.speculate))
     if args.train_traces:
-        parts.append(fit_from_traces(args.train_traces, args.speculate))
+        parts.append(drafter_from_traces(args.train_traces, args.speculate))
     if args.predict in ("repeat", "both") or (args.predict == "auto" and not parts):
         parts.append(RepeatPredictor(eligible, k=args.speculate))
     if not parts:

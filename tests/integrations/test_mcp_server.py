@@ -210,3 +210,25 @@ def test_tool_arguments_are_checked() -> None:
     assert not read_only(Action.bash("echo x > y")) and not read_only(
         Action("write_file", {"path": "x", "content": ""})
     )
+
+
+async def test_train_traces_fits_aospecs_history_action_drafter(tmp_path: Path) -> None:
+    from aospec.types import Action, Step, Trace
+    from integrations._mcp_common import drafter_from_traces
+    from replay.io import write_jsonl
+
+    acts = [
+        Action("read_file", {"path": "/w/conf"}),
+        Action.bash("cat /w/conf"),
+        Action("edit_file", {"path": "/w/conf", "old_str": "a", "new_str": "b"}),
+    ]
+    steps = tuple(Step(action=a, observation="x", output_tokens=5) for a in acts)
+    traces = [
+        Trace(id=f"t{i}", task=f"task {i}", harness="mcp", actor_model="m", source="test", steps=steps)
+        for i in range(3)
+    ]
+    write_jsonl(traces, tmp_path / "traces.jsonl")
+    predict = drafter_from_traces([str(tmp_path / "traces.jsonl")], 2)
+    await predict(None, "")
+    await predict(acts[0], "x")
+    assert (await predict(acts[1], "x"))[0] == acts[2]  # a writing call: forked, committed if it comes
