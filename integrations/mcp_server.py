@@ -294,11 +294,17 @@ class SandboxToolServer:
                 speculated = False
                 self.stats.ran_committed += 1
                 result = await run_tool(self.root, action, workdir=self.workdir, timeout_s=self.timeout_s)
-            await self._prune()
-            await self._speculate(action, _text(result))
+            # pruning and launching the next speculations happen after the reply is sent, in
+            # a task that queues at the gate right now (so before any later call)
+            self.tg.start_soon(self._after, action, _text(result))
             return result_meta(
                 result, speculated=speculated, origin=origin, version=self.root.version, stats=self.stats.as_dict()
             )
+
+    async def _after(self, action: Action, observation: str) -> None:
+        async with self.gate:
+            await self._prune()
+            await self._speculate(action, observation)
 
     # -- speculation ---------------------------------------------------------------------------
 
