@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from typing import TypeVar
 
 import anyio
+from anyio.lowlevel import RunVar
 
 from aospec.errors import SandboxError, SandboxUnavailableError
 from runtime.cgroups import CommandCgroup
@@ -266,6 +267,23 @@ class CommandPriority:
             self._running.remove(st)
 
 
+_background_threads: RunVar[anyio.CapacityLimiter] = RunVar("aospec_background_threads")
+
+
+def _thread_limiter(priority: CommandPriority | None) -> anyio.CapacityLimiter | None:
+    """Background commands' work in this process (mounting, reading what the command
+    changed) goes through one worker thread at a time (per event loop): many such threads
+    would take the GIL and the CPU from the foreground command's."""
+    if priority is None or not priority.background:
+        return None
+    try:
+        return _background_threads.get()
+    except LookupError:
+        limiter = anyio.CapacityLimiter(1)
+        _background_threads.set(limiter)
+        return limiter
+
+
 def _tree(pid: int) -> set[int]:
     """``pid`` and its descendants, from /proc's children lists."""
     found, todo = set(), [pid]
@@ -395,7 +413,7 @@ async def run_bwrap(
     st: _Started | None = None
     info_r = info_w = block_r = block_w = seccomp_r = -1
     try:
-        await anyio.to_thread.run_sync(before)
+        await anyio.to_thread.run_sync(before, limiter=_thread_limiter(priority))
         info_r, info_w = os.pipe2(os.O_CLOEXEC)
         block_r, block_w = os.pipe2(os.O_CLOEXEC)
         argv = argv_for(info_w, block_r)
@@ -458,7 +476,7 @@ async def run_bwrap(
             for fd in (info_r, info_w, block_r, block_w, seccomp_r):
                 if fd >= 0:
                     os.close(fd)
-            hits, value = await anyio.to_thread.run_sync(_cleanup, st, after)
+            hits, value = await anyio.to_thread.run_sync(_cleanup, st, after, limiter=_thread_limiter(priority))
     for what in hits:
         if what not in limits_hit:
             limits_hit.append(what)
