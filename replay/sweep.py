@@ -333,14 +333,22 @@ def _seed_trio_scheduler(seed: int) -> None:
 
     Latencies never depend on that order, but which speculative fork was launched first at
     a tie (and so the waste counters) can. trio draws that order from a module-level
-    random.Random; seeding it is the only handle trio offers.
+    random.Random, seeded here. Seeding alone leaves the order of each batch of woken tasks
+    to the order they were woken in, which for sleeps ending at the same virtual instant is
+    trio's deadline heap's tie-break, ``id()`` of their cancel scopes: memory addresses,
+    which differ from process to process (and so between two ``--jobs 2`` runs). trio's
+    deterministic mode (``_ALLOW_DETERMINISTIC_SCHEDULING``, what its Hypothesis plugin
+    turns on) sorts each batch by task creation order before the seeded shuffle, so the
+    order no longer depends on addresses; on the bundled sample it changes no result.
     """
     import trio
 
-    rng = getattr(getattr(trio, "_core", None), "_run", None)
-    rng = getattr(rng, "_r", None)
+    run = getattr(getattr(trio, "_core", None), "_run", None)
+    rng = getattr(run, "_r", None)
     if rng is not None and hasattr(rng, "seed"):
         rng.seed(seed)
+    if run is not None and hasattr(run, "_ALLOW_DETERMINISTIC_SCHEDULING"):
+        run._ALLOW_DETERMINISTIC_SCHEDULING = True
 
 
 def _mark(exc: BaseException, trace_id: str, policy: str, tpot_ms: float) -> None:
