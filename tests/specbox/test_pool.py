@@ -1,0 +1,314 @@
+"""The prewarm pool (specbox/pool.py): policies, budget and idle eviction, cold-start cost,
+no leaks after close, the router and prefetch adapters, and the pool-backed Sandbox (the
+runtime conformance suite's protocol tests on PooledSandbox over InMemorySandbox and, as
+root, overlay)."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from pathlib import Path
+
+import anyio
+import pytest
+
+from aospec.protocols import Sandbox
+from aospec.testing import InMemorySandbox
+from aospec.types import Action
+from specbox.markov import MarkovPrefetcher, prefetch_task
+from specbox.pool import (
+    EnvironmentPool,
+    EnvSpec,
+    PooledSandbox,
+    demo_tool_spec,
+    prefetch_adapter,
+    process_rss_bytes,
+    router_adapter,
+)
+from specbox.routers import ParseRouter
+
+pytestmark = pytest.mark.anyio
+
+
+@pytest.fixture
+def anyio_backend() -> str:
+    return "asyncio"
+
+
+class Fake:
+    """A fake environment kind that records starts and stops."""
+
+    def __init__(self, delay: float = 0.0, fail: bool = False) -> None:
+        self.delay = delay
+        self.fail = fail
+        self.live: set[int] = set()
+        self.started = 0
+
+    def spec(self, name: str, **kw: object) -> EnvSpec:
+        async def start() -> int:
+            await anyio.sleep(self.delay)
+            if self.fail:
+                raise RuntimeError("boom")
+            self.started += 1
+            self.live.add(self.started)
+            return self.started
+
+        async def stop(value: int) -> None:
+            self.live.discard(value)
+
+        return EnvSpec(name, start=start, stop=stop, **kw)  # type: ignore[arg-type]
+
+
+async def test_reserved_keeps_n_warm_and_hits() -> None:
+    fake = Fake()
+    async with EnvironmentPool([fake.spec("t", policy="reserved", reserved=2)]) as pool:
+        await pool.wait_until(lambda: pool.count("t", "idle") == 2)
+        env = await pool.acquire("t")
+        assert pool.stats.hits == 1 and pool.stats.cold_starts == 0
+        await pool.wait_until(lambda: pool.count("t", "idle") == 2)  # refilled
+        await pool.release(env)
+        assert pool.count("t", "idle") == 3
+    assert fake.live == set() and pool.count() == 0
+
+
+async def test_on_demand_cold_starts_every_call_and_stops_on_release() -> None:
+    fake = Fake()
+    async with EnvironmentPool([fake.spec("t", policy="on-demand")]) as pool:
+        assert pool.count() == 0
+        for _ in range(3):
+            async with pool.lease("t") as env:
+                assert env.state == "busy" and env.value in fake.live
+        assert pool.stats.cold_starts == 3 and pool.stats.hits == 0
+        assert fake.live == set()
+        assert not await pool.warm("t")  # on-demand never warms
+
+
+async def test_speculative_warms_on_a_router_event_and_the_call_hits() -> None:
+    fake = Fake()
+    async with EnvironmentPool([fake.spec("get_user_details", policy="speculative")]) as pool:
+        session = ParseRouter().session()
+        session.subscribe(router_adapter(pool))
+        chunk = {
+            "choices": [
+                {"delta": {"tool_calls": [{"index": 0, "function": {"name": "get_user_details", "arguments": ""}}]}}
+            ]
+        }
+        session.feed(chunk)
+        await pool.wait_until(lambda: pool.count("get_user_details", "idle") == 1)
+        assert pool.stats.warm_ups == 1
+        async with pool.lease("get_user_details"):
+            pass
+        assert pool.stats.hits == 1 and pool.stats.cold_starts == 0 and pool.stats.wasted_warm_ups == 0
+
+
+async def test_an_acquire_during_a_warm_up_waits_for_it_instead_of_cold_starting() -> None:
+    fake = Fake(delay=0.05)
+    async with EnvironmentPool([fake.spec("t", policy="speculative")]) as pool:
+        assert await pool.warm("t")
+        env = await pool.acquire("t")
+        assert pool.stats.warm_waits == 1 and pool.stats.cold_starts == 0 and fake.started == 1
+        await pool.release(env)
+
+
+async def test_markov_prefetch_drives_the_pool() -> None:
+    fake = Fake()
+    model = MarkovPrefetcher(lam=0.0, tau=0.5)
+    async with EnvironmentPool([fake.spec("b", policy="speculative")]) as pool:
+        send, receive = anyio.create_memory_object_stream[tuple[str, object]](8)
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(prefetch_task, model, receive, prefetch_adapter(pool))
+            async with send:
+                for tool in "ababa":
+                    await send.send((tool, None))
+        await pool.wait_until(lambda: pool.count("b", "idle") == 1)
+    assert pool.stats.wasted_warm_ups == 1  # never used before close
+    assert fake.live == set()
+
+
+async def test_budget_evicts_idle_speculative_warm_ups_first_lru() -> None:
+    fake = Fake()
+    specs = [fake.spec(n, policy="speculative", memory_bytes=100) for n in "abc"]
+    specs.append(fake.spec("r", policy="reserved", reserved=1, memory_bytes=100))
+    async with EnvironmentPool(specs, memory_budget_bytes=300) as pool:
+        await pool.wait_until(lambda: pool.count("r", "idle") == 1)
+        assert await pool.warm("a")
+        await pool.wait_until(lambda: pool.count("a", "idle") == 1)
+        assert await pool.warm("b")
+        await pool.wait_until(lambda: pool.count("b", "idle") == 1)
+        assert await pool.warm("c")  # evicts a (least recently warmed), never r
+        await pool.wait_until(lambda: pool.count("c", "idle") == 1)
+        assert pool.count("a") == 0 and pool.count("r") == 1 and pool.count("b") == 1
+        assert pool.stats.budget_evictions == 1 and pool.stats.wasted_warm_ups == 1
+        assert pool.memory_bytes() <= 300
+        # everything busy: a warm-up that cannot fit is skipped
+        leases = [await pool.acquire(n) for n in ("b", "c", "r")]
+        assert not await pool.warm("a") and pool.stats.warm_skipped == 1
+        for env in leases:
+            await pool.release(env)
+    assert fake.live == set()
+
+
+async def test_idle_environments_are_evicted_but_reserved_ones_stay() -> None:
+    fake = Fake()
+    specs = [fake.spec("s", policy="speculative"), fake.spec("r", policy="reserved", reserved=1)]
+    async with EnvironmentPool(specs, idle_timeout_s=0.02) as pool:
+        assert await pool.warm("s")
+        await pool.wait_until(lambda: pool.stats.idle_evictions >= 1 and pool.count("s") == 0)
+        assert pool.count("r", "idle") == 1 and pool.stats.wasted_warm_ups == 1
+    assert fake.live == set()
+
+
+async def test_cold_start_cost_is_an_ewma_of_measured_starts() -> None:
+    fake = Fake(delay=0.02)
+    async with EnvironmentPool([fake.spec("t")], ewma_alpha=0.5) as pool:
+        assert pool.cold_start_cost("t") is None
+        async with pool.lease("t") as env:
+            first = env.start_s
+        assert pool.cold_start_cost("t") == pytest.approx(first)
+        async with pool.lease("t") as env:
+            second = env.start_s
+        assert pool.cold_start_cost("t") == pytest.approx(0.5 * first + 0.5 * second)
+        assert first >= 0.02 and pool.stats.provisioning_s == pytest.approx(first + second)
+
+
+async def test_failed_starts_are_counted_and_raised_on_acquire() -> None:
+    fake = Fake(fail=True)
+    async with EnvironmentPool([fake.spec("t", policy="speculative")]) as pool:
+        assert await pool.warm("t")
+        await pool.wait_until(lambda: pool.stats.start_failures == 1)
+        with pytest.raises(RuntimeError):
+            await pool.acquire("t")
+        assert pool.count() == 0
+
+
+async def test_no_leaked_processes_after_close_also_after_an_exception() -> None:
+    spec = demo_tool_spec("demo", startup_s=0.05, policy="reserved", reserved=2)
+    pids: list[int] = []
+    with pytest.raises(ValueError):
+        async with EnvironmentPool([spec, demo_tool_spec("spec", startup_s=0.05, policy="speculative")]) as pool:
+            await pool.wait_until(lambda: pool.count("demo", "idle") == 2)
+            await pool.warm("spec")
+            env = await pool.acquire("demo")
+            reply = await env.value.call("lookup", {"x": 1}, id=7)
+            assert reply == {"id": 7, "result": {"tool": "lookup", "args": {"x": 1}}}
+            assert pool.rss_bytes() > 0
+            pids = [e.value.pid for e in pool.environments() if e.value is not None]
+            raise ValueError("the body failed")
+    assert len(pids) >= 2
+    for pid in pids:
+        assert process_rss_bytes(pid) == 0 and not os.path.exists(f"/proc/{pid}/cmdline")
+
+
+async def test_a_demo_tools_cold_start_is_measured() -> None:
+    async with EnvironmentPool([demo_tool_spec("demo", startup_s=0.1)]) as pool:
+        async with pool.lease("demo"):
+            pass
+        cost = pool.cold_start_cost("demo")
+        assert cost is not None and cost >= 0.1
+
+
+async def test_close_while_a_warm_up_is_in_flight_stops_it() -> None:
+    fake = Fake(delay=0.05)
+    async with EnvironmentPool([fake.spec("t", policy="speculative")]) as pool:
+        await pool.warm("t")
+    assert fake.live == set() and pool.count() == 0
+
+
+# ---------------------------------------------------------------------- PooledSandbox
+
+
+async def test_a_stale_pre_made_fork_is_discarded_never_handed_out() -> None:
+    inner = InMemorySandbox()
+    async with PooledSandbox.open(inner, depth=2) as sb:
+        fork = await sb.fork()  # a miss (queue empty at first) or a pre-made one
+        await fork.discard()
+        with anyio.fail_after(10):
+            while sb.ready() < 2:
+                await anyio.sleep(0.001)
+        v0 = sb.version
+        await sb.execute(Action.bash("echo 1 > /tmp/f1"))
+        assert sb.version != v0
+        fresh = await sb.fork()
+        assert fresh.version == sb.version
+        assert sb.stats.stale_discarded >= 2
+        with anyio.fail_after(10):
+            while sb.ready() < 2:
+                await anyio.sleep(0.001)
+        handed = await sb.fork()
+        assert handed.version == sb.version and sb.stats.handed_out >= 1
+        await sb.commit(handed)
+
+
+def _conformance_tests() -> dict[str, object]:
+    path = Path(__file__).parents[1] / "runtime" / "test_conformance.py"
+    spec = importlib.util.spec_from_file_location("_aospec_conformance_for_pool", path)
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    # the protocol-level part (every sandbox); the runtime part needs run()/read_file()
+    names = [
+        "test_every_sandbox_and_its_forks_satisfy_the_protocol",
+        "test_a_change_moves_the_version_and_a_read_keeps_it",
+        "test_a_forks_changes_are_invisible_to_its_parent_and_siblings",
+        "test_the_same_action_from_the_same_version_gives_the_same_result",
+        "test_commit_makes_the_forks_state_the_parents_and_consumes_the_fork",
+        "test_a_fork_of_a_fork_can_be_committed",
+        "test_discard_is_idempotent_and_leaves_the_parent_alone",
+        "test_serial_and_forked_execution_of_actions_reach_the_same_version",
+        "test_forks_and_commits_of_one_sandbox_may_overlap",
+    ]
+    return {name: getattr(mod, name) for name in names}
+
+
+globals().update(_conformance_tests())
+
+
+@pytest.fixture(scope="module")
+def overlay_dirs(tmp_path_factory: pytest.TempPathFactory):  # type: ignore[no-untyped-def]
+    from runtime.host import host_support
+
+    problems = host_support()[0].problems()
+    if problems:
+        pytest.skip(f"overlay sandbox cannot run here: {'; '.join(problems)}")
+    mp = pytest.MonkeyPatch()
+    mp.setenv("AOSPEC_CACHE_DIR", str(tmp_path_factory.mktemp("pool-cache")))
+    state = tmp_path_factory.mktemp("pool-state")
+    mp.setenv("AOSPEC_STATE_ROOT", str(state))
+    yield state
+    mp.undo()
+    from runtime._fs import mounts_under
+
+    assert not mounts_under(str(state))
+
+
+@pytest.fixture(params=["memory", pytest.param("overlay", marks=pytest.mark.root)])
+def opener(request: pytest.FixtureRequest):  # type: ignore[no-untyped-def]
+    if request.param == "overlay":
+        request.getfixturevalue("overlay_dirs")
+
+        @asynccontextmanager
+        async def open_overlay() -> AsyncIterator[Sandbox]:
+            from runtime import SandboxConfig, open_sandbox
+
+            async with (
+                open_sandbox(SandboxConfig(backend="overlay", timeout_s=20)) as inner,
+                PooledSandbox.open(inner, depth=2) as sb,
+            ):
+                yield sb
+
+        return open_overlay
+
+    @asynccontextmanager
+    async def open_memory() -> AsyncIterator[Sandbox]:
+        async with PooledSandbox.open(InMemorySandbox(), depth=2) as sb:
+            yield sb
+
+    return open_memory
+
+
+@pytest.fixture
+async def any_sandbox(opener) -> AsyncIterator[Sandbox]:  # type: ignore[no-untyped-def]
+    async with opener() as sb:
+        yield sb
