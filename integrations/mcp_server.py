@@ -30,6 +30,13 @@ Calls are executed one at a time in the order the server received them (the orde
 handlers started, which is the transport's delivery order); a call's result reflects every
 call received before it and none received after it. ``tools/list`` never waits.
 
+Prefetch (``aospec proxy --mcp``): over HTTP, ``POST /aospec/prefetch`` with
+``{"name": TOOL, "arguments": {...}}`` starts that call in a fork of the committed
+sandbox now (queued at the gate like a call, so it forks the state every call received
+before it left) -- the call a model just emitted, before its harness sends it. It is an
+ordinary speculative call: served only under JASV, discarded when the version moves.
+It may displace a predicted call when ``--max-forks`` are live.
+
 Proxy mode (``--upstream``): see ``integrations/_mcp_proxy.py``.
 """
 
@@ -227,6 +234,7 @@ class _Spec:
     fork: Any = None
     result: types.CallToolResult | None = None
     taken: bool = False
+    prefetched: bool = False
 
 
 @dataclass
@@ -237,6 +245,7 @@ class Stats:
     launched: int = 0  # speculative calls started
     stale_discarded: int = 0  # forks thrown away because the committed version moved
     wasted: int = 0  # speculative forks that ran but whose result was not used (incl. stale)
+    prefetched: int = 0  # speculative calls started by POST /aospec/prefetch
 
     def as_dict(self) -> dict[str, int]:
         return dict(self.__dict__)
@@ -300,6 +309,31 @@ class SandboxToolServer:
             return result_meta(
                 result, speculated=speculated, origin=origin, version=self.root.version, stats=self.stats.as_dict()
             )
+
+    async def prefetch(self, name: str, arguments: dict[str, Any] | None) -> bool:
+        """Start ``name(arguments)`` in a fork of the committed sandbox (module doc);
+        False when it is not a valid call or no fork slot is free."""
+        try:
+            action = Action(name, arguments or {})
+            check_args(action.tool, dict(action.args))
+        except (ValueError, TypeError):
+            return False
+        async with self.gate:
+            version = self.root.version
+            key = (version, action.key)
+            if key in self._specs:
+                return True
+            if len(self._specs) >= self.max_forks:
+                victim = next((k for k, s in self._specs.items() if not s.prefetched and not s.taken), None)
+                if victim is None:
+                    return False
+                await self._drop(self._specs.pop(victim))
+            spec = _Spec(action, version, prefetched=True)
+            self._specs[key] = spec
+            self.stats.launched += 1
+            self.stats.prefetched += 1
+            self.tg.start_soon(self._run_spec, spec)
+            return True
 
     async def _after(self, action: Action, observation: str) -> None:
         async with self.gate:
@@ -396,9 +430,49 @@ async def serve_stdio(server: Any) -> None:
         await server.run(read, write, server.create_initialization_options())
 
 
-async def serve_http(server: Any, host: str, port: int, stop: anyio.Event) -> None:
+def _with_prefetch(app: Any, prefetch: Callable[[str, dict[str, Any] | None], Awaitable[bool]]) -> Any:
+    """``app`` plus ``POST /aospec/prefetch`` (module doc)."""
+    import json
+
+    async def wrapped(scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] != "http" or scope["path"] != "/aospec/prefetch" or scope["method"] != "POST":
+            await app(scope, receive, send)
+            return
+        chunks = []
+        while True:
+            msg = await receive()
+            if msg["type"] == "http.disconnect":
+                return
+            chunks.append(msg.get("body", b""))
+            if not msg.get("more_body"):
+                break
+        try:
+            req = json.loads(b"".join(chunks))
+            name, args = req["name"], req.get("arguments")
+            ok = isinstance(name, str) and (args is None or isinstance(args, dict))
+        except (ValueError, KeyError, TypeError):
+            ok = False
+        launched = ok and await prefetch(name, args)
+        data = json.dumps({"launched": bool(launched)}).encode()
+        status = 200 if ok else 400
+        await send(
+            {"type": "http.response.start", "status": status, "headers": [(b"content-type", b"application/json")]}
+        )
+        await send({"type": "http.response.body", "body": data})
+
+    return wrapped
+
+
+async def serve_http(
+    server: Any,
+    host: str,
+    port: int,
+    stop: anyio.Event,
+    prefetch: Callable[[str, dict[str, Any] | None], Awaitable[bool]] | None = None,
+) -> None:
     """Streamable HTTP at ``http://HOST:PORT/mcp`` (port 0: any free port; the URL is
-    printed on stderr as ``aospec mcp: listening on URL``) until ``stop`` is set."""
+    printed on stderr as ``aospec mcp: listening on URL``) until ``stop`` is set; with
+    ``prefetch``, also ``POST /aospec/prefetch`` (module doc)."""
     import uvicorn
 
     class _Server(uvicorn.Server):
@@ -407,6 +481,8 @@ async def serve_http(server: Any, host: str, port: int, stop: anyio.Event) -> No
             yield
 
     app = server.streamable_http_app(host=host)
+    if prefetch is not None:
+        app = _with_prefetch(app, prefetch)
     sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind((host, port))
@@ -498,7 +574,9 @@ async def _serve(args: argparse.Namespace) -> None:
         tg.start_soon(on_signal)
         server = build_server(backend)
         if args.http is not None:
-            await serve_http(server, args.host, args.http, stop)
+            await serve_http(
+                server, args.host, args.http, stop, None if args.no_speculate else getattr(backend, "prefetch", None)
+            )
         else:
             await serve_stdio(server)
         tg.cancel_scope.cancel()

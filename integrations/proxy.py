@@ -34,7 +34,12 @@ Speculation (``POST .../chat/completions`` only):
   served (the request goes upstream live). All other speculative requests from the same
   parent are closed upstream when the real request arrives.
 
-Action speculation (starting a declared tool early in a fork) is not implemented.
+Action speculation (``--mcp URL``, see ``integrations/_proxy_actions.py``): while any chat
+completion's 200 reply goes to the harness, the proxy reads it too, and as soon as an
+action the harness executes through the ``aospec mcp --http`` server at URL is complete in
+the stream (a sandbox-tool call, a ``--command-tool`` call, a ```` ```bash ```` block), it
+asks that server to start the call in a fork (``POST /aospec/prefetch``). The harness's own
+call is answered from the fork only when the server's JASV accepts it.
 
 Programmatic use: :func:`proxy_app` builds the ASGI app (``app.stats`` is its
 :class:`ProxyStats`, also served at ``GET /aospec/stats``); run it with any ASGI server
@@ -59,6 +64,7 @@ from typing import Any
 from aospec.errors import ConfigError
 from aospec.protocols import ObservationDrafter
 from aospec.types import History, Turn, canonical_json, version_hash
+from integrations._proxy_actions import Prefetcher, watch
 from live.chat import ChatFormat
 
 __all__ = ["KNOWN_FIELDS", "VOLATILE_HEADERS", "ProxyStats", "SpeculatingProxy", "proxy_app", "register"]
@@ -111,6 +117,9 @@ class ProxyStats:
     drafter_errors: int = 0
     drafting_s: float = 0.0
     waited_s: float = 0.0
+    actions_prefetched: int = 0
+    prefetch_refused: int = 0
+    prefetch_errors: int = 0
 
     def to_json(self) -> dict[str, Any]:
         return {k: getattr(self, k) for k in self.__dataclass_fields__}
@@ -452,6 +461,8 @@ class SpeculatingProxy:
         timeout_s: float | None = None,
         client: Any = None,
         max_remembered: int = 1024,
+        mcp: str | None = None,
+        command_tools: Sequence[str] = (),
     ) -> None:
         if not upstream.startswith(("http://", "https://")):
             raise ConfigError(f"proxy: --upstream must be an http(s) URL, got {upstream!r}")
@@ -472,6 +483,14 @@ class SpeculatingProxy:
         self._hits_verbatim = 0
         self._hits_wrapped = 0
         self.max_remembered = max_remembered
+        self.command_tools = tuple(command_tools)
+        self._prefetcher: Prefetcher | None = None
+        if mcp is not None:
+            try:
+                self._prefetcher = Prefetcher(mcp, self.stats)
+            except ValueError as exc:
+                raise ConfigError(f"proxy: {exc}") from None
+        self._watchers: set[asyncio.Task[None]] = set()
 
     # -- plumbing --------------------------------------------------------------------------
 
@@ -491,6 +510,10 @@ class SpeculatingProxy:
         return self._client
 
     async def aclose(self) -> None:
+        for task in list(self._watchers):
+            task.cancel()
+        if self._prefetcher is not None:
+            await self._prefetcher.aclose()
         for spec in list(self._specs.values()):
             spec.upstream.cancel()
         self._specs.clear()
@@ -693,12 +716,24 @@ class SpeculatingProxy:
             if spec_ok:
                 self.stats.misses += 1
             up = self._start("POST", url, headers, raw)
+        if self._prefetcher is not None:
+            self._watch(up, isinstance(body, dict) and bool(body.get("stream")))
         whole = await self._relay(up, receive, send)
         if whole and spec_ok:
             reply = reply_message(b"".join(up.chunks), bool(body.get("stream")))
             if reply is not None:
                 self._remember(body, headers, digests[-1], reply)
                 await self._speculate(url, body, headers, digests[-1], reply)
+
+    def _watch(self, up: _Upstream, stream: bool) -> None:
+        """Prefetch the actions of the reply ``up`` as they complete (module doc)."""
+        prefetcher, client = self._prefetcher, self._http()
+        assert prefetcher is not None
+        task = asyncio.ensure_future(
+            watch(up, stream, self.command_tools, lambda tool, args: prefetcher.emit(client, tool, args))
+        )
+        self._watchers.add(task)
+        task.add_done_callback(self._watchers.discard)
 
     def _remember(
         self, body: dict[str, Any], headers: list[tuple[str, str]], digest: str, reply: dict[str, Any]
@@ -855,6 +890,19 @@ def register(subparsers: Any) -> None:
     p.add_argument("--train", nargs="*", default=[], help="traces to fit the drafters on (any format aospec reads)")
     p.add_argument("--bundled", action="store_true", help="fit the drafters on the bundled tb1 sample too")
     p.add_argument("--no-speculate", action="store_true", help="pure pass-through")
+    p.add_argument(
+        "--mcp",
+        metavar="URL",
+        help="the `aospec mcp --http` server (http://HOST:PORT/mcp) that executes the harness's tools: start each "
+        "action in a fork there as soon as the reply holds it",
+    )
+    p.add_argument(
+        "--command-tool",
+        action="append",
+        default=[],
+        metavar="NAME",
+        help="a tool whose calls (argument `command`) the harness runs as the MCP server's bash; repeatable",
+    )
     p.set_defaults(func=_serve)
 
 
@@ -892,7 +940,14 @@ def _serve(args: argparse.Namespace) -> int:
 
         train = load_traces([*args.train, *([str(bundled_traces_path())] if args.bundled else [])])
     drafters = () if args.no_speculate else default_drafters(train)
-    app = proxy_app(args.upstream, drafters=drafters, max_speculative=args.max_speculative)
+    mcp = None if args.no_speculate else args.mcp
+    app = proxy_app(
+        args.upstream,
+        drafters=drafters,
+        max_speculative=args.max_speculative,
+        mcp=mcp,
+        command_tools=args.command_tool,
+    )
     _probe(app.upstream)
     sock = _bind(args.host, args.port)
     host = f"[{args.host}]" if ":" in args.host else args.host

@@ -1,0 +1,200 @@
+"""Action speculation of ``aospec proxy --mcp`` (integrations/_proxy_actions.py): the
+``openai`` SDK as the client, ``serve-trace`` as the upstream, ``aospec mcp --http`` on
+loopback executing each action, all over real HTTP. Needs root and overlayfs (the MCP
+server's sandbox).
+
+The harness loop asks for a reply, then executes its action through the MCP server's
+``bash`` tool and appends the result as the observation. With ``--mcp`` the proxy starts
+that call in a fork as soon as the reply holds it; the server serves the fork only under
+JASV, so the harness sees the same replies, the same tool results and the same final
+sandbox version either way.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+from collections.abc import AsyncIterator, Callable, Iterator
+from contextlib import ExitStack, asynccontextmanager
+from pathlib import Path
+from typing import Any
+
+import anyio
+import openai
+import pytest
+
+from aospec.types import Action, Step, Trace
+from integrations._proxy_actions import ActionWatcher, map_call, prefetch_url
+from integrations.proxy import proxy_app
+from live.serve_trace import TraceServer, serve_trace_app, serving
+from tests.integrations.conftest import AOSPEC
+
+W = "/tmp/pa"
+#: Commands that take time (so a fork started early is still running, or done, when the
+#: harness's own call arrives), with writes between them.
+COMMANDS = [
+    f"mkdir -p {W} && echo one > {W}/a",
+    f"sleep 0.3; cat {W}/a",
+    f"sleep 0.3; ls {W}",
+    f"echo two >> {W}/a",
+    f"sleep 0.3; cat {W}/a",
+    f"sleep 0.3; wc -l {W}/a",
+    f"sleep 0.3; cat {W}/a",
+]
+#: Before executing the action of this step, the harness writes (another client, say):
+#: the fork started for it is stale and must not be served.
+INTERVENE = 6
+WRITE = f"echo intruder >> {W}/a"
+
+
+def _trace() -> Trace:
+    steps = tuple(Step(Action.bash(c), "", 10) for c in COMMANDS)
+    return Trace("pa", "run the commands", "test", "m", "test", steps, instruction="run the commands")
+
+
+@pytest.fixture
+def servers() -> Iterator[Callable[[Any], TraceServer]]:
+    with ExitStack() as stack:
+        yield lambda app: stack.enter_context(serving(app))
+
+
+@asynccontextmanager
+async def mcp_http(tmp_path: Path, state: Path, args: list[str]) -> AsyncIterator[str]:
+    log = tmp_path / f"mcp-{os.urandom(4).hex()}.log"
+    with open(log, "wb") as err:
+        proc = subprocess.Popen(
+            [AOSPEC, "mcp", "--http", "0", "--timeout", "600", *args],
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=err,
+            env={**os.environ, "AOSPEC_STATE_ROOT": str(state)},
+        )
+    try:
+        url = None
+        for _ in range(3000):  # bounded wait for the "listening on URL" line
+            if "listening on " in log.read_text():
+                url = log.read_text().split("listening on ", 1)[1].split()[0]
+                break
+            assert proc.poll() is None, log.read_text()
+            await anyio.sleep(0.1)
+        assert url, log.read_text()
+        yield url
+    finally:
+        proc.terminate()
+        proc.wait(timeout=120)
+    assert proc.returncode == 0, log.read_text()
+
+
+async def harness(base_url: str, mcp_url: str, *, tools: bool, stream: bool) -> tuple[list[Any], list[Any]]:
+    """(what the harness saw: replies and tool results; the server's meta per action)."""
+    from mcp import ClientSession
+    from mcp.client.streamable_http import streamable_http_client
+
+    from live.chat import ChatFormat
+
+    client = openai.AsyncOpenAI(base_url=base_url, api_key="sk-test", max_retries=0)
+    messages: list[dict[str, Any]] = [{"role": "user", "content": "run the commands"}]
+    kw: dict[str, Any] = {"model": "m", "temperature": 0}
+    if tools:
+        kw["tools"] = [{"type": "function", "function": {"name": "bash", "parameters": {"type": "object"}}}]
+    seen: list[Any] = []
+    metas: list[Any] = []
+    async with streamable_http_client(mcp_url) as (read, write), ClientSession(read, write) as session:
+        with anyio.fail_after(300):  # a hang guard, not a performance assertion
+            await session.initialize()
+        for i in range(len(COMMANDS)):
+            if stream:
+                text, calls = "", {}
+                async for chunk in await client.chat.completions.create(messages=messages, stream=True, **kw):
+                    for ch in chunk.choices:
+                        text += ch.delta.content or ""
+                        for tc in ch.delta.tool_calls or ():
+                            c = calls.setdefault(tc.index, {"id": "", "name": "", "arguments": ""})
+                            c["id"] = tc.id or c["id"]
+                            c["name"] += (tc.function.name or "") if tc.function else ""
+                            c["arguments"] += (tc.function.arguments or "") if tc.function else ""
+                tool_calls = [
+                    {"id": c["id"], "type": "function", "function": {"name": c["name"], "arguments": c["arguments"]}}
+                    for _, c in sorted(calls.items())
+                ]
+            else:
+                r = await client.chat.completions.create(messages=messages, **kw)
+                text = r.choices[0].message.content or ""
+                tool_calls = [tc.model_dump() for tc in r.choices[0].message.tool_calls or ()]
+            action = ChatFormat(action_format="tools" if tools else "bash").parse(text, tool_calls)
+            assert action.command is not None, (text, tool_calls)
+            if i == INTERVENE:
+                await session.call_tool("bash", {"command": WRITE}, read_timeout_seconds=300)
+            command = json.loads(tool_calls[0]["function"]["arguments"])["command"] if tool_calls else action.command
+            result = await session.call_tool("bash", {"command": command}, read_timeout_seconds=300)
+            out = "".join(c.text for c in result.content)
+            seen.append((text, tool_calls, out, result.is_error))
+            metas.append(result.meta["aospec"])
+            if tool_calls:
+                messages.append({"role": "assistant", "content": text, "tool_calls": tool_calls})
+                messages.append({"role": "tool", "tool_call_id": tool_calls[0]["id"], "content": out})
+            else:
+                messages.append({"role": "assistant", "content": text})
+                messages.append({"role": "user", "content": out})
+    await client.close()
+    return seen, metas
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize(("tools", "stream"), [(True, True), (False, True), (False, False)])
+async def test_action_speculation_is_lossless_and_hits(
+    mcp_state_root: Path, servers: Any, tmp_path: Path, tools: bool, stream: bool
+) -> None:
+    up = servers(serve_trace_app([_trace()], 1.0))
+    # --predict table without a table: the server speculates only what the proxy prefetches
+    args = ["--predict", "table"]
+    async with mcp_http(tmp_path, mcp_state_root, args) as mcp_url:
+        plain = servers(proxy_app(up.base_url))
+        base_seen, base_meta = await harness(plain.base_url, mcp_url, tools=tools, stream=stream)
+    async with mcp_http(tmp_path, mcp_state_root, args) as mcp_url:
+        proxy = proxy_app(up.base_url, mcp=mcp_url)
+        px = servers(proxy)
+        seen, metas = await harness(px.base_url, mcp_url, tools=tools, stream=stream)
+    assert seen == base_seen
+    assert metas[-1]["version"] == base_meta[-1]["version"]
+    assert [m["version"] for m in metas] == [m["version"] for m in base_meta]
+    assert not any(m["speculated"] for m in base_meta)
+    assert proxy.stats.actions_prefetched == len(COMMANDS)
+    assert proxy.stats.prefetch_errors == 0
+    hits = sum(m["speculated"] for m in metas)
+    assert hits > 0, (metas, proxy.stats)
+    # the intervening write is seen: never a stale fork
+    assert seen[INTERVENE][2] == "one\ntwo\nintruder\n"
+
+
+def test_watcher_emits_each_action_once_when_complete() -> None:
+    got: list[Any] = []
+    w = ActionWatcher(True, ["shell"], lambda tool, args: got.append((tool, args)))
+    w.feed(b'data: {"choices":[{"index":0,"delta":{"content":"THOUGHT\\n```bash\\nls -l\\n"}}]}\n\n')
+    assert got == []
+    w.feed(b'data: {"choices":[{"index":0,"delta":{"content":"```\\nmore ```bash\\nx\\n```"}}]}\n\n')
+    assert got == [("bash", {"command": "ls -l"})]
+    got.clear()
+    w = ActionWatcher(True, ["shell"], lambda tool, args: got.append((tool, args)))
+    w.feed(b'data: {"choices":[{"index":0,"delta":{"tool_calls":[{"index":0,"function":{"name":"shell",')
+    w.feed(b'"arguments":"{\\"command\\": \\"echo"}}]}}]}\n\n')
+    w.feed(b'data: {"choices":[{"index":0,"delta":{"tool_calls":[{"index":0,"function":{"arguments":" 1\\"}"}}]}}]}\n')
+    assert got == []
+    w.feed(b'data: {"choices":[{"index":0,"delta":{"tool_calls":[{"index":1,"function":{"name":"read_file",')
+    w.feed(b'"arguments":"{\\"path\\": \\"/x\\"}"}}]}}]}\n')
+    assert got == [("bash", {"command": "echo 1"})]
+    w.feed(b'data: {"choices":[{"index":0,"delta":{},"finish_reason":"tool_calls"}]}\n\ndata: [DONE]\n\n')
+    w.close()
+    assert got == [("bash", {"command": "echo 1"}), ("read_file", {"path": "/x"})]
+
+
+def test_calls_are_mapped_to_the_mcp_tools() -> None:
+    assert map_call("run", '{"command": "ls"}', ["run"]) == ("bash", {"command": "ls"})
+    assert map_call("run", '{"command": "ls", "cwd": "/"}', ["run"]) is None
+    assert map_call("bash", '{"command": "ls"}', []) == ("bash", {"command": "ls"})
+    assert map_call("other", '{"command": "ls"}', []) is None
+    assert map_call("bash", "not json", []) is None
+    assert prefetch_url("http://127.0.0.1:9/mcp") == "http://127.0.0.1:9/aospec/prefetch"
+    with pytest.raises(ValueError):
+        prefetch_url("aospec mcp --stdio")
