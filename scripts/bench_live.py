@@ -560,6 +560,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         default="aospec",
         help="the replay policy whose drafters and engine configuration run (default aospec)",
     )
+    ap.add_argument(
+        "--integrations",
+        nargs="?",
+        const="all",
+        default=None,
+        metavar="LIST",
+        help="instead of the TPOT table: a row per integration (mini-swe-agent,proxy,mcp; default all) against "
+        "the same harness without aospec; with --quick one task at TPOT 10 ms",
+    )
     ap.add_argument("--no-bytecode-check", action="store_true", help="skip the bytecode-cache measurement")
     ap.add_argument(
         "--train-traces",
@@ -572,6 +581,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--plot", default=None, help="write a PNG plot here")
     ap.add_argument("--out", default=None, help="keep the recorded traces (JSONL) in this directory")
     args = ap.parse_args(argv)
+    if args.integrations and args.quick:
+        if "--tpots" not in (argv if argv is not None else sys.argv):
+            args.tpots = "10"
+        if not args.tasks:
+            args.tasks = QUICK[0]
     tpots = [float(x) for x in args.tpots.split(",") if x]
     if "AOSPEC_STATE_ROOT" not in os.environ:  # a private one: the leak check counts only this run's
         os.environ["AOSPEC_STATE_ROOT"] = tempfile.mkdtemp(prefix="aospec-bench-live-", dir="/var/tmp")
@@ -607,6 +621,41 @@ def main(argv: Sequence[str] | None = None) -> int:
             )
             print(json.dumps(res) if args.json else json.dumps(res, indent=2))
             return 0 if res["ok"] else 1
+        if args.integrations:
+            from bench_live.integrations import INTEGRATIONS, measure_integrations, print_integrations
+
+            which = INTEGRATIONS if args.integrations == "all" else tuple(args.integrations.split(","))
+            if unknown := [w for w in which if w not in INTEGRATIONS]:
+                ap.error(f"unknown integrations {unknown}; have {', '.join(INTEGRATIONS)}")
+            env = {**ENV, "PYTHONDONTWRITEBYTECODE": "1"}
+            irows: list[dict[str, Any]] = []
+            for tpot in tpots:
+                log(f"integrations at TPOT {tpot:g} ms ...")
+                for row in measure_integrations(
+                    tpot,
+                    trajs,
+                    staged,
+                    drafters,
+                    args.base,
+                    env,
+                    train,
+                    Path(tmp),
+                    which=which,
+                    run_agent=run_agent,
+                    divergence=divergence,
+                    script_trace=script_trace,
+                    log=log,
+                ):
+                    irows.append(row)
+                    if args.json:
+                        print(json.dumps(row), flush=True)
+            if args.out:
+                out = Path(args.out)
+                out.mkdir(parents=True, exist_ok=True)
+                (out / "integrations.json").write_text(json.dumps(irows, indent=2) + "\n")
+            if not args.json:
+                print_integrations(irows)
+            return 0 if all(r["identical"] for r in irows) else 1
         rows, figs = [], {}
         for tpot in tpots:
             log(f"TPOT {tpot:g} ms ...")
