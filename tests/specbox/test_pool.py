@@ -312,3 +312,23 @@ def opener(request: pytest.FixtureRequest):  # type: ignore[no-untyped-def]
 async def any_sandbox(opener) -> AsyncIterator[Sandbox]:  # type: ignore[no-untyped-def]
     async with opener() as sb:
         yield sb
+
+
+@pytest.mark.root
+async def test_a_sandbox_store_is_a_pool_environment_and_is_closed_with_the_pool(overlay_dirs) -> None:  # type: ignore[no-untyped-def]
+    from runtime import SandboxConfig
+    from runtime._fs import mounts_under
+    from specbox.pool import sandbox_spec
+
+    spec = sandbox_spec("sb", SandboxConfig(backend="overlay", timeout_s=20), policy="reserved", reserved=1)
+    async with EnvironmentPool([spec]) as pool:
+        await pool.wait_until(lambda: pool.count("sb", "idle") == 1, 120)
+        async with pool.lease("sb") as env:
+            assert "hi" in await env.value.fork.execute(Action.bash("echo hi"))
+            async with PooledSandbox.open(env.value.sandbox, depth=1) as pooled:
+                fork = await pooled.fork()
+                assert fork.version == pooled.version
+                await fork.discard()
+        cost = pool.cold_start_cost("sb")
+        assert cost is not None and cost > 0 and pool.stats.hits == 1
+    assert not mounts_under(str(overlay_dirs))
