@@ -88,3 +88,17 @@ def test_concurrent_sessions_leave_nothing(tmp_path: Path) -> None:
     assert res["sessions"] == 4 and res["completed"] == 4
     assert res["failed"] == [] and res["diverged"] == [] and res["leaked"] == {}
     assert res["ok"] is True
+
+
+def test_integration_rows_identical(tmp_path: Path) -> None:
+    """One row per integration (mini-swe-agent, proxy, MCP), each reproducing its baseline."""
+    proc = _bench("--tpots", "1", "--integrations", tmp_path=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = [json.loads(line) for line in proc.stdout.splitlines() if line.strip()]
+    assert [r["integration"] for r in rows] == ["mini-swe-agent", "proxy", "mcp"]
+    for r in rows:
+        assert r["tpot_ms"] == 1.0 and r["tasks"] == 1
+        assert r["identical"] is True and r["diverged"] == [], r
+        for key in ("baseline_s", "aospec_s", "saving"):
+            assert isinstance(r[key], (int, float)), key
+        assert set(r["per_task"]) == {"inventory-discount.a"}
