@@ -108,6 +108,8 @@ async def run_one(
     ]
     ready: list[float] = []
     e2e: list[float] = []
+    decode: list[float] = []
+    call_s: list[float] = []
     peak_rss = 0
     n_sessions = max(1, int(qps * args.duration_s))
     chosen = [sessions[i % len(sessions)] for i in range(n_sessions)]
@@ -143,6 +145,8 @@ async def run_one(
                 t3 = time.perf_counter()
                 ready.append(t2 - t1)
                 e2e.append(t3 - t0)
+                decode.append(t1 - t0)
+                call_s.append(t3 - t2)
 
         async with anyio.create_task_group() as outer:
             outer.start_soon(sample)
@@ -162,6 +166,9 @@ async def run_one(
         "e2e_p50_ms": round(pct(e2e, 0.5) * 1000, 1),
         "e2e_p99_ms": round(pct(e2e, 0.99) * 1000, 1),
         "e2e_mean_ms": round(statistics.fmean(e2e) * 1000, 1) if e2e else None,
+        "decode_p50_ms": round(pct(decode, 0.5) * 1000, 1),
+        "call_p50_ms": round(pct(call_s, 0.5) * 1000, 1),
+        "call_p99_ms": round(pct(call_s, 0.99) * 1000, 1),
         "provisioning_s": round(stats["provisioning_s"], 2),
         "peak_rss_mb": round(peak_rss / 2**20, 1),
         "hits": stats["hits"],
