@@ -371,6 +371,8 @@ class EnvironmentPool:
         except BaseException:
             self.stats.start_failures += 1
             env.state = "stopped"
+            if env._stop_event is not None:  # a holder that opens later closes at once
+                env._stop_event.set()
             if env in self._envs:
                 self._envs.remove(env)
             self._notify()
@@ -651,6 +653,7 @@ class PooledSandbox:
     @asynccontextmanager
     async def open(cls, inner: Sandbox, depth: int = 2) -> AsyncIterator[PooledSandbox]:
         sb = cls(inner, depth)
+        sb._kick()  # the first fill
         async with anyio.create_task_group() as tg:
             tg.start_soon(sb._refill_loop)
             try:
