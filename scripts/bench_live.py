@@ -25,6 +25,11 @@ whether serial and speculative versions still agree, action hits).
 Usage:
   .venv/bin/python scripts/bench_live.py [--json] [--quick] [--plot live.png] [--out DIR]
   .venv/bin/python scripts/bench_live.py --sessions 32 [--quick] [--json]   # concurrency
+  .venv/bin/python scripts/bench_live.py --integrations [--quick] [--json]  # a row per integration
+
+``--integrations`` (issue 12): each integration (mini-swe-agent's SpeculativeAgent, ``aospec
+proxy``, ``aospec mcp``) against the same harness without aospec's speculation, on the same
+tasks and trajectories at the same TPOTs (scripts/bench_live/integrations.py).
 
 Run as root (overlay sandboxes). The base is built on first use (about 2 minutes, needs a
 Debian mirror): ``aospec sandbox build-base debootstrap:bookworm --include
