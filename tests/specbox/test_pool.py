@@ -332,3 +332,35 @@ async def test_a_sandbox_store_is_a_pool_environment_and_is_closed_with_the_pool
         cost = pool.cold_start_cost("sb")
         assert cost is not None and cost > 0 and pool.stats.hits == 1
     assert not mounts_under(str(overlay_dirs))
+
+
+async def test_an_acquire_over_the_count_budget_waits_for_a_release() -> None:
+    fake = Fake()
+    async with EnvironmentPool(
+        [fake.spec("a", policy="speculative"), fake.spec("b", policy="speculative")], max_envs=1
+    ) as pool:
+        held = await pool.acquire("a")
+        got: list[object] = []
+
+        async def take_b() -> None:
+            got.append(await pool.acquire("b"))
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(take_b)
+            await pool.wait_until(lambda: pool.count("a", "busy") == 1)
+            assert got == []  # a is busy, b does not fit
+            await pool.release(held)  # a is idle now: evicted to make room for b
+        assert len(got) == 1 and pool.count("b", "busy") == 1 and pool.count("a") == 0
+        assert pool.count() <= 1
+
+
+async def test_a_cancelled_cold_start_leaves_no_process() -> None:
+    spec = demo_tool_spec("demo", startup_s=5.0)
+    async with EnvironmentPool([spec]) as pool:
+        with anyio.move_on_after(0.5):
+            await pool.acquire("demo")
+        assert pool.count() == 0 and pool.stats.start_failures == 1
+    import subprocess
+
+    out = subprocess.run(["pgrep", "-f", "specbox._demo_tool --startup-s 5.0"], capture_output=True, text=True)
+    assert out.stdout.strip() == ""
