@@ -198,3 +198,25 @@ def test_calls_are_mapped_to_the_mcp_tools() -> None:
     assert prefetch_url("http://127.0.0.1:9/mcp") == "http://127.0.0.1:9/aospec/prefetch"
     with pytest.raises(ValueError):
         prefetch_url("aospec mcp --stdio")
+
+
+def test_mcp_must_be_an_http_url() -> None:
+    from aospec.errors import ConfigError
+
+    with pytest.raises(ConfigError):
+        proxy_app("http://127.0.0.1:9/v1", mcp="aospec mcp --stdio")
+    assert proxy_app("http://127.0.0.1:9/v1", mcp="http://127.0.0.1:9/mcp", command_tools=["run"]).command_tools == (
+        "run",
+    )
+
+
+def test_plain_replies_are_watched_whole() -> None:
+    got: list[Any] = []
+    w = ActionWatcher(False, [], lambda tool, args: got.append((tool, args)))
+    msg = {"role": "assistant", "content": "x", "tool_calls": [
+        {"id": "c", "type": "function", "function": {"name": "read_file", "arguments": '{"path": "/a"}'}}
+    ]}  # fmt: skip
+    w.feed(json.dumps({"choices": [{"index": 0, "message": msg}]}).encode())
+    assert got == []
+    w.close()
+    assert got == [("read_file", {"path": "/a"})]
