@@ -48,6 +48,7 @@ __all__ = [
     "SandboxEnv",
     "demo_tool_spec",
     "prefetch_adapter",
+    "pooled_sandbox",
     "process_rss_bytes",
     "router_adapter",
     "sandbox_spec",
@@ -274,12 +275,13 @@ class EnvironmentPool:
         await self._start(env)
         return self._take(env)
 
-    async def release(self, env: Environment) -> None:
-        """Give ``env`` back: on-demand environments are stopped, others kept idle."""
+    async def release(self, env: Environment, *, reuse: bool = True) -> None:
+        """Give ``env`` back: on-demand environments (and any with ``reuse=False``, e.g. a
+        sandbox whose state changed) are stopped, others kept idle."""
         if env.state != "busy":
             return
         env.last_used = time.monotonic()
-        if env.spec.policy == "on-demand" or self._closed:
+        if env.spec.policy == "on-demand" or self._closed or not reuse:
             await self._stop(env)
         else:
             env.state = "idle"
@@ -620,6 +622,26 @@ def sandbox_spec(
 
 
 # ---------------------------------------------------------------------- the pool-backed Sandbox
+
+
+@asynccontextmanager
+async def pooled_sandbox(pool: EnvironmentPool, tool: str, depth: int = 2) -> AsyncIterator[PooledSandbox]:
+    """The engine's committed sandbox from ``pool``: a warm :func:`sandbox_spec` environment of
+    ``tool`` (no cold start when one was warm) as a :class:`PooledSandbox` whose forks are
+    made ahead of time. On exit the environment goes back to the pool only when its state
+    is unchanged; otherwise it is stopped (the next user must not see this one's files)."""
+    env = await pool.acquire(tool)
+    reuse = False
+    try:
+        if not isinstance(env.value, SandboxEnv):
+            raise ConfigError(f"tool type {tool!r} is not a sandbox environment (sandbox_spec)")
+        version = env.value.sandbox.version
+        async with PooledSandbox.open(env.value.sandbox, depth) as sb:
+            yield sb
+        reuse = env.value.sandbox.version == version  # a changed state is never handed on
+    finally:
+        with anyio.CancelScope(shield=True):
+            await pool.release(env, reuse=reuse)
 
 
 @dataclass

@@ -318,7 +318,7 @@ async def any_sandbox(opener) -> AsyncIterator[Sandbox]:  # type: ignore[no-unty
 async def test_a_sandbox_store_is_a_pool_environment_and_is_closed_with_the_pool(overlay_dirs) -> None:  # type: ignore[no-untyped-def]
     from runtime import SandboxConfig
     from runtime._fs import mounts_under
-    from specbox.pool import sandbox_spec
+    from specbox.pool import pooled_sandbox, sandbox_spec
 
     spec = sandbox_spec("sb", SandboxConfig(backend="overlay", timeout_s=20), policy="reserved", reserved=1)
     async with EnvironmentPool([spec]) as pool:
@@ -329,8 +329,17 @@ async def test_a_sandbox_store_is_a_pool_environment_and_is_closed_with_the_pool
                 fork = await pooled.fork()
                 assert fork.version == pooled.version
                 await fork.discard()
+        async with pooled_sandbox(pool, "sb") as engine_sandbox:  # the engine's committed sandbox
+            fork = await engine_sandbox.fork()
+            await fork.execute(Action.bash("echo 1 > /tmp/f"))
+            await engine_sandbox.commit(fork)
+            assert "1" in await engine_sandbox.execute(Action.bash("cat /tmp/f"))
+        assert pool.count("sb", "busy") == 0  # changed: stopped, not handed on
+        await pool.wait_until(lambda: pool.count("sb", "idle") == 1, 120)  # the reserve refilled
+        async with pooled_sandbox(pool, "sb") as next_user:
+            assert "No such file" in await next_user.execute(Action.bash("cat /tmp/f"))
         cost = pool.cold_start_cost("sb")
-        assert cost is not None and cost > 0 and pool.stats.hits == 1
+        assert cost is not None and cost > 0 and pool.stats.hits >= 2
     assert not mounts_under(str(overlay_dirs))
 
 
