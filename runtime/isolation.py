@@ -235,11 +235,15 @@ class CommandPriority:
         self._group: str | None = None  # the sandbox's cgroup, once a command created it
         self._group_background = False  # what that cgroup is set to
         self._running: list[_Started] = []
+        self._waiting: set[anyio.CancelScope] = set()  # waits for a background thread's turn
 
     def set(self, *, background: bool) -> None:
         if background == self.background:
             return
         self.background = background
+        if not background:
+            for scope in list(self._waiting):
+                scope.cancel()
         self._apply_group()
         for st in list(self._running):
             _set_tree_priority(st, background=background)
@@ -267,21 +271,34 @@ class CommandPriority:
             self._running.remove(st)
 
 
-_background_threads: RunVar[anyio.CapacityLimiter] = RunVar("aospec_background_threads")
+_background_lock: RunVar[anyio.Lock] = RunVar("aospec_background_threads")
 
 
-def _thread_limiter(priority: CommandPriority | None) -> anyio.CapacityLimiter | None:
-    """Background commands' work in this process (mounting, reading what the command
-    changed) goes through one worker thread at a time (per event loop): many such threads
-    would take the GIL and the CPU from the foreground command's."""
+async def _in_thread(priority: CommandPriority | None, fn: Callable[..., T], *args: object) -> T:
+    """``fn(*args)`` in a worker thread. A background command's work in this process
+    (mounting, reading what the command changed) goes through one thread at a time per
+    event loop: many such threads would take the GIL and the CPU from the foreground
+    command's. A sandbox raised to the foreground stops waiting for its turn at once."""
     if priority is None or not priority.background:
-        return None
+        return await anyio.to_thread.run_sync(fn, *args)
     try:
-        return _background_threads.get()
+        lock = _background_lock.get()
     except LookupError:
-        limiter = anyio.CapacityLimiter(1)
-        _background_threads.set(limiter)
-        return limiter
+        lock = anyio.Lock()
+        _background_lock.set(lock)
+    acquired = False
+    with anyio.CancelScope() as scope:
+        priority._waiting.add(scope)
+        try:
+            await lock.acquire()
+            acquired = True
+        finally:
+            priority._waiting.discard(scope)
+    try:
+        return await anyio.to_thread.run_sync(fn, *args)
+    finally:
+        if acquired:
+            lock.release()
 
 
 def _tree(pid: int) -> set[int]:
@@ -413,7 +430,7 @@ async def run_bwrap(
     st: _Started | None = None
     info_r = info_w = block_r = block_w = seccomp_r = -1
     try:
-        await anyio.to_thread.run_sync(before, limiter=_thread_limiter(priority))
+        await _in_thread(priority, before)
         info_r, info_w = os.pipe2(os.O_CLOEXEC)
         block_r, block_w = os.pipe2(os.O_CLOEXEC)
         argv = argv_for(info_w, block_r)
@@ -476,7 +493,7 @@ async def run_bwrap(
             for fd in (info_r, info_w, block_r, block_w, seccomp_r):
                 if fd >= 0:
                     os.close(fd)
-            hits, value = await anyio.to_thread.run_sync(_cleanup, st, after, limiter=_thread_limiter(priority))
+            hits, value = await _in_thread(priority, _cleanup, st, after)
     for what in hits:
         if what not in limits_hit:
             limits_hit.append(what)
