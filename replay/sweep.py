@@ -339,7 +339,10 @@ def _seed_trio_scheduler(seed: int) -> None:
     which differ from process to process (and so between two ``--jobs 2`` runs). trio's
     deterministic mode (``_ALLOW_DETERMINISTIC_SCHEDULING``, what its Hypothesis plugin
     turns on) sorts each batch by task creation order before the seeded shuffle, so the
-    order no longer depends on addresses; on the bundled sample it changes no result.
+    order no longer depends on addresses; on the bundled sample it changes no result. On
+    the 47 tb1 trials (``aospec sweep DIR --jobs 2``, run twice) the counters of 3 of 1,880
+    rows differed between two runs without it (forks_launched, forks_wasted, drafts_started,
+    drafts_hit; latencies equal), none with it.
     """
     import trio
 
