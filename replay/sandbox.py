@@ -122,6 +122,10 @@ def resolve_state_model(
         raise ConfigError(f"unknown state model {requested!r}; choose from {', '.join(STATE_MODEL_CHOICES)}")
     if requested in ("effects", "blind"):
         return requested, "as requested"
+    if requested == "auto" and not any(
+        s.version_before is not None or s.version_after is not None for t in traces for s in t.steps
+    ):
+        return "effects", "auto: the traces record no filesystem versions"
     for t in traces:
         problem = recorded_versions_problem(t)
         if problem is None:

@@ -249,12 +249,12 @@ def _run(
     options = _drafter_options(args.drafter_options)
     eval_traces, train, split, skipped, paths = _load(args)
     state_model, why = resolve_state_model(eval_traces, args.state_model, paths)
-    print(f"aospec: state model: {state_model} ({why}): {STATE_MODEL_MEANING[state_model]}", file=sys.stderr)
     executor, executor_text, jobs = _executor(args, len(eval_traces))
     note = slow_policy_note(policies, sum(len(t) for t in eval_traces), len(tpots), min(jobs, len(eval_traces)))
     if note:
         check_drafters(policies, options)  # a configuration error first, not a note about a sweep that cannot run
         print(f"aospec: note: {note}", file=sys.stderr)
+    print(f"aospec: state model: {state_model} ({why}): {STATE_MODEL_MEANING[state_model]}", file=sys.stderr)
     started = time.perf_counter()
     try:
         with progress(disable=True if args.no_progress else None) as bar:

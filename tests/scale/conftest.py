@@ -47,7 +47,7 @@ def local_ray() -> Iterator[object]:
     ray = pytest.importorskip("ray")
     if ray.is_initialized():
         ray.shutdown()
-    ray.init(num_cpus=2, include_dashboard=False, namespace="aospec-tests", log_to_driver=False)
+    ray.init(address="local", num_cpus=2, include_dashboard=False, namespace="aospec-tests", log_to_driver=False)
     try:
         yield ray
     finally:
