@@ -582,9 +582,11 @@ class SpeculatingProxy:
     async def _relay(self, up: _Upstream, receive: Any, send: Any) -> bool:
         """Send ``up``'s response to the client; True when it went out whole (every byte
         of a 200 response sent; the client may hang up right after the last one, as SDKs
-        do after ``[DONE]``). A client disconnect before that cancels ``up``."""
+        do after ``[DONE]``, even before the upstream has closed its response: see
+        :meth:`_ended_with_done`). A client disconnect before that cancels ``up``."""
         gone = asyncio.Event()
         sent_all = False
+        sent = 0
 
         async def listen() -> None:
             while True:
@@ -606,6 +608,8 @@ class SpeculatingProxy:
             await send({"type": "http.response.start", "status": up.status, "headers": up.headers})
             async for chunk in up.body():
                 await send({"type": "http.response.body", "body": chunk, "more_body": True})
+                nonlocal sent
+                sent += 1
             if up.error is not None:
                 self.stats.upstream_errors += 1
                 raise RuntimeError(f"upstream stream cut: {up.error!r}")  # the server aborts the response
@@ -628,6 +632,8 @@ class SpeculatingProxy:
                 await relayer
             if sent_all:
                 return up.status == 200
+            if await self._ended_with_done(up, sent):
+                return True
             up.cancel()
             self.stats.disconnects += 1
             return False
@@ -636,9 +642,25 @@ class SpeculatingProxy:
         except OSError:
             if sent_all:
                 return up.status == 200
+            if await self._ended_with_done(up, sent):
+                return True
             up.cancel()
             self.stats.disconnects += 1
             return False
+
+    async def _ended_with_done(self, up: _Upstream, sent: int) -> bool:
+        """Whether a client that hung up had the whole 200 reply: every chunk received was
+        sent, the stream's last event was ``[DONE]`` (SDKs hang up right after it, maybe
+        before the upstream closes its response) and the upstream then ends cleanly with
+        nothing more."""
+        if up.status != 200 or sent != len(up.chunks) or not b"".join(up.chunks[-2:]).rstrip().endswith(b"[DONE]"):
+            return False
+        if up.task is not None and not up.done:
+            try:
+                await asyncio.wait_for(asyncio.shield(up.task), 5.0)
+            except (TimeoutError, asyncio.CancelledError, Exception):
+                return False
+        return up.error is None and sent == len(up.chunks)
 
     # -- chat completions ------------------------------------------------------------------
 
