@@ -6,8 +6,9 @@ yields ``(item, result)`` as each item completes) with Ray actors::
     from replay.executors_ray import RayExecutor
     results = run_sweep(traces, policies, executor=RayExecutor(address="auto"))
 
-- The job (a :class:`replay.sweep.SweepJob`: the traces, policies and TPOTs) is put in the
-  object store once; each worker actor (``num_cpus=1``, one per CPU of the cluster unless
+- The job (a :class:`replay.sweep.SweepJob`: the traces, policies and TPOTs; from
+  ``aospec sweep``, the evaluation traces as :class:`replay.sweep.TraceRef`, each read by
+  the actor that replays it) is put in the object store once; each worker actor (``num_cpus=1``, one per CPU of the cluster unless
   ``workers`` is given) receives it once and keeps its caches (a fold's drafters are fit
   once per worker, as in a local worker process).
 - Each worker serves one item at a time, so at most ``workers`` items are in flight and

@@ -26,7 +26,7 @@ import json
 import os
 import stat
 import tempfile
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -433,6 +433,7 @@ def import_traces(
     *,
     max_file_bytes: int = MAX_FILE_BYTES,
     skip_invalid: bool = False,
+    keep: Callable[[Trace, Path], Any] | None = None,
 ) -> LoadedTraces:
     """Import every trace under ``paths`` (files and directories, searched recursively).
 
@@ -443,6 +444,10 @@ def import_traces(
     earlier file) is left out whole and its error kept in ``skipped``; the paths themselves
     (missing, a directory without trace files, an unknown format) must still be right, and
     an import that leaves no trace at all still raises.
+
+    ``keep(trace, file)``, when given, is what is kept of each trace instead of the trace
+    (anything with its ``id``, e.g. a :class:`replay.sweep.TraceRef`), so that importing
+    many files holds one file's traces at a time (``aospec sweep``'s evaluation traces).
     """
     if format not in FORMATS:
         raise TraceImportError([TraceFormatError(f"unknown format {format!r}; choose from {', '.join(FORMATS)}")])
@@ -477,7 +482,7 @@ def import_traces(
                 files.append(f)
     if fatal:
         raise TraceImportError(fatal + bad)
-    traces: list[Trace] = []
+    traces: list[Any] = []
     origin: dict[str, Path] = {}
     imported = 0
     for f in files:
@@ -501,7 +506,8 @@ def import_traces(
             bad.append(clash)
             continue
         origin.update(ids)
-        traces.extend(loaded)
+        traces.extend(loaded if keep is None else (keep(t, f) for t in loaded))
+        del loaded
         imported += 1
     if bad and not skip_invalid:
         others = len(files) > len(bad)

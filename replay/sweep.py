@@ -45,6 +45,7 @@ import anyio
 from aospec.engine import Engine
 from aospec.errors import ConfigError, EngineError
 from aospec.types import Trace
+from replay._input import MAX_FILE_BYTES
 from replay.actor import ReplayActor, VirtualClock, estimate_tokens, ms_to_ns, seconds_to_ns
 from replay.executors import Executor, local_executor
 from replay.policies import DrafterFailures, DrafterSet, Policy, check_drafters
@@ -53,10 +54,12 @@ from replay.sandbox import ReplayWorld, resolve_state_model
 __all__ = [
     "DEFAULT_TPOTS_MS",
     "SweepJob",
+    "TraceRef",
     "TraceResult",
     "check_ceiling",
     "check_trajectory",
     "iter_sweep",
+    "loading",
     "replay_trace",
     "run_sweep",
 ]
@@ -371,13 +374,71 @@ def _with(r: TraceResult, **changes: Any) -> TraceResult:
 # ---------------------------------------------------------------------- sweeps
 
 
+@dataclass(frozen=True, slots=True)
+class TraceRef:
+    """An evaluation trace by reference: its id, task and step count, and the file it is
+    read from (``format``, at most ``max_file_bytes``). A sweep of references holds no
+    steps on the driver or in the job; each worker reads a trace when it replays it
+    (:meth:`load`) and drops it after. ``len(ref)`` is its step count."""
+
+    id: str
+    task: str
+    path: str
+    steps: int
+    format: str = "auto"
+    max_file_bytes: int = MAX_FILE_BYTES
+
+    def __len__(self) -> int:
+        return self.steps
+
+    def load(self) -> Trace:
+        from replay.io import import_traces
+
+        for t in import_traces(self.path, self.format, max_file_bytes=self.max_file_bytes).traces:
+            if t.id == self.id:
+                return t
+        raise ConfigError(f"trace {self.id!r} is no longer in {self.path}")
+
+    @classmethod
+    def of(cls, trace: Trace, path: Any, format: str = "auto", max_file_bytes: int = MAX_FILE_BYTES) -> TraceRef:
+        """The reference to ``trace``, read from ``path`` (an ``import_traces`` ``keep``)."""
+        return cls(trace.id, trace.task, str(path), len(trace), format, max_file_bytes)
+
+
+def _loaded(t: Trace | TraceRef) -> Trace:
+    return t.load() if isinstance(t, TraceRef) else t
+
+
+class _Loading(Sequence[Trace]):
+    """``traces`` with each reference read as it is reached (one at a time)."""
+
+    def __init__(self, traces: Sequence[Trace | TraceRef]) -> None:
+        self.traces = traces
+
+    def __len__(self) -> int:
+        return len(self.traces)
+
+    def __getitem__(self, i: Any) -> Any:
+        return _loaded(self.traces[i])
+
+    def __iter__(self) -> Iterator[Trace]:
+        return (_loaded(t) for t in self.traces)
+
+
+def loading(traces: Sequence[Trace | TraceRef]) -> Sequence[Trace]:
+    """``traces`` as a sequence of traces that reads each :class:`TraceRef` when reached, so
+    that a pass over many references holds one trace at a time."""
+    return _Loading(traces)
+
+
 @dataclass(eq=False)
 class SweepJob:
     """The work of a sweep: ``job(index)`` replays evaluation trace ``index`` under every
     policy at every TPOT. Picklable (an executor sends it to each worker once); it keeps the
-    drafter sets of the last few folds it built, so a worker fits each fold once."""
+    drafter sets of the last few folds it built, so a worker fits each fold once. Evaluation
+    traces given as :class:`TraceRef` are read in the worker, one item at a time."""
 
-    eval_traces: Sequence[Trace]
+    eval_traces: Sequence[Trace | TraceRef]
     train_traces: Sequence[Trace] | None
     policies: Sequence[Policy]
     tpots_ms: Sequence[float]
@@ -396,7 +457,7 @@ class SweepJob:
         if key not in folds:
             train = self.train_traces
             if train is None:
-                train = [t for t in self.eval_traces if t.task != trace.task]
+                train = [_loaded(t) for t in self.eval_traces if t.task != trace.task]
             if len(folds) >= 4:
                 folds.pop(next(iter(folds)))
             folds[key] = DrafterSet(train, self.drafter_options)
@@ -404,7 +465,7 @@ class SweepJob:
 
     def __call__(self, index: int) -> list[TraceResult]:
         return replay_trace(
-            self.eval_traces[index],
+            _loaded(self.eval_traces[index]),
             self.policies,
             self.tpots_ms,
             self.fold(index),
@@ -415,7 +476,7 @@ class SweepJob:
 
 
 def iter_sweep(
-    eval_traces: Sequence[Trace],
+    eval_traces: Sequence[Trace | TraceRef],
     policies: Sequence[Policy],
     *,
     train_traces: Sequence[Trace] | None = None,
@@ -437,6 +498,9 @@ def iter_sweep(
     fails is retried once by the executor, then reported (:class:`replay.executors.SweepTaskError`,
     naming the trace, policy and TPOT); the stream ends there, after the traces that
     finished before it. Closing the generator early stops the executor's workers.
+
+    Evaluation traces given as :class:`TraceRef` are read one at a time for the checks and
+    in the workers for their replays: the driver and the job hold no steps.
     """
     traces = list(eval_traces)
     if not traces:
@@ -451,9 +515,9 @@ def iter_sweep(
         raise ConfigError(f"--jobs must be >= 1, got {jobs}")
     check_tpots(tpots_ms, prefill_ms_per_ktok)
     prefill_ns = ms_to_ns(prefill_ms_per_ktok) // 1000
-    for t in traces:
+    for t in loading(traces):
         check_virtual_time(t, max(tpots_ms), prefill_ns)
-    state_model, _ = resolve_state_model(traces, state_model)
+    state_model, _ = resolve_state_model(loading(traces), state_model)
     check_drafters(policies, drafter_options)
     order = sorted(range(len(traces)), key=lambda i: (traces[i].task, traces[i].id))
     job = SweepJob(

@@ -16,11 +16,16 @@ RSS once the traces are built, so the growth is the sweep's own:
 
 The copies share their steps with the ten originals, so the figures isolate what the
 sweep keeps per trace; ``--distinct`` loads every copy afresh from the files instead, to show what the
-loaded traces themselves cost (every evaluation trace is loaded in the driver).
+loaded traces themselves cost when every evaluation trace is loaded in the driver.
+``--files`` writes the N copies as N files and sweeps them, the traces loaded in the driver
+(mode ``traces``: the CLI before evaluation traces travelled as references) or kept as
+:class:`replay.sweep.TraceRef` (mode ``refs``: what ``aospec sweep`` does; the workers read
+each trace when they replay it).
 
     python scripts/bench_sweep_memory.py --traces 500,1000,2000 --jobs 2
     python scripts/bench_sweep_memory.py --traces 1000 --modes stream --json
     python scripts/bench_sweep_memory.py --records 100000       # bytes per record, no replay
+    python scripts/bench_sweep_memory.py --files --modes traces,refs --traces 2000 --policies serial
 """
 
 from __future__ import annotations
@@ -52,7 +57,9 @@ def _peak_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
-def child(mode: str, n: int, policies_text: str, tpots: list[float], jobs: int, distinct: bool) -> dict[str, object]:
+def child(
+    mode: str, n: int, policies_text: str, tpots: list[float], jobs: int, distinct: bool, files: str = ""
+) -> dict[str, object]:
     from replay import bundled_traces_path, load_traces
     from replay.executors import local_executor
     from replay.metrics import summarize
@@ -63,8 +70,16 @@ def child(mode: str, n: int, policies_text: str, tpots: list[float], jobs: int, 
     sample = load_traces([bundled_traces_path()])
     policies = parse_policies(policies_text)
     before = _rss_mb()
-    traces = []
-    for k in range(n):
+    traces: list = []
+    if files:  # N distinct trace files on disk, as `aospec sweep DIR` reads them
+        if mode == "refs":  # what `aospec sweep` keeps: one TraceRef per trace, steps read by the workers
+            from replay.io import import_traces
+            from replay.sweep import TraceRef
+
+            traces = list(import_traces([files], keep=TraceRef.of).traces)
+        else:  # every trace loaded in the driver (the CLI before TraceRef)
+            traces = load_traces([files])
+    for k in range(0 if files else n):
         if distinct and k % len(sample) == 0:
             fresh = load_traces([bundled_traces_path()])  # new objects, as loading N files makes
         t = (fresh if distinct else sample)[k % len(sample)]
@@ -73,7 +88,7 @@ def child(mode: str, n: int, policies_text: str, tpots: list[float], jobs: int, 
     started = time.perf_counter()
     with tempfile.TemporaryDirectory() as out:
         executor = local_executor(jobs)
-        if mode == "stream":
+        if mode != "memory":
             with ResultsFile(Path(out) / "results.jsonl") as f:
                 for index, results in iter_sweep(
                     traces, policies, train_traces=sample, tpots_ms=tpots, executor=executor
@@ -95,7 +110,7 @@ def child(mode: str, n: int, policies_text: str, tpots: list[float], jobs: int, 
         "mode": mode,
         "traces": n,
         "records": records,
-        "distinct_traces": distinct,
+        "distinct_traces": distinct or bool(files),
         "jobs": jobs,
         "traces_rss_mb": round(baseline - before, 1),
         "baseline_rss_mb": round(baseline, 1),
@@ -148,6 +163,17 @@ def per_record(n: int) -> dict[str, object]:
     }
 
 
+def _write_files(out: Path, n: int) -> None:
+    """N copies of the bundled sample's traces, one file each, with distinct ids."""
+    from replay import bundled_traces_path, load_traces
+    from replay.io import write_jsonl
+
+    sample = load_traces([bundled_traces_path()])
+    for k in range(n):
+        t = sample[k % len(sample)]
+        write_jsonl([dataclasses.replace(t, id=f"{t.id}~{k // len(sample)}")], out / f"{k:06d}.jsonl")
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--traces", default="500,1000,2000", help="comma-separated sweep sizes (evaluation traces)")
@@ -156,6 +182,10 @@ def main() -> int:
     ap.add_argument("--tpots", default="10", help="comma-separated ms per output token")
     ap.add_argument("--jobs", type=int, default=2, help="local worker processes (1: in the driver itself)")
     ap.add_argument("--distinct", action="store_true", help="deep-copy every trace (their own memory counts)")
+    ap.add_argument("--files", action="store_true",
+                    help="write N distinct trace files (one per trace) to a temporary directory and sweep them; "
+                    "modes: traces (all loaded in the driver, as before TraceRef) and refs (what aospec sweep does)")
+    ap.add_argument("--files-dir", default="", help=argparse.SUPPRESS)
     ap.add_argument("--json", action="store_true", help="print the figures as one JSON array")
     ap.add_argument("--records", type=int, default=0, metavar="N",
                     help="only measure N result records held in memory vs streamed (no replay)")
@@ -167,16 +197,21 @@ def main() -> int:
         print(json.dumps(row) if args.json else "  ".join(f"{k} {v}" for k, v in row.items()))
         return 0
     if args.child:
-        row = child(args.child[0], int(args.child[1]), args.policies, tpots, args.jobs, args.distinct)
+        row = child(args.child[0], int(args.child[1]), args.policies, tpots, args.jobs, args.distinct, args.files_dir)
         print(json.dumps(row))
         return 0
     rows = []
     for n in [int(x) for x in args.traces.split(",") if x.strip()]:
+        tmp = tempfile.TemporaryDirectory() if args.files else None
+        if tmp is not None:
+            _write_files(Path(tmp.name), n)
         for mode in [m.strip() for m in args.modes.split(",") if m.strip()]:
             cmd = [sys.executable, __file__, "--child", mode, str(n), "--policies", args.policies,
                    "--tpots", args.tpots, "--jobs", str(args.jobs)]
             if args.distinct:
                 cmd.append("--distinct")
+            if tmp is not None:
+                cmd += ["--files-dir", tmp.name]
             out = subprocess.run(cmd, check=True, capture_output=True, text=True, env={**os.environ})
             row = json.loads(out.stdout.strip().splitlines()[-1])
             rows.append(row)
@@ -188,6 +223,8 @@ def main() -> int:
                     f"results.jsonl {row['results_jsonl_mb']:>6.1f} MB  {row['wall_s']:>6.1f} s",
                     flush=True,
                 )
+        if tmp is not None:
+            tmp.cleanup()
     if args.json:
         print(json.dumps(rows, indent=1))
     return 0

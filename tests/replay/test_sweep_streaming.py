@@ -133,3 +133,44 @@ def test_the_ray_executor_without_ray_names_the_extra(tmp_path, capsys, monkeypa
         require_ray()
     assert _sweep(tmp_path, "--executor", "ray") == 2
     assert "pip install 'aospec[ray]'" in capsys.readouterr().err
+
+
+def test_the_cli_hands_the_executor_references_not_steps(tmp_path, bundled, monkeypatch, capsys):
+    """The job a sweep sends to its workers carries each evaluation trace as a TraceRef
+    (id, task, step count, file): no Step or Trace objects, a few hundred bytes a trace."""
+    import io
+    import pickle
+
+    import replay.executors
+    from aospec.types import Step, Trace
+    from replay.sweep import TraceRef
+
+    jobs = []
+
+    class Recording(InlineExecutor):
+        def map_unordered(self, job, items):
+            jobs.append(job)
+            return super().map_unordered(job, items)
+
+    monkeypatch.setattr(replay.executors, "local_executor", lambda n, retries=1: Recording(retries))
+    assert _sweep(tmp_path, "--policies", "serial,aospec", "--jobs", "1") == 0
+    (job,) = jobs
+    assert all(isinstance(r, TraceRef) for r in job.eval_traces)
+    assert [r.id for r in job.eval_traces] == [t.id for t in bundled]
+    assert [len(r) for r in job.eval_traces] == [len(t) for t in bundled]
+    assert [r.load() for r in job.eval_traces] == list(bundled)
+    seen: set[type] = set()
+
+    class Types(pickle.Pickler):
+        def reducer_override(self, obj):
+            seen.add(type(obj))
+            return NotImplemented
+
+    buf = io.BytesIO()
+    Types(buf).dump(job.eval_traces)
+    assert Step not in seen and Trace not in seen
+    assert len(buf.getvalue()) < 400 * len(bundled)
+    job._folds.clear()
+    buf = io.BytesIO()
+    Types(buf).dump(job)
+    assert Step not in seen and Trace not in seen
