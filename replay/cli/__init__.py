@@ -64,16 +64,28 @@ def add_input_limits(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def load_trace_inputs(paths: Sequence[Any], args: argparse.Namespace, *, format: str = "auto") -> Any:
+def load_trace_inputs(
+    paths: Sequence[Any], args: argparse.Namespace, *, format: str = "auto", as_refs: bool = False
+) -> Any:
     """Import ``paths`` under the options of :func:`add_input_limits`; returns a
-    :class:`replay.io.LoadedTraces`. Skipped files are named on stderr (the first few, then a count)."""
+    :class:`replay.io.LoadedTraces`. Skipped files are named on stderr (the first few, then a count).
+    With ``as_refs`` each trace is kept as a :class:`replay.sweep.TraceRef` (id, task, step
+    count, file): the caller holds no steps, and whoever replays a trace reads it then."""
     from replay.io import import_traces
 
     mib = args.max_file_mb
     if not (math.isfinite(mib) and mib > 0):
         raise ConfigError(f"--max-file-mb must be a positive number, got {mib:g}")
+    max_bytes = max(1, int(mib * 2**20))
+    keep = None
+    if as_refs:
+        from replay.sweep import TraceRef
+
+        def keep(trace: Any, file: Any) -> Any:
+            return TraceRef.of(trace, file, max_file_bytes=max_bytes)
+
     try:
-        loaded = import_traces(paths, format, max_file_bytes=max(1, int(mib * 2**20)), skip_invalid=args.skip_invalid)
+        loaded = import_traces(paths, format, max_file_bytes=max_bytes, skip_invalid=args.skip_invalid, keep=keep)
     except TraceImportError as exc:
         if exc.hint and not args.skip_invalid:
             raise TraceImportError(exc.errors, hint="--skip-invalid imports the rest") from None

@@ -157,7 +157,7 @@ def _load(args: argparse.Namespace) -> tuple[list[Any], list[Any] | None, str, i
     from aospec.errors import ConfigError
 
     sources = trace_sources(args, args.eval, missing="no traces: give PATH..., --eval DIR or --bundled")
-    loaded = _load_refs(sources, args)
+    loaded = load_trace_inputs(sources, args, as_refs=True)
     eval_traces = list(loaded.traces)
     paths = dict(loaded.paths)
     skipped = len(loaded.skipped)
@@ -173,37 +173,6 @@ def _load(args: argparse.Namespace) -> tuple[list[Any], list[Any] | None, str, i
             )
     split = "given training set" if train is not None else "leave-one-task-out"
     return eval_traces, train, split, skipped, paths
-
-
-def _load_refs(sources: list[Any], args: argparse.Namespace) -> Any:
-    """:func:`replay.cli.load_trace_inputs`, keeping each evaluation trace as a
-    :class:`replay.sweep.TraceRef` (id, task, step count, file): the driver reads one file
-    at a time and holds no steps; the workers read each trace when they replay it."""
-    from aospec.errors import ConfigError, TraceImportError
-    from replay.cli import _SKIPPED_LISTED
-    from replay.io import import_traces
-    from replay.sweep import TraceRef
-
-    mib = args.max_file_mb
-    if not (math.isfinite(mib) and mib > 0):
-        raise ConfigError(f"--max-file-mb must be a positive number, got {mib:g}")
-    max_bytes = max(1, int(mib * 2**20))
-    try:
-        loaded = import_traces(
-            sources,
-            max_file_bytes=max_bytes,
-            skip_invalid=args.skip_invalid,
-            keep=lambda t, f: TraceRef.of(t, f, max_file_bytes=max_bytes),
-        )
-    except TraceImportError as exc:
-        if exc.hint and not args.skip_invalid:
-            raise TraceImportError(exc.errors, hint="--skip-invalid imports the rest") from None
-        raise
-    for err in loaded.skipped[:_SKIPPED_LISTED]:
-        print(f"aospec: skipped {err}", file=sys.stderr)
-    if len(loaded.skipped) > _SKIPPED_LISTED:
-        print(f"aospec: skipped {len(loaded.skipped) - _SKIPPED_LISTED} more invalid files", file=sys.stderr)
-    return loaded
 
 
 def _slow_components(policy: Any) -> list[str]:
