@@ -104,6 +104,42 @@ def lock_state_dir(path: Path, *, wait_s: float = 3.0) -> int:
             time.sleep(0.02)
 
 
+#: Where each open store names its state directory (``STORE_ID -> path``), so that gc of
+#: one state root can tell a live store under another root (its lock is held) from a
+#: crashed one without knowing that root. Root only; elsewhere nothing is registered.
+STORE_REGISTRY = Path("/run/aospec/stores")
+
+
+def register_store(store_id: str, state_dir: Path) -> None:
+    """Name ``state_dir`` as the live store ``store_id``'s (best effort)."""
+    with contextlib.suppress(OSError):
+        STORE_REGISTRY.mkdir(parents=True, exist_ok=True, mode=0o700)
+        tmp = STORE_REGISTRY / f".{store_id}.{os.getpid()}"
+        tmp.unlink(missing_ok=True)
+        os.symlink(str(state_dir), tmp)
+        os.replace(tmp, STORE_REGISTRY / store_id)
+
+
+def unregister_store(store_id: str) -> None:
+    with contextlib.suppress(OSError):
+        (STORE_REGISTRY / store_id).unlink()
+
+
+def store_alive(store_id: str) -> bool | None:
+    """Whether the store ``store_id`` is open in a live process: True/False from its
+    registered state directory's lock (and ID), None when it never registered."""
+    try:
+        target = Path(os.readlink(STORE_REGISTRY / store_id))
+    except OSError:
+        return None
+    try:
+        if (target / "ID").read_text().strip() != store_id:
+            return False
+    except OSError:
+        return False
+    return state_dir_in_use(target)
+
+
 def state_dir_in_use(path: Path) -> bool:
     """Whether a live process holds ``path``'s lock."""
     try:

@@ -39,7 +39,15 @@ from aospec.errors import SandboxError, SandboxUnavailableError
 from runtime import _fs
 from runtime._files import check_workdir, read_in_root, write_in_root
 from runtime._session import SandboxSession
-from runtime._state import RecoveryReport, default_state_root, lock_state_dir, new_id, write_atomic
+from runtime._state import (
+    RecoveryReport,
+    default_state_root,
+    lock_state_dir,
+    new_id,
+    register_store,
+    unregister_store,
+    write_atomic,
+)
 from runtime.bases import BaseFS, open_base
 from runtime.config import SandboxConfig
 from runtime.daemon import docker_client
@@ -257,6 +265,7 @@ class DockerStore:
             if not id_file.exists():
                 write_atomic(id_file, new_id().encode())
             self.id = id_file.read_text().strip()
+            register_store(self.id, self.path)
             if self.ephemeral:
                 (self.path / "EPHEMERAL").touch()
             (self.path / "s").mkdir(exist_ok=True)
@@ -364,6 +373,8 @@ class DockerStore:
         if self.ephemeral and self.path.exists():
             _fs.remove_tree(self.path)
         if self._lock_fd >= 0:
+            if self.id:
+                unregister_store(self.id)
             os.close(self._lock_fd)
             self._lock_fd = -1
 

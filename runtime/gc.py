@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from runtime import _fs
-from runtime._state import default_state_root, state_dir_in_use
+from runtime._state import default_state_root, state_dir_in_use, store_alive
 from runtime.host import host_support
 from runtime.processes import MARKER_ENV, OWNER_ENV, live_owner_tokens, process_environments
 
@@ -80,7 +80,16 @@ def collect_garbage(state_root: Path | None = None, *, dry_run: bool = False, do
                 store_id = cg.name.split("-")[1]
                 if store_id in live_ids:
                     continue
-                if store_id not in stale_ids and (_store_id_known(root, store_id) or _has_processes(cg)):
+                alive = store_alive(store_id)
+                if alive:
+                    # open under another state root: its cgroup is in use even between
+                    # commands (a command starting while gc removed it would be killed)
+                    continue
+                if (
+                    alive is None
+                    and store_id not in stale_ids
+                    and (_store_id_known(root, store_id) or _has_processes(cg))
+                ):
                     # a store under another state root may be alive: its session cgroup
                     # carries its memory budget between commands, and a running command
                     # must never be killed. Only an empty cgroup of an unknown store goes

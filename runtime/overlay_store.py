@@ -52,7 +52,15 @@ from aospec.errors import SandboxError
 from runtime import _fs
 from runtime._integrity import layer_digest
 from runtime._session import SandboxSession
-from runtime._state import RecoveryReport, lock_state_dir, new_id, private_dir, write_atomic
+from runtime._state import (
+    RecoveryReport,
+    lock_state_dir,
+    new_id,
+    private_dir,
+    register_store,
+    unregister_store,
+    write_atomic,
+)
 from runtime.bases import BaseFS
 from runtime.config import SandboxConfig
 from runtime.host import host_support
@@ -111,6 +119,7 @@ class OverlayStore:
             if not id_file.exists():
                 write_atomic(id_file, new_id().encode())
             self.id = id_file.read_text().strip()
+            register_store(self.id, self.path)
             if self.ephemeral:
                 (self.path / "EPHEMERAL").touch()
             for d in ("l", "s", "u", "trash", "ml"):
@@ -242,6 +251,8 @@ class OverlayStore:
             if cgroups is not None:
                 cgroups.remove(self.cgroup)
         if self._lock_fd >= 0:
+            if self.id:
+                unregister_store(self.id)
             os.close(self._lock_fd)
             self._lock_fd = -1
 

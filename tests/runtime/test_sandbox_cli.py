@@ -155,3 +155,31 @@ async def test_gc_of_another_state_root_never_kills_a_running_command(overlay: s
                     await anyio.sleep(0.02)
             await anyio.to_thread.run_sync(lambda: collect_garbage(other_root, docker=False))
         assert results[0].returncode == 0 and results[0].output == "survived\n"
+
+
+@pytest.mark.anyio
+async def test_gc_of_another_state_root_keeps_an_idle_live_stores_cgroup(overlay: str, tmp_path: Path) -> None:
+    # found by a concurrent check_lossless + CI run: between two commands a live store's
+    # cgroup holds no process, so gc of another root took it for a crashed store's and
+    # removed it; a command starting at that moment was SIGKILLed (exit 137)
+    from runtime import open_sandbox
+    from runtime._state import store_alive
+    from runtime.gc import collect_garbage
+    from runtime.host import host_support
+
+    _, cgroups = host_support()
+    if cgroups is None:
+        pytest.skip("no cgroups on this host")
+    other_root = tmp_path / "other-root"
+    other_root.mkdir()
+    async with open_sandbox(backend="overlay") as sb:
+        assert (await sb.run("true", timeout=60)).returncode == 0
+        store_id = sb.store.id
+        assert store_alive(store_id) is True
+        dirs = [root / f"aospec-{store_id}" for root in set(cgroups.roots.values())]
+        assert any(d.exists() for d in dirs)
+        report = await anyio.to_thread.run_sync(lambda: collect_garbage(other_root, docker=False))
+        assert not any(f"aospec-{store_id}" in c for c in report.cgroups)
+        assert all(d.exists() for d in dirs if d.parent.exists()) and any(d.exists() for d in dirs)
+        assert (await sb.run("echo still", timeout=60)).output == "still\n"
+    assert store_alive(store_id) is None  # unregistered when it closed
