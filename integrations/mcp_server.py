@@ -58,6 +58,7 @@ import mcp_types as types
 from aospec.effects import classify_command
 from aospec.errors import SandboxError
 from aospec.types import Action, Effect
+from integrations._asgi import read_body
 from integrations._mcp_common import (
     ArrivalGate,
     Predictor,
@@ -438,16 +439,11 @@ def _with_prefetch(app: Any, prefetch: Callable[[str, dict[str, Any] | None], Aw
         if scope["type"] != "http" or scope["path"] != "/aospec/prefetch" or scope["method"] != "POST":
             await app(scope, receive, send)
             return
-        chunks = []
-        while True:
-            msg = await receive()
-            if msg["type"] == "http.disconnect":
-                return
-            chunks.append(msg.get("body", b""))
-            if not msg.get("more_body"):
-                break
+        body = await read_body(receive)
+        if body is None:
+            return
         try:
-            req = json.loads(b"".join(chunks))
+            req = json.loads(body)
             name, args = req["name"], req.get("arguments")
             ok = isinstance(name, str) and (args is None or isinstance(args, dict))
         except (ValueError, KeyError, TypeError):

@@ -64,6 +64,7 @@ from typing import Any
 from aospec.errors import ConfigError
 from aospec.protocols import ObservationDrafter
 from aospec.types import History, Turn, canonical_json, version_hash
+from integrations._asgi import read_body
 from integrations._proxy_actions import Prefetcher, watch
 from live.chat import ChatFormat
 
@@ -545,15 +546,9 @@ class SpeculatingProxy:
         if scope["type"] != "http":
             return
         self.stats.requests += 1
-        chunks = []
-        while True:
-            msg = await receive()
-            if msg["type"] == "http.disconnect":
-                return
-            chunks.append(msg.get("body", b""))
-            if not msg.get("more_body"):
-                break
-        body = b"".join(chunks)
+        body = await read_body(receive)
+        if body is None:
+            return
         method, path = scope["method"], scope["path"]
         if method == "GET" and path == "/aospec/stats":
             data = json.dumps(self.stats.to_json()).encode()
