@@ -125,6 +125,20 @@ def unregister_store(store_id: str) -> None:
         (STORE_REGISTRY / store_id).unlink()
 
 
+def store_identity(path: Path, *, ephemeral: bool) -> str:
+    """The ID of the store whose state directory ``path`` this process has locked (made on
+    first use), registered as live (:func:`register_store`); an ephemeral state is marked
+    ``EPHEMERAL`` so that gc deletes it once its session is gone."""
+    id_file = path / "ID"
+    if not id_file.exists():
+        write_atomic(id_file, new_id().encode())
+    store_id = id_file.read_text().strip()
+    register_store(store_id, path)
+    if ephemeral:
+        (path / "EPHEMERAL").touch()
+    return store_id
+
+
 def store_alive(store_id: str) -> bool | None:
     """Whether the store ``store_id`` is open in a live process: True/False from its
     registered state directory's lock (and ID), None when it never registered."""

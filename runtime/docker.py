@@ -44,7 +44,7 @@ from runtime._state import (
     default_state_root,
     lock_state_dir,
     new_id,
-    register_store,
+    store_identity,
     unregister_store,
     write_atomic,
 )
@@ -261,13 +261,7 @@ class DockerStore:
         self.path.mkdir(parents=True, exist_ok=True)
         self._lock_fd = lock_state_dir(self.path)
         try:
-            id_file = self.path / "ID"
-            if not id_file.exists():
-                write_atomic(id_file, new_id().encode())
-            self.id = id_file.read_text().strip()
-            register_store(self.id, self.path)
-            if self.ephemeral:
-                (self.path / "EPHEMERAL").touch()
+            self.id = store_identity(self.path, ephemeral=self.ephemeral)
             (self.path / "s").mkdir(exist_ok=True)
             unmounted = _fs.unmount_all_under(str(self.path))
             _fs.mount("tmpfs", str(self.path / "s"), "tmpfs", _fs.MS_NOSUID | _fs.MS_NODEV, "size=16m,mode=0700")

@@ -57,7 +57,7 @@ from runtime._state import (
     lock_state_dir,
     new_id,
     private_dir,
-    register_store,
+    store_identity,
     unregister_store,
     write_atomic,
 )
@@ -115,13 +115,7 @@ class OverlayStore:
         private_dir(self.path)
         self._lock_fd = lock_state_dir(self.path)
         try:
-            id_file = self.path / "ID"
-            if not id_file.exists():
-                write_atomic(id_file, new_id().encode())
-            self.id = id_file.read_text().strip()
-            register_store(self.id, self.path)
-            if self.ephemeral:
-                (self.path / "EPHEMERAL").touch()
+            self.id = store_identity(self.path, ephemeral=self.ephemeral)
             for d in ("l", "s", "u", "trash", "ml"):
                 (self.path / d).mkdir(exist_ok=True)
             (self.path / "b").unlink(missing_ok=True)
