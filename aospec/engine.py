@@ -50,6 +50,7 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
+from typing import Any
 
 import anyio
 
@@ -57,7 +58,15 @@ from aospec.engine_config import EngineConfig
 from aospec.errors import ConfigError, EngineError
 from aospec.evd import EVDEstimator
 from aospec.ledger import EngineStatistics, Ledger
-from aospec.protocols import ActionDrafter, Actor, Clock, ObservationCanonicalizer, ObservationDrafter, Sandbox
+from aospec.protocols import (
+    ActionDrafter,
+    Actor,
+    Clock,
+    ObservationCanonicalizer,
+    ObservationDrafter,
+    Sandbox,
+    StreamRouter,
+)
 from aospec.session import Session
 from aospec.types import History, Turn
 
@@ -90,6 +99,13 @@ class Engine:
     ``canonicalizer`` is required with ``config.accept == "canonical"`` (e.g.
     ``drafters.canonicalize.Canonicalizer()``) and refused otherwise. One Engine runs one
     trajectory at a time; :meth:`statistics` describes the last (or current) run.
+
+    ``router`` (a :class:`aospec.protocols.StreamRouter`, used when the actor is a
+    :class:`aospec.protocols.StreamingActor`) names the tool being decoded from the reply's
+    stream; each of its events is recorded, passed to every ``route_listeners`` callback and,
+    with action speculation on, turned into offset-0 targets by the action drafters that
+    have ``propose_routed`` (at most ``config.routed_width`` per event). Without a router
+    nothing of this runs (docs/engine.md, Routing).
     """
 
     def __init__(
@@ -104,6 +120,8 @@ class Engine:
         clock: Clock | None = None,
         keep_events: bool = True,
         canonicalizer: ObservationCanonicalizer | None = None,
+        router: StreamRouter | None = None,
+        route_listeners: Sequence[Callable[[Any], None]] = (),
     ) -> None:
         self.actor = actor
         self.sandbox = sandbox
@@ -123,6 +141,13 @@ class Engine:
         elif canonicalizer is not None:
             raise ConfigError('engine: a canonicalizer was given but config.accept is "exact"')
         self.canonicalizer = canonicalizer
+        if router is not None and not callable(getattr(router, "session", None)):
+            raise ConfigError(f"engine: router {router!r} has no session() method")
+        self.router = router
+        self.route_listeners = tuple(route_listeners)
+        for listener in self.route_listeners:
+            if not callable(listener):
+                raise ConfigError(f"engine: route listener {listener!r} is not callable")
         self._keep_events = keep_events
         self._ledger = Ledger(keep_events=keep_events)
         self._running = False
@@ -156,6 +181,8 @@ class Engine:
                     config=self.config,
                     clock=self.clock,
                     canonicalizer=self.canonicalizer,
+                    router=self.router,
+                    route_listeners=self.route_listeners,
                     task_group=tg,
                     ledger=ledger,
                     evd=self.evd.session(),

@@ -23,6 +23,7 @@ RANKINGS = ("evd", "likelihood", "tooltime")
 #: When a drafted observation is accepted for the real one.
 ACCEPTANCE = ("exact", "canonical")
 
+
 @dataclass(frozen=True, slots=True)
 class EngineConfig:
     """Knobs of Algorithm 1.
@@ -43,6 +44,11 @@ class EngineConfig:
       fork of the committed sandbox at once (valid if the step in flight leaves the
       filesystem unchanged, checked by JASV).
     - ``max_live_forks``: forks kept at once (oldest are discarded first).
+    - ``routed_width``: with a stream router given to the Engine (and a streaming actor),
+      target actions launched per router event from the action drafters that have
+      ``propose_routed`` (offset 0: the action being decoded); 0 disables routed drafting
+      (router events are still recorded and passed to the route listeners). Needs action
+      speculation on (``fork_width > 0``).
     - ``min_draft_probability``: drafts less likely than this are never continued.
     - ``accept``: ``exact`` (default) keeps a continuation only if its draft is
       byte-identical to the real observation; ``canonical`` also keeps one whose draft
@@ -63,9 +69,10 @@ class EngineConfig:
     max_live_forks: int = 32
     min_draft_probability: float = 0.0
     accept: Literal["exact", "canonical"] = "exact"
+    routed_width: int = 2
 
     def __post_init__(self) -> None:
-        for name in ("branch_budget", "draft_candidates", "fork_width", "max_live_forks"):
+        for name in ("branch_budget", "draft_candidates", "fork_width", "max_live_forks", "routed_width"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"engine: {name} must be >= 0, got {getattr(self, name)}")
         for name in ("obs_depth", "depth"):
@@ -82,4 +89,3 @@ class EngineConfig:
 def engine_config(mapping: Mapping[str, Any], *, where: str = "engine") -> EngineConfig:
     """An EngineConfig from a mapping; unknown keys and bad values raise ConfigError."""
     return from_mapping(EngineConfig, mapping, where=where)
-

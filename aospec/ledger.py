@@ -1,4 +1,5 @@
-"""The speculation ledger: every draft, fork, reuse, commit, discard and cancel is an event.
+"""The speculation ledger: every draft, fork, reuse, commit, discard, cancel, router event
+and cache hit is an event.
 
 The engine appends :class:`SpeculationEvent` records as it works and keeps running totals,
 so :meth:`Ledger.statistics` is O(1). Times are integer nanoseconds of the engine's clock
@@ -28,6 +29,8 @@ class EventKind(enum.Enum):
     COMMIT = "commit"  # a fork's state became the committed state
     DISCARD = "discard"  # a fork was thrown away (stale origin, evicted, run ended)
     FAIL = "fail"  # a speculative operation failed and was dropped
+    ROUTE = "route"  # a stream router named the tool of an action being decoded
+    CACHE_HIT = "cache_hit"  # a committed step's result came from the sandbox's result cache (ns: time saved)
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,6 +70,15 @@ class EngineStatistics:
     ``drafts_hit`` counts byte-identical drafts adopted; ``drafts_canonical_hit`` drafts
     adopted under ``accept="canonical"`` that equal the real observation only once
     canonicalised (always 0 under exact acceptance).
+
+    Routing and caching (0 without a router and without a caching sandbox):
+
+    - ``routes_fired``: router events (a tool named mid-decode), over every decode routed;
+    - ``routed_forks_launched`` / ``routed_forks_reused``: the forks launched from routed
+      action drafts, and those JASV reused (also counted in ``forks_launched`` /
+      ``forks_reused``);
+    - ``cache_hits`` / ``cache_saved_ns``: committed steps whose executing sandbox served the
+      action from its result cache, and the tool time those entries originally took.
     """
 
     steps: int
@@ -89,6 +101,11 @@ class EngineStatistics:
     overhead_ns: int
     wasted_tool_ns: int
     wasted_decode_ns: int
+    routes_fired: int = 0
+    routed_forks_launched: int = 0
+    routed_forks_reused: int = 0
+    cache_hits: int = 0
+    cache_saved_ns: int = 0
 
     @property
     def latency_s(self) -> float:
@@ -130,6 +147,10 @@ class EngineStatistics:
     def provisional_decode_wasted_s(self) -> float:
         return self.wasted_decode_ns * _S
 
+    @property
+    def cache_saved_s(self) -> float:
+        return self.cache_saved_ns * _S
+
 
 _S = 1e-9
 
@@ -138,6 +159,8 @@ class Ledger:
     """Speculation events of one engine run plus running totals."""
 
     __slots__ = (
+        "_cache_hits",
+        "_cache_saved_ns",
         "_decode_hidden_ns",
         "_decode_ns",
         "_drafts_cancelled",
@@ -151,6 +174,9 @@ class Ledger:
         "_forks_wasted",
         "_latency_ns",
         "_overhead_ns",
+        "_routed_launched",
+        "_routed_reused",
+        "_routes_fired",
         "_tool_hidden_ns",
         "_tool_ns",
         "_wait_actor_ns",
@@ -172,6 +198,8 @@ class Ledger:
         self._latency_ns = self._wait_actor_ns = self._wait_tool_ns = 0
         self._tool_ns = self._decode_ns = self._wasted_tool_ns = self._wasted_decode_ns = 0
         self._decode_hidden_ns = self._tool_hidden_ns = self._overhead_ns = 0
+        self._routes_fired = self._routed_launched = self._routed_reused = 0
+        self._cache_hits = self._cache_saved_ns = 0
 
     def _event(self, kind: EventKind, t_ns: int, detail: str, ns: int) -> None:
         if self.keep_events:
@@ -236,13 +264,30 @@ class Ledger:
         continuation had started, so nothing is counted as a cancelled draft)."""
         self._event(EventKind.DRAFT_CANCEL, t_ns, detail, 0)
 
-    def fork_launched(self, t_ns: int, detail: str) -> None:
+    def fork_launched(self, t_ns: int, detail: str, *, routed: bool = False) -> None:
+        """A speculative fork was launched (``routed``: from a routed action draft)."""
         self._forks_launched += 1
+        self._routed_launched += routed
         self._event(EventKind.FORK, t_ns, detail, 0)
 
-    def fork_reused(self, t_ns: int, detail: str) -> None:
+    def fork_reused(self, t_ns: int, detail: str, *, routed: bool = False) -> None:
+        """JASV reused a fork (``routed``: one launched from a routed action draft)."""
         self._forks_reused += 1
+        self._routed_reused += routed
         self._event(EventKind.REUSE, t_ns, detail, 0)
+
+    def route_fired(self, t_ns: int, detail: str) -> None:
+        """A stream router named the tool of an action being decoded."""
+        self._routes_fired += 1
+        self._event(EventKind.ROUTE, t_ns, detail, 0)
+
+    def cache_hit(self, t_ns: int, detail: str, saved_ns: int) -> None:
+        """The step about to be committed was served by its sandbox's result cache, which
+        saved ``saved_ns`` of tool time (recorded before :meth:`committed_step`, so the
+        event carries that step's index)."""
+        self._cache_hits += 1
+        self._cache_saved_ns += saved_ns
+        self._event(EventKind.CACHE_HIT, t_ns, detail, saved_ns)
 
     def fork_committed(self, t_ns: int, detail: str) -> None:
         self._event(EventKind.COMMIT, t_ns, detail, 0)
@@ -280,4 +325,9 @@ class Ledger:
             overhead_ns=self._overhead_ns,
             wasted_tool_ns=self._wasted_tool_ns,
             wasted_decode_ns=self._wasted_decode_ns,
+            routes_fired=self._routes_fired,
+            routed_forks_launched=self._routed_launched,
+            routed_forks_reused=self._routed_reused,
+            cache_hits=self._cache_hits,
+            cache_saved_ns=self._cache_saved_ns,
         )

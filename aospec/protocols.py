@@ -11,9 +11,9 @@ their own: the importers are plain functions from a path to ``Trace`` objects
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
-from typing import Protocol, Self, runtime_checkable
+from typing import Any, Protocol, Self, runtime_checkable
 
 from aospec.types import Action, History, Trace
 
@@ -21,13 +21,17 @@ __all__ = [
     "ActionDraft",
     "ActionDrafter",
     "Actor",
+    "CachingSandbox",
     "Clock",
     "Kernel",
     "ObservationCanonicalizer",
     "ObservationDraft",
     "ObservationDrafter",
     "PrioritizedSandbox",
+    "RoutedActionDrafter",
     "Sandbox",
+    "StreamRouter",
+    "StreamingActor",
     "StreamingObservationDrafter",
     "Trainable",
 ]
@@ -51,6 +55,42 @@ class Actor(Protocol):
     """
 
     async def decode(self, history: History) -> Action: ...
+
+
+@runtime_checkable
+class StreamingActor(Protocol):
+    """An optional Actor capability: decode while reporting the reply's stream.
+
+    ``on_delta`` is called synchronously, from the decoding task itself (never from another
+    thread), with each streamed piece as it arrives: a ``str`` of reply text, or for tool
+    calls an OpenAI chat-completions chunk dict (``{"choices": [{"delta": {...}}]}``). The
+    engine's callback is cheap and never raises. The returned action is what ``decode``
+    would return for the same history. With a :class:`StreamRouter` given to the engine,
+    the engine decodes through this method (docs/engine.md, Routing)."""
+
+    async def decode_streaming(self, history: History, on_delta: Callable[[object], None]) -> Action: ...
+
+
+@runtime_checkable
+class StreamRouter(Protocol):
+    """Names the tool the actor is about to call from its stream (e.g. ``specbox.routers``'
+    routers and assemblies).
+
+    ``session()`` returns a fresh per-decode object with ``feed(delta) -> Sequence[event]``
+    (called synchronously for each delta, so it must be cheap); each event has
+    ``.tool: str``, ``.confidence: float``, ``.position: int`` (deltas fed so far) and
+    ``.router: str``."""
+
+    def session(self) -> Any: ...
+
+
+@runtime_checkable
+class RoutedActionDrafter(Protocol):
+    """An optional ActionDrafter capability: target actions once a router has named the
+    ``tool`` of the action being decoded after ``history`` (offset 0 only; probabilities are
+    ``P(action | tool)``), at most ``width`` of them."""
+
+    async def propose_routed(self, history: History, tool: str, width: int) -> Sequence[ActionDraft]: ...
 
 
 @runtime_checkable
@@ -104,6 +144,21 @@ class PrioritizedSandbox(Protocol):
     as they are."""
 
     async def set_priority(self, *, foreground: bool) -> None: ...
+
+
+@runtime_checkable
+class CachingSandbox(Protocol):
+    """An optional Sandbox capability (``specbox.cache.CachedSandbox`` and wrappers that
+    forward it): ``last_cache_hit_ns`` is None when this sandbox's last ``execute`` ran the
+    action, else the tool time the cache saved (the stored entry's original run time, ns);
+    ``cache_counts()`` returns the cache's counters (hits, misses, bypasses, stale_avoided,
+    stale_differed, violations, stores, evictions). The engine counts the hits of committed
+    steps (``EngineStatistics.cache_hits``, ``cache_saved_ns``)."""
+
+    @property
+    def last_cache_hit_ns(self) -> int | None: ...
+
+    def cache_counts(self) -> dict[str, int]: ...
 
 
 @dataclass(frozen=True, slots=True)

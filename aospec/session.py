@@ -32,10 +32,10 @@ import enum
 import itertools
 import logging
 import numbers
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from contextlib import aclosing
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import anyio
 import anyio.lowlevel
@@ -54,6 +54,7 @@ from aospec.protocols import (
     ObservationDraft,
     ObservationDrafter,
     Sandbox,
+    StreamRouter,
 )
 from aospec.types import Action, History
 
@@ -187,6 +188,9 @@ class _Run:
     awaited: set[ForkEntry] = field(default_factory=set)
     """Speculative forks JASV accepted while they still ran: the step waits on them, so
     they run at foreground priority (the others in the background)."""
+    routed: set[ForkEntry] = field(default_factory=set)
+    """Live forks launched from routed action drafts (a fork leaves it when JASV takes it
+    or it is given up)."""
 
 
 class Session:
@@ -210,6 +214,8 @@ class Session:
         ledger: Ledger,
         evd: EVDSession | None,
         history: History,
+        router: StreamRouter | None = None,
+        route_listeners: Sequence[Callable[[Any], None]] = (),
     ) -> None:
         self._actor = actor
         self._sandbox = sandbox
@@ -222,6 +228,16 @@ class Session:
         self._targets_on = config.fork_width > 0 and bool(self._action_drafters)
         self._provisional_targets_on = config.provisional_targets and self._obs_on
         self._use_forks = self._targets_on or self._provisional_targets_on
+        # Routing needs a streaming actor: decodes then report their stream to a fresh router
+        # session each. Without a router the actor is called exactly as before.
+        self._router = router if router is not None and hasattr(actor, "decode_streaming") else None
+        self._route_listeners = tuple(route_listeners)
+        self._routed_drafters = tuple(d for d in self._action_drafters if hasattr(d, "propose_routed"))
+        # Routed targets are action drafting: off with fork_width 0 (then forks may be off
+        # too, and nothing may fork the committed sandbox while the step runs on it).
+        self._routed_on = (
+            self._router is not None and self._targets_on and config.routed_width > 0 and bool(self._routed_drafters)
+        )
         self._run = _Run(task_group, ledger, evd, history, clock.now_ns())
         self._warned: set[str] = set()
         # Speculative forks of the committed sandbox go one at a time, and none starts while
@@ -294,7 +310,10 @@ class Session:
 
         fork = self._verify(action) if self._use_forks else None
         if fork is not None:
-            ledger.fork_reused(emitted_ns, action.key)
+            routed = fork in run.routed
+            if routed:
+                run.routed.discard(fork)
+            ledger.fork_reused(emitted_ns, action.key, routed=routed)
             if fork.running:
                 # Why: the step now waits on this fork; its command must not yield the CPU
                 # to speculative ones.
@@ -313,13 +332,16 @@ class Session:
             fork = await self._execute(action)
         observation = fork.observation
         assert observation is not None
+        # Read before the commit consumes the fork: did the executing sandbox's result cache
+        # serve this action (counted once the step is committed)?
+        cache_hit_ns = _cache_hit_ns(fork.sandbox if fork.sandbox is not None else self._sandbox)
 
         self._seal(branch)
         late_error = await self._commit(fork, origin)
 
         before = run.history
         try:
-            self._after_commit(branch, action, fork, observation, emitted_ns)
+            self._after_commit(branch, action, fork, observation, emitted_ns, cache_hit_ns)
         except BaseException as exc:
             if run.history is before:
                 # Why: the step is committed; whatever failed after the commit (adopting a
@@ -351,11 +373,21 @@ class Session:
             self._prune()
         return observation
 
-    def _after_commit(self, branch: Branch, action: Action, fork: ForkEntry, observation: str, emitted_ns: int) -> None:
-        """The step is committed: its times into the ledger, its tool time into EVD, the
-        matching continuation adopted, ``H`` extended."""
+    def _after_commit(
+        self,
+        branch: Branch,
+        action: Action,
+        fork: ForkEntry,
+        observation: str,
+        emitted_ns: int,
+        cache_hit_ns: int | None = None,
+    ) -> None:
+        """The step is committed: its cache hit and times into the ledger, its tool time
+        into EVD, the matching continuation adopted, ``H`` extended."""
         run, ledger = self._run, self._run.ledger
         now = self._clock.now_ns()
+        if cache_hit_ns is not None:
+            ledger.cache_hit(now, action.key, cache_hit_ns)
         tool_ns = fork.tool_ns(now)
         tool_waited = 0
         if fork.exec_start_ns is not None:
@@ -591,7 +623,11 @@ class Session:
         """Decode ``branch``'s action: the one timed path of both decodes (the verified
         one awaited here, provisional ones in their own task)."""
         try:
-            branch.action = await self._actor.decode(branch.history)
+            if self._router is None:
+                branch.action = await self._actor.decode(branch.history)
+            else:
+                on_delta = self._route_feed(branch)
+                branch.action = await self._actor.decode_streaming(branch.history, on_delta)  # type: ignore[attr-defined]
             branch.decoded_ns = self._clock.now_ns()
         finally:
             branch.end_decode()
@@ -771,6 +807,105 @@ class Session:
             started[d.text] = child
             run.ledger.draft_started(now, _short(d.text))
 
+    # ------------------------------------------------------------------ routing (tool named mid-decode)
+
+    def _route_feed(self, branch: Branch) -> Callable[[object], None]:
+        """The ``on_delta`` callback of ``branch``'s decode: every delta into a fresh router
+        session, every router event into :meth:`_route`. Called synchronously by the actor
+        for each delta, so it does no more than that, and it never raises: a router that
+        fails is counted and not fed again during this decode."""
+        assert self._router is not None
+        try:
+            router_session = self._router.session()
+            feed = router_session.feed
+        except Exception as exc:
+            self._speculation_failed(f"router {type(self._router).__name__}", exc)
+            return _ignore_delta
+        drafted: set[str] = set()  # tools already sent to the routed drafters for this decode
+        broken = False
+
+        def on_delta(delta: object) -> None:
+            nonlocal broken
+            if broken or branch.state is BranchState.CANCELLED:
+                return
+            try:
+                events = feed(delta)
+                if events:
+                    for event in events:
+                        self._route(branch, event, drafted)
+            except Exception as exc:
+                broken = True
+                self._speculation_failed(f"router {type(self._router).__name__}", exc)
+
+        return on_delta
+
+    def _route(self, branch: Branch, event: Any, drafted: set[str]) -> None:
+        """One router event of ``branch``'s decode: into the ledger, to every route listener,
+        and (once per tool and decode) to the routed action drafters."""
+        tool = event.tool
+        if not isinstance(tool, str) or not tool:
+            raise DrafterError(f"router event names no tool: {event!r}")
+        run = self._run
+        now = self._clock.now_ns()
+        p = getattr(event, "confidence", None)
+        p = f"{p:.2f}" if isinstance(p, float) else p
+        detail = f"{tool} ({getattr(event, 'router', '?')}, p={p}, at {getattr(event, 'position', '?')})"
+        run.ledger.route_fired(now, _short(detail, 120))
+        for listener in self._route_listeners:
+            try:
+                listener(event)
+            except Exception as exc:
+                self._speculation_failed(
+                    f"route listener {getattr(listener, '__qualname__', type(listener).__name__)}", exc
+                )
+        if self._routed_on and tool not in drafted and (branch.level == 0 or self._provisional_targets_on):
+            # A provisional branch's action is launched early only under provisional_targets
+            # (as its decoded action would be): JASV keeps any fork safe, this only bounds work.
+            drafted.add(tool)
+            run.task_group.start_soon(self._draft_routed, branch, tool)
+
+    async def _draft_routed(self, branch: Branch, tool: str) -> None:
+        """The routed drafters' targets for the action ``branch`` is decoding (a router named
+        its ``tool``), launched into forks as offset-0 targets of ``branch``'s history."""
+        width = self._config.routed_width
+        proposals: list[ActionDraft] = []
+        drafters = self._routed_drafters
+        if len(drafters) == 1:
+            await self._propose_routed_with(drafters[0], branch.history, tool, proposals)
+        else:
+            async with anyio.create_task_group() as tg:
+                for drafter in drafters:
+                    tg.start_soon(self._propose_routed_with, drafter, branch.history, tool, proposals)
+        if branch.state is not BranchState.DECODING:
+            # Why: the action is emitted (a routed guess of it is useless now: JASV or the
+            # step's own execution has it), or the branch's history never happened. While
+            # it decodes, a level-0 branch is still at the boundary it was routed at.
+            return
+        proposals.sort(key=lambda d: -d.probability)
+        seen: set[str] = set()
+        launched = 0
+        for d in proposals:
+            if launched >= width:
+                break
+            if d.offset != 0 or d.action.is_none or d.action.key in seen:
+                continue
+            seen.add(d.action.key)
+            # offset 0 of the branch's history is offset ``level`` of the verified one
+            if self._launch_fork(d.action, branch.level, d.probability, routed=True):
+                launched += 1
+
+    async def _propose_routed_with(
+        self, drafter: ActionDrafter, history: History, tool: str, out: list[ActionDraft]
+    ) -> None:
+        """One routed drafter's targets into ``out``; a failure only loses its targets, and
+        malformed targets are dropped (both counted)."""
+        who = f"routed action drafter {type(drafter).__name__}"
+        try:
+            proposals = await drafter.propose_routed(history, tool, self._config.routed_width)  # type: ignore[attr-defined]
+            out.extend(self._valid_drafts(proposals, ActionDraft, who))
+        except Exception as exc:
+            self._speculation_failed(who, exc)
+
     # ------------------------------------------------------------------ action speculation and forks
 
     def _speculate_actions(self, history: History) -> None:
@@ -816,9 +951,10 @@ class Session:
         except Exception as exc:
             self._speculation_failed(who, exc)
 
-    def _launch_fork(self, action: Action, offset: int, probability: float) -> bool:
+    def _launch_fork(self, action: Action, offset: int, probability: float, *, routed: bool = False) -> bool:
         """Start ``f``: ``action`` in a fork of the committed sandbox, registered at once
-        under the version it forks from (False when an equal one is live or running)."""
+        under the version it forks from (False when an equal one is live or running).
+        ``routed``: drafted once a router named the tool being decoded (counted apart)."""
         run = self._run
         try:
             version = self._sandbox.version
@@ -842,7 +978,9 @@ class Session:
         # for it) even if the actor emits this action before the fork task has run.
         fork.origin = version
         run.forks.add(fork)
-        run.ledger.fork_launched(now, key)
+        if routed:
+            run.routed.add(fork)
+        run.ledger.fork_launched(now, key, routed=routed)
         fork.task = run.task_group.start_soon(self._run_fork, fork)
         return True
 
@@ -889,6 +1027,7 @@ class Session:
             else:
                 fork.finish(ForkState.DISCARDED if fork.state is ForkState.RELEASED else ForkState.FAILED)
                 run.forks.remove(fork)
+                run.routed.discard(fork)
                 if sandbox is not None:
                     # Why shielded: the fork must be released even when this task is being
                     # cancelled, or its layers/processes would leak.
@@ -932,6 +1071,7 @@ class Session:
         discards it), an idle one is discarded."""
         idle = []
         for fork in forks:
+            self._run.routed.discard(fork)
             was_idle = fork.state is ForkState.IDLE
             fork.state = ForkState.RELEASED
             if was_idle:
@@ -990,6 +1130,23 @@ class Session:
                 for fork in list(run.idle):
                     run.idle.discard(fork)
                     await self._discard(fork)
+
+
+def _ignore_delta(delta: object) -> None:
+    """The ``on_delta`` of a decode whose router could not open a session."""
+
+
+def _cache_hit_ns(sandbox: Sandbox) -> int | None:
+    """The tool time ``sandbox``'s result cache saved on its last ``execute``
+    (:class:`aospec.protocols.CachingSandbox`), or None: no hit, no such capability, or a
+    value that cannot be read (a cache hit only counts; it never decides anything)."""
+    try:
+        ns = getattr(sandbox, "last_cache_hit_ns", None)
+        if ns is None or isinstance(ns, bool) or not isinstance(ns, numbers.Real) or not ns >= 0:
+            return None
+        return int(ns)
+    except Exception:
+        return None
 
 
 def _valid_probability(p: object) -> bool:

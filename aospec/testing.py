@@ -4,9 +4,13 @@
   copy-on-write-style forks and hash-chained versions (``H(parent, H(changes))``; a
   command that changes nothing keeps the version).
 - :class:`ScriptedActor`: an actor that is a function of its history (losslessness needs
-  exactly that), with a configurable decode delay.
+  exactly that), with a configurable decode delay; :class:`StreamingScriptedActor` also
+  streams its reply text in chunks (``decode_streaming``).
 - :class:`ScriptedObservationDrafter`, :class:`ScriptedActionDrafter`: drafters backed by
-  plain functions, with a configurable drafting delay.
+  plain functions, with a configurable drafting delay; :class:`ScriptedRoutedActionDrafter`
+  also proposes targets once a router named the tool (``propose_routed``).
+- :class:`ScriptedRouter`: a stream router that names the program of a reply's fenced
+  ``bash`` block once its first word is complete (or what a given function names).
 - :class:`FitRecorder`: a trainable observation drafter that proposes nothing and records
   which traces it was fit on (to check train/eval separation).
 - Fault injection (docs/engine.md, Faults): :class:`FaultySandbox` wraps any sandbox (and
@@ -24,6 +28,7 @@ output, mini-swe-agent style.
 
 from __future__ import annotations
 
+import re
 import shlex
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -50,6 +55,11 @@ __all__ = [
     "ScriptedActionDrafter",
     "ScriptedActor",
     "ScriptedObservationDrafter",
+    "ScriptedRouteEvent",
+    "ScriptedRoutedActionDrafter",
+    "ScriptedRouter",
+    "StreamingScriptedActor",
+    "render_reply",
 ]
 
 
@@ -233,6 +243,133 @@ class ScriptedActor:
         return self.choose(history)
 
 
+def render_reply(action: Action) -> str:
+    """A reply text for ``action``, mini-swe-agent style: a thought and a fenced ``bash``
+    block for a shell action; ``TOOL {json args}`` for another tool; a thought alone for
+    the non-action."""
+    if action.is_none:
+        return "THOUGHT: nothing left to do."
+    command = action.command
+    if command is not None:
+        return f"THOUGHT: the next step.\n\n```bash\n{command}\n```"
+    return f"{action.tool} {canonical_json(dict(action.args))}"
+
+
+class StreamingScriptedActor(ScriptedActor):
+    """A :class:`ScriptedActor` that also streams (:class:`aospec.protocols.StreamingActor`):
+    ``decode_streaming`` reports ``render(action)`` (default :func:`render_reply`) in
+    ``chunk_chars``-character pieces, the decode's delay spread evenly before them, then
+    returns what ``decode`` returns. ``streaming`` counts decodes streaming right now and
+    ``deltas`` the pieces reported so far (so tests can tell what happens mid-decode)."""
+
+    def __init__(
+        self,
+        choose: Callable[[History], Action],
+        delay_s: float | Callable[[History], float] = 0.0,
+        *,
+        render: Callable[[Action], str] = render_reply,
+        chunk_chars: int = 4,
+    ) -> None:
+        super().__init__(choose, delay_s)
+        if chunk_chars < 1:
+            raise ValueError(f"chunk_chars must be >= 1, got {chunk_chars}")
+        self.render = render
+        self.chunk_chars = chunk_chars
+        self.streaming = 0
+        self.deltas = 0
+
+    async def decode_streaming(self, history: History, on_delta: Callable[[object], None]) -> Action:
+        self.calls += 1
+        delay = self.delay_s(history) if callable(self.delay_s) else self.delay_s
+        action = self.choose(history)
+        text = self.render(action)
+        pieces = [text[i : i + self.chunk_chars] for i in range(0, len(text), self.chunk_chars)] or [""]
+        self.streaming += 1
+        try:
+            for piece in pieces:
+                if delay:
+                    await anyio.sleep(delay / len(pieces))
+                self.deltas += 1
+                on_delta(piece)
+        finally:
+            self.streaming -= 1
+        return action
+
+
+@dataclass(frozen=True, slots=True)
+class ScriptedRouteEvent:
+    """An event of :class:`ScriptedRouter` (the fields every router event has)."""
+
+    tool: str
+    confidence: float
+    position: int
+    router: str
+
+
+_BASH_FENCE = re.compile(r"```(?:bash|sh)[^\n]*\n\s*(\S+)\s")
+
+
+def _program_of_bash_block(text: str) -> str | None:
+    m = _BASH_FENCE.search(text)
+    return m.group(1) if m else None
+
+
+class ScriptedRouter:
+    """A stream router (:class:`aospec.protocols.StreamRouter`): each ``session()`` gathers
+    the text of the ``str`` deltas fed to it and fires ``name(text)`` (default: the first
+    word of the first fenced ``bash`` block, once complete) when that is a tool not fired
+    yet in this session, at ``confidence``. A chat-completions chunk dict naming a tool
+    call's function fires that name. ``sessions`` counts the sessions opened."""
+
+    def __init__(
+        self,
+        name: Callable[[str], str | None] = _program_of_bash_block,
+        *,
+        confidence: float = 1.0,
+        label: str = "scripted",
+    ) -> None:
+        self.name = name
+        self.confidence = confidence
+        self.label = label
+        self.sessions = 0
+
+    def session(self) -> _ScriptedRouterSession:
+        self.sessions += 1
+        return _ScriptedRouterSession(self)
+
+
+class _ScriptedRouterSession:
+    def __init__(self, router: ScriptedRouter) -> None:
+        self._router = router
+        self._text = ""
+        self._fired: set[str] = set()
+        self.position = 0
+
+    def feed(self, delta: object) -> list[ScriptedRouteEvent]:
+        self.position += 1
+        if isinstance(delta, str):
+            self._text += delta
+            tool = self._router.name(self._text)
+        else:
+            tool = _tool_call_name(delta)
+        if tool is None or tool in self._fired:
+            return []
+        self._fired.add(tool)
+        return [ScriptedRouteEvent(tool, self._router.confidence, self.position, self._router.label)]
+
+
+def _tool_call_name(chunk: object) -> str | None:
+    """The function name a chat-completions chunk dict starts a tool call with, if any."""
+    try:
+        for call in chunk["choices"][0]["delta"].get("tool_calls") or ():  # type: ignore[index]
+            name = (call.get("function") or {}).get("name")
+            if name:
+                return name
+    except (KeyError, IndexError, TypeError, AttributeError):
+        return None
+    return None
+
+
 class ScriptedObservationDrafter:
     """Candidate observations from ``propose(history, action)``, after ``delay_s``."""
 
@@ -257,6 +394,30 @@ class ScriptedActionDrafter:
         if self.delay_s:
             await anyio.sleep(self.delay_s)
         return [d for d in self.propose_fn(history) if d.offset < depth][:width]
+
+
+class ScriptedRoutedActionDrafter(ScriptedActionDrafter):
+    """A :class:`ScriptedActionDrafter` that is also a
+    :class:`aospec.protocols.RoutedActionDrafter`: ``propose_routed(history, tool, width)``
+    returns ``routed(history, tool)`` (at most ``width``), after ``delay_s``; its
+    boundary targets come from ``propose`` (none by default). ``routed_calls`` lists
+    ``(len(history), tool)`` of every routed call."""
+
+    def __init__(
+        self,
+        routed: Callable[[History, str], Sequence[ActionDraft]],
+        propose: Callable[[History], Sequence[ActionDraft]] = lambda history: (),
+        delay_s: float = 0.0,
+    ) -> None:
+        super().__init__(propose, delay_s)
+        self.routed_fn = routed
+        self.routed_calls: list[tuple[int, str]] = []
+
+    async def propose_routed(self, history: History, tool: str, width: int) -> Sequence[ActionDraft]:
+        self.routed_calls.append((len(history), tool))
+        if self.delay_s:
+            await anyio.sleep(self.delay_s)
+        return list(self.routed_fn(history, tool))[:width]
 
 
 class FitRecorder:
