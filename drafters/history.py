@@ -279,7 +279,9 @@ class HistoryActionDrafter:
 
     ``half_life``: within-trajectory decay in steps (0: none). ``harness``: the harness
     whose model to use (default: inferred from the history). ``harness_prior``:
-    pseudo-observations of the pooled rates in a harness's rates.
+    pseudo-observations of the pooled rates in a harness's rates. ``label``: the routing
+    label of an action (the router's own rule, e.g. ``specbox.routers.tool_label``: a shell
+    command's program, else the tool name), which :meth:`propose_routed` needs.
     """
 
     def __init__(
@@ -290,6 +292,7 @@ class HistoryActionDrafter:
         half_life: float = 8.0,
         harness: str | None = None,
         harness_prior: float = 10.0,
+        label: Callable[[Action], str] | None = None,
     ) -> None:
         if half_life < 0:
             raise ConfigError(f"history drafter: half_life must be >= 0 steps (0: no decay), got {half_life}")
@@ -299,6 +302,8 @@ class HistoryActionDrafter:
         self.half_life = half_life
         self.harness = harness
         self.harness_prior = harness_prior
+        self.label = label
+        self._labels: dict[str, str] = {}
         self._rate = 2.0 ** (-1.0 / half_life) if half_life > 0 else 1.0
         self._pooled = self._train([])
         self._harnesses: dict[str, _Model] = {}
@@ -499,3 +504,49 @@ class HistoryActionDrafter:
             frontier = nxt[:2]
         out.sort(key=lambda d: -d.probability)
         return out[:width]
+
+    def _label(self, action: Action) -> str:
+        assert self.label is not None
+        found = self._labels.get(action.key)
+        if found is None:
+            if len(self._labels) > 50_000:
+                self._labels.clear()
+            found = self._labels[action.key] = self.label(action)
+        return found
+
+    async def propose_routed(self, history: History, tool: str, width: int) -> Sequence[ActionDraft]:
+        """Once a router has named the ``tool`` (label) of the action being decoded
+        (:class:`aospec.protocols.RoutedActionDrafter`): this drafter's own offset-0
+        candidates whose ``label`` is ``tool``, most likely first, with ``P(action | tool)``.
+
+        The candidates are all of :meth:`propose`'s sources, not only its top ``width``,
+        plus the trajectory's older distinct actions of that label (beyond the ``max_recent``
+        the repetition source ranks), each at the last learned repetition rate: an agent
+        that re-runs its test or build command ten steps later is routed to it. The
+        conditional probability divides a candidate's probability by the mass that can
+        belong to ``tool``: its candidates' sum plus the mass no candidate claims
+        (``1 - sum`` over all candidates, when positive), a lower bound of the true
+        conditional when the drafter's probabilities are calibrated."""
+        if width <= 0:
+            return []
+        if self.label is None:
+            raise ConfigError(
+                "history drafter: propose_routed needs label= (the router's label function, "
+                "e.g. specbox.routers.tool_label)"
+            )
+        state = self._index.update(history)
+        model = self._harness_of(state)
+        candidates = self._next(state, state.prev, model)
+        unclaimed = max(0.0, 1.0 - sum(p for _, p in candidates.values()))
+        found = {k: ap for k, ap in candidates.items() if not ap[0].is_none and self._label(ap[0]) == tool}
+        rates = model if model is not None else self._pooled
+        if rates.p_repeat and len(state.recent) > self.max_recent:
+            for key in reversed(state.recent[: -self.max_recent]):
+                a = state.actions[key]
+                if key not in found and not a.is_none and self._label(a) == tool:
+                    found[key] = (a, rates.p_repeat[-1])
+        if not found:
+            return []
+        mass = sum(p for _, p in found.values()) + unclaimed
+        ranked = sorted(found.values(), key=lambda ap: (-ap[1], ap[0].key))[:width]
+        return [ActionDraft(a, 0, min(1.0, p / mass)) for a, p in ranked]

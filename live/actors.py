@@ -9,6 +9,13 @@ disconnect and stops generating). Replies are memoised by history (:class:`~live
 a history decoded once is answered from the memo, and earlier assistant turns are rendered
 from the memoised reply texts.
 
+``decode_streaming(history, on_delta)`` is ``decode`` reporting the stream as it arrives
+(:class:`aospec.protocols.StreamingActor`): each SSE content delta as a ``str``, each
+tool-call delta as a chat-completions chunk dict. A retried request's new attempt is fed
+only beyond what the failed attempt already fed, and not at all once it differs from it
+(:class:`~live.chat.StreamFeed`); a memoised reply, or a server answering with one JSON
+body, is fed whole at once.
+
 Errors: HTTP 5xx, 408 and 429, connection errors, timeouts and a stream cut before it
 finished are retried ``retries`` times with exponential backoff, then raise one
 :class:`~live.chat.ActorError` naming the URL, status and an excerpt of the body; other
@@ -29,7 +36,7 @@ import httpx
 
 from aospec.errors import ConfigError
 from aospec.types import History
-from live.chat import ActorError, ChatFormat, DeterminismReport, MemoActor, Reply, estimate_tokens
+from live.chat import ActorError, ChatFormat, DeterminismReport, MemoActor, Reply, StreamFeed, estimate_tokens
 
 __all__ = ["ActorError", "DeterminismReport", "OpenAIChatActor", "Reply"]  # the last three re-exported
 
@@ -132,13 +139,15 @@ class OpenAIChatActor(MemoActor):
             body["stream_options"] = {"include_usage": True}
         return body
 
-    async def _generate(self, messages: list[dict[str, Any]]) -> Reply:
+    async def _generate(self, messages: list[dict[str, Any]], feed: StreamFeed | None = None) -> Reply:
         body = self._body(messages)
         attempt = 0
         while True:
             self.stats.requests += 1
+            if feed is not None:
+                feed.attempt()
             try:
-                return await self._attempt(body)
+                return await self._attempt(body, feed)
             except _Retryable as exc:
                 if attempt >= self.retries:
                     self.stats.failed_requests += 1
@@ -156,13 +165,16 @@ class OpenAIChatActor(MemoActor):
                 self.stats.cancelled_requests += 1
                 raise
 
-    async def _attempt(self, body: dict[str, Any]) -> Reply:
+    async def _generate_streaming(self, messages: list[dict[str, Any]], feed: StreamFeed) -> Reply:
+        return await self._generate(messages, feed)
+
+    async def _attempt(self, body: dict[str, Any], feed: StreamFeed | None = None) -> Reply:
         start = time.monotonic_ns()
         with anyio.move_on_after(self.timeout_s):
             try:
                 if self.stream:
-                    return await self._streamed(body, start)
-                return await self._plain(body, start)
+                    return await self._streamed(body, start, feed)
+                return await self._plain(body, start, feed)
             except httpx.TimeoutException as exc:
                 raise _Retryable(
                     ActorError(f"{self.url}: timed out after {self.timeout_s:g} s ({type(exc).__name__})", url=self.url)
@@ -189,13 +201,13 @@ class OpenAIChatActor(MemoActor):
         )
         return _Retryable(err) if status >= 500 or status in _RETRY_STATUS else err
 
-    async def _plain(self, body: dict[str, Any], start: int) -> Reply:
+    async def _plain(self, body: dict[str, Any], start: int, feed: StreamFeed | None = None) -> Reply:
         resp = await self._client.post(self.url, json=body, headers=self._headers)
         if resp.status_code >= 400:
             raise self._status_error(resp.status_code, resp.text)
-        return self._from_json(resp.text, start)
+        return self._from_json(resp.text, start, feed)
 
-    def _from_json(self, raw: str, start: int) -> Reply:
+    def _from_json(self, raw: str, start: int, feed: StreamFeed | None = None) -> Reply:
         try:
             obj = json.loads(raw)
             choice = obj["choices"][0]
@@ -208,9 +220,12 @@ class OpenAIChatActor(MemoActor):
             ) from None
         text = message.get("content") or ""
         calls = tuple(message.get("tool_calls") or ())
-        return self._reply(text, calls, choice.get("finish_reason"), obj.get("usage"), start, None)
+        reply = self._reply(text, calls, choice.get("finish_reason"), obj.get("usage"), start, None)
+        if feed is not None:
+            feed.whole(reply)  # one body: the router reads it at once
+        return reply
 
-    async def _streamed(self, body: dict[str, Any], start: int) -> Reply:
+    async def _streamed(self, body: dict[str, Any], start: int, feed: StreamFeed | None = None) -> Reply:
         parts: list[str] = []
         calls: dict[int, dict[str, Any]] = {}
         finish: str | None = None
@@ -227,7 +242,7 @@ class OpenAIChatActor(MemoActor):
                 raise self._status_error(resp.status_code, raw.decode("utf-8", "replace"))
             if resp.headers.get("content-type", "").startswith("application/json"):
                 # A server that ignores ``stream: true`` answers with one JSON body.
-                return self._from_json((await resp.aread()).decode("utf-8", "replace"), start)
+                return self._from_json((await resp.aread()).decode("utf-8", "replace"), start, feed)
             async for line in resp.aiter_lines():
                 if not line.startswith("data:"):
                     continue  # SSE comments, event names, blank separators
@@ -259,8 +274,12 @@ class OpenAIChatActor(MemoActor):
                     if content:
                         parts.append(content)
                         first = first if first is not None else time.monotonic_ns() - start
+                        if feed is not None:
+                            feed.content(content)
                     for tc in delta.get("tool_calls") or ():
                         first = first if first is not None else time.monotonic_ns() - start
+                        if feed is not None and isinstance(tc, Mapping):
+                            feed.tool_call(tc)
                         slot = calls.setdefault(
                             int(tc.get("index", 0)),
                             {"id": None, "type": "function", "function": {"name": "", "arguments": ""}},

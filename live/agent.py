@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import re
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -99,14 +99,18 @@ def default_drafters(train: Sequence[Trace] = (), policy: str = "aospec") -> Dra
     """The drafters and engine configuration of the replay policy ``policy`` (default
     ``aospec``: the patterns and cache observation drafters, the history action drafter,
     EVD with the pattern kernel), fitted on ``train``; built by replay/policies.py's own
-    builder, so live runs and replays speculate alike."""
+    builder, so live runs and replays speculate alike. The history drafter gets the
+    routers' label rule (``specbox.routers.tool_label``) for ``propose_routed``."""
     from replay.policies import DrafterSet, check_drafter_names, parse_policy
 
     p = parse_policy(policy)
     check_drafter_names([p])
     if "oracle" in p.config.obs_names or "oracle" in p.config.action_names:
         raise AospecError(f"policy {policy!r} uses the oracle drafter, which only exists in replay")
-    ds = DrafterSet(list(train))
+    from specbox.routers import tool_label
+
+    # The history drafter answers router events (propose_routed) with the router's label rule.
+    ds = DrafterSet(list(train), options={"history": {"label": tool_label}})
     obs = tuple(ds.observation(n) for n in p.config.obs_names) if p.engine.branch_budget > 0 else ()
     act = tuple(ds.action(n) for n in p.config.action_names) if p.engine.fork_width > 0 else ()
     evd = ds.evd(p.config.kernel) if obs and p.engine.rank != "likelihood" else None
@@ -118,24 +122,46 @@ def serial_config() -> EngineConfig:
     return EngineConfig(branch_budget=0, fork_width=0, provisional_targets=False)
 
 
+#: The optional sandbox capabilities FormatErrorSandbox passes through when its inner
+#: sandbox has them (and only then, so that the engine's capability checks see the truth):
+#: the result cache's (aospec.protocols.CachingSandbox) and background priority
+#: (aospec.protocols.PrioritizedSandbox).
+_FORWARDED = frozenset({"last_cache_hit_ns", "cache_counts", "set_priority"})
+
+
 class FormatErrorSandbox:
     """A sandbox (and, through ``fork``, each of its forks) whose answer to
     ``Action.none()`` (or to a tool call of another tool than ``bash``) is
-    ``format_error``; everything else goes to ``inner``."""
+    ``format_error``; everything else goes to ``inner``.
+
+    ``last_cache_hit_ns``, ``cache_counts`` and ``set_priority`` are the inner sandbox's
+    when it has them, else absent; ``last_cache_hit_ns`` is None after an answer given
+    here (nothing ran, and no cache served it)."""
 
     def __init__(self, inner: Sandbox, format_error: str) -> None:
         self.inner = inner
         self.format_error = format_error
+        self._answered_here = False
 
     @property
     def version(self) -> str:
         return self.inner.version
 
+    def __getattr__(self, name: str) -> Any:
+        if name not in _FORWARDED or "inner" not in self.__dict__:
+            raise AttributeError(name)
+        value = getattr(self.inner, name)  # AttributeError when the inner has no such capability
+        if name == "last_cache_hit_ns" and self.__dict__.get("_answered_here"):
+            return None
+        return value
+
     async def execute(self, action: Action) -> str:
         if action.is_none or action.command is None:
             # No action, or a tool call of a tool other than bash (mini-swe-agent 2.x answers
             # an unknown tool with its format error too): nothing runs.
+            self._answered_here = True
             return self.format_error
+        self._answered_here = False
         return await self.inner.execute(action)
 
     async def fork(self) -> FormatErrorSandbox:
@@ -194,9 +220,16 @@ class AgentResult:
     final_version: str
     speculate: bool
     error: str | None = None
+    cache_counts: Mapping[str, int] | None = None
 
     def summary(self) -> dict[str, Any]:
-        """The figures of the run as JSON-ready data (``aospec run --format json``)."""
+        """The figures of the run as JSON-ready data (``aospec run --format json``).
+
+        ``routes_fired``, ``routed_forks_launched``/``_reused``: router events during the
+        decodes and the forks launched from them (and reused); ``cache_hits``,
+        ``cache_saved_s``: committed steps the result cache served, and the tool time their
+        entries took when they really ran; ``cache``: the cache's own counters over every
+        execute, speculative forks' included (None without a cache)."""
         s = self.statistics
         return {
             "exit_reason": self.exit_reason,
@@ -218,6 +251,12 @@ class AgentResult:
             "speculative_failures": s.speculative_failures,
             "wasted_tool_s": round(s.speculative_tool_time_wasted_s, 6),
             "wasted_decode_s": round(s.provisional_decode_wasted_s, 6),
+            "routes_fired": getattr(s, "routes_fired", 0),
+            "routed_forks_launched": getattr(s, "routed_forks_launched", 0),
+            "routed_forks_reused": getattr(s, "routed_forks_reused", 0),
+            "cache_hits": getattr(s, "cache_hits", 0),
+            "cache_saved_s": round(getattr(s, "cache_saved_ns", 0) * 1e-9, 6),
+            "cache": dict(self.cache_counts) if self.cache_counts is not None else None,
             "version_before": self.version_before,
             "final_version": self.final_version,
             "submission": self.submission,
@@ -236,7 +275,12 @@ class Agent:
     fitted, i.e. :func:`default_drafters` on no traces) only matter with
     ``speculate=True``. ``step_limit`` 0 means none. ``on_step(step, statistics)`` is
     called after every committed step (the recorder and the progress line hang here);
-    an exception from it ends the run.
+    an exception from it ends the run. ``router`` (an ``aospec.protocols.StreamRouter``,
+    e.g. ``specbox.routers.ParseRouter()``) reads each decode's stream when the actor
+    streams (``decode_streaming``); its events go to ``route_listeners`` (e.g.
+    ``specbox.pool.router_adapter(pool)``) and, speculating, to the action drafters that
+    have ``propose_routed``. The serial engine gets the router too (its events are only
+    counted and passed to the listeners: no drafters, no forks).
     """
 
     def __init__(
@@ -250,6 +294,8 @@ class Agent:
         format_error: str | None = None,
         stop_on_no_action: bool = False,
         on_step: OnStep | None = None,
+        router: Any = None,
+        route_listeners: Sequence[Callable[[Any], None]] = (),
     ) -> None:
         if step_limit < 0:
             raise AospecError(f"step limit must be >= 0 (0: none), got {step_limit}")
@@ -266,6 +312,9 @@ class Agent:
         self.step_limit = step_limit
         self.stop_on_no_action = stop_on_no_action
         self.on_step = on_step
+        routing: dict[str, Any] = {}
+        if router is not None or route_listeners:
+            routing = {"router": router, "route_listeners": tuple(route_listeners)}
         if speculate:
             d = drafters if drafters is not None else default_drafters(())
             self.engine = Engine(
@@ -275,9 +324,10 @@ class Agent:
                 action_drafters=d.action,
                 evd=d.evd,
                 config=d.config,
+                **routing,
             )
         else:
-            self.engine = Engine(actor, self.sandbox, config=serial_config())
+            self.engine = Engine(actor, self.sandbox, config=serial_config(), **routing)
 
     def reply_for(self, history: History) -> Any:
         """The actor's reply that decoded the action after ``history`` (None when the actor
@@ -342,4 +392,10 @@ class Agent:
             version_before=version0,
             final_version=self.sandbox.version,
             speculate=self.speculate,
+            cache_counts=self.cache_counts(),
         )
+
+    def cache_counts(self) -> dict[str, int] | None:
+        """The sandbox's result-cache counters (``specbox.cache.CachedSandbox``), or None."""
+        counts = getattr(self.sandbox, "cache_counts", None)
+        return counts() if callable(counts) else None

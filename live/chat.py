@@ -27,7 +27,7 @@ from __future__ import annotations
 import json
 import math
 import re
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import MappingProxyType
@@ -48,6 +48,7 @@ __all__ = [
     "MemoActor",
     "Reply",
     "ReplyMemo",
+    "StreamFeed",
     "estimate_tokens",
     "history_digests",
     "history_key",
@@ -355,6 +356,117 @@ class ReplyMemo:
         self._replies.clear()
 
 
+OnDelta = Callable[[object], None]
+
+
+def tool_call_chunk(call: Mapping[str, Any]) -> dict[str, Any]:
+    """A chat-completions chunk carrying one tool-call delta (what ``on_delta`` gets)."""
+    return {"choices": [{"index": 0, "delta": {"tool_calls": [dict(call)]}}]}
+
+
+class StreamFeed:
+    """What ``on_delta`` sees of one streaming decode, across the request's attempts: every
+    piece of the reply once, in order.
+
+    Content arrives as ``str`` deltas, tool calls as chunk dicts
+    (``{"choices": [{"delta": {"tool_calls": [...]}}]}``, :func:`tool_call_chunk`). When a
+    request is retried (a 5xx, a timeout, a stream cut mid-way), the new attempt streams the
+    reply from its start again; the feed passes on only what goes beyond what was already fed
+    (a deterministic server repeats the same prefix), so a router never reads the start of
+    the reply twice. If the retried attempt *differs* from what was fed, the feed stops: the
+    router has read a prefix of a reply that will not be the result, and nothing of the new
+    one is fed after it (``diverged``; its events so far were bets, which speculation may
+    lose but never commits). A reply known at once (the memo, a server that answers
+    ``stream: true`` with one JSON body) is fed whole (:meth:`whole`): its text in one
+    delta, then one chunk per tool call.
+    """
+
+    __slots__ = ("_calls", "_fed_calls", "_synced", "_text", "diverged", "fed", "on_delta")
+
+    def __init__(self, on_delta: OnDelta) -> None:
+        self.on_delta = on_delta
+        self.fed = ""  # content passed on, over all attempts
+        self.diverged = False
+        self._fed_calls: dict[int, list[str]] = {}  # index -> [name, arguments] passed on
+        self._text = ""  # this attempt's content
+        self._calls: dict[int, list[str]] = {}
+        self._synced = True  # this attempt's content has caught up with ``fed``
+
+    def attempt(self) -> None:
+        """A new attempt of the request starts (from the reply's start)."""
+        self._text = ""
+        self._calls = {}
+        self._synced = not self.fed
+
+    def content(self, piece: str) -> None:
+        if not piece or self.diverged:
+            return
+        if self._synced:
+            self._text += piece
+            self.fed += piece
+            self.on_delta(piece)
+            return
+        self._text += piece
+        n = len(self.fed)
+        if len(self._text) <= n:
+            if not self.fed.startswith(self._text):
+                self.diverged = True
+            return
+        if not self._text.startswith(self.fed):
+            self.diverged = True
+            return
+        self._synced = True
+        new, self.fed = self._text[n:], self._text
+        self.on_delta(new)
+
+    def tool_call(self, call: Mapping[str, Any]) -> None:
+        """One entry of a chunk's ``delta.tool_calls``."""
+        if self.diverged:
+            return
+        index = call.get("index", 0)
+        index = index if isinstance(index, int) else 0
+        fn = call.get("function") or {}
+        name = fn.get("name") or "" if isinstance(fn, Mapping) else ""
+        args = fn.get("arguments") or "" if isinstance(fn, Mapping) else ""
+        mine = self._calls.setdefault(index, ["", ""])
+        fed = self._fed_calls.setdefault(index, ["", ""])
+        mine[0] += name
+        mine[1] += args
+        new: list[str] = []
+        for k in (0, 1):
+            if len(mine[k]) <= len(fed[k]):
+                if not fed[k].startswith(mine[k]):
+                    self.diverged = True
+                new.append("")
+            elif not mine[k].startswith(fed[k]):
+                self.diverged = True
+                new.append("")
+            else:
+                new.append(mine[k][len(fed[k]) :])
+        if self.diverged:
+            return
+        if (new[0], new[1]) == (name, args):
+            fed[0], fed[1] = mine[0], mine[1]
+            if name or args or call.get("id"):
+                self.on_delta(tool_call_chunk(call))
+            return
+        if not (new[0] or new[1]):
+            return  # a retry repeating what was fed
+        fed[0], fed[1] = mine[0], mine[1]
+        function: dict[str, str] = {"arguments": new[1]}
+        if new[0]:
+            function["name"] = new[0]
+        self.on_delta(tool_call_chunk({"index": index, "function": function}))
+
+    def whole(self, reply: Reply) -> None:
+        """A reply known at once: fed as one attempt streaming it in one piece."""
+        self.attempt()
+        self.content(reply.text)
+        for i, call in enumerate(reply.tool_calls):
+            entry = {k: v for k, v in call.items() if k in ("id", "type", "function")}
+            self.tool_call({"index": i, **entry})
+
+
 class MemoActor:
     """What every actor shares: the memo, the counters, ``decode``/``reply``/``reply_for``,
     the messages of a history and the determinism check. A subclass implements
@@ -370,18 +482,40 @@ class MemoActor:
     async def _generate(self, messages: list[dict[str, Any]]) -> Reply:
         raise NotImplementedError
 
+    async def _generate_streaming(self, messages: list[dict[str, Any]], feed: StreamFeed) -> Reply:
+        """``_generate`` that also feeds the reply's pieces to ``feed`` as they arrive. This
+        default feeds the whole reply once it is done; actors that stream override it."""
+        reply = await self._generate(messages)
+        feed.whole(reply)
+        return reply
+
     async def decode(self, history: History) -> Action:
         """The action after ``history`` (the memoised one when decoded before)."""
         return (await self.reply(history)).action
 
-    async def reply(self, history: History) -> Reply:
+    async def decode_streaming(self, history: History, on_delta: OnDelta) -> Action:
+        """:meth:`decode`, reporting the reply as it streams
+        (:class:`aospec.protocols.StreamingActor`): ``on_delta`` gets each content delta as
+        a ``str`` and each tool-call delta as a chat-completions chunk dict, each piece of
+        the reply once also when the request is retried (:class:`StreamFeed`). A reply
+        already in the memo is fed whole at once, so routers still see it."""
+        return (await self.reply(history, on_delta=on_delta)).action
+
+    async def reply(self, history: History, *, on_delta: OnDelta | None = None) -> Reply:
         """The Reply that decodes ``history`` (from the memo when decoded before). When two
-        decodes of one history overlap, the first to finish is kept and both return it."""
+        decodes of one history overlap, the first to finish is kept and both return it.
+        ``on_delta``: see :meth:`decode_streaming`."""
         known = self.memo.get(history)
         if known is not None:
             self.stats.memo_hits += 1
+            if on_delta is not None:
+                StreamFeed(on_delta).whole(known)
             return known
-        reply = await self._generate(self.messages_for(history))
+        messages = self.messages_for(history)
+        if on_delta is None:
+            reply = await self._generate(messages)
+        else:
+            reply = await self._generate_streaming(messages, StreamFeed(on_delta))
         kept = self.memo.settle(history, reply)
         if kept is not reply:
             self.stats.duplicate_replies += 1

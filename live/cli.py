@@ -69,6 +69,41 @@ def register(subparsers: Any) -> None:
         help="send the first request twice and warn when the replies differ (speculation is lossless only then)",
     )
     p.add_argument("--progress", action="store_true", help="show the progress line even when stderr is not a terminal")
+    box = p.add_argument_group(
+        "SpecBox layer (docs/live.md, 'SpecBox under a live run'; defaults apply when speculating, a serial run "
+        "uses none of it unless asked)"
+    )
+    box.add_argument(
+        "--cache",
+        default=None,
+        choices=("off", "reads"),
+        help="reads: serve repeated read-only commands whose output depends only on the filesystem version (cat, "
+        "head, grep, wc, ls without -l, ...) from a result cache keyed by that version (default reads when "
+        "speculating, off serially)",
+    )
+    box.add_argument(
+        "--pool-depth",
+        type=int,
+        default=None,
+        metavar="N",
+        help="forks of the committed sandbox made ahead of time, so a speculative fork is a queue pop (default 2 "
+        "when speculating; 0: off)",
+    )
+    box.add_argument(
+        "--router",
+        default=None,
+        choices=("off", "parse", "trained"),
+        help="read the model's stream and name the command's program before the reply ends, to fork its likely "
+        "commands early: parse (exact, default when speculating), trained (keyword + TF-IDF + parse fitted on "
+        "--train-traces; needs scikit-learn), off",
+    )
+    box.add_argument(
+        "--markov",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="add a Markov tool-transition drafter (fitted on --train-traces, updated after every step) to the "
+        "action drafters (default: on when speculating with --train-traces)",
+    )
     add_format_option(p)
     p.set_defaults(func=_run)
 
@@ -109,6 +144,32 @@ def _check_args(args: argparse.Namespace) -> None:
         raise ConfigError(f"--model {args.model}: neither an http(s) URL nor an existing local model path")
     if args.api_key_env is not None and not os.environ.get(args.api_key_env):
         raise ConfigError(f"--api-key-env {args.api_key_env}: the variable is not set")
+    if args.pool_depth is not None and args.pool_depth < 0:
+        raise ConfigError(f"--pool-depth must be >= 0 (0: no pool), got {args.pool_depth}")
+    if not args.speculate:
+        for flag, value, off in (("--pool-depth", args.pool_depth, 0), ("--router", args.router, "off")):
+            if value not in (None, off):
+                raise ConfigError(f"{flag} {value} needs speculation: a serial run (--no-speculate) makes no forks")
+        if args.markov:
+            raise ConfigError("--markov is an action drafter: a serial run (--no-speculate) drafts nothing")
+    router = args.router or ("parse" if args.speculate else "off")
+    if router == "trained" and not args.train_traces:
+        raise ConfigError("--router trained is fitted on --train-traces: give them, or use --router parse")
+    if args.markov and not args.train_traces:
+        raise ConfigError("--markov is fitted on --train-traces: give them, or leave --markov out")
+
+
+def _specbox_options(args: argparse.Namespace) -> Any:
+    """The SpecBox layer of the run: what was asked, else the defaults of its mode."""
+    from live.specbox_layer import SpecBoxOptions
+
+    spec = args.speculate
+    return SpecBoxOptions(
+        cache=args.cache or ("reads" if spec else "off"),
+        pool_depth=args.pool_depth if args.pool_depth is not None else (2 if spec else 0),
+        router=args.router or ("parse" if spec else "off"),
+        markov=args.markov if args.markov is not None else bool(spec and args.train_traces),
+    )
 
 
 def _chat_format(args: argparse.Namespace) -> Any:
@@ -166,6 +227,11 @@ def _run(args: argparse.Namespace) -> int:
             from replay import load_traces
 
             train = load_traces(args.train_traces)
+        options = _specbox_options(args)
+        from live.specbox_layer import build_router
+
+        args.specbox = options
+        args.router_object = build_router(options.router, train)  # one that cannot be built: a usage error
         actor = _actor(args, chat_format)
     except AospecError as exc:
         _err(str(exc))
@@ -199,6 +265,7 @@ async def _main(args: argparse.Namespace, actor: Any, train: list[Any], state: d
     from aospec.types import History
     from live.agent import Agent, default_drafters
     from live.record import TraceRecorder
+    from live.specbox_layer import open_specbox
     from runtime import SandboxConfig, open_sandbox
 
     try:
@@ -216,7 +283,14 @@ async def _main(args: argparse.Namespace, actor: Any, train: list[Any], state: d
                     )
         drafters = default_drafters(train) if args.speculate else None
         config = SandboxConfig(backend=args.sandbox, base=args.base, timeout_s=args.command_timeout)
-        async with open_sandbox(config) as sandbox:
+        async with (
+            open_sandbox(config) as raw_sandbox,
+            open_specbox(raw_sandbox, args.specbox, train, router=args.router_object) as box,
+        ):
+            sandbox = box.sandbox
+            state["specbox"] = box
+            if drafters is not None:
+                drafters = box.with_drafters(drafters)
             recorder = None
             if args.record is not None:
                 recorder = TraceRecorder(
@@ -229,6 +303,7 @@ async def _main(args: argparse.Namespace, actor: Any, train: list[Any], state: d
                         "base": args.base,
                         "model": args.model if args.model.startswith(("http://", "https://")) else _model_name(args),
                         "step_limit": args.step_limit,
+                        "specbox": box.summary(),
                         "version_start": sandbox.version,
                         "exit_reason": "running",
                     },
@@ -237,6 +312,7 @@ async def _main(args: argparse.Namespace, actor: Any, train: list[Any], state: d
             progress = _Progress(enabled=args.progress or sys.stderr.isatty())
 
             def on_step(step: Any, stats: Any) -> None:
+                box.observe(step.action)
                 if recorder is not None:
                     recorder.add(step, stats)
                 progress.update(step, stats)
@@ -248,6 +324,7 @@ async def _main(args: argparse.Namespace, actor: Any, train: list[Any], state: d
                 drafters=drafters,
                 step_limit=args.step_limit,
                 on_step=on_step,
+                router=box.router,
             )
             try:
                 with progress:
@@ -261,6 +338,7 @@ async def _main(args: argparse.Namespace, actor: Any, train: list[Any], state: d
                     )
                 raise
             if recorder is not None:
+                recorder.meta["specbox"] = box.summary()
                 recorder.finish(result)
             state["actor_stats"] = getattr(actor, "stats", None)
             return result
@@ -328,6 +406,8 @@ def _summary(args: argparse.Namespace, result: Any, state: dict[str, Any]) -> No
     stats = state.get("actor_stats")
     if stats is not None and hasattr(stats, "to_json"):
         data["actor"] = stats.to_json()
+    box = state.get("specbox")
+    data["specbox"] = box.summary() if box is not None else None
     if args.format == "json":
         print_json(data)
         return
@@ -347,6 +427,7 @@ def _summary(args: argparse.Namespace, result: Any, state: dict[str, Any]) -> No
         ("forks reused / launched", f"{data['forks_reused']} / {data['forks_launched']}"),
         ("drafts hit / started", f"{data['drafts_hit']} / {data['drafts_started']}"),
         ("speculative failures", str(data["speculative_failures"])),
+        *_specbox_rows(data),
         ("final version", data["final_version"]),
     ]
     if data["record"]:
@@ -354,3 +435,27 @@ def _summary(args: argparse.Namespace, result: Any, state: dict[str, Any]) -> No
     for k, v in rows:
         table.add_row(k, v)
     print_table(table)
+
+
+def _specbox_rows(data: dict[str, Any]) -> list[tuple[str, str]]:
+    """The summary table's rows of the SpecBox layer (only the parts the run used)."""
+    box = data.get("specbox") or {}
+    rows: list[tuple[str, str]] = []
+    cache = data.get("cache")
+    if cache is not None:
+        rows.append(
+            (
+                "cache hits / misses / bypasses",
+                f"{cache['hits']} / {cache['misses']} / {cache['bypasses']} (stale avoided {cache['stale_avoided']})",
+            )
+        )
+        rows.append(("cache hits committed (saved)", f"{data['cache_hits']} ({data['cache_saved_s']:.3f} s)"))
+    if box.get("router", "off") != "off":
+        rows.append(("routes fired", str(data["routes_fired"])))
+        rows.append(
+            ("routed forks reused / launched", f"{data['routed_forks_reused']} / {data['routed_forks_launched']}")
+        )
+    pool = box.get("pool")
+    if pool is not None:
+        rows.append(("pool forks served / made", f"{pool['served']} / {pool['made']}"))
+    return rows

@@ -26,6 +26,14 @@ Usage:
   .venv/bin/python scripts/bench_live.py [--json] [--quick] [--plot live.png] [--out DIR]
   .venv/bin/python scripts/bench_live.py --sessions 32 [--quick] [--json]   # concurrency
   .venv/bin/python scripts/bench_live.py --integrations [--quick] [--json]  # a row per integration
+  .venv/bin/python scripts/bench_live.py --specbox [--quick] [--json]       # + a run with the SpecBox layer
+
+``--specbox`` (issue 13): a third run per task and TPOT, speculative with the SpecBox layer
+under the engine (live/specbox_layer.py: the result cache for deterministic reads, a pool of
+forks made ahead, the exact parse router with routed action drafting, and a Markov drafter
+fitted on the training runs), beside the plain speculative run; lossless against the same
+serial run. ``--specbox-cache``, ``--specbox-pool-depth``, ``--specbox-router`` and
+``--no-specbox-markov`` change its parts.
 
 ``--integrations`` (issue 12): each integration (mini-swe-agent's SpeculativeAgent, ``aospec
 proxy``, ``aospec mcp``) against the same harness without aospec's speculation, on the same
@@ -172,6 +180,7 @@ class Run:
     trace: Trace
     cpu_s: float
     store_id: str = ""
+    specbox: dict[str, Any] | None = None
 
     @property
     def key(self) -> list[tuple[Any, ...]]:
@@ -189,11 +198,16 @@ async def run_agent(
     drafters: Any,
     base: str,
     bytecode: bool = False,
+    specbox: Any = None,
+    train: Sequence[Trace] = (),
 ) -> Run:
-    """One run of ``traj`` in a fresh sandbox: the project copied to /work, then the agent."""
+    """One run of ``traj`` in a fresh sandbox: the project copied to /work, then the agent;
+    with ``specbox`` (live.specbox_layer.SpecBoxOptions) under that layer (its Markov
+    drafter fitted on ``train``)."""
     from live.actors import OpenAIChatActor
     from live.agent import Agent
     from live.record import step_of
+    from live.specbox_layer import SpecBoxOptions, open_specbox
 
     env = {**ENV, "PYTHONDONTWRITEBYTECODE": "" if bytecode else "1"}
     cfg = SandboxConfig(
@@ -210,12 +224,22 @@ async def run_agent(
         )
         if setup.returncode != 0:
             raise RuntimeError(f"{traj.id}: copying the project failed: {setup.output}")
-        async with OpenAIChatActor(base_url, "serve-trace") as actor:
-            agent = Agent(actor, sb, speculate=speculate, drafters=drafters, step_limit=len(traj.steps) + 2)
+        box_options = specbox if specbox is not None else SpecBoxOptions()
+        async with OpenAIChatActor(base_url, "serve-trace") as actor, open_specbox(sb, box_options, train) as box:
+            agent = Agent(
+                actor,
+                box.sandbox,
+                speculate=speculate,
+                drafters=box.with_drafters(drafters) if drafters is not None else None,
+                step_limit=len(traj.steps) + 2,
+                router=box.router,
+                on_step=lambda step, _stats: box.observe(step.action),
+            )
             cpu0 = children_cpu_s()
             result = await agent.run(traj.instruction)
             cpu = children_cpu_s() - cpu0
-    mode = "spec" if speculate else "serial"
+            box_summary = box.summary() if specbox is not None else None
+    mode = ("specbox" if specbox is not None else "spec") if speculate else "serial"
     trace = Trace(
         id=f"{traj.id}.{mode}.tpot{tpot_ms:g}{'.pyc' if bytecode else ''}",
         task=traj.task,
@@ -224,9 +248,15 @@ async def run_agent(
         source="scripts/bench_live.py",
         steps=tuple(step_of(s) for s in result.steps),
         instruction=traj.instruction,
-        meta={"tpot_ms": tpot_ms, "speculate": speculate, "bytecode": bytecode, "exit_reason": result.exit_reason},
+        meta={
+            "tpot_ms": tpot_ms,
+            "speculate": speculate,
+            "bytecode": bytecode,
+            "exit_reason": result.exit_reason,
+            "specbox": box_summary,
+        },
     )
-    return Run(traj, speculate, tpot_ms, result, trace, cpu, store_id)
+    return Run(traj, speculate, tpot_ms, result, trace, cpu, store_id, box_summary)
 
 
 def divergence(serial: Run, spec: Run) -> str | None:
@@ -275,6 +305,9 @@ class TpotFigures:
     runs: list[tuple[Run, Run]] = field(default_factory=list)
     diverged: list[str] = field(default_factory=list)
     policy: str = "aospec"
+    #: the speculative runs with the SpecBox layer (``--specbox``), one per task as in ``runs``
+    box_runs: list[Run] = field(default_factory=list)
+    box_diverged: list[str] = field(default_factory=list)
 
     def figures(self, train: Sequence[Trace]) -> dict[str, Any]:
         serial_wall = sum(s.result.wall_s for s, _ in self.runs)
@@ -321,8 +354,9 @@ class TpotFigures:
             "predicted_saving": round(pred_saving, 4),
             "predicted_speculative_s": round(pred_spec_wall, 3),
             "prediction_error": round(abs(pred_spec_wall - spec_wall) / spec_wall, 4) if spec_wall else 0.0,
-            "lossless": not self.diverged,
+            "lossless": not self.diverged and not self.box_diverged,
             "diverged": self.diverged,
+            **self.specbox_figures(serial_wall, steps),
             "per_task": {
                 s.traj.id: {
                     "serial_s": round(s.result.wall_s, 3),
@@ -333,6 +367,52 @@ class TpotFigures:
                     "action_hits": p.result.statistics.forks_reused,
                 }
                 for s, p in self.runs
+            },
+        }
+
+    def specbox_figures(self, serial_wall: float, steps: int) -> dict[str, Any]:
+        """The ``--specbox`` runs' figures (none without them): wall time and saving against
+        the same serial runs, and what each part of the layer did."""
+        if not self.box_runs:
+            return {}
+        st = [r.result.statistics for r in self.box_runs]
+        wall = sum(r.result.wall_s for r in self.box_runs)
+        cache: dict[str, int] = {}
+        for r in self.box_runs:
+            for k, v in (r.result.cache_counts or {}).items():
+                cache[k] = cache.get(k, 0) + v
+        pools = [r.specbox["pool"] for r in self.box_runs if r.specbox and r.specbox.get("pool")]
+        return {
+            "specbox": self.box_runs[0].specbox and {k: v for k, v in self.box_runs[0].specbox.items() if k != "pool"},
+            "specbox_s": round(wall, 3),
+            "specbox_saving": round(1 - wall / serial_wall, 4) if serial_wall else 0.0,
+            "specbox_tool_hidden_s": round(sum(x.tool_time_hidden_s for x in st), 3),
+            "specbox_action_hit_rate": round(sum(x.forks_reused for x in st) / steps, 4) if steps else 0.0,
+            "specbox_obs_hit_rate": round(sum(x.drafts_hit for x in st) / steps, 4) if steps else 0.0,
+            "specbox_forks_launched": sum(x.forks_launched for x in st),
+            "specbox_forks_wasted": sum(x.forks_wasted for x in st),
+            "specbox_wasted_cpu_s": round(
+                sum(b.cpu_s - s.cpu_s for (s, _), b in zip(self.runs, self.box_runs, strict=True)), 3
+            ),
+            "routes_fired": sum(getattr(x, "routes_fired", 0) for x in st),
+            "routed_forks_launched": sum(getattr(x, "routed_forks_launched", 0) for x in st),
+            "routed_forks_reused": sum(getattr(x, "routed_forks_reused", 0) for x in st),
+            "cache_hits": sum(getattr(x, "cache_hits", 0) for x in st),
+            "cache_saved_s": round(sum(getattr(x, "cache_saved_ns", 0) for x in st) * 1e-9, 3),
+            "cache_counts": cache,
+            "pool_served": sum(p["served"] for p in pools),
+            "pool_made": sum(p["made"] for p in pools),
+            "pool_misses": sum(p["misses"] for p in pools),
+            "specbox_lossless": not self.box_diverged,
+            "specbox_diverged": self.box_diverged,
+            "specbox_per_task": {
+                b.traj.id: {
+                    "speculative_s": round(b.result.wall_s, 3),
+                    "action_hits": b.result.statistics.forks_reused,
+                    "routed_reused": getattr(b.result.statistics, "routed_forks_reused", 0),
+                    "cache_hits": getattr(b.result.statistics, "cache_hits", 0),
+                }
+                for b in self.box_runs
             },
         }
 
@@ -361,6 +441,8 @@ async def measure_tpot(
     *,
     bytecode: bool = False,
     policy: str = "aospec",
+    specbox: Any = None,
+    train: Sequence[Trace] = (),
 ) -> TpotFigures:
     from live.serve_trace import serve_trace
 
@@ -380,6 +462,20 @@ async def measure_tpot(
                 f"speculative {spec.result.wall_s:.2f} s, obs hits {st.drafts_hit}/{len(spec.result.steps)}, "
                 f"action hits {st.forks_reused}, {'lossless' if not why else 'DIVERGED: ' + why}"
             )
+            if specbox is not None:
+                box = await run_agent(t, server.base_url, staged, speculate=True, specbox=specbox, train=train, **kw)
+                why = divergence(serial, box)
+                if why:
+                    fig.box_diverged.append(f"{t.id}: {why}")
+                fig.box_runs.append(box)
+                bs = box.result.statistics
+                log(
+                    f"  tpot {tpot_ms:g} ms {t.id} with SpecBox: {box.result.wall_s:.2f} s, action hits "
+                    f"{bs.forks_reused} (routed {getattr(bs, 'routed_forks_reused', 0)}/"
+                    f"{getattr(bs, 'routed_forks_launched', 0)}), cache hits {getattr(bs, 'cache_hits', 0)}, "
+                    f"pool served {(box.specbox or {}).get('pool', {}).get('served', 0)}, "
+                    f"{'lossless' if not why else 'DIVERGED: ' + why}"
+                )
     return fig
 
 
@@ -550,6 +646,30 @@ def print_table(rows: Sequence[dict[str, Any]]) -> None:
         print("  ".join(x.rjust(w) for x, w in zip(c, widths, strict=True)))
 
 
+def print_specbox_table(rows: Sequence[dict[str, Any]]) -> None:
+    cols = [
+        ("TPOT", "tpot_ms", "{:g} ms"),
+        ("serial", "serial_s", "{:.1f} s"),
+        ("spec", "speculative_s", "{:.1f} s"),
+        ("saving", "saving", "{:.1%}"),
+        ("spec+SpecBox", "specbox_s", "{:.1f} s"),
+        ("saving", "specbox_saving", "{:.1%}"),
+        ("act hit", "specbox_action_hit_rate", "{:.0%}"),
+        ("routes", "routes_fired", "{}"),
+        ("routed reused/launched", "routed", "{}"),
+        ("cache hits", "cache_hits", "{}"),
+        ("pool served", "pool_served", "{}"),
+        ("lossless", "specbox_lossless", "{}"),
+    ]
+    rows = [{**r, "routed": f"{r['routed_forks_reused']}/{r['routed_forks_launched']}"} for r in rows]
+    cells = [[fmt.format(r[k]) for _, k, fmt in cols] for r in rows]
+    widths = [max(len(h), *(len(c[i]) for c in cells)) for i, (h, _, _) in enumerate(cols)]
+    print()
+    print("  ".join(h.rjust(w) for (h, _, _), w in zip(cols, widths, strict=True)))
+    for c in cells:
+        print("  ".join(x.rjust(w) for x, w in zip(c, widths, strict=True)))
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--json", action="store_true", help="one JSON line per TPOT (then the bytecode and sessions lines)")
@@ -582,6 +702,22 @@ def main(argv: Sequence[str] | None = None) -> int:
         metavar="PATH",
         help="more training traces for the drafters, beside the training tasks' runs (default: the bundled "
         "tb1 sample; 'none' for none)",
+    )
+    ap.add_argument(
+        "--specbox",
+        action="store_true",
+        help="also run each task speculatively with the SpecBox layer (cache, pool, router, Markov) and report it",
+    )
+    ap.add_argument("--specbox-cache", default="reads", choices=("off", "reads"), help="with --specbox (default reads)")
+    ap.add_argument("--specbox-pool-depth", type=int, default=2, metavar="N", help="with --specbox (default 2)")
+    ap.add_argument(
+        "--specbox-router", default="parse", choices=("off", "parse", "trained"), help="with --specbox (default parse)"
+    )
+    ap.add_argument(
+        "--specbox-markov",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="with --specbox: the Markov drafter fitted on the training runs (default on)",
     )
     ap.add_argument("--plot", default=None, help="write a PNG plot here")
     ap.add_argument("--out", default=None, help="keep the recorded traces (JSONL) in this directory")
@@ -618,6 +754,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         log(f"drafters fitted on {len(train)} training runs + {len(extra_train)} traces of {paths or 'nothing'}")
         train = [*train, *extra_train]
         drafters = default_drafters(train, policy=args.policy)
+        specbox = None
+        if args.specbox:
+            from live.specbox_layer import SpecBoxOptions
+
+            specbox = SpecBoxOptions(
+                cache=args.specbox_cache,
+                pool_depth=args.specbox_pool_depth,
+                router=args.specbox_router,
+                markov=args.specbox_markov,
+            )
+            log(f"with the SpecBox layer: {specbox}")
         out_lines: list[dict[str, Any]] = []
         if args.sessions:
             log(f"{args.sessions} concurrent speculative sessions at TPOT {tpots[len(tpots) // 2]:g} ms ...")
@@ -665,7 +812,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         for tpot in tpots:
             log(f"TPOT {tpot:g} ms ...")
             figs[tpot] = anyio.run(
-                lambda tpot=tpot: measure_tpot(tpot, trajs, staged, drafters, args.base, policy=args.policy)
+                lambda tpot=tpot: measure_tpot(
+                    tpot, trajs, staged, drafters, args.base, policy=args.policy, specbox=specbox, train=train
+                )
             )
             rows.append(figs[tpot].figures(train))
             if args.json:
@@ -693,12 +842,18 @@ def main(argv: Sequence[str] | None = None) -> int:
             out = Path(args.out)
             out.mkdir(parents=True, exist_ok=True)
             write_jsonl([t for t in train if t.source == "scripts/bench_live.py"], out / "training.jsonl")
-            write_jsonl([r.trace for f in figs.values() for s, p in f.runs for r in (s, p)], out / "live.jsonl")
+            write_jsonl(
+                [r.trace for f in figs.values() for s, p in f.runs for r in (s, p)]
+                + [b.trace for f in figs.values() for b in f.box_runs],
+                out / "live.jsonl",
+            )
             (out / "figures.json").write_text(json.dumps({"tpots": rows, **extra}, indent=2) + "\n")
         if args.plot:
             plot(rows, args.plot)
         if not args.json:
             print_table(rows)
+            if specbox is not None:
+                print_specbox_table(rows)
             if "bytecode" in extra:
                 b = extra["bytecode"]
                 print(

@@ -367,6 +367,22 @@ class _Shared:
     lock: threading.Lock = field(default_factory=threading.Lock)
 
 
+#: The counters :meth:`CachedSandbox.cache_counts` reports (fields of CacheStats).
+_COUNTS = (
+    "hits",
+    "misses",
+    "bypasses",
+    "stale_avoided",
+    "stale_differed",
+    "violations",
+    "refused",
+    "stores",
+    "evictions",
+    "entries",
+    "hit_saved_ns",
+)
+
+
 def _unit(action: Action) -> str:
     """What a violation disables: one command line of a shell, else the whole tool."""
     return action.key if action.tool == "bash" else f"tool:{action.tool}"
@@ -411,10 +427,26 @@ class CachedSandbox:
         self.store_if = store_if
         self._shared = _shared if _shared is not None else _Shared()
         self._consumed = False
+        self._last_hit_ns: int | None = None
 
     @property
     def version(self) -> str:
         return self.inner.version
+
+    @property
+    def last_cache_hit_ns(self) -> int | None:
+        """None when this sandbox's last ``execute`` ran the action (or none ran yet), else
+        the tool time the cache saved: the stored entry's recorded run time in ns
+        (:class:`aospec.protocols.CachingSandbox`)."""
+        return self._last_hit_ns
+
+    def cache_counts(self) -> dict[str, int]:
+        """The shared cache's counters (every fork's lookups together): ``hits``,
+        ``misses``, ``bypasses``, ``stale_avoided``, ``stale_differed``, ``violations``,
+        ``refused``, ``stores``, ``evictions``, ``entries`` and ``hit_saved_ns``
+        (:class:`CacheStats`)."""
+        s = self.cache.stats
+        return {name: int(getattr(s, name)) for name in _COUNTS}
 
     def cacheable(self, action: Action) -> bool:
         """Whether ``execute(action)`` may be served from the cache."""
@@ -429,12 +461,14 @@ class CachedSandbox:
 
     async def execute(self, action: Action) -> str:
         self._check()
+        self._last_hit_ns = None
         if not self.cacheable(action):
             self.cache.count(bypasses=1)
             return await self.inner.execute(action)
         before = self.inner.version
         found = self.cache.lookup(action, before, self.namespace)
         if found.hit is not None:
+            self._last_hit_ns = found.hit.duration_ns
             return found.hit.result
         t0 = time.monotonic_ns()
         result = await self.inner.execute(action)

@@ -24,7 +24,9 @@ k steps further) and, for each likely tool, the actions recorded with that label
 training, each with probability ``P(tool) * P(action | tool)`` (``P(action | tool)``: the
 action's share of that label's training actions). For bash this proposes, e.g., the
 commonest ``ls -la`` when ``ls`` is the likely next program: an exact repeat of a recorded
-command, which JASV only reuses when the actor emits exactly it.
+command, which JASV only reuses when the actor emits exactly it. Once a router has named
+the tool being decoded, ``propose_routed(history, tool, width)`` proposes that label's
+recorded actions with ``P(action | tool)`` (a RoutedActionDrafter).
 """
 
 from __future__ import annotations
@@ -202,6 +204,19 @@ class MarkovPrefetcher:
                 dist = self._step(dist)
         drafts.sort(key=lambda d: (-d.probability, d.offset, d.action.key))
         return drafts[:width]
+
+    async def propose_routed(self, history: History, tool: str, width: int) -> Sequence[ActionDraft]:
+        """Once a router has named the ``tool`` of the action being decoded
+        (:class:`aospec.protocols.RoutedActionDrafter`): the actions recorded (in training and
+        by :meth:`observe`) with that label, most frequent first, each at offset 0 with
+        ``P(action | tool)``, its share of the label's recorded actions. Nothing for a
+        non-call label or one never recorded."""
+        acts = self.actions.get(tool)
+        if width <= 0 or tool in NON_CALLS or not acts:
+            return []
+        n = sum(acts.values())
+        ranked = sorted(acts.items(), key=lambda ac: (-ac[1], ac[0].key))[:width]
+        return [ActionDraft(action, 0, c / n) for action, c in ranked]
 
     def _step(self, dist: Mapping[str, float]) -> dict[str, float]:
         """The first-order chain one step further: sum_t P(t) * P(. | t)."""

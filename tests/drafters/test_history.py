@@ -154,3 +154,47 @@ def test_tool_calls_are_modelled_with_the_previous_calls_argument_values_as_slot
     assert skeleton(Action("search_onestop_flight", dict(search.args)), search) is not None
     expected = Action("search_onestop_flight", {"origin": "BOS", "destination": "LAX", "date": "2024-06-01"})
     assert _propose(d, h)[0].action == expected
+
+
+# -- routed proposals (aospec.protocols.RoutedActionDrafter) --------------------------------
+
+
+def _routed(d, h, tool, width=4):
+    return anyio.run(d.propose_routed, h, tool, width)
+
+
+def test_routed_proposals_keep_only_the_routed_program_with_its_conditional_probability():
+    from specbox.routers import tool_label  # the router's own label rule
+
+    d = HistoryActionDrafter(label=tool_label)
+    d.fit(TRAIN)
+    h = _history(["make build", "./run --fast", "vim x", "make build", "cd /app && make test"])
+    plain = {x.action: x.probability for x in _propose(d, h, width=50)}
+    routed = _routed(d, h, "make", width=50)
+    assert routed and {tool_label(x.action) for x in routed} == {"make"}
+    assert {x.offset for x in routed} == {0}
+    for x in routed:
+        if x.action in plain:  # conditioned on the tool: never less likely than unconditioned
+            assert plain[x.action] <= x.probability <= 1
+    assert sum(x.probability for x in routed) <= 1 + 1e-9
+    assert [x.action for x in _routed(d, h, "./run")] == [Action.bash("./run --fast")]
+    assert _routed(d, h, "pytest") == []
+    assert _routed(d, h, "make", width=0) == []
+
+
+def test_routed_proposals_reach_a_test_command_older_than_the_repetition_window():
+    from specbox.routers import tool_label
+
+    d = HistoryActionDrafter(label=tool_label, max_recent=3)
+    d.fit(TRAIN)
+    h = _history(["python -m pytest -q tests", "cat a.py", "sed -i s/1/2/ a.py", "cat b.py", "ls", "grep x a.py"])
+    assert Action.bash("python -m pytest -q tests") not in [x.action for x in _propose(d, h, width=50)]
+    routed = {x.action: x.probability for x in _routed(d, h, "python")}
+    assert 0 < routed[Action.bash("python -m pytest -q tests")] <= 1  # besides the skeleton's `python a.py`
+
+
+def test_routed_proposals_need_the_label_function():
+    d = HistoryActionDrafter()
+    d.fit(TRAIN)
+    with pytest.raises(ConfigError, match="label="):
+        _routed(d, _history(["ls"]), "ls")

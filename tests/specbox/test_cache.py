@@ -146,6 +146,39 @@ def test_cached_sandbox_is_a_sandbox_and_forks_share_the_cache() -> None:
     run(main)
 
 
+def test_last_cache_hit_ns_says_what_the_last_execute_saved_and_counts_are_shared() -> None:
+    async def main() -> None:
+        sb = CachedSandbox(InMemorySandbox({"a": "1\n"}, op_delay_s=0.01), deterministic=READS)
+        assert sb.last_cache_hit_ns is None  # nothing ran yet
+        await sb.execute(Action.bash("cat a"))
+        assert sb.last_cache_hit_ns is None  # a miss: it ran
+        (entry,) = sb.cache.recent("bash")
+        assert entry.duration_ns > 0
+        fork = await sb.fork()
+        await fork.execute(Action.bash("cat a"))
+        assert fork.last_cache_hit_ns == entry.duration_ns  # the recorded run time, saved
+        assert sb.last_cache_hit_ns is None  # per sandbox, not per cache
+        await fork.execute(Action.bash("echo 2 > a"))
+        assert fork.last_cache_hit_ns is None  # a bypass ran
+        await fork.execute(Action.bash("cat a"))
+        assert fork.last_cache_hit_ns is None  # new version: a miss, it ran
+        await fork.discard()
+        counts = sb.cache_counts()
+        assert counts == fork.cache_counts()  # one cache for the sandbox and its forks
+        assert {k: counts[k] for k in ("hits", "misses", "bypasses", "stale_avoided", "stores")} == {
+            "hits": 1,
+            "misses": 2,
+            "bypasses": 1,
+            "stale_avoided": 1,
+            "stores": 2,
+        }
+        assert counts["hit_saved_ns"] == entry.duration_ns
+        assert all(isinstance(v, int) for v in counts.values())
+        assert {"stale_differed", "violations", "evictions"} <= set(counts)
+
+    run(main)
+
+
 def test_non_deterministic_actions_bypass() -> None:
     async def main() -> None:
         sb = CachedSandbox(InMemorySandbox(), deterministic={"read_file"})

@@ -100,6 +100,26 @@ def test_is_an_action_drafter_proposing_p_tool_times_p_action() -> None:
     assert anyio.run(MarkovPrefetcher().propose, history, 3, 1) == []  # not fitted
 
 
+def test_routed_proposals_are_the_labels_recorded_actions_with_p_action_given_tool() -> None:
+    m = MarkovPrefetcher(alpha=1.0)
+    m.fit([_trace("a", ["ls", "cat x", "ls", "cat x", "ls -la", "cat y", "make test"])])
+    history = History("task").extend(Action.bash("ls"), "out")
+    drafts = anyio.run(m.propose_routed, history, "cat", 5)
+    assert drafts == [
+        ActionDraft(Action.bash("cat x"), 0, pytest.approx(2 / 3)),
+        ActionDraft(Action.bash("cat y"), 0, pytest.approx(1 / 3)),
+    ]
+    assert anyio.run(m.propose_routed, history, "cat", 1) == drafts[:1]
+    # Only that label, whatever the transition model says comes next.
+    assert [d.action for d in anyio.run(m.propose_routed, history, "make", 3)] == [Action.bash("make test")]
+    assert anyio.run(m.propose_routed, history, "pytest", 3) == []  # never recorded
+    assert anyio.run(m.propose_routed, history, "none", 3) == []  # not a call
+    assert anyio.run(m.propose_routed, history, "cat", 0) == []
+    for _ in range(3):
+        m.observe("cat", Action.bash("cat z"))  # online: the recorded actions grow
+    assert anyio.run(m.propose_routed, history, "cat", 1)[0].action == Action.bash("cat z")
+
+
 def test_evaluate_markov_on_held_out_traces() -> None:
     m = MarkovPrefetcher()
     m.fit([_trace("a", ["ls", "cat x", "ls", "cat y"])])
