@@ -8,7 +8,9 @@ base, an MCP-style server process) per tool type, each under one policy:
 - ``on-demand``: started when acquired, stopped when released (every call pays the cold
   start; the baseline).
 - ``speculative``: started by :meth:`EnvironmentPool.warm` (router events, Markov
-  prefetch) and kept idle until acquired, idle-evicted, or evicted for budget.
+  prefetch) and kept idle until acquired, idle-evicted, or evicted for budget. A
+  ``floor`` of environments per type may be kept warm as under ``reserved`` (refilled
+  after each acquire, spared by idle eviction); warm-ups come on top of it.
 
 A budget (estimated memory bytes and a count over live environments) is enforced before
 every start: idle speculative-warm environments are evicted first (least recently used),
@@ -24,6 +26,7 @@ discarded, never handed out) and the ready queue is refilled in the background.
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Sequence
@@ -50,6 +53,8 @@ __all__ = [
     "prefetch_adapter",
     "pooled_sandbox",
     "process_rss_bytes",
+    "process_tree_pids",
+    "process_tree_rss_bytes",
     "router_adapter",
     "sandbox_spec",
 ]
@@ -63,7 +68,9 @@ class EnvSpec:
     """One tool type. Either ``start``/``stop`` (an async factory and its teardown) or
     ``open`` (an async context manager factory; the pool holds it open in a task of its
     own). ``memory_bytes`` is the estimate the budget counts; ``rss`` (optional) measures
-    a live environment's resident memory for reports."""
+    a live environment's resident memory for reports. ``reserved`` is the number kept warm
+    under ``reserved``, ``floor`` the number kept warm under ``speculative`` (0: none),
+    ``max_warm`` the most idle or starting environments a warm-up may bring about."""
 
     name: str
     start: Callable[[], Awaitable[Any]] | None = None
@@ -74,12 +81,20 @@ class EnvSpec:
     reserved: int = 1
     max_warm: int = 1
     rss: Callable[[Any], int] | None = None
+    floor: int = 0
 
     def __post_init__(self) -> None:
         if (self.start is None) == (self.open is None):
             raise ConfigError(f"EnvSpec {self.name!r}: give exactly one of start= or open=")
         if self.policy not in POLICIES:
             raise ConfigError(f"EnvSpec {self.name!r}: policy must be one of {POLICIES}")
+        if self.floor and self.policy != "speculative":
+            raise ConfigError(f"EnvSpec {self.name!r}: floor= is for the speculative policy (reserved= otherwise)")
+
+    @property
+    def kept_warm(self) -> int:
+        """How many environments of this type the pool keeps warm at all times."""
+        return self.reserved if self.policy == "reserved" else self.floor if self.policy == "speculative" else 0
 
 
 @dataclass(eq=False)
@@ -156,8 +171,7 @@ class EnvironmentPool:
         if self.idle_timeout_s is not None:
             self._tg.start_soon(self._idle_loop)
         for spec in self.specs.values():
-            if spec.policy == "reserved":
-                self._refill(spec)
+            self._refill(spec)
         return self
 
     async def __aexit__(self, *exc: object) -> bool | None:
@@ -302,8 +316,7 @@ class EnvironmentPool:
         env.state = "busy"
         env.used = True
         env.last_used = time.monotonic()
-        if env.spec.policy == "reserved":
-            self._refill(env.spec)
+        self._refill(env.spec)
         self._notify()
         return env
 
@@ -316,8 +329,13 @@ class EnvironmentPool:
     def _refill(self, spec: EnvSpec) -> None:
         if self._closed or self._tg is None:
             return
-        ready = sum(1 for e in self._envs if e.name == spec.name and e.state in ("idle", "starting") and not e.used)
-        for _ in range(spec.reserved - ready):
+        # ready: idle (a released environment counts again), or starting and not yet claimed
+        ready = sum(
+            1
+            for e in self._envs
+            if e.name == spec.name and (e.state == "idle" or (e.state == "starting" and not e.used))
+        )
+        for _ in range(spec.kept_warm - ready):
             if not self._make_room(spec, speculative_only=True):
                 break
             env = Environment(spec)
@@ -352,10 +370,10 @@ class EnvironmentPool:
         return True
 
     def _above_reserve(self, env: Environment) -> bool:
-        if env.spec.policy != "reserved":
+        if not env.spec.kept_warm:
             return True
         ready = sum(1 for e in self._envs if e.name == env.name and e.state == "idle")
-        return ready > env.spec.reserved
+        return ready > env.spec.kept_warm
 
     async def _start_bg(self, env: Environment) -> None:
         with suppress(Exception):
@@ -508,6 +526,32 @@ def process_rss_bytes(pid: int) -> int:
     except OSError:
         return 0
     return 0
+
+
+def process_tree_pids(pid: int) -> list[int]:
+    """``pid`` and its live descendants, from /proc (``task/*/children``); [] when gone."""
+    out: list[int] = []
+    todo = [pid]
+    while todo:
+        p = todo.pop()
+        try:
+            tids = os.listdir(f"/proc/{p}/task")
+        except OSError:
+            continue
+        out.append(p)
+        for tid in tids:
+            try:
+                with open(f"/proc/{p}/task/{tid}/children") as f:
+                    todo.extend(int(c) for c in f.read().split())
+            except OSError:
+                continue
+    return out
+
+
+def process_tree_rss_bytes(pid: int) -> int:
+    """Resident memory of a process and its descendants (each counted whole: pages they
+    share are counted once per process)."""
+    return sum(process_rss_bytes(p) for p in process_tree_pids(pid))
 
 
 @dataclass

@@ -14,6 +14,7 @@ from pathlib import Path
 import anyio
 import pytest
 
+from aospec.errors import ConfigError
 from aospec.protocols import Sandbox
 from aospec.testing import InMemorySandbox
 from aospec.types import Action
@@ -71,6 +72,36 @@ async def test_reserved_keeps_n_warm_and_hits() -> None:
         await pool.release(env)
         assert pool.count("t", "idle") == 3
     assert fake.live == set() and pool.count() == 0
+
+
+async def test_reserved_counts_released_environments_as_warm_and_does_not_grow() -> None:
+    fake = Fake()
+    async with EnvironmentPool([fake.spec("t", policy="reserved", reserved=2)]) as pool:
+        await pool.wait_until(lambda: pool.count("t", "idle") == 2)
+        for _ in range(3):
+            async with pool.lease("t"):
+                pass
+            await pool.wait_until(lambda: pool.count("t", "starting") == 0)
+        assert pool.count("t") == 3 and fake.started == 3  # one refill, then the released one is reused
+
+
+async def test_a_speculative_floor_is_kept_warm_refilled_and_spared_by_idle_eviction() -> None:
+    fake = Fake()
+    specs = [fake.spec("t", policy="speculative", floor=1, max_warm=2)]
+    async with EnvironmentPool(specs, idle_timeout_s=0.02) as pool:
+        await pool.wait_until(lambda: pool.count("t", "idle") == 1)  # started with the pool
+        assert pool.stats.warm_ups == 0
+        env = await pool.acquire("t")
+        assert pool.stats.hits == 1
+        await pool.wait_until(lambda: pool.count("t", "idle") == 1)  # refilled after the acquire
+        assert await pool.warm("t")  # a warm-up comes on top of the floor, up to max_warm
+        await pool.wait_until(lambda: pool.count("t", "idle") == 2)
+        await pool.release(env)
+        await pool.wait_until(lambda: pool.stats.idle_evictions >= 2)
+        await pool.wait_until(lambda: pool.count("t", "idle") == 1)  # evicted down to the floor, not below
+    assert fake.live == set()
+    with pytest.raises(ConfigError, match="floor= is for the speculative policy"):
+        fake.spec("r", policy="reserved", floor=1)
 
 
 async def test_on_demand_cold_starts_every_call_and_stops_on_release() -> None:
