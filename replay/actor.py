@@ -14,17 +14,26 @@ recorded step has, which therefore can never be committed. Given a canonicaliser
 with ``accept="canonical"``), a history whose observations equal the recorded ones once
 canonicalised also counts as recorded: that models the assumption canonical acceptance
 rests on, that the actor's action does not depend on the canonicalised fields.
+
+:meth:`ReplayActor.decode_streaming` (a :class:`aospec.protocols.StreamingActor`, used by
+the engine only when a policy routes) takes the same time and returns the same action, and
+on the recorded history reports the step's recorded stream (replay/_streams.py) while it
+decodes: after the prefill, delta ``k`` of ``n`` when ``k/n`` of the output tokens' time
+has passed. On any other history it reports nothing: the recorded stream belongs to the
+recorded action, and a router fed it would name a tool the diverged decode never calls.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from decimal import Decimal
 
 import trio
 
 from aospec.protocols import ObservationCanonicalizer
 from aospec.types import Action, History, Trace, Turn
+from replay._streams import step_stream
 
 __all__ = ["DIVERGED_TOOL", "END_TOOL", "ReplayActor", "VirtualClock", "ms_to_ns", "seconds_to_ns"]
 
@@ -89,12 +98,15 @@ class ReplayActor:
         self._known: list[Turn | None] = [None] * len(steps)
         task = trace.instruction or trace.task
         self.decode_ns: list[int] = []
+        self._prefill_ns: list[int] = []
         for i, s in enumerate(steps):
-            ns = s.output_tokens * tpot_ns
+            prefill = 0
             if prefill_ns_per_token:
                 new_text = task if i == 0 else steps[i - 1].observation
-                ns += estimate_tokens(new_text) * prefill_ns_per_token
-            self.decode_ns.append(ns)
+                prefill = estimate_tokens(new_text) * prefill_ns_per_token
+            self._prefill_ns.append(prefill)
+            self.decode_ns.append(s.output_tokens * tpot_ns + prefill)
+        self._streams: list[list[object] | None] = [None] * len(steps)
         self.calls = 0
 
     def matches(self, history: History) -> bool:
@@ -138,3 +150,37 @@ class ReplayActor:
         ok = self.matches(history)
         await self.clock.sleep_ns(self.decode_ns[i])
         return self._actions[i] if ok else Action(DIVERGED_TOOL, {"step": i})
+
+    def stream(self, i: int) -> list[object]:
+        """The recorded stream of step ``i`` (replay/_streams.py: what
+        ``specbox.routers.step_stream`` gives, tool-call pieces as chat-completions chunks)."""
+        found = self._streams[i]
+        if found is None:
+            found = self._streams[i] = step_stream(self.trace.steps[i])
+        return found
+
+    async def decode_streaming(self, history: History, on_delta: Callable[[object], None]) -> Action:
+        """:meth:`decode`, reporting the recorded stream while decoding on the recorded
+        history: the prefill first, then delta ``k`` of ``n`` (from 1) at
+        ``round(k/n * output tokens' time)``, so the last one arrives as the action does.
+        Nothing is reported on a diverged history or after the last step."""
+        self.calls += 1
+        i = len(history)
+        if i >= len(self._actions):
+            return Action(END_TOOL)
+        total = self.decode_ns[i]
+        if not self.matches(history):
+            await self.clock.sleep_ns(total)
+            return Action(DIVERGED_TOOL, {"step": i})
+        stream = self.stream(i)
+        lead = self._prefill_ns[i]
+        span = total - lead
+        n = len(stream)
+        elapsed = 0
+        for k, delta in enumerate(stream, 1):
+            at = lead + (2 * k * span + n) // (2 * n)  # round(k/n * span), exact in integers
+            await self.clock.sleep_ns(at - elapsed)
+            elapsed = at
+            on_delta(delta)
+        await self.clock.sleep_ns(total - elapsed)
+        return self._actions[i]

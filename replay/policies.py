@@ -19,11 +19,20 @@ drafting call that fails during a run loses only that drafter's candidates and i
 (:class:`DrafterFailures`). Drafting costs virtual time per drafter
 (:class:`ChargedObservationDrafter`): a cheap drafter's candidates are continued when it is
 done, not when the slowest drafter of the policy is.
+
+``aospec:router=specbox.routers.ParseRouter`` routes: the replay actor streams each decode
+(:meth:`replay.actor.ReplayActor.decode_streaming`), the router names the tool mid-decode
+and the action drafters that have ``propose_routed`` launch targets for it, charged like
+any drafting call (:class:`ChargedRoutedActionDrafter`). A router is a dotted path (replay
+names no package above it): a class or function with ``fit(traces)`` is fit on the
+fold's training traces, anything else is called without arguments; several joined with
+``+`` are read side by side (:class:`replay._streams.UnionRouter`).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import json
 from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -36,6 +45,7 @@ from aospec.errors import AospecError, ConfigError
 from aospec.evd import EVDEstimator
 from aospec.protocols import ActionDraft, ActionDrafter, ObservationCanonicalizer, ObservationDraft, ObservationDrafter
 from aospec.types import Action, History, Trace
+from replay._streams import UnionRouter, tool_label
 from replay.actor import ReplayActor, VirtualClock, ms_to_ns
 from replay.sandbox import ReplayWorld
 
@@ -46,6 +56,7 @@ __all__ = [
     "UNBOUNDED",
     "ChargedActionDrafter",
     "ChargedObservationDrafter",
+    "ChargedRoutedActionDrafter",
     "DrafterFailures",
     "DrafterSet",
     "OracleActionDrafter",
@@ -55,6 +66,7 @@ __all__ = [
     "check_drafter_names",
     "check_drafters",
     "load_canonicalizer",
+    "load_router",
     "parse_policies",
     "parse_policy",
 ]
@@ -69,7 +81,8 @@ class PolicyConfig:
     name. Drafting is charged in virtual time: each call costs ``draft_call_ms`` plus
     ``draft_tpot_ms`` per token of its longest candidate (non-generative drafters report 0
     tokens, so they cost the fixed call latency only). ``canonicalizer``: the canonicaliser
-    of ``accept=canonical`` (:func:`load_canonicalizer`).
+    of ``accept=canonical`` (:func:`load_canonicalizer`). ``router``: a stream router's
+    dotted path (several joined by ``+``; "" = no routing, :func:`load_router`).
     """
 
     obs_drafter: str = ""
@@ -78,6 +91,7 @@ class PolicyConfig:
     draft_call_ms: float = 2.0
     draft_tpot_ms: float = 5.0
     canonicalizer: str = "default"
+    router: str = ""
 
     def __post_init__(self) -> None:
         if self.draft_call_ms < 0 or self.draft_tpot_ms < 0:
@@ -92,6 +106,10 @@ class PolicyConfig:
     @property
     def action_names(self) -> tuple[str, ...]:
         return tuple(n for n in self.action_drafter.split("+") if n and n != "none")
+
+    @property
+    def router_names(self) -> tuple[str, ...]:
+        return tuple(n for n in self.router.split("+") if n and n != "none")
 
 
 #: Lookahead, fork width and live forks of a ceiling: in effect unlimited.
@@ -156,6 +174,46 @@ def load_canonicalizer(spec: str) -> ObservationCanonicalizer:
     return obj
 
 
+def _router_factory(name: str) -> Any:
+    """The object a router's dotted path names (ConfigError when it names nothing)."""
+    if ":" not in name and "." not in name:
+        raise ConfigError(
+            f"policy: router {name!r} is not a dotted path (e.g. specbox.routers.ParseRouter; "
+            "replay knows routers only by path)"
+        )
+    obj = import_object(name, {}, "router")
+    if not callable(obj) and not callable(getattr(obj, "session", None)):
+        raise ConfigError(f"policy: router {name!r} is neither a router nor a factory of one")
+    return obj
+
+
+def load_router(spec: str, train: Sequence[Trace] = ()) -> Any:
+    """The stream router ``spec`` names: dotted paths joined by ``+`` (read side by side,
+    :class:`replay._streams.UnionRouter`). Each is fit on ``train`` when it has
+    ``fit(traces)`` (``specbox.routers.KeywordRouter``, ``TfidfRouter``), else called
+    without arguments (``ParseRouter``), or used as is when it is a router already."""
+    names = [n for n in spec.split("+") if n and n != "none"]
+    if not names:
+        raise ConfigError(f"policy: router {spec!r} names no router")
+    members = []
+    for name in names:
+        obj = _router_factory(name)
+        fit = getattr(obj, "fit", None)
+        if callable(getattr(obj, "session", None)) and not isinstance(obj, type):
+            router = obj
+        elif callable(fit):
+            router = fit(list(train))
+        else:
+            try:
+                router = obj()
+            except TypeError as exc:
+                raise ConfigError(f"policy: router {name!r} cannot be built without arguments: {exc}") from None
+        if not callable(getattr(router, "session", None)):
+            raise ConfigError(f"policy: router {name!r} built {type(router).__name__}, which has no session()")
+        members.append(router)
+    return members[0] if len(members) == 1 else UnionRouter(members)
+
+
 _ENGINE_KEYS = {f.name for f in dataclasses.fields(EngineConfig)}
 _POLICY_KEYS = {f.name for f in dataclasses.fields(PolicyConfig)}
 
@@ -190,10 +248,13 @@ class Policy:
         """
         if not self.config.obs_names and not self.config.action_names:
             return self  # nothing speculates: the policy is its own ceiling
+        # No router: routed targets are action drafting, which the oracle already does at
+        # every boundary for every step the committed version reaches.
         cfg = dataclasses.replace(
             self.config,
             obs_drafter="oracle" if self.config.obs_names else "",
             action_drafter="oracle" if self.config.action_names else "",
+            router="",
         )
         engine = dataclasses.replace(self.engine, depth=UNBOUNDED, fork_width=UNBOUNDED, max_live_forks=UNBOUNDED)
         return Policy(f"ceiling-of({self.name})", self.base, engine, cfg)
@@ -228,7 +289,8 @@ def parse_policy(spec: str) -> Policy:
         if key in _ENGINE_KEYS:
             engine_map[key] = _value(raw)
         elif key in _POLICY_KEYS:
-            policy_map[key] = raw if key in ("obs_drafter", "action_drafter", "kernel", "canonicalizer") else _value(raw)
+            strings = ("obs_drafter", "action_drafter", "kernel", "canonicalizer", "router")
+            policy_map[key] = raw if key in strings else _value(raw)
         else:
             known = ", ".join(sorted(_ENGINE_KEYS | _POLICY_KEYS))
             raise ConfigError(f"policy {spec!r}: unknown key {key!r}; known keys: {known}")
@@ -256,6 +318,8 @@ def check_drafter_names(policies: Sequence[Policy]) -> None:
             resolve("EVD kernel", p.config.kernel)
         if p.engine.accept == "canonical":
             load_canonicalizer(p.config.canonicalizer)
+        for name in p.config.router_names:
+            _router_factory(name)
 
 
 def _drafter_names(policies: Sequence[Policy]) -> list[tuple[str, str]]:
@@ -435,11 +499,34 @@ class ChargedActionDrafter:
         return drafts
 
 
+class ChargedRoutedActionDrafter(ChargedActionDrafter):
+    """A :class:`ChargedActionDrafter` that is also a
+    :class:`aospec.protocols.RoutedActionDrafter`: ``propose_routed`` asks the inners that
+    have it and costs what a ``propose`` call with those candidates costs."""
+
+    __slots__ = ()
+
+    async def propose_routed(self, history: History, tool: str, width: int) -> Sequence[ActionDraft]:
+        drafts: list[ActionDraft] = []
+        for inner in self.inners:
+            routed = getattr(inner, "propose_routed", None)
+            if routed is None:
+                continue
+            try:
+                drafts.extend(await routed(history, tool, width))
+            except AospecError as exc:
+                self.failures.record(inner, exc)
+        await self.clock.sleep_ns(self.call_ns + max((d.tokens for d in drafts), default=0) * self.tpot_ns)
+        return drafts
+
+
 class DrafterSet:
     """Drafters and EVD estimators built by name and fit on one fold's training traces.
 
     ``options`` maps a drafter or kernel name to keyword arguments for its class. Each
-    object is built (and fit, if it has ``fit``) once, on first use.
+    object is built (and fit, if it has ``fit``) once, on first use. Routing policies
+    get their own action drafters, built with ``label=`` (:func:`replay._streams.tool_label`,
+    the routers' labels) when their class takes it, and their routers fit on ``train``.
     """
 
     def __init__(self, train: Sequence[Trace], options: Mapping[str, Mapping[str, Any]] | None = None) -> None:
@@ -447,25 +534,29 @@ class DrafterSet:
         self.options = dict(options or {})
         self._obs: dict[str, ObservationDrafter] = {}
         self._act: dict[str, ActionDrafter] = {}
+        self._routed_act: dict[str, ActionDrafter] = {}
+        self._routers: dict[str, Any] = {}
         self._evd: dict[str, EVDEstimator] = {}
         self._canon: dict[str, ObservationCanonicalizer] = {}
 
-    def construct(self, kind: str, name: str) -> Any:
+    def construct(self, kind: str, name: str, *, labelled: bool = False) -> Any:
         """A new ``kind`` (a registry kind of :mod:`drafters`) named ``name``, built with its
-        options and not fit."""
+        options and not fit; ``labelled``: with ``label=tool_label`` too when it takes one."""
         from drafters import resolve
 
         cls = resolve(kind, name)
         opts = self.options.get(name, {})
         if not isinstance(opts, Mapping):
             raise ConfigError(f"drafter options for {name!r} must be an object, got {type(opts).__name__}")
+        if labelled and "label" not in opts and _takes_label(cls):
+            opts = {**opts, "label": tool_label}
         try:
             return cls(**opts)
         except TypeError as exc:
             raise ConfigError(f"{kind} {name!r}: bad options {dict(opts)!r}: {exc}") from None
 
-    def _build(self, kind: str, name: str) -> Any:
-        obj = self.construct(kind, name)
+    def _build(self, kind: str, name: str, *, labelled: bool = False) -> Any:
+        obj = self.construct(kind, name, labelled=labelled)
         fit = getattr(obj, "fit", None)
         if callable(fit) and kind != "EVD kernel":
             fit(self.train)
@@ -480,6 +571,18 @@ class DrafterSet:
         if name not in self._act:
             self._act[name] = self._build("action drafter", name)
         return self._act[name]
+
+    def routed_action(self, name: str) -> ActionDrafter:
+        """The action drafter ``name`` of routing policies (built with ``label=``)."""
+        if name not in self._routed_act:
+            self._routed_act[name] = self._build("action drafter", name, labelled=True)
+        return self._routed_act[name]
+
+    def router(self, spec: str) -> Any:
+        """The stream router ``spec`` names, fit on the training traces (:func:`load_router`)."""
+        if spec not in self._routers:
+            self._routers[spec] = load_router(spec, self.train)
+        return self._routers[spec]
 
     def evd(self, kernel: str) -> EVDEstimator:
         if kernel not in self._evd:
@@ -519,7 +622,19 @@ class DrafterSet:
         if policy.engine.fork_width > 0 and c.action_names:
             if "oracle" in c.action_names:
                 act.append(OracleActionDrafter(trace, actor, world))
-            real_a = [self.action(n) for n in c.action_names if n != "oracle"]
+            if c.router_names:
+                real_a = [self.routed_action(n) for n in c.action_names if n != "oracle"]
+            else:
+                real_a = [self.action(n) for n in c.action_names if n != "oracle"]
             if real_a:
-                act.append(ChargedActionDrafter(real_a, clock, call_ns, tpot_ns, failures))
+                routed = c.router_names and any(callable(getattr(a, "propose_routed", None)) for a in real_a)
+                charged = ChargedRoutedActionDrafter if routed else ChargedActionDrafter
+                act.append(charged(real_a, clock, call_ns, tpot_ns, failures))
         return obs, act
+
+
+def _takes_label(cls: Any) -> bool:
+    try:
+        return "label" in inspect.signature(cls).parameters
+    except (TypeError, ValueError):
+        return False

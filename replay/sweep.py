@@ -78,7 +78,9 @@ class TraceResult:
 
     ``hidden_tool_ns``, ``hidden_decode_ns`` and ``overhead_ns`` are the engine's
     :class:`aospec.ledger.EngineStatistics` fields ``tool_hidden_ns``, ``decode_hidden_ns``
-    and ``overhead_ns`` (the overhead is 0 in virtual time).
+    and ``overhead_ns`` (the overhead is 0 in virtual time); ``routes_fired``,
+    ``routed_forks_launched`` and ``routed_forks_reused`` are its routing counters (0 for a
+    policy without a router).
     """
 
     trace_id: str
@@ -109,6 +111,9 @@ class TraceResult:
     hidden_decode_ns: int = 0
     overhead_ns: int = 0
     state_model: str = "effects"
+    routes_fired: int = 0
+    routed_forks_launched: int = 0
+    routed_forks_reused: int = 0
 
     @property
     def saving(self) -> float:
@@ -142,6 +147,7 @@ async def _run_one(
     failures = DrafterFailures()
     obs, act = drafters.charged(policy, clock, trace, actor, world, failures)
     evd = drafters.evd(policy.config.kernel) if obs and policy.engine.rank != "likelihood" else None
+    router = drafters.router(policy.config.router) if policy.config.router_names else None
     engine = Engine(
         actor,
         world.sandbox(),
@@ -152,6 +158,7 @@ async def _run_one(
         clock=clock,
         keep_events=False,
         canonicalizer=canon,
+        router=router,
     )
     history = await engine.run(trace.history(0), steps=len(trace))
     return history, actor, world, engine, failures
@@ -228,6 +235,9 @@ def _check_and_record(
         hidden_decode_ns=st.decode_hidden_ns,
         overhead_ns=st.overhead_ns,
         state_model=world.state_model,
+        routes_fired=st.routes_fired,
+        routed_forks_launched=st.routed_forks_launched,
+        routed_forks_reused=st.routed_forks_reused,
     )
 
 
