@@ -7,16 +7,25 @@ and are cancel-safe: a cancelled decode sets a flag the decode loop checks every
 the caller's cancellation returns once the worker has stopped, so no computation outlives
 the call. The memo, ``reply_for`` and the determinism check are those of every actor
 (:class:`live.chat.MemoActor`).
+
+``decode_streaming`` (:class:`aospec.protocols.StreamingActor`) streams the reply as it is
+decoded: the backend gives each token's new text (``complete_sync(on_text=...)``) in the
+worker thread, which hands it to the event loop without waiting (a thread-safe call-soon
+into a memory object stream); the decoding task reads the stream and calls ``on_delta``
+itself, while the decode goes on. A router on the stream thus fires mid-decode.
 """
 
 from __future__ import annotations
 
+import contextlib
+import math
+import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from aospec.errors import ConfigError, DrafterError
-from live.chat import ActorError, ChatFormat, MemoActor, Reply
+from live.chat import ActorError, ChatFormat, MemoActor, Reply, StreamFeed
 
 __all__ = ["TransformersActor"]
 
@@ -91,23 +100,94 @@ class TransformersActor(MemoActor):
         )
         self.model = spec or loaded.spec  # type: ignore[union-attr]
 
-    async def _generate(self, messages: list[dict[str, Any]]) -> Reply:
+    def _inline(self) -> bool:
+        """Whether decodes run in the event loop's thread (see ``run_blocking``)."""
+        from drafters.backends import in_virtual_time
+
+        offload = self.backend.offload
+        return offload == "inline" or (offload == "auto" and in_virtual_time())
+
+    async def _generate_streaming(self, messages: list[dict[str, Any]], feed: StreamFeed) -> Reply:
+        """:meth:`_generate` feeding each decoded piece of text to ``feed`` from this task.
+
+        Threaded, the worker posts each piece into a memory object stream through the
+        loop's thread-safe call-soon (never blocking the decode on the loop); a child task
+        runs the decode while this task reads the stream and feeds it. The stream is closed
+        by a call posted after the worker's last piece, so every piece is read first.
+        Cancelled, the child's decode stops at the next token as :meth:`_generate` does,
+        and this returns once it has. Inline (virtual time), pieces are fed directly."""
         import anyio
+
+        feed.attempt()
+        if self._inline():
+            return await self._generate(messages, on_text=feed.content)
+        send, receive = anyio.create_memory_object_stream[str](math.inf)
+        soon = _call_soon()
+
+        def put(piece: str) -> None:  # in the loop: must not raise
+            with contextlib.suppress(anyio.ClosedResourceError, anyio.BrokenResourceError):
+                send.send_nowait(piece)  # (raises only once the reader has gone: cancelled)
+
+        def on_text(piece: str) -> None:  # in the worker
+            soon(lambda: put(piece))
+
+        reply: Reply | None = None
+        error: Exception | None = None
+
+        async def decode() -> None:
+            nonlocal reply, error
+            try:
+                reply = await self._generate(messages, on_text=on_text)
+            except Exception as exc:
+                error = exc  # raised below as itself, not in a task group's exception group
+            finally:
+                soon(send.close)
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(decode)
+            with receive:
+                async for piece in receive:
+                    feed.content(piece)
+        if error is not None:
+            raise error
+        assert reply is not None
+        return reply
+
+    async def _generate(self, messages: list[dict[str, Any]], on_text: Callable[[str], None] | None = None) -> Reply:
+        import anyio
+
+        from drafters.backends import run_blocking
 
         backend = self.backend
         prompt = backend.render(messages)
         greedy = self.temperature == 0
         start = time.monotonic_ns()
+        first: list[int] = []  # when the first piece of text was decoded (streaming)
         self.stats.requests += 1
-        try:
-            (done,) = await backend.complete(
+        report = on_text
+        if on_text is not None:
+            give = on_text
+
+            def report(piece: str) -> None:
+                if not first:
+                    first.append(time.monotonic_ns())
+                give(piece)
+
+        def work(stop: threading.Event | None) -> Any:
+            (done,) = backend.complete_sync(
                 prompt,
                 n=1,
                 max_new_tokens=self.max_new_tokens,
                 mode="greedy" if greedy else "sample",
                 temperature=1.0 if greedy else self.temperature,
                 seed=self.sample_seed,
+                stop=stop,
+                on_text=report,
             )
+            return done
+
+        try:
+            done = await run_blocking(work, backend.offload)
         except anyio.get_cancelled_exc_class():
             self.stats.cancelled_requests += 1
             raise
@@ -120,6 +200,19 @@ class TransformersActor(MemoActor):
             output_tokens=done.tokens,
             tokens_estimated=False,
             latency_ns=time.monotonic_ns() - start,
-            first_token_ns=None,
+            first_token_ns=first[0] - start if first else None,
             finish_reason="stop" if done.finished else "length",
         )
+
+
+def _call_soon() -> Callable[[Callable[[], object]], None]:
+    """A thread-safe way to run a callback soon in the current event loop, without waiting
+    for it (asyncio's ``call_soon_threadsafe``, trio's ``run_sync_soon``; both in order)."""
+    import asyncio
+
+    import anyio.lowlevel
+
+    native = anyio.lowlevel.current_token().native_token
+    if isinstance(native, asyncio.AbstractEventLoop):
+        return native.call_soon_threadsafe
+    return native.run_sync_soon  # type: ignore[attr-defined]

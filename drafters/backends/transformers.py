@@ -22,6 +22,15 @@ its tokens' log-probabilities under the model at temperature 1 (sampling itself 
 another temperature). Seeds derive from the prompt, so a prompt's candidates are
 reproducible regardless of call order. Per decode step the host does not wait for the
 device except once every ``_CHECK_EVERY`` steps.
+
+Streaming: ``complete_sync(..., on_text=f)`` (one sequence: greedy, or ``n=1``) calls
+``f(piece)`` with each newly decoded piece of the reply's text as the tokens come (in the
+calling thread; every path, ``generate`` through a Hugging Face streamer). Pieces are
+decoded incrementally and only text that further tokens cannot change is given (a token
+ending inside a multi-byte character waits for the rest), so their concatenation is the
+completion's text exactly. The host then reads each token as it is drawn; tokens, log
+probabilities and texts are those of the same call without ``on_text``, and without it
+nothing changes.
 """
 
 from __future__ import annotations
@@ -30,7 +39,7 @@ import inspect
 import math
 import threading
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Literal
 
 from aospec._lazy import require
@@ -45,6 +54,80 @@ DECODE_PATHS = ("auto", "generate", "dynamic", "static", "compile", "cuda_graph"
 
 _CHECK_EVERY = 8  # decode steps between host syncs that test "all rows finished"
 _CACHE_BUCKET = 256
+_REPLACEMENT = "\ufffd"  # what decoding gives for bytes of an unfinished UTF-8 character
+
+
+class _TextStream:
+    """Incremental detokenization of one generated sequence for ``on_text``.
+
+    Each pushed token is decoded within a window that starts at the last token whose
+    text was given (``prefix``): the window's text beyond that of its already given tokens
+    (``prefix:read``) is new. Decoding both with the same first token keeps what a
+    tokenizer does at the start of a text (e.g. a dropped leading space) out of the
+    difference. New text ending in U+FFFD (a token ending inside a multi-byte character)
+    waits for the next token. The end token stops the stream; :meth:`finish` gives
+    whatever the final text holds beyond what was given (a held-back tail), so the pieces
+    concatenate to the completion's text.
+    """
+
+    __slots__ = ("backend", "done", "ends", "ids", "on_text", "prefix", "read", "sent")
+
+    def __init__(self, backend: TransformersBackend, on_text: Callable[[str], None]) -> None:
+        self.backend = backend
+        self.on_text = on_text
+        self.ends = frozenset(backend._end_ids)
+        self.ids: list[int] = []
+        self.prefix = 0
+        self.read = 0
+        self.sent: list[str] = []
+        self.done = False
+
+    def push(self, token: int) -> bool:
+        """Take the next generated token; True once the sequence has ended."""
+        if self.done:
+            return True
+        if token in self.ends:
+            self.done = True
+            return True
+        ids = self.ids
+        ids.append(token)
+        decode = self.backend.decode_text
+        before = decode(ids[self.prefix : self.read]) if self.read > self.prefix else ""
+        now = decode(ids[self.prefix :])
+        if len(now) > len(before) and not now.endswith(_REPLACEMENT) and now.startswith(before):
+            self.prefix, self.read = self.read, len(ids)
+            self._give(now[len(before) :])
+        return False
+
+    def finish(self, text: str) -> None:
+        """The completion's final ``text``: give what of it was not given yet."""
+        self.done = True
+        sent = "".join(self.sent)
+        if len(text) > len(sent) and text.startswith(sent):
+            self._give(text[len(sent) :])
+
+    def _give(self, piece: str) -> None:
+        self.sent.append(piece)
+        self.on_text(piece)
+
+
+class _HFStreamer:
+    """A Hugging Face ``generate`` streamer (``put``/``end``) feeding a :class:`_TextStream`;
+    the first ``put`` is the prompt."""
+
+    def __init__(self, stream: _TextStream) -> None:
+        self.stream = stream
+        self.prompt = True
+
+    def put(self, value: Any) -> None:
+        if self.prompt:
+            self.prompt = False
+            return
+        for token in value.reshape(-1).tolist():
+            self.stream.push(int(token))
+
+    def end(self) -> None:
+        pass
 
 
 class _StaticRunner:
@@ -67,7 +150,10 @@ class _StaticRunner:
             self.cache = backend._transformers.StaticCache(config=backend._config, max_cache_len=max_len)
         except TypeError:  # transformers < 5 sizes the cache up front
             self.cache = backend._transformers.StaticCache(
-                config=backend._config, max_cache_len=max_len, max_batch_size=batch, device=device,
+                config=backend._config,
+                max_cache_len=max_len,
+                max_batch_size=batch,
+                device=device,
                 dtype=backend.dtype,
             )
         self.token = torch.zeros((batch, 1), dtype=torch.long, device=device)
@@ -158,7 +244,10 @@ class _StaticRunner:
             # positions 0..length-1 of an empty cache).
             cache = backend._dynamic_cache()
             logits = backend.model(
-                input_ids=ids, position_ids=positions.view(1, -1), use_cache=True, logits_to_keep=1,
+                input_ids=ids,
+                position_ids=positions.view(1, -1),
+                use_cache=True,
+                logits_to_keep=1,
                 **{backend._cache_kw: cache},
             ).logits[:, -1, :]
             for i, layer in enumerate(cache.layers):
@@ -224,8 +313,13 @@ class TransformersBackend(TokenizerText, BlockingCompletions):
             self.device = resolve_device(device)
             self.dtype = resolve_dtype(dtype, self.device)
             loaded = load_model(
-                model, adapter=adapter, device=self.device, dtype=self.dtype, texts=texts,
-                vocab_size=vocab_size, seed=seed,
+                model,
+                adapter=adapter,
+                device=self.device,
+                dtype=self.dtype,
+                texts=texts,
+                vocab_size=vocab_size,
+                seed=seed,
             )
         else:
             param = next(loaded.model.parameters())
@@ -253,7 +347,9 @@ class TransformersBackend(TokenizerText, BlockingCompletions):
         self.fallback_reason: str | None = None
         self._valid_vocab = len(self.tokenizer)
         self._end_ids = end_token_ids(
-            self.tokenizer, getattr(getattr(self.model, "generation_config", None), "eos_token_id", None), model=self.spec
+            self.tokenizer,
+            getattr(getattr(self.model, "generation_config", None), "eos_token_id", None),
+            model=self.spec,
         )
         self._pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self._end_ids[0]
         self._runners: OrderedDict[tuple[int, int, str], _StaticRunner] = OrderedDict()
@@ -306,19 +402,38 @@ class TransformersBackend(TokenizerText, BlockingCompletions):
         temperature: float = 1.0,
         seed: int = 0,
         stop: threading.Event | None = None,
+        on_text: Callable[[str], None] | None = None,
     ) -> list[Completion]:
-        """Blocking version of :meth:`complete`: ``n`` rows (1 for greedy), in row order."""
-        ids = self.request_ids(prompt, n=n, max_new_tokens=max_new_tokens, mode=mode, temperature=temperature,
-                              limit=self.max_context, limit_name="max_context")
+        """Blocking version of :meth:`complete`: ``n`` rows (1 for greedy), in row order.
+
+        ``on_text``: called (in this thread) with each newly decoded piece of the text of
+        the one sequence generated (greedy, or ``n=1``; not beam search) as it is decoded;
+        the pieces concatenate to the completion's ``text``. An exception it raises ends
+        the call."""
+        ids = self.request_ids(
+            prompt,
+            n=n,
+            max_new_tokens=max_new_tokens,
+            mode=mode,
+            temperature=temperature,
+            limit=self.max_context,
+            limit_name="max_context",
+        )
+        batch = 1 if mode == "greedy" else n
+        if on_text is not None and (mode == "beam" or batch != 1):
+            raise ConfigError("complete: on_text streams one sequence (greedy, or n=1 without beam search)")
+        stream = None if on_text is None else _TextStream(self, on_text)
         with self._lock, self._torch.inference_mode():
             if mode == "beam":
                 return self._beam(ids, n, max_new_tokens)
-            batch = 1 if mode == "greedy" else n
             if self.decode == "generate":
-                rows = self._generate(ids, batch, max_new_tokens, mode, temperature, seed, prompt)
+                rows = self._generate(ids, batch, max_new_tokens, mode, temperature, seed, prompt, stream)
             else:
-                rows = self._loop(ids, batch, max_new_tokens, mode, temperature, seed, prompt, stop)
-            return [self._completion(*row) for row in rows]
+                rows = self._loop(ids, batch, max_new_tokens, mode, temperature, seed, prompt, stop, stream)
+            completions = [self._completion(*row) for row in rows]
+        if stream is not None:
+            stream.finish(completions[0].text)
+        return completions
 
     def _completion(self, tokens: Sequence[int], logprob: float, token_logprobs: Sequence[float] = ()) -> Completion:
         finished = bool(tokens) and tokens[-1] in self._end_ids
@@ -367,6 +482,7 @@ class TransformersBackend(TokenizerText, BlockingCompletions):
         seed: int,
         prompt: str,
         stop: threading.Event | None,
+        stream: _TextStream | None = None,
     ) -> list[tuple[list[int], float, list[float]]]:
         torch = self._torch
         device = self.device
@@ -422,6 +538,8 @@ class TransformersBackend(TokenizerText, BlockingCompletions):
             out.append(tok)
             picked.append(logp.gather(1, tok.view(-1, 1)).view(-1))
             finished |= (tok.view(-1, 1) == ends).any(dim=1)
+            if stream is not None and stream.push(int(tok[0])):
+                break  # the one row has ended (read anyway for its text: no extra wait)
             if t + 1 == max_new:
                 break
             if (t % _CHECK_EVERY == _CHECK_EVERY - 1 and bool(finished.all())) or (stop is not None and stop.is_set()):
@@ -438,7 +556,15 @@ class TransformersBackend(TokenizerText, BlockingCompletions):
         return rows
 
     def _generate(
-        self, ids: list[int], batch: int, max_new: int, mode: str, temperature: float, seed: int, prompt: str
+        self,
+        ids: list[int],
+        batch: int,
+        max_new: int,
+        mode: str,
+        temperature: float,
+        seed: int,
+        prompt: str,
+        stream: _TextStream | None = None,
     ) -> list[tuple[list[int], float, list[float]]]:
         torch = self._torch
         input_ids = torch.tensor([ids], device=self.device)
@@ -458,8 +584,9 @@ class TransformersBackend(TokenizerText, BlockingCompletions):
                 pad_token_id=self._pad_id,
                 output_logits=True,
                 return_dict_in_generate=True,
+                **({} if stream is None else {"streamer": _HFStreamer(stream)}),
             )
-        new = out.sequences[:, len(ids):]
+        new = out.sequences[:, len(ids) :]
         picked = [
             self._logprobs(logits).gather(1, new[:, t].view(-1, 1)).view(-1) for t, logits in enumerate(out.logits)
         ]
@@ -481,7 +608,7 @@ class TransformersBackend(TokenizerText, BlockingCompletions):
             length_penalty=0.0,
         )
         conts = []
-        for row in out[:, len(ids):].tolist():
+        for row in out[:, len(ids) :].tolist():
             cut = next((i + 1 for i, x in enumerate(row) if x in self._end_ids), None)
             if cut is None:
                 while row and row[-1] == self._pad_id and self._pad_id not in self._end_ids:
@@ -517,9 +644,9 @@ class TransformersBackend(TokenizerText, BlockingCompletions):
         mask = torch.tensor([[1] * (len(ids) + len(c)) + [0] * (width - len(c)) for c in conts], device=self.device)
         logits = self.model(input_ids=batch, attention_mask=mask, use_cache=False).logits
         logp = self._logprobs(logits[:, len(ids) - 1 : -1, :])
-        target = batch[:, len(ids):]
+        target = batch[:, len(ids) :]
         picked = logp.gather(2, target.unsqueeze(-1)).squeeze(-1)
-        valid = mask[:, len(ids):].bool()
+        valid = mask[:, len(ids) :].bool()
         return (picked * valid).sum(dim=1).tolist()
 
     # ----------------------------------------------------------------- embeddings

@@ -38,8 +38,12 @@ def long_prompt(backend: TransformersBackend) -> str:
     traces = load_traces([bundled_traces_path()])
     body = backend.encode("\n".join(s.observation for t in traces[:4] for s in t.steps))
     for cut in range(200, 260):
-        prompt = backend.render([{"role": "system", "content": "task: fix the build"},
-                                 {"role": "user", "content": backend.tokenizer.decode(body[:cut])}])
+        prompt = backend.render(
+            [
+                {"role": "system", "content": "task: fix the build"},
+                {"role": "user", "content": backend.tokenizer.decode(body[:cut])},
+            ]
+        )
         if 216 < len(backend.encode(prompt)) < 240:
             return prompt
     raise AssertionError("no prompt of the wanted length")
@@ -113,8 +117,12 @@ def test_beam_candidates_are_ranked_with_exact_logprobs(backend: TransformersBac
 
 
 def test_merge_collapses_duplicates_and_ranks_finished_first() -> None:
-    comps = [Completion("a", -3.0, 2, True), Completion("b", -1.0, 2, False), Completion("a", -3.0, 2, True),
-             Completion("c", -2.0, 2, True)]
+    comps = [
+        Completion("a", -3.0, 2, True),
+        Completion("b", -1.0, 2, False),
+        Completion("a", -3.0, 2, True),
+        Completion("c", -2.0, 2, True),
+    ]
     assert [c.text for c in merge_completions(comps)] == ["c", "a", "b"]
 
 
@@ -141,8 +149,9 @@ def test_backends_are_built_by_name_with_checked_options() -> None:
 
 
 @pytest.mark.parametrize("anyio_backend", ["asyncio", "trio"])
-def test_async_complete_runs_off_the_loop_and_matches_sync(backend: TransformersBackend, prompt: str,
-                                                           anyio_backend: str) -> None:
+def test_async_complete_runs_off_the_loop_and_matches_sync(
+    backend: TransformersBackend, prompt: str, anyio_backend: str
+) -> None:
     async def main():
         ticks = 0
 
@@ -159,7 +168,9 @@ def test_async_complete_runs_off_the_loop_and_matches_sync(backend: Transformers
         return comps, ticks
 
     comps, ticks = anyio.run(main, backend=anyio_backend)
-    assert [c.token_ids for c in comps] == [c.token_ids for c in backend.complete_sync(prompt, n=2, max_new_tokens=64, seed=2)]
+    assert [c.token_ids for c in comps] == [
+        c.token_ids for c in backend.complete_sync(prompt, n=2, max_new_tokens=64, seed=2)
+    ]
     assert ticks > 0  # the event loop kept running while the model decoded
 
 
@@ -203,14 +214,17 @@ def assert_same(got: list[Completion], want: list[Completion], *, what: str) -> 
 SEQUENCE = [("long", 16), ("short", 24), ("long", 40), ("short", 24)]
 
 
-def run_sequence(backend: TransformersBackend, prompts: dict[str, str], batch: int,
-                 mode: str) -> list[list[Completion]]:
-    return [backend.complete_sync(prompts[name], n=batch, max_new_tokens=new, mode=mode, seed=7)
-            for name, new in SEQUENCE]
+def run_sequence(
+    backend: TransformersBackend, prompts: dict[str, str], batch: int, mode: str
+) -> list[list[Completion]]:
+    return [
+        backend.complete_sync(prompts[name], n=batch, max_new_tokens=new, mode=mode, seed=7) for name, new in SEQUENCE
+    ]
 
 
-def check_static_path(backend: TransformersBackend, prompt: str, long_prompt: str, path: str,
-                      cases: list[tuple[int, str]]) -> None:
+def check_static_path(
+    backend: TransformersBackend, prompt: str, long_prompt: str, path: str, cases: list[tuple[int, str]]
+) -> None:
     prompts = {"short": prompt, "long": long_prompt}
     reference = TransformersBackend(loaded=backend.loaded, decode="dynamic")
     under_test = TransformersBackend(loaded=backend.loaded, decode=path)
@@ -231,21 +245,30 @@ def check_static_path(backend: TransformersBackend, prompt: str, long_prompt: st
 
 @pytest.mark.parametrize("batch", [1, 3, 8])
 def test_static_path_matches_dynamic_across_batches_buckets_and_reuse(
-        backend: TransformersBackend, prompt: str, long_prompt: str, batch: int) -> None:
-    check_static_path(backend, prompt, long_prompt, "static", [(batch, "sample")] + ([(1, "greedy")] if batch == 1 else []))
+    backend: TransformersBackend, prompt: str, long_prompt: str, batch: int
+) -> None:
+    check_static_path(
+        backend, prompt, long_prompt, "static", [(batch, "sample")] + ([(1, "greedy")] if batch == 1 else [])
+    )
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(not shutil.which(os.environ.get("CXX", "g++")),
-                    reason="torch.compile on a CPU needs a C++ compiler (g++ or $CXX)")
+@pytest.mark.skipif(
+    not shutil.which(os.environ.get("CXX", "g++")), reason="torch.compile on a CPU needs a C++ compiler (g++ or $CXX)"
+)
 def test_compiled_path_matches_dynamic_across_buckets_and_reuse(
-        backend: TransformersBackend, prompt: str, long_prompt: str) -> None:
+    backend: TransformersBackend, prompt: str, long_prompt: str
+) -> None:
     check_static_path(backend, prompt, long_prompt, "compile", [(3, "sample")])
 
 
 def test_greedy_paths_agree_with_generate_on_a_long_prompt(backend: TransformersBackend, long_prompt: str) -> None:
-    results = {path: TransformersBackend(loaded=backend.loaded, decode=path).complete_sync(
-        long_prompt, n=1, max_new_tokens=40, mode="greedy") for path in ("generate", "dynamic", "static")}
+    results = {
+        path: TransformersBackend(loaded=backend.loaded, decode=path).complete_sync(
+            long_prompt, n=1, max_new_tokens=40, mode="greedy"
+        )
+        for path in ("generate", "dynamic", "static")
+    }
     for path in ("dynamic", "static"):
         assert_same(results[path], results["generate"], what=path)
 
@@ -257,8 +280,9 @@ def test_sliding_window_models_decode_dynamically(backend: TransformersBackend, 
     config = qwen3_config("tiny", backend.tokenizer, use_sliding_window=True, sliding_window=32, max_window_layers=1)
     assert "sliding_attention" in config.layer_types
     torch.manual_seed(0)
-    loaded = LoadedModel(model=transformers.Qwen3ForCausalLM(config).eval(), tokenizer=backend.tokenizer,
-                         spec="sliding", meta={})
+    loaded = LoadedModel(
+        model=transformers.Qwen3ForCausalLM(config).eval(), tokenizer=backend.tokenizer, spec="sliding", meta={}
+    )
     sliding = TransformersBackend(loaded=loaded)
     assert sliding.decode == "dynamic"
     comps = sliding.complete_sync(long_prompt, n=3, max_new_tokens=20, seed=1)
@@ -286,13 +310,17 @@ def test_auto_decodes_with_cuda_graphs_on_a_gpu(backend: TransformersBackend, pr
 
 
 @gpu
-@pytest.mark.parametrize(("path", "dtype", "cases"), [
-    ("cuda_graph", "float32", [(1, "greedy"), (8, "sample")]),
-    ("cuda_graph", "bfloat16", [(1, "greedy"), (8, "sample")]),  # the same kernels: same numbers
-    pytest.param("compile", "float32", [(8, "sample")], marks=pytest.mark.slow),
-])
-def test_gpu_paths_match_static_on_the_gpu(backend: TransformersBackend, prompt: str, long_prompt: str,
-                                           path: str, dtype: str, cases: list[tuple[int, str]]) -> None:
+@pytest.mark.parametrize(
+    ("path", "dtype", "cases"),
+    [
+        ("cuda_graph", "float32", [(1, "greedy"), (8, "sample")]),
+        ("cuda_graph", "bfloat16", [(1, "greedy"), (8, "sample")]),  # the same kernels: same numbers
+        pytest.param("compile", "float32", [(8, "sample")], marks=pytest.mark.slow),
+    ],
+)
+def test_gpu_paths_match_static_on_the_gpu(
+    backend: TransformersBackend, prompt: str, long_prompt: str, path: str, dtype: str, cases: list[tuple[int, str]]
+) -> None:
     import copy
 
     from drafters.model import LoadedModel
@@ -312,3 +340,113 @@ def test_gpu_paths_match_static_on_the_gpu(backend: TransformersBackend, prompt:
             assert all(r.graph is not None for r in fast._runners.values())
         for i, (g, w) in enumerate(zip(got, want, strict=True)):
             assert_same(g, w, what=f"{path} {dtype} batch {batch} {mode}, request {i}")
+
+
+# ----------------------------------------------------------------- streaming text (on_text)
+
+cxx = pytest.mark.skipif(
+    not shutil.which(os.environ.get("CXX", "g++")), reason="torch.compile on a CPU needs a C++ compiler (g++ or $CXX)"
+)
+STREAM_PATHS = ["dynamic", "static", "generate", pytest.param("compile", marks=[pytest.mark.slow, cxx])]
+
+
+@pytest.mark.parametrize("path", STREAM_PATHS)
+def test_on_text_streams_the_text_without_changing_the_completion(
+    backend: TransformersBackend, prompt: str, path: str
+) -> None:
+    b = TransformersBackend(loaded=backend.loaded, decode=path)
+    # Sampled replies of the random model are full of lone bytes of multi-byte characters:
+    # the pieces hold their text back until it is final, and still add up to the text.
+    for mode, seed in [("greedy", 0), ("sample", 1), ("sample", 2), ("sample", 3)]:
+        want = b.complete_sync(prompt, n=1, max_new_tokens=48, mode=mode, seed=seed)
+        pieces: list[str] = []
+        got = b.complete_sync(prompt, n=1, max_new_tokens=48, mode=mode, seed=seed, on_text=pieces.append)
+        assert_same(got, want, what=f"{path} {mode} {seed}")
+        assert got[0].token_logprobs == want[0].token_logprobs
+        assert "".join(pieces) == got[0].text and len(pieces) > 1 and all(pieces)
+    assert b.decode == path and b.fallback_reason is None
+
+
+@pytest.mark.parametrize("path", ["dynamic", "static", "generate"])
+def test_the_stream_ends_at_the_end_token(backend: TransformersBackend, prompt: str, path: str) -> None:
+    b = TransformersBackend(loaded=backend.loaded, decode=path)
+    free = b.complete_sync(prompt, n=1, max_new_tokens=32, mode="sample", seed=3)[0]
+    end = free.token_ids[12]  # make a token the reply reaches mid-way its end token
+    cut = free.token_ids.index(end)
+    b._end_ids = (end,)
+    b._end_tensor = torch.tensor([end])
+    want = b.complete_sync(prompt, n=1, max_new_tokens=32, mode="sample", seed=3)
+    pieces: list[str] = []
+    got = b.complete_sync(prompt, n=1, max_new_tokens=32, mode="sample", seed=3, on_text=pieces.append)
+    assert_same(got, want, what=path)
+    assert got[0].finished and got[0].token_ids == free.token_ids[: cut + 1]
+    assert "".join(pieces) == got[0].text == b.decode_text(free.token_ids[:cut])
+
+
+def test_text_stream_holds_back_unfinished_characters(backend: TransformersBackend) -> None:
+    from drafters.backends.transformers import _TextStream
+
+    text = "ls → 日本語 ✓ é\n```bash\necho 'naïve' > x\n```"
+    ids = backend.encode(text)
+    assert any("\ufffd" in backend.decode_text([i]) for i in ids)  # characters split across tokens
+    pieces: list[str] = []
+    stream = _TextStream(backend, pieces.append)
+    assert not any(stream.push(i) for i in ids)
+    assert "".join(pieces) == text and not any("\ufffd" in p for p in pieces) and len(pieces) > 5
+    assert stream.push(backend._end_ids[0]) and stream.push(ids[0])  # ended: later tokens are ignored
+    stream.finish(text)
+    assert "".join(pieces) == text
+    # A reply cut inside a character: the held-back bytes come at the end, as decoded.
+    cut = next(k for k in range(1, len(ids)) if backend.decode_text(ids[:k]).endswith("\ufffd"))
+    pieces.clear()
+    stream = _TextStream(backend, pieces.append)
+    for i in ids[:cut]:
+        stream.push(i)
+    assert "\ufffd" not in "".join(pieces)
+    stream.finish(backend.decode_text(ids[:cut]))
+    assert "".join(pieces) == backend.decode_text(ids[:cut])
+
+
+def test_a_stop_set_by_on_text_ends_the_decode_at_that_token(backend: TransformersBackend, prompt: str) -> None:
+    import threading
+
+    b = TransformersBackend(loaded=backend.loaded, max_context=8192)
+    stop = threading.Event()
+    pieces: list[str] = []
+
+    def on_text(piece: str) -> None:
+        pieces.append(piece)
+        stop.set()
+
+    (c,) = b.complete_sync(prompt, n=1, max_new_tokens=4000, mode="greedy", stop=stop, on_text=on_text)
+    # The token whose text was the first piece is the last one decoded.
+    assert c.tokens <= 8 and "".join(pieces) == c.text and not c.finished
+    assert c.token_ids == b.complete_sync(prompt, n=1, max_new_tokens=c.tokens, mode="greedy")[0].token_ids
+    assert len(pieces) == 1 or c.text.endswith("\ufffd")
+
+
+def test_on_text_streams_only_one_sequence(backend: TransformersBackend, prompt: str) -> None:
+    with pytest.raises(ConfigError, match="on_text streams one sequence"):
+        backend.complete_sync(prompt, n=2, max_new_tokens=4, on_text=print)
+    with pytest.raises(ConfigError, match="on_text streams one sequence"):
+        backend.complete_sync(prompt, n=2, max_new_tokens=4, mode="beam", on_text=print)
+    assert backend.complete_sync(prompt, n=3, max_new_tokens=4, mode="greedy", on_text=lambda p: None)  # 1 row
+
+
+@gpu
+def test_on_text_on_cuda_graphs_keeps_the_tokens(backend: TransformersBackend, prompt: str) -> None:
+    import copy
+
+    from drafters.model import LoadedModel
+
+    model = copy.deepcopy(backend.loaded.model).to(device="cuda")
+    b = TransformersBackend(
+        loaded=LoadedModel(model=model, tokenizer=backend.tokenizer, spec="tiny", meta={}), decode="cuda_graph"
+    )
+    for mode, seed in [("greedy", 0), ("sample", 1)]:
+        want = b.complete_sync(prompt, n=1, max_new_tokens=48, mode=mode, seed=seed)
+        pieces: list[str] = []
+        got = b.complete_sync(prompt, n=1, max_new_tokens=48, mode=mode, seed=seed, on_text=pieces.append)
+        assert_same(got, want, what=mode)
+        assert "".join(pieces) == got[0].text and len(pieces) > 1
+    assert b.decode == "cuda_graph" and b.fallback_reason is None
