@@ -1,6 +1,7 @@
 """Speed of the intent routers per streamed token (prints a table; ``--json`` prints JSON).
 
-For each router (keyword, TF-IDF, exact parse, the union of keyword and TF-IDF) fitted on
+For each router (keyword, TF-IDF, exact parse, the union of keyword and TF-IDF, and
+``union+parse``: keyword, TF-IDF and parse with the Markov prior gate at 0.3) fitted on
 the training half of the traces (split by task), every eval step's stream is fed token by
 token; the figures are the wall time of ``RouterSession.feed`` per token (mean, p50, p99
 over tokens, best of ``--repeat`` passes for the mean; the process's CPU time per token
@@ -36,7 +37,7 @@ def _per_token(router: Any, steps: list[Any], limit: int) -> dict[str, float]:
     clock = time.perf_counter_ns
     cpu0 = time.process_time_ns()
     for s in steps[:limit] if limit else steps:
-        session = router.session()
+        session = router.session(s.context)
         for d in s.deltas:
             t0 = clock()
             session.feed(d)
@@ -81,6 +82,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     from replay import bundled_traces_path, load_traces
+    from specbox.markov import MarkovPrefetcher
     from specbox.routers import Assembly, KeywordRouter, ParseRouter, TfidfRouter, stream_steps
     from training.dataset import split_by_task
 
@@ -96,7 +98,16 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.perf_counter()
     tf = TfidfRouter.fit(tr)
     fit_tf = time.perf_counter() - t0
-    routers = {"keyword": kw, "tfidf": tf, "parse": ParseRouter(), "union": Assembly([kw, tf])}
+    markov = MarkovPrefetcher()
+    markov.fit(train)
+    parse = ParseRouter()
+    routers = {
+        "keyword": kw,
+        "tfidf": tf,
+        "parse": parse,
+        "union": Assembly([kw, tf]),
+        "union+parse": Assembly([kw, tf, parse], prior=markov, min_prior=0.3, name="union+parse"),
+    }
     results: dict[str, Any] = {
         "paths": [str(p) for p in paths],
         "train_steps": len(tr),

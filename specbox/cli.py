@@ -6,7 +6,9 @@ score them on held-out traces.
     aospec routers eval ... --gamma-sweep                                    # keyword router, gamma 1..4
 
 One record per router (``keyword``, ``tfidf``, ``parse``) and assembly (``union``,
-``intersection``, ``weighted`` of keyword and TF-IDF; ``union+parse``), with ``micro_f1``,
+``intersection``, ``weighted`` of keyword and TF-IDF; ``union+parse``: keyword, TF-IDF and
+parse, the learned guesses gated by the Markov next-tool prior at ``--min-prior``;
+``union+parse(no-prior)``: the same without the gate), with ``micro_f1``,
 ``precision``, ``recall``, ``top3_hit``, ``coverage``, ``fire_position_mean``/``_p50`` and
 ``us_per_token`` (specbox.routers.RouterScore), then one ``markov`` record (next-tool top-1
 and top-3 accuracy, prefetch rate and precision at lambda/tau/B).
@@ -60,6 +62,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
         action="store_true",
         help="instead: the keyword router at gamma 1..4 (coverage, precision, fire position)",
     )
+    ev.add_argument(
+        "--min-prior",
+        type=float,
+        default=0.3,
+        help="union+parse: least Markov P(tool | previous tool) for a learned guess to fire (default 0.3)",
+    )
     ev.add_argument("--lam", type=float, default=5.0, help="Markov prefetch: least tool cost in ms (default 5)")
     ev.add_argument("--tau", type=float, default=0.6, help="Markov prefetch: least probability (default 0.6)")
     ev.add_argument("--budget", type=int, default=1, help="Markov prefetch: tools per step (default 1)")
@@ -111,6 +119,8 @@ def _split(args: argparse.Namespace) -> tuple[list[Any], list[Any], dict[str, An
 def _eval(args: argparse.Namespace) -> int:
     if args.gamma < 1:
         raise ConfigError(f"--gamma must be >= 1, got {args.gamma}")
+    if not 0.0 <= args.min_prior <= 1.0:
+        raise ConfigError(f"--min-prior must be in [0, 1], got {args.min_prior}")
     train, evals, info = _split(args)
     from specbox.markov import MarkovPrefetcher, evaluate_markov
     from specbox.routers import Assembly, KeywordRouter, ParseRouter, TfidfRouter, evaluate_router, stream_steps
@@ -148,6 +158,8 @@ def _eval(args: argparse.Namespace) -> int:
             )
         _print(records, args, title="Keyword router by gamma")
         return 0
+    markov = MarkovPrefetcher(lam=args.lam, tau=args.tau, budget=args.budget, order=args.order)
+    markov.fit(train)
     kw = KeywordRouter.fit(tr_steps, gamma=args.gamma)
     tf = TfidfRouter.fit(tr_steps)
     parse = ParseRouter()
@@ -158,11 +170,10 @@ def _eval(args: argparse.Namespace) -> int:
         Assembly([kw, tf], "union"),
         Assembly([kw, tf], "intersection"),
         Assembly([kw, tf], "weighted"),
-        Assembly([kw, tf, parse], "union", name="union+parse"),
+        Assembly([kw, tf, parse], "union", prior=markov, min_prior=args.min_prior, name="union+parse"),
+        Assembly([kw, tf, parse], "union", name="union+parse(no-prior)"),
     ]
     records: list[dict[str, Any]] = [{**evaluate_router(r, ev_steps).to_json(), **base} for r in routers]
-    markov = MarkovPrefetcher(lam=args.lam, tau=args.tau, budget=args.budget, order=args.order)
-    markov.fit(train)
     m = evaluate_markov(markov, evals).to_json()
     records.append(
         {

@@ -322,3 +322,67 @@ def test_an_exact_fire_settles_the_assembly() -> None:
     got = [(e.tool, e.position) for d in ("x ", "```bash\n", "ls ", "-la ", "/app") for e in s.feed(d)]
     # The learned guess before the program is known is passed on; after 'ls' nothing else.
     assert got == [("cat", 1), ("ls", 3)]
+
+
+# ---------------------------------------------------------------- context, prior gate, settling
+
+
+def test_stream_steps_carry_the_earlier_labels_as_context() -> None:
+    steps = stream_steps([_bash_trace("a")])
+    assert [s.context for s in steps] == [(), ("ls",), ("ls", "cat")]
+
+
+class _Prior:
+    """A next-tool model: 'cat' is likely after 'ls', nothing else is."""
+
+    def distribution(self, labels: list[str]) -> dict[str, float]:
+        return {"cat": 0.9, "grep": 0.1} if labels[-1:] == ["ls"] else {"cat": 0.1, "grep": 0.1}
+
+
+def test_prior_gate_drops_implausible_learned_guesses_only_with_a_context() -> None:
+    learned = _Fixed("a", {1: [("grep", 0.9)], 2: [("cat", 0.9)]})
+    gated = Assembly([learned, ParseRouter()], prior=_Prior(), min_prior=0.5)  # type: ignore[list-item]
+    s = gated.session(["ls"])
+    got = [(e.tool, e.position) for d in ("x ", "y ", "```bash\n", "grep -r x") for e in s.feed(d)]
+    # grep is implausible after ls as a guess, but the exact parse is never gated.
+    assert got == [("cat", 2), ("grep", 4)]
+    # Without a context (the engine's plain session()) nothing is gated.
+    plain = gated.session()
+    assert [e.tool for d in ("x ", "y ") for e in plain.feed(d)] == ["grep", "cat"]
+    with pytest.raises(ConfigError):
+        Assembly([learned], min_prior=0.5)  # type: ignore[list-item]
+
+
+def test_evaluate_router_passes_each_steps_context() -> None:
+    learned = _Fixed("a", {1: [("grep", 0.9)]})
+    gated = Assembly([learned], prior=_Prior(), min_prior=0.5)  # type: ignore[list-item]
+    after_ls = StreamStep(("x ", "y ", "z"), "grep", "t", ("ls",))
+    first = StreamStep(("x ", "y ", "z"), "grep", "t", ())
+    assert evaluate_router(gated, [after_ls]).tp == 0
+    assert evaluate_router(gated, [first]).tp == 0  # P(grep | start) = 0.1 too
+    assert evaluate_router(Assembly([learned]), [after_ls]).tp == 1  # type: ignore[list-item]
+
+
+def _call_trace(task: str) -> Trace:
+    return _trace(
+        task,
+        [
+            (None, Action("get_user_details", {"user_id": "mia_li_3668"})),
+            (None, Action("get_reservation_details", {"reservation_id": "ABC123"})),
+            (None, Action("cancel_reservation", {"reservation_id": "ABC123"})),
+        ],
+    )
+
+
+def test_tfidf_settles_after_a_tool_call_name() -> None:
+    traces = [_call_trace(f"t{i}") for i in range(3)]
+    settled = TfidfRouter.fit(traces, top_n=1, threshold=0.9, min_words=1)
+    free = settled.with_params(settle_on_call=False)
+    name = ToolCallDelta("get_reservation_details", "")
+    # Argument text that reads like cancel_reservation's training stream.
+    args = [ToolCallDelta(None, t) for t in tokenize('{"reservation_id": "ABC123"} ' + "cancel_reservation " * 8)]
+    s_free, s_settled = free.session(), settled.session()
+    many = [e.tool for d in [name, *args] for e in s_free.feed(d)]
+    one = [e.tool for d in [name, *args] for e in s_settled.feed(d)]
+    assert one == ["get_reservation_details"]
+    assert many == ["get_reservation_details", "cancel_reservation"]

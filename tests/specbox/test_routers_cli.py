@@ -51,11 +51,24 @@ def test_eval_json_has_one_record_per_router_and_assembly(
     assert rc == 0, err
     records = json.loads(out)
     names = [r["router"] for r in records]
-    assert names == ["keyword", "tfidf", "parse", "union", "intersection", "weighted", "union+parse", "markov"]
+    assert names == [
+        "keyword",
+        "tfidf",
+        "parse",
+        "union",
+        "intersection",
+        "weighted",
+        "union+parse",
+        "union+parse(no-prior)",
+        "markov",
+    ]
     for r in records[:-1]:
         assert set(r) >= ROUTER_FIELDS
         assert 0.0 <= r["precision"] <= 1.0 and 0.0 <= r["coverage"] <= 1.0
         assert r["calls"] > 0 and r["split"] == "given" and r["shared_tasks"] == 0
+    by_name = {r["router"]: r for r in records}
+    # The prior gate only ever drops learned guesses: never a false positive more.
+    assert by_name["union+parse"]["precision"] >= by_name["union+parse(no-prior)"]["precision"]
     markov = records[-1]
     assert 0.0 <= markov["next_tool_top1"] <= markov["next_tool_top3"] <= 1.0
     assert "warning" not in err
@@ -66,7 +79,7 @@ def test_eval_jsonl_and_table(split_dirs: tuple[Path, Path], capsys: pytest.Capt
     rc, out, _ = _run(["routers", "eval", "--train", str(train), "--eval", str(evals), "--format", "jsonl"], capsys)
     assert rc == 0
     lines = [json.loads(line) for line in out.splitlines()]
-    assert len(lines) == 8
+    assert len(lines) == 9
     rc, out, _ = _run(["routers", "eval", "--train", str(train), "--eval", str(evals)], capsys)
     assert rc == 0 and "micro_f1" in out and "union+parse" in out
 
@@ -98,6 +111,7 @@ def test_bundled_split_by_task_and_gamma_sweep(capsys: pytest.CaptureFixture[str
         (["routers", "eval", "/nonexistent/traces"], "no such file"),
         (["routers", "eval", "--bundled", "--gamma", "0"], "--gamma must be >= 1"),
         (["routers", "eval", "--bundled", "--max-file-mb", "-1"], "--max-file-mb"),
+        (["routers", "eval", "--bundled", "--min-prior", "2"], "--min-prior must be in [0, 1]"),
     ],
 )
 def test_bad_input_is_one_error_line(argv: list[str], message: str, capsys: pytest.CaptureFixture[str]) -> None:
