@@ -76,12 +76,15 @@ class StreamRouter(Protocol):
     """Names the tool the actor is about to call from its stream (e.g. ``specbox.routers``'
     routers and assemblies).
 
-    ``session()`` returns a fresh per-decode object with ``feed(delta) -> Sequence[event]``
-    (called synchronously for each delta, so it must be cheap); each event has
-    ``.tool: str``, ``.confidence: float``, ``.position: int`` (deltas fed so far) and
-    ``.router: str``."""
+    ``session(history)`` returns a fresh per-decode object with ``feed(delta) ->
+    Sequence[event]`` (called synchronously for each delta, so it must be cheap); each event
+    has ``.tool: str``, ``.confidence: float``, ``.position: int`` (deltas fed so far) and
+    ``.router: str``. ``history`` is the history the decode starts from (the verified one, or
+    a provisional branch's), so a router may condition on the earlier steps (e.g. specbox's
+    prior gate on the previous tool); a router whose ``session`` takes no argument is
+    opened with ``session()``."""
 
-    def session(self) -> Any: ...
+    def session(self, history: History) -> Any: ...
 
 
 @runtime_checkable

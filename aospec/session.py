@@ -29,6 +29,7 @@ script P of the paper; docs/engine.md has the table), and the names used here:
 from __future__ import annotations
 
 import enum
+import inspect
 import itertools
 import logging
 import numbers
@@ -231,6 +232,7 @@ class Session:
         # Routing needs a streaming actor: decodes then report their stream to a fresh router
         # session each. Without a router the actor is called exactly as before.
         self._router = router if router is not None and hasattr(actor, "decode_streaming") else None
+        self._router_takes_history = self._router is not None and _takes_an_argument(self._router.session)
         self._route_listeners = tuple(route_listeners)
         self._routed_drafters = tuple(d for d in self._action_drafters if hasattr(d, "propose_routed"))
         # Routed targets are action drafting: off with fork_width 0 (then forks may be off
@@ -816,7 +818,10 @@ class Session:
         fails is counted and not fed again during this decode."""
         assert self._router is not None
         try:
-            router_session = self._router.session()
+            if self._router_takes_history:
+                router_session = self._router.session(branch.history)
+            else:
+                router_session = self._router.session()
             feed = router_session.feed
         except Exception as exc:
             self._speculation_failed(f"router {type(self._router).__name__}", exc)
@@ -1147,6 +1152,16 @@ def _cache_hit_ns(sandbox: Sandbox) -> int | None:
         return int(ns)
     except Exception:
         return None
+
+
+def _takes_an_argument(method: Callable[..., Any]) -> bool:
+    """Whether ``method`` can be called with one positional argument (a router's
+    ``session(history)``, or an older ``session()`` that takes none)."""
+    try:
+        params = inspect.signature(method).parameters.values()
+    except (TypeError, ValueError):
+        return False
+    return any(p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD, p.VAR_POSITIONAL) for p in params)
 
 
 def _valid_probability(p: object) -> bool:

@@ -332,9 +332,13 @@ class ScriptedRouter:
         self.confidence = confidence
         self.label = label
         self.sessions = 0
+        self.histories: list[History | None] = []
 
-    def session(self) -> _ScriptedRouterSession:
+    def session(self, history: History | None = None) -> _ScriptedRouterSession:
+        """A fresh session for one decode; ``history`` (what the engine passes: the history
+        the decode starts from) is appended to ``histories``."""
         self.sessions += 1
+        self.histories.append(history)
         return _ScriptedRouterSession(self)
 
 

@@ -380,3 +380,32 @@ def test_live_engine_with_a_router_is_lossless_under_random_routed_drafter_quali
     assert sb.files == ref_sb.files and sb.version == ref_sb.version
     assert sb.live_forks == 0
     assert stats.steps == steps and stats.routes_fired >= steps
+
+
+def test_the_router_session_is_opened_with_the_history_the_decode_starts_from():
+    """``session(history)``: the verified decode's session gets the verified history (so a
+    router can condition on earlier steps); a router whose ``session()`` takes nothing is
+    still opened and fed."""
+
+    class NoArgRouter:
+        def __init__(self) -> None:
+            self.inner = ScriptedRouter()
+
+        def session(self):  # an older router: no history parameter
+            return self.inner.session()
+
+    async def main() -> tuple[list, int, int]:
+        router = ScriptedRouter()
+        sb = InMemorySandbox(FILES, op_delay_s=0.01)
+        engine = Engine(streaming_actor(), sb, router=router, config=EngineConfig(branch_budget=0, fork_width=0))
+        await engine.run(History("t"), steps=3)
+        old = NoArgRouter()
+        engine2 = Engine(streaming_actor(), InMemorySandbox(FILES), router=old, config=EngineConfig(fork_width=0))
+        await engine2.run(History("t"), steps=3)
+        return router.histories, engine.statistics().routes_fired, engine2.statistics().routes_fired
+
+    histories, fired, fired_old = run_virtual(main)
+    assert [len(h) for h in histories] == [0, 1, 2]
+    assert all(isinstance(h, History) for h in histories)
+    assert histories[2].actions == tuple(SCRIPT[:2])
+    assert fired == 3 and fired_old == 3
