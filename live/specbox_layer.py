@@ -222,10 +222,19 @@ class SpecBoxOptions:
         return self.cache != "off" or self.pool_depth > 0 or self.router != "off" or self.markov
 
 
+#: The prior gate of the trained router (``aospec routers eval --min-prior``'s default,
+#: chosen on the inner split of the training halves: docs/specbox.md, Routers).
+TRAINED_MIN_PRIOR = 0.3
+
+
 def build_router(kind: str, train: Sequence[Trace] = ()) -> Any:
     """The stream router ``kind`` names: None for ``off``; ``parse``: the exact
     :class:`~specbox.routers.ParseRouter`; ``trained``: the union of a keyword router
-    (gamma 2), a TF-IDF router (scikit-learn) and the parse router, fitted on ``train``."""
+    (gamma 2), a TF-IDF router (scikit-learn) and the parse router, fitted on ``train``,
+    with the prior gate of ``aospec routers eval``'s ``union+parse``: a learned guess fires
+    only when a Markov model fitted on ``train`` gives it P(tool | previous tool) >=
+    :data:`TRAINED_MIN_PRIOR` (the engine opens each decode's session with its history,
+    which supplies the previous tools)."""
     if kind == "off":
         return None
     from specbox.routers import ParseRouter
@@ -247,7 +256,13 @@ def build_router(kind: str, train: Sequence[Trace] = ()) -> Any:
     steps = stream_steps(train)
     if not steps:
         raise ConfigError("the training traces hold no steps to fit the trained router on")
-    return Assembly([KeywordRouter.fit(steps, gamma=2), TfidfRouter.fit(steps), ParseRouter()], "union")
+    return Assembly(
+        [KeywordRouter.fit(steps, gamma=2), TfidfRouter.fit(steps), ParseRouter()],
+        "union",
+        prior=build_markov(train),
+        min_prior=TRAINED_MIN_PRIOR,
+        name="union+parse",
+    )
 
 
 def build_markov(train: Sequence[Trace]) -> Any:

@@ -25,7 +25,7 @@ from live.actors import OpenAIChatActor
 from live.agent import Agent, FormatErrorSandbox, default_drafters
 from live.chat import ChatFormat
 from live.record import TraceRecorder
-from live.specbox_layer import SpecBoxOptions, build_router, deterministic_reads, open_specbox
+from live.specbox_layer import TRAINED_MIN_PRIOR, SpecBoxOptions, build_router, deterministic_reads, open_specbox
 from runtime import open_sandbox
 from runtime._fs import mounts_under
 from runtime.host import host_support
@@ -362,6 +362,8 @@ def test_the_trained_router_is_fitted_on_the_training_traces(bundled_traces) -> 
     session = router.session()
     events = [e for d in ["THOUGHT: look.\n\n```bash\n", "ls", " -la\n```"] for e in session.feed(d)]
     assert "ls" in {e.tool for e in events}
+    # the gated union+parse of `aospec routers eval`: learned guesses need the Markov prior
+    assert router.prior is not None and router.min_prior == TRAINED_MIN_PRIOR > 0
     assert build_router("off") is None and type(build_router("parse")) is ParseRouter
 
 
