@@ -17,6 +17,20 @@ Sandbox mode (the default) serves four tools on one committed aospec sandbox:
 
 Every error is an MCP tool error (``isError: true``) with a one-line message.
 
+Out-of-band results (``--artifacts``, for clients on the same host that opt in): the
+server runs a :class:`specbox.transport.ArtifactServer` (memfd backing, an abstract Unix
+socket) for its lifetime. A ``read_file`` or ``bash`` output of at least the inline
+threshold (64 KiB) is published there and the result carries its ref instead of the text,
+in the form :mod:`specbox.mcp_env` documents (``structuredContent``
+``{"aospec_artifact": REF}`` plus the text ``aospec-artifact:`` + the ref's JSON), which
+``McpEnv.call`` or an :class:`~specbox.transport.ArtifactClient` takes zero-copy. A fifth
+tool, ``export_file(path)``, hands any file of the sandbox (bytes; at most
+``--max-artifact-mb``, 1 GiB by default; path rules as ``read_file``'s) the same way,
+inline in the ref (base64) below the threshold. Only the result returned to the client is
+ever published: a speculated call keeps its output in the fork's record until the call is
+served, so a discarded fork leaves no artifact behind. Tokens nobody takes are freed after
+``--artifact-ttl`` seconds; everything is freed when the server stops.
+
 Speculation: after each committed call the predictor proposes likely next calls; each
 runs in a copy-on-write fork of the committed sandbox. A ``tools/call`` whose action key
 (tool + canonical JSON arguments) equals a speculated call's AND whose fork's origin
@@ -44,6 +58,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import posixpath
 import signal
 import socket
@@ -73,17 +88,23 @@ from integrations._mcp_common import (
 )
 
 __all__ = [
+    "EXPORT_TOOL",
+    "MAX_ARTIFACT_BYTES",
     "MAX_READ_BYTES",
     "MAX_WRITE_BYTES",
     "SANDBOX_TOOLS",
     "SandboxToolServer",
+    "ToolOutput",
+    "artifact_result",
     "build_server",
     "register",
+    "run_call",
 ]
 
 MAX_READ_BYTES = 1 << 20  # read_file refuses larger files (use bash: head, sed -n)
 MAX_WRITE_BYTES = 1 << 20  # write_file/edit_file refuse larger contents
 MAX_COMMAND_CHARS = 1 << 16
+MAX_ARTIFACT_BYTES = 1 << 30  # export_file refuses larger files (--max-artifact-mb)
 
 
 def _tool(name: str, description: str, props: dict[str, Any], ann: types.ToolAnnotations) -> types.Tool:
@@ -130,17 +151,28 @@ SANDBOX_TOOLS: tuple[types.Tool, ...] = (
         ),
     ),
 )
-_SCHEMAS = {t.name: t.input_schema["properties"] for t in SANDBOX_TOOLS}
+#: The fifth tool, served only with ``--artifacts`` (module doc).
+EXPORT_TOOL = _tool(
+    "export_file",
+    "Hand a file of the sandbox (any bytes) to the client out of band, through shared memory on "
+    "this host: the result is an aospec artifact ref (structuredContent.aospec_artifact).",
+    {"path": {**_STR, "description": "path in the sandbox (relative to the working directory)"}},
+    types.ToolAnnotations(read_only_hint=True, destructive_hint=False, idempotent_hint=True, open_world_hint=False),
+)
+_SCHEMAS = {t.name: t.input_schema["properties"] for t in (*SANDBOX_TOOLS, EXPORT_TOOL)}
 
 
 class ToolArgumentError(ValueError):
     """Arguments that do not fit the tool's schema (an MCP tool error)."""
 
 
-def check_args(tool: str, args: dict[str, Any]) -> None:
-    props = _SCHEMAS.get(tool)
+def check_args(tool: str, args: dict[str, Any], *, export: bool = False) -> None:
+    """ToolArgumentError unless ``args`` fit ``tool``'s schema (``export_file`` is a tool only
+    with ``export``, i.e. ``--artifacts``)."""
+    names = sorted(n for n in _SCHEMAS if export or n != EXPORT_TOOL.name)
+    props = _SCHEMAS.get(tool) if tool in names else None
     if props is None:
-        raise ToolArgumentError(f"unknown tool {tool!r}; the tools are {', '.join(sorted(_SCHEMAS))}")
+        raise ToolArgumentError(f"unknown tool {tool!r}; the tools are {', '.join(names)}")
     missing = [k for k in props if k not in args]
     extra = [k for k in args if k not in props]
     if missing or extra:
@@ -157,25 +189,53 @@ def check_args(tool: str, args: dict[str, Any]) -> None:
 
 
 def read_only(action: Action) -> bool:
-    """Calls that never change the sandbox: read_file, and bash commands aospec's effect
-    rules classify read-only."""
-    if action.tool == "read_file":
+    """Calls that never change the sandbox: read_file, export_file, and bash commands
+    aospec's effect rules classify read-only."""
+    if action.tool in ("read_file", "export_file"):
         return True
     return action.command is not None and classify_command(action.command) is Effect.READ_ONLY
 
 
+@dataclass(frozen=True, slots=True)
+class ToolOutput:
+    """A call's ``result`` as a plain server returns it, and ``payload``: the raw output a
+    client may take out of band (read_file's file, bash's output text as UTF-8,
+    export_file's file), None for results that are never published."""
+
+    result: types.CallToolResult
+    payload: bytes | None = None
+
+
+def _read_only_no_export(action: Action) -> bool:
+    """``read_only`` without export_file (a tool only with ``--artifacts``)."""
+    return action.tool != EXPORT_TOOL.name and read_only(action)
+
+
 async def run_tool(sb: Any, action: Action, *, workdir: str, timeout_s: float | None) -> types.CallToolResult:
     """Execute ``action`` on sandbox ``sb`` (the committed one or a fork)."""
+    return (await run_call(sb, action, workdir=workdir, timeout_s=timeout_s)).result
+
+
+async def run_call(
+    sb: Any,
+    action: Action,
+    *,
+    workdir: str,
+    timeout_s: float | None,
+    max_export_bytes: int | None = None,
+) -> ToolOutput:
+    """Execute ``action`` on sandbox ``sb``; ``export_file`` is a tool only when
+    ``max_export_bytes`` is given (``--artifacts``)."""
     args = dict(action.args)
     try:
-        check_args(action.tool, args)
+        check_args(action.tool, args, export=max_export_bytes is not None)
     except ToolArgumentError as exc:
-        return error_result(str(exc))
+        return ToolOutput(error_result(str(exc)))
     try:
         if action.tool == "bash":
             command = args["command"]
             if len(command) > MAX_COMMAND_CHARS:
-                return error_result(f"bash: the command is longer than {MAX_COMMAND_CHARS} characters")
+                return ToolOutput(error_result(f"bash: the command is longer than {MAX_COMMAND_CHARS} characters"))
             r = await sb.run(command, timeout=timeout_s)
             text = r.output
             if r.timed_out:
@@ -185,43 +245,72 @@ async def run_tool(sb: Any, action: Action, *, workdir: str, timeout_s: float | 
             if r.truncated:
                 text += "\n[the middle of the output was truncated]"
             out = text_result(text)
-            return out.model_copy(update={"meta": {"aospec": {"timed_out": r.timed_out}}}) if r.timed_out else out
+            if r.timed_out:
+                out = out.model_copy(update={"meta": {"aospec": {"timed_out": r.timed_out}}})
+            return ToolOutput(out, text.encode())
         path = posixpath.join(workdir, args["path"])
         if action.tool == "write_file":
             data = args["content"].encode()
             if len(data) > MAX_WRITE_BYTES:
-                return error_result(
-                    f"write_file: the content is {len(data)} bytes, over the {MAX_WRITE_BYTES}-byte limit"
+                return ToolOutput(
+                    error_result(f"write_file: the content is {len(data)} bytes, over the {MAX_WRITE_BYTES}-byte limit")
                 )
             await sb.write_file(path, data)
-            return text_result(f"wrote {len(data)} bytes to {args['path']}")
+            return ToolOutput(text_result(f"wrote {len(data)} bytes to {args['path']}"))
         raw = await sb.read_file(path)
+        if action.tool == "export_file":
+            assert max_export_bytes is not None
+            if len(raw) > max_export_bytes:
+                return ToolOutput(
+                    error_result(
+                        f"export_file: {args['path']} is {len(raw)} bytes, over the {max_export_bytes}-byte limit "
+                        "(--max-artifact-mb)"
+                    )
+                )
+            return ToolOutput(text_result(f"exported {len(raw)} bytes of {args['path']}"), raw)
         if len(raw) > MAX_READ_BYTES:
-            return error_result(
-                f"{action.tool}: {args['path']} is {len(raw)} bytes, over the {MAX_READ_BYTES}-byte limit "
-                "(use bash: head, tail, sed -n)"
+            return ToolOutput(
+                error_result(
+                    f"{action.tool}: {args['path']} is {len(raw)} bytes, over the {MAX_READ_BYTES}-byte limit "
+                    "(use bash: head, tail, sed -n)"
+                )
             )
         try:
             text = raw.decode()
         except UnicodeDecodeError:
-            return error_result(f"{action.tool}: {args['path']} is not UTF-8 text")
+            return ToolOutput(error_result(f"{action.tool}: {args['path']} is not UTF-8 text"))
         if action.tool == "read_file":
-            return text_result(text)
+            return ToolOutput(text_result(text), raw)
         old, new = args["old_str"], args["new_str"]
         if not old:
-            return error_result("edit_file: old_str must not be empty")
+            return ToolOutput(error_result("edit_file: old_str must not be empty"))
         n = text.count(old)
         if n != 1:
             where = "does not occur" if n == 0 else f"occurs {n} times"
-            return error_result(f"edit_file: old_str {where} in {args['path']}; it must occur exactly once")
+            return ToolOutput(error_result(f"edit_file: old_str {where} in {args['path']}; it must occur exactly once"))
         data = text.replace(old, new, 1).encode()
         if len(data) > MAX_WRITE_BYTES:
-            return error_result(f"edit_file: the result is {len(data)} bytes, over the {MAX_WRITE_BYTES}-byte limit")
+            return ToolOutput(
+                error_result(f"edit_file: the result is {len(data)} bytes, over the {MAX_WRITE_BYTES}-byte limit")
+            )
         await sb.write_file(path, data)
-        return text_result(f"edited {args['path']}")
+        return ToolOutput(text_result(f"edited {args['path']}"))
     except (SandboxError, OSError) as exc:
         msg = str(exc) if isinstance(exc, SandboxError) else f"{args.get('path', '')}: {exc.strerror or exc}"
-        return error_result(f"{action.tool}: {msg}")
+        return ToolOutput(error_result(f"{action.tool}: {msg}"))
+
+
+def artifact_result(ref: Any, meta: dict[str, Any] | None = None) -> types.CallToolResult:
+    """A result carrying the :class:`~specbox.transport.ArtifactRef` ``ref`` instead of the
+    output, in :mod:`specbox.mcp_env`'s form (its constants, so both sides agree)."""
+    from specbox.mcp_env import ARTIFACT_KEY, ARTIFACT_MARKER
+
+    obj = ref.to_json()
+    return types.CallToolResult(
+        content=[types.TextContent(text=ARTIFACT_MARKER + json.dumps(obj))],
+        structured_content={ARTIFACT_KEY: obj},
+        meta=meta,
+    )
 
 
 @dataclass
@@ -233,7 +322,7 @@ class _Spec:
     scope: anyio.CancelScope = field(default_factory=anyio.CancelScope)
     done: anyio.Event = field(default_factory=anyio.Event)
     fork: Any = None
-    result: types.CallToolResult | None = None
+    result: ToolOutput | None = None
     taken: bool = False
     prefetched: bool = False
 
@@ -265,19 +354,45 @@ class SandboxToolServer:
         workdir: str = "/",
         timeout_s: float | None = None,
         on_commit: Callable[[Action], None] | None = None,
+        artifacts: Any = None,
+        max_export_bytes: int = MAX_ARTIFACT_BYTES,
     ) -> None:
+        """``artifacts``: a started :class:`specbox.transport.ArtifactServer` to hand large
+        results out of band through (and serve ``export_file`` of at most
+        ``max_export_bytes``); None: every result in band, four tools."""
         self.root = root
         self.tg = tg
         self.predictor = predictor
         self.max_forks = max_forks
         self.workdir = workdir
         self.timeout_s = timeout_s
+        self.artifacts = artifacts
+        self.max_export_bytes = max_export_bytes if artifacts is not None else None
         self.gate = ArrivalGate()
         self.stats = Stats()
         self._specs: dict[tuple[str, str], _Spec] = {}
 
     async def list_tools(self) -> list[types.Tool]:
-        return list(SANDBOX_TOOLS)
+        return [*SANDBOX_TOOLS, EXPORT_TOOL] if self.artifacts is not None else list(SANDBOX_TOOLS)
+
+    async def _run(self, sb: Any, action: Action) -> ToolOutput:
+        return await run_call(
+            sb, action, workdir=self.workdir, timeout_s=self.timeout_s, max_export_bytes=self.max_export_bytes
+        )
+
+    async def _deliver(self, action: Action, out: ToolOutput) -> types.CallToolResult:
+        """The result the client gets: ``out.result``, or with ``--artifacts`` a large
+        output (any export) published and replaced by its ref. Publishing happens only
+        here, for the one result returned, so no speculated output is ever published."""
+        if self.artifacts is None or out.payload is None or out.result.is_error:
+            return out.result
+        if action.tool != EXPORT_TOOL.name and len(out.payload) < self.artifacts.threshold:
+            return out.result
+        try:  # one copy into a sealed memfd (up to the export cap): off the event loop
+            ref = await anyio.to_thread.run_sync(self.artifacts.put, out.payload)
+        except OSError as exc:  # no memory for the memfd: the call failed, the server did not
+            return error_result(f"{action.tool}: cannot publish {len(out.payload)} bytes out of band: {exc}")
+        return artifact_result(ref, out.result.meta)
 
     async def call(self, name: str, arguments: dict[str, Any] | None) -> types.CallToolResult:
         try:
@@ -288,27 +403,34 @@ class SandboxToolServer:
             self.stats.calls += 1
             origin = self.root.version
             spec = self._specs.pop((origin, action.key), None)
-            result: types.CallToolResult | None = None
+            output: ToolOutput | None = None
             if spec is not None:
                 spec.taken = True
                 await spec.done.wait()
                 if spec.result is not None and spec.fork is not None and self.root.version == spec.origin:
                     await self.root.commit(spec.fork)  # JASV accepted: the fork's state is the state
                     spec.fork = None
-                    result = spec.result
+                    output = spec.result
                     self.stats.served_speculated += 1
                     speculated = True
                 else:
                     await self._drop(spec)
-            if result is None:
+            if output is None:
                 speculated = False
                 self.stats.ran_committed += 1
-                result = await run_tool(self.root, action, workdir=self.workdir, timeout_s=self.timeout_s)
+                output = await self._run(self.root, action)
+            result = await self._deliver(action, output)
             # pruning and launching the next speculations happen after the reply is sent, in
             # a task that queues at the gate right now (so before any later call)
-            self.tg.start_soon(self._after, action, _text(result))
+            self.tg.start_soon(self._after, action, _text(output.result))
+            extra = {"artifacts": vars(self.artifacts.stats)} if self.artifacts is not None else {}
             return result_meta(
-                result, speculated=speculated, origin=origin, version=self.root.version, stats=self.stats.as_dict()
+                result,
+                speculated=speculated,
+                origin=origin,
+                version=self.root.version,
+                stats=self.stats.as_dict(),
+                **extra,
             )
 
     async def prefetch(self, name: str, arguments: dict[str, Any] | None) -> bool:
@@ -316,7 +438,7 @@ class SandboxToolServer:
         False when it is not a valid call or no fork slot is free."""
         try:
             action = Action(name, arguments or {})
-            check_args(action.tool, dict(action.args))
+            check_args(action.tool, dict(action.args), export=self.artifacts is not None)
         except (ValueError, TypeError):
             return False
         async with self.gate:
@@ -381,8 +503,8 @@ class SandboxToolServer:
                 fork = await self.root.fork()
                 if fork.version != spec.origin:
                     return  # the committed state moved before the fork was made
-                result = await run_tool(fork, spec.action, workdir=self.workdir, timeout_s=self.timeout_s)
-                if (result.meta or {}).get("aospec", {}).get("timed_out"):
+                result = await self._run(fork, spec.action)
+                if (result.result.meta or {}).get("aospec", {}).get("timed_out"):
                     return  # a timeout depends on the machine's load, not on the state: rerun
                 spec.result, spec.fork, fork = result, fork, None
         except Exception as exc:  # a failed speculation is only a missed chance
@@ -510,8 +632,17 @@ async def _sandbox_backend(args: argparse.Namespace) -> AsyncIterator[SandboxToo
         overrides["state_dir"] = args.state
     if args.timeout is not None:
         overrides["timeout_s"] = args.timeout
-    predictor = _predictor(args, eligible=read_only)
-    async with open_sandbox(**overrides) as root, anyio.create_task_group() as tg:
+    predictor = _predictor(args, eligible=read_only if args.artifacts else _read_only_no_export)
+    async with contextlib.AsyncExitStack() as stack:
+        artifacts = None
+        if args.artifacts:
+            from specbox.transport import ArtifactServer
+
+            # closed on the way out whatever ends the server (EOF, a signal, an error): every
+            # memfd is closed and the abstract socket goes with the listener
+            artifacts = stack.enter_context(ArtifactServer(threshold=args.artifact_threshold, backing="memfd"))
+        root = await stack.enter_async_context(open_sandbox(**overrides))
+        tg = await stack.enter_async_context(anyio.create_task_group())
         backend = SandboxToolServer(
             root,
             tg,
@@ -519,15 +650,27 @@ async def _sandbox_backend(args: argparse.Namespace) -> AsyncIterator[SandboxToo
             max_forks=args.max_forks,
             workdir=root.store.config.workdir,
             timeout_s=args.timeout,
+            artifacts=artifacts,
+            max_export_bytes=int(args.max_artifact_mb * (1 << 20)),
         )
+        if artifacts is not None:
+            tg.start_soon(_sweep_artifacts, artifacts, args.artifact_ttl)
         try:
             yield backend
         finally:
             with anyio.CancelScope(shield=True):
                 await backend.aclose()
             tg.cancel_scope.cancel()
-        if args.stats:
-            print(f"aospec mcp: {backend.stats.as_dict()}", file=sys.stderr)
+    if args.stats:
+        print(f"aospec mcp: {backend.stats.as_dict()}", file=sys.stderr)
+
+
+async def _sweep_artifacts(artifacts: Any, ttl_s: float) -> None:
+    """Free published results no client took within ``ttl_s`` (a client that does not read
+    artifacts, or one that went away before taking)."""
+    while True:
+        await anyio.sleep(max(ttl_s / 4, 0.05))
+        artifacts.sweep(ttl_s)
 
 
 def _text(result: types.CallToolResult) -> str:
@@ -584,6 +727,29 @@ def _run(args: argparse.Namespace) -> int:
             "aospec mcp: --state, --backend and --base apply to the sandbox tools, not to --upstream", file=sys.stderr
         )
         return 2
+    artifact_opts = [
+        flag
+        for flag, given in (
+            ("--max-artifact-mb", args.max_artifact_mb is not None),
+            ("--artifact-threshold", args.artifact_threshold is not None),
+            ("--artifact-ttl", args.artifact_ttl is not None),
+        )
+        if given
+    ]
+    if args.artifacts and args.upstream:
+        print("aospec mcp: --artifacts applies to the sandbox tools, not to --upstream", file=sys.stderr)
+        return 2
+    if artifact_opts and not args.artifacts:
+        print(f"aospec mcp: {', '.join(artifact_opts)}: only with --artifacts", file=sys.stderr)
+        return 2
+    args.max_artifact_mb = MAX_ARTIFACT_BYTES / (1 << 20) if args.max_artifact_mb is None else args.max_artifact_mb
+    args.artifact_threshold = _inline_threshold() if args.artifact_threshold is None else args.artifact_threshold
+    args.artifact_ttl = 300.0 if args.artifact_ttl is None else args.artifact_ttl
+    if args.max_artifact_mb <= 0 or args.artifact_threshold < 1 or args.artifact_ttl <= 0:
+        print(
+            "aospec mcp: --max-artifact-mb and --artifact-ttl must be > 0, --artifact-threshold >= 1", file=sys.stderr
+        )
+        return 2
     if args.upstream and not args.trust and not args.no_speculate:
         print("aospec mcp: note: no --trust file, so no upstream tool is speculated", file=sys.stderr)
     try:
@@ -604,6 +770,12 @@ def _run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _inline_threshold() -> int:
+    from specbox.transport import INLINE_THRESHOLD
+
+    return INLINE_THRESHOLD
+
+
 def _leaves(exc: BaseException) -> list[BaseException]:
     if isinstance(exc, BaseExceptionGroup):
         return [leaf for sub in exc.exceptions for leaf in _leaves(sub)]
@@ -614,7 +786,8 @@ def register(subparsers: Any) -> None:
     p = subparsers.add_parser(
         "mcp",
         help="an MCP server of sandbox tools (or a proxy of other MCP servers) with speculative tool calls",
-        description="Serve bash, read_file, write_file and edit_file on a copy-on-write aospec sandbox over MCP "
+        description="Serve bash, read_file, write_file and edit_file (and, with --artifacts, export_file: large "
+        "results out of band through shared memory) on a copy-on-write aospec sandbox over MCP "
         "(stdio by default, or streamable HTTP), speculating likely next calls in forks; or, with --upstream, "
         "proxy other MCP servers and speculate the calls a --trust file marks read-only and closed-world.",
     )
@@ -646,4 +819,35 @@ def register(subparsers: Any) -> None:
     p.add_argument("--predict-file", metavar="FILE", help="a JSON transition table [{after, next: [...]}]")
     p.add_argument("--train-traces", action="append", metavar="PATH", help="fit a transition table from traces")
     p.add_argument("--stats", action="store_true", help="print speculation counters on stderr at exit")
+    p.add_argument(
+        "--artifacts",
+        action="store_true",
+        help="hand large results out of band through shared memory (memfd) on this host: read_file and bash "
+        "outputs of at least --artifact-threshold bytes come back as an aospec artifact ref "
+        "(structuredContent.aospec_artifact, read with specbox.mcp_env.McpEnv or specbox.transport.ArtifactClient), "
+        "and an export_file(path) tool hands any sandbox file over that way. Off by default: ordinary MCP clients "
+        "cannot read shared memory, and only a client on the same host (same network namespace) can",
+    )
+    p.add_argument(
+        "--max-artifact-mb",
+        type=float,
+        default=None,
+        metavar="MB",
+        help="with --artifacts: the largest file export_file hands over (default 1024 MiB)",
+    )
+    p.add_argument(
+        "--artifact-threshold",
+        type=int,
+        default=None,
+        metavar="BYTES",
+        help="with --artifacts: outputs of at least this many bytes go out of band; smaller exports travel "
+        "inline in the ref, base64 (default 65536)",
+    )
+    p.add_argument(
+        "--artifact-ttl",
+        type=float,
+        default=None,
+        metavar="S",
+        help="with --artifacts: free a published result no client took within S seconds (default 300)",
+    )
     p.set_defaults(func=_run)
