@@ -23,15 +23,18 @@ call, i.e. the start of the next decode, a warm-up of the next tools the Markov 
 predicts with probability >= --markov-tau, at most --markov-budget). Sessions are the
 held-out half of each set's tasks (``training.split_by_task``, seed 0); the prefetcher is
 fitted on the other half. Every policy runs under the same host budget (--max-envs live
-environments) and idle timeout (--idle-s; reserved and floor environments are never
-evicted below their number). A run's arrivals last --duration-s; calls still in flight
+environments), start concurrency (--start-concurrency starts in flight, default the
+cores) and idle timeout (--idle-s; reserved and floor environments are never evicted
+below their number). A run's arrivals last --duration-s; calls still in flight
 --drain-s after the last arrival are cut off and counted as *censored* (their time so far
 enters the percentiles, which are then lower bounds).
 
 Measured per (policy, QPS): P50/P99 time until the tool's environment is ready (from the
 end of the decode) and end-to-end per call, cumulative provisioning time, peak RSS of the
 environments' process trees (sampled every --sample-ms, and at each on-demand acquire),
-hits, cold starts and wasted warm-ups, and the load average before and after.
+hits, warm waits, cold starts and handoffs (an acquire that waited for a start took a
+released environment), wasted warm-ups, the most starts in flight and the time starts
+queued for a slot, and the load average before and after.
 
     nice python scripts/bench_specbox.py --quick --out results/specbox.json
 """
@@ -166,7 +169,9 @@ async def run_one(
     peak_rss = 0
     n_sessions = max(1, int(qps * args.duration_s))
     chosen = [sessions[i % len(sessions)] for i in range(n_sessions)]
-    async with EnvironmentPool(specs, idle_timeout_s=args.idle_s, max_envs=args.max_envs) as pool:
+    async with EnvironmentPool(
+        specs, idle_timeout_s=args.idle_s, max_envs=args.max_envs, start_concurrency=args.start_concurrency
+    ) as pool:
         warm_target = sum(s.kept_warm for s in specs)
         if warm_target:
             await pool.wait_until(lambda: pool.count(state="idle") >= warm_target, 600)
@@ -268,6 +273,11 @@ async def run_one(
         "hits": stats["hits"],
         "warm_waits": stats["warm_waits"],
         "cold_starts": stats["cold_starts"],
+        "handoffs": stats["handoffs"],
+        "unclaimed_starts": stats["unclaimed_starts"],
+        "start_concurrency": pool.start_concurrency,
+        "peak_starts_in_flight": stats["peak_starts_in_flight"],
+        "start_queue_s": round(stats["start_queue_s"], 2),
         "warm_ups": stats["warm_ups"],
         "wasted_warm_ups": stats["wasted_warm_ups"],
         "evictions": stats["evictions"],
@@ -324,6 +334,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--markov-budget", type=int, default=2, help="tools prefetched at most (speculative-markov)")
     p.add_argument("--floor", type=int, default=1, help="environments kept warm per type (speculative-floor)")
     p.add_argument("--max-envs", type=int, default=48, help="live environments at most (every policy)")
+    p.add_argument(
+        "--start-concurrency", type=int, default=None, help="starts in flight at most (every policy; default: cores)"
+    )
     p.add_argument("--idle-s", type=float, default=2.0, help="idle eviction above the kept-warm number")
     p.add_argument("--sample-ms", type=float, default=100.0, help="RSS sampling period")
     p.add_argument("--tpot-ms", type=float, default=20.0)

@@ -18,6 +18,11 @@ then other idle ones above their reserved minimum; a warm-up that still does not
 skipped, an acquire waits for a release. Each tool's cold-start cost ``L_j`` is the EWMA
 of its measured start times (:meth:`EnvironmentPool.cold_start_cost`).
 
+Starts run in the pool's own task group, at most ``start_concurrency`` at once (default:
+the cores this process may run on), starts an acquire waits for ahead of warm-ups. An
+acquire waiting for a start takes an environment of its type released in the meantime;
+the start goes on and ends as an idle warm environment.
+
 :class:`PooledSandbox` is a pool-backed ``aospec.protocols.Sandbox``: ``fork()`` hands out a
 fork made ahead of time when its version still equals the parent's (a stale one is
 discarded, never handed out) and the ready queue is refilled in the background.
@@ -50,6 +55,7 @@ __all__ = [
     "ProcessEnv",
     "SandboxEnv",
     "demo_tool_spec",
+    "host_cores",
     "prefetch_adapter",
     "pooled_sandbox",
     "process_rss_bytes",
@@ -63,6 +69,15 @@ Policy = Literal["reserved", "on-demand", "speculative"]
 POLICIES = ("reserved", "on-demand", "speculative")
 
 
+def host_cores() -> int:
+    """The CPUs this process may run on (its affinity mask; ``os.cpu_count()`` where there
+    is none): the default number of environment starts the pool runs at once."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except (AttributeError, OSError):
+        return max(1, os.cpu_count() or 1)
+
+
 @dataclass(frozen=True)
 class EnvSpec:
     """One tool type. Either ``start``/``stop`` (an async factory and its teardown) or
@@ -70,7 +85,8 @@ class EnvSpec:
     own). ``memory_bytes`` is the estimate the budget counts; ``rss`` (optional) measures
     a live environment's resident memory for reports. ``reserved`` is the number kept warm
     under ``reserved``, ``floor`` the number kept warm under ``speculative`` (0: none),
-    ``max_warm`` the most idle or starting environments a warm-up may bring about."""
+    ``max_warm`` the most idle or starting environments no acquire waits for that a
+    warm-up may bring about."""
 
     name: str
     start: Callable[[], Awaitable[Any]] | None = None
@@ -99,17 +115,22 @@ class EnvSpec:
 
 @dataclass(eq=False)
 class Environment:
-    """A live environment. ``value`` is what the spec's factory returned."""
+    """A live environment. ``value`` is what the spec's factory returned. ``claimed``: an
+    acquire waits for this start (or, started, is about to take it); ``used``: it has been
+    acquired."""
 
     spec: EnvSpec
     value: Any = None
     state: Literal["starting", "idle", "busy", "stopped"] = "starting"
     speculative: bool = False
     used: bool = False
+    claimed: bool = False
     last_used: float = field(default_factory=time.monotonic)
     start_s: float = 0.0
     _stop_event: anyio.Event | None = None
     _done_event: anyio.Event | None = None
+    _scope: anyio.CancelScope | None = None
+    _error: BaseException | None = None
 
     @property
     def name(self) -> str:
@@ -118,9 +139,18 @@ class Environment:
 
 @dataclass
 class PoolStats:
+    """Each acquire is one of ``hits`` (an idle environment), ``warm_waits`` (a warm-up it
+    waited for), ``cold_starts`` (a start of its own) or ``handoffs`` (an environment
+    released while it waited for a start; that start, counted in ``unclaimed_starts``,
+    ends idle). ``starts_in_flight`` is now, ``peak_starts_in_flight`` at most (never above
+    the pool's ``start_concurrency``); ``start_queue_s`` sums the time starts waited for a
+    slot (not part of ``provisioning_s`` nor of ``L_j``)."""
+
     hits: int = 0
     warm_waits: int = 0
     cold_starts: int = 0
+    handoffs: int = 0
+    unclaimed_starts: int = 0
     warm_ups: int = 0
     warm_skipped: int = 0
     wasted_warm_ups: int = 0
@@ -131,6 +161,9 @@ class PoolStats:
     provisioning_s: float = 0.0
     peak_memory_bytes: int = 0
     peak_live: int = 0
+    starts_in_flight: int = 0
+    peak_starts_in_flight: int = 0
+    start_queue_s: float = 0.0
 
     def to_json(self) -> dict[str, Any]:
         return dict(vars(self))
@@ -138,7 +171,8 @@ class PoolStats:
 
 class EnvironmentPool:
     """Use as ``async with EnvironmentPool(specs, ...) as pool``; closing stops every
-    environment (also when the body raised)."""
+    environment (also when the body raised). ``start_concurrency`` bounds the starts in
+    flight (every policy, acquires' and warm-ups' alike; default :func:`host_cores`)."""
 
     def __init__(
         self,
@@ -148,8 +182,13 @@ class EnvironmentPool:
         max_envs: int | None = None,
         idle_timeout_s: float | None = None,
         ewma_alpha: float = 0.3,
+        start_concurrency: int | None = None,
     ) -> None:
+        if start_concurrency is not None and start_concurrency < 1:
+            raise ConfigError(f"start_concurrency must be at least 1, not {start_concurrency}")
         self.specs = {s.name: s for s in specs}
+        self.start_concurrency = start_concurrency if start_concurrency is not None else host_cores()
+        self._start_queue: list[Environment] = []
         self.memory_budget_bytes = memory_budget_bytes
         self.max_envs = max_envs
         self.idle_timeout_s = idle_timeout_s
@@ -185,6 +224,7 @@ class EnvironmentPool:
         if self._closed:
             return
         self._closed = True
+        self._notify()  # queued starts give up
         with anyio.CancelScope(shield=True):
             self._send.close()
             # wait for starts in flight, then stop everything
@@ -242,7 +282,8 @@ class EnvironmentPool:
         spec = self.specs.get(tool)
         if spec is None or self._closed or spec.policy != "speculative":
             return False
-        waiting = sum(1 for e in self._envs if e.name == tool and e.state in ("idle", "starting"))
+        # starts an acquire waits for are that acquire's, not warm: they do not count
+        waiting = sum(1 for e in self._envs if e.name == tool and self._unclaimed_ready(e))
         if waiting >= spec.max_warm:
             return False
         if not self._make_room(spec, speculative_only=True):
@@ -257,37 +298,90 @@ class EnvironmentPool:
 
     async def acquire(self, tool: str) -> Environment:
         """A warm environment of ``tool`` (a hit), one that is warming (waited for), or a
-        cold start."""
+        cold start; while waiting for a start, one released in the meantime (a handoff)."""
         spec = self.specs.get(tool)
         if spec is None:
             raise ConfigError(f"unknown tool type {tool!r}")
         if self._closed:
             raise SandboxError("the pool is closed")
-        while True:
-            idle = [e for e in self._envs if e.name == tool and e.state == "idle"]
-            if idle:
-                env = max(idle, key=lambda e: e.last_used)
-                self.stats.hits += 1
-                return self._take(env)
-            starting = [e for e in self._envs if e.name == tool and e.state == "starting" and not e.used]
-            if starting:
-                env = starting[0]
-                env.used = True  # claimed
-                self.stats.warm_waits += 1
-                while env.state == "starting":
-                    await self._wait_changed()
-                if env.state == "idle":
+        claim: Environment | None = None
+        own = False  # the claimed start is this acquire's cold start
+        try:
+            while True:
+                if claim is not None and claim.state == "idle":
+                    self.stats.cold_starts += own
+                    self.stats.warm_waits += not own
+                    env, claim = claim, None
                     return self._take(env)
-                env.used = False
-                continue  # it failed; try again
-            if self._make_room(spec, speculative_only=False):
-                break
-            await self._wait_changed()  # over budget: wait for a release
-        env = Environment(spec, used=True)
-        self._add(env)
-        self.stats.cold_starts += 1
-        await self._start(env)
-        return self._take(env)
+                idle = [e for e in self._envs if e.name == tool and e.state == "idle" and not e.claimed]
+                if idle:
+                    env = max(idle, key=lambda e: e.last_used)
+                    if claim is None:
+                        self.stats.hits += 1
+                    else:
+                        # Why: a start takes seconds, a busy environment is often released
+                        # within milliseconds; the start goes on and ends idle and warm.
+                        self.stats.handoffs += 1
+                        self._unclaim(claim, own, cancel=False)
+                        claim = None
+                    return self._take(env)
+                if claim is not None and claim.state == "stopped":
+                    if own and claim._error is not None:
+                        error, claim = claim._error, None
+                        raise error
+                    claim = None  # a warm-up failed or was evicted: look again
+                if claim is None:
+                    starting = [e for e in self._envs if e.name == tool and e.state == "starting" and not e.claimed]
+                    if starting:
+                        claim, own = starting[0], False
+                        claim.claimed = True
+                        self._notify()  # a claimed start goes ahead of warm-ups in the queue
+                        continue
+                    if self._make_room(spec, speculative_only=False):
+                        claim, own = Environment(spec, claimed=True), True
+                        self._add(claim)
+                        assert self._tg is not None
+                        self._tg.start_soon(self._start_bg, claim)
+                        continue
+                await self._wait_changed()  # a start, a release, or room in the budget
+        finally:
+            if claim is not None:  # cancelled (or failed) while waiting
+                with anyio.CancelScope(shield=True):
+                    await self._abandon(claim, own)
+
+    def _unclaim(self, env: Environment, own: bool, *, cancel: bool) -> None:
+        """Give up the claim on ``env``. A cold start of one's own becomes a warm-up (so it
+        is evicted first and counted wasted if never used), or, when ``cancel`` (or under
+        ``on-demand``, which keeps nothing warm), is cancelled or stopped."""
+        env.claimed = False
+        self.stats.unclaimed_starts += not cancel
+        if own and (cancel or env.spec.policy == "on-demand"):
+            if env.state == "starting" and env._scope is not None:
+                env._scope.cancel()
+            elif env.state == "starting":  # its task has not run yet: it finds itself dropped
+                env.state = "stopped"
+                if env in self._envs:
+                    self._envs.remove(env)
+            elif env.state == "idle":
+                env.state = "stopped"
+                if env in self._envs:
+                    self._envs.remove(env)
+                assert self._tg is not None
+                self._tg.start_soon(self._stop, env)
+        elif own:
+            env.speculative = True
+        self._notify()
+
+    async def _abandon(self, env: Environment, own: bool) -> None:
+        """An acquire that waited for ``env`` was cancelled: its own cold start is cancelled
+        (and waited for: nothing of it is left when the acquire returns), a warm-up it
+        claimed goes on unclaimed."""
+        if env.state == "stopped":
+            return
+        self._unclaim(env, own, cancel=True)
+        if own:
+            while env.state == "starting":
+                await self._wait_changed()
 
     async def release(self, env: Environment, *, reuse: bool = True) -> None:
         """Give ``env`` back: on-demand environments (and any with ``reuse=False``, e.g. a
@@ -315,6 +409,7 @@ class EnvironmentPool:
     def _take(self, env: Environment) -> Environment:
         env.state = "busy"
         env.used = True
+        env.claimed = False
         env.last_used = time.monotonic()
         self._refill(env.spec)
         self._notify()
@@ -330,17 +425,18 @@ class EnvironmentPool:
         if self._closed or self._tg is None:
             return
         # ready: idle (a released environment counts again), or starting and not yet claimed
-        ready = sum(
-            1
-            for e in self._envs
-            if e.name == spec.name and (e.state == "idle" or (e.state == "starting" and not e.used))
-        )
+        ready = sum(1 for e in self._envs if e.name == spec.name and self._unclaimed_ready(e))
         for _ in range(spec.kept_warm - ready):
             if not self._make_room(spec, speculative_only=True):
                 break
             env = Environment(spec)
             self._add(env)
             self._tg.start_soon(self._start_bg, env)
+
+    @staticmethod
+    def _unclaimed_ready(env: Environment) -> bool:
+        """Idle, or starting with no acquire waiting for it."""
+        return (env.state == "idle" or env.state == "starting") and not env.claimed
 
     def _fits(self, spec: EnvSpec) -> bool:
         if self.max_envs is not None and len(self._envs) + 1 > self.max_envs:
@@ -352,9 +448,9 @@ class EnvironmentPool:
     def _make_room(self, spec: EnvSpec, *, speculative_only: bool) -> bool:
         """Evict idle environments (speculative-warm ones first, LRU) until ``spec`` fits."""
         while not self._fits(spec):
-            idle = [e for e in self._envs if e.state == "idle" and e.speculative and not e.used]
+            idle = [e for e in self._envs if e.state == "idle" and e.speculative and not e.used and not e.claimed]
             if not idle and not speculative_only:
-                idle = [e for e in self._envs if e.state == "idle" and self._above_reserve(e)]
+                idle = [e for e in self._envs if e.state == "idle" and not e.claimed and self._above_reserve(e)]
             if not idle:
                 return False
             victim = min(idle, key=lambda e: e.last_used)
@@ -376,11 +472,46 @@ class EnvironmentPool:
         return ready > env.spec.kept_warm
 
     async def _start_bg(self, env: Environment) -> None:
-        with suppress(Exception):
+        with anyio.CancelScope() as scope, suppress(Exception):
+            env._scope = scope
             await self._start(env)
+
+    async def _wait_start_slot(self, env: Environment) -> bool:
+        """Queue ``env``'s start until fewer than ``start_concurrency`` run and it is the
+        first queued (claimed starts first, then in order). False when the pool closed or
+        ``env`` was dropped meanwhile."""
+        # Why: a cold start here is CPU (an interpreter and its imports); more of them at
+        # once than cores only makes each slower, and a start an acquire waits for is the
+        # one whose delay a caller sees.
+        self._start_queue.append(env)
+        t0 = time.perf_counter()
+        try:
+            while True:
+                if self._closed or env.state != "starting":
+                    return False
+                first = next((e for e in self._start_queue if e.claimed), self._start_queue[0])
+                if first is env and self.stats.starts_in_flight < self.start_concurrency:
+                    break
+                await self._wait_changed()
+        finally:
+            self._start_queue.remove(env)
+            self.stats.start_queue_s += time.perf_counter() - t0
+        self.stats.starts_in_flight += 1
+        self.stats.peak_starts_in_flight = max(self.stats.peak_starts_in_flight, self.stats.starts_in_flight)
+        return True
 
     async def _start(self, env: Environment) -> None:
         spec = env.spec
+        try:
+            if not await self._wait_start_slot(env):
+                raise SandboxError(f"the start of {spec.name!r} was dropped: the pool closed")
+        except BaseException as exc:  # closed or cancelled while queued: never started
+            env._error = exc
+            env.state = "stopped"
+            if env in self._envs:
+                self._envs.remove(env)
+            self._notify()
+            raise
         t0 = time.perf_counter()
         try:
             if spec.open is not None:
@@ -388,8 +519,10 @@ class EnvironmentPool:
             else:
                 assert spec.start is not None
                 env.value = await spec.start()
-        except BaseException:
+        except BaseException as exc:
+            self.stats.starts_in_flight -= 1
             self.stats.start_failures += 1
+            env._error = exc
             env.state = "stopped"
             if env._stop_event is not None:  # a holder that opens later closes at once
                 env._stop_event.set()
@@ -397,6 +530,7 @@ class EnvironmentPool:
                 self._envs.remove(env)
             self._notify()
             raise
+        self.stats.starts_in_flight -= 1
         dt = time.perf_counter() - t0
         env.start_s = dt
         self.stats.provisioning_s += dt
@@ -476,7 +610,12 @@ class EnvironmentPool:
             await anyio.sleep(period)
             now = time.monotonic()
             for env in list(self._envs):
-                if env.state == "idle" and now - env.last_used >= self.idle_timeout_s and self._above_reserve(env):
+                if (
+                    env.state == "idle"
+                    and not env.claimed
+                    and now - env.last_used >= self.idle_timeout_s
+                    and self._above_reserve(env)
+                ):
                     self.stats.evictions += 1
                     self.stats.idle_evictions += 1
                     await self._stop(env)

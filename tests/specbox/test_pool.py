@@ -1,4 +1,5 @@
 """The prewarm pool (specbox/pool.py): policies, budget and idle eviction, cold-start cost,
+handoffs to waiting acquires, unclaimed-only max_warm, bounded starts in flight,
 no leaks after close, the router and prefetch adapters, and the pool-backed Sandbox (the
 runtime conformance suite's protocol tests on PooledSandbox over InMemorySandbox and, as
 root, overlay)."""
@@ -24,6 +25,7 @@ from specbox.pool import (
     EnvSpec,
     PooledSandbox,
     demo_tool_spec,
+    host_cores,
     prefetch_adapter,
     process_rss_bytes,
     router_adapter,
@@ -39,17 +41,30 @@ def anyio_backend() -> str:
 
 
 class Fake:
-    """A fake environment kind that records starts and stops."""
+    """A fake environment kind that records starts and stops, and how many starts run at
+    once; with ``gate`` set, a start finishes only once the gate is open."""
 
-    def __init__(self, delay: float = 0.0, fail: bool = False) -> None:
+    def __init__(self, delay: float = 0.0, fail: bool = False, gate: anyio.Event | None = None) -> None:
         self.delay = delay
         self.fail = fail
+        self.gate = gate
         self.live: set[int] = set()
         self.started = 0
+        self.begun: list[str] = []
+        self.running = 0
+        self.peak_running = 0
 
     def spec(self, name: str, **kw: object) -> EnvSpec:
         async def start() -> int:
-            await anyio.sleep(self.delay)
+            self.begun.append(name)
+            self.running += 1
+            self.peak_running = max(self.peak_running, self.running)
+            try:
+                await anyio.sleep(self.delay)
+                if self.gate is not None:
+                    await self.gate.wait()
+            finally:
+                self.running -= 1
             if self.fail:
                 raise RuntimeError("boom")
             self.started += 1
@@ -141,6 +156,127 @@ async def test_an_acquire_during_a_warm_up_waits_for_it_instead_of_cold_starting
         env = await pool.acquire("t")
         assert pool.stats.warm_waits == 1 and pool.stats.cold_starts == 0 and fake.started == 1
         await pool.release(env)
+
+
+async def test_an_acquire_waiting_for_a_start_takes_an_environment_released_meanwhile() -> None:
+    gate = anyio.Event()
+    fake = Fake(gate=gate)
+    async with EnvironmentPool([fake.spec("t", policy="speculative")]) as pool:
+        gate.set()
+        first = await pool.acquire("t")  # a cold start
+        gate = fake.gate = anyio.Event()  # the next start hangs until opened
+        got: list[object] = []
+
+        async def second() -> None:
+            got.append(await pool.acquire("t"))
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(second)
+            await pool.wait_until(lambda: pool.count("t", "starting") == 1 and fake.running == 1)
+            await pool.release(first)  # released while the second acquire waits for its start
+        assert got == [first] and first.state == "busy"
+        assert pool.stats.handoffs == 1 and pool.stats.unclaimed_starts == 1 and pool.stats.cold_starts == 1
+        gate.set()  # the start it no longer waits for ends as an idle warm environment
+        await pool.wait_until(lambda: pool.count("t", "idle") == 1)
+        spare = pool.environments("t")[1]
+        assert spare.speculative and not spare.claimed and not spare.used
+        assert await pool.acquire("t") is spare and pool.stats.hits == 1
+        assert fake.started == 2
+    assert fake.live == set()
+
+
+async def test_on_demand_never_hands_off_and_a_given_up_start_is_stopped() -> None:
+    gate = anyio.Event()
+    fake = Fake(gate=gate)
+    async with EnvironmentPool([fake.spec("t", policy="on-demand")]) as pool:
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(pool.acquire, "t")
+            await pool.wait_until(lambda: fake.running == 1)
+            tg.cancel_scope.cancel()  # the acquire, while its start is in flight
+        assert pool.count() == 0 and pool.stats.start_failures == 1
+        gate.set()
+        async with pool.lease("t"):
+            pass
+        assert pool.stats.cold_starts == 1 and pool.stats.handoffs == 0 and pool.count() == 0
+    assert fake.live == set()
+
+
+async def test_starts_an_acquire_waits_for_do_not_count_against_max_warm() -> None:
+    gate = anyio.Event()
+    fake = Fake(gate=gate)
+    async with EnvironmentPool([fake.spec("t", policy="speculative", max_warm=1)]) as pool:
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(pool.acquire, "t")
+            await pool.wait_until(lambda: pool.count("t", "starting") == 1)
+            assert pool.environments("t")[0].claimed
+            assert await pool.warm("t")  # the claimed start is the acquire's, not a warm one
+            assert not await pool.warm("t")  # max_warm=1 unclaimed: reached
+            assert pool.count("t", "starting") == 2 and pool.stats.warm_ups == 1
+            gate.set()
+        assert pool.stats.cold_starts == 1
+        await pool.wait_until(lambda: pool.count("t", "idle") == 1)
+    assert fake.live == set()
+
+
+async def test_never_more_starts_in_flight_than_the_start_concurrency() -> None:
+    fake = Fake(delay=0.01)
+    specs = [fake.spec(n, policy="speculative", max_warm=2) for n in "abcdef"]
+    async with EnvironmentPool(specs, start_concurrency=2) as pool:
+        for n in "abcdef":
+            assert await pool.warm(n)
+            assert await pool.warm(n)
+
+        async def call(n: str) -> None:
+            async with pool.lease(n):
+                pass
+
+        async with anyio.create_task_group() as tg:
+            for n in "abcdefabc":
+                tg.start_soon(call, n)
+        await pool.wait_until(lambda: pool.count(state="starting") == 0)
+        assert fake.started == len(fake.begun) >= 12
+        assert fake.peak_running == 2 and pool.stats.peak_starts_in_flight == 2
+        assert pool.stats.starts_in_flight == 0 and pool.stats.start_queue_s > 0
+    assert fake.live == set()
+    assert EnvironmentPool([]).start_concurrency == host_cores() >= 1
+    with pytest.raises(ConfigError, match="start_concurrency"):
+        EnvironmentPool([], start_concurrency=0)
+
+
+async def test_a_start_an_acquire_waits_for_goes_ahead_of_queued_warm_ups() -> None:
+    gate = anyio.Event()
+    fake = Fake(gate=gate)
+    specs = [fake.spec(n, policy="speculative") for n in "abc"]
+    async with EnvironmentPool(specs, start_concurrency=1) as pool:
+        for n in "abc":
+            assert await pool.warm(n)
+        await pool.wait_until(lambda: fake.begun == ["a"])  # b and c queued behind it
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(pool.acquire, "c")
+            await pool.wait_until(lambda: pool.environments("c")[0].claimed)
+            gate.set()
+        assert fake.begun[:2] == ["a", "c"] and pool.stats.warm_waits == 1
+        await pool.wait_until(lambda: pool.count(state="starting") == 0)
+        assert fake.begun == ["a", "c", "b"]
+    assert fake.live == set()
+
+
+async def test_a_cancelled_acquire_whose_start_is_still_queued_leaves_nothing() -> None:
+    gate = anyio.Event()
+    fake = Fake(gate=gate)
+    specs = [fake.spec("w", policy="speculative"), fake.spec("t", policy="speculative")]
+    async with EnvironmentPool(specs, start_concurrency=1) as pool:
+        assert await pool.warm("w")
+        await pool.wait_until(lambda: fake.running == 1)
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(pool.acquire, "t")
+            await pool.wait_until(lambda: pool.count("t", "starting") == 1)  # queued behind w's start
+            tg.cancel_scope.cancel()
+        assert pool.count("t") == 0 and fake.begun == ["w"] and pool.stats.start_failures == 0
+        gate.set()
+        await pool.wait_until(lambda: pool.count("w", "idle") == 1)
+        assert fake.begun == ["w"]
+    assert fake.live == set()
 
 
 async def test_markov_prefetch_drives_the_pool() -> None:
