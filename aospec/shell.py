@@ -13,10 +13,15 @@ whitespace split of a command's first line that the drafters' command features u
 (drafters/_shell.py): they never fail, which features need (about one first line in eight
 of the tb1 traces has an unbalanced quote, e.g. ``python -c "`` followed by a script), and
 the drafters' learned contexts are keyed by them.
+
+:func:`program_label` is a command's routing label (the program that does the work, past
+``cd DIR &&``-style prefixes); :func:`streamed_program_label` is the same rule on a command
+that is still streaming: the label once no more text can change it.
 """
 
 from __future__ import annotations
 
+import functools
 import re
 import shlex
 from collections.abc import Iterator
@@ -24,6 +29,7 @@ from dataclasses import dataclass, field
 
 __all__ = [
     "FD_MARK",
+    "SETUP_PROGRAMS",
     "SUBSTITUTION",
     "ShellSyntaxError",
     "SimpleCommand",
@@ -32,7 +38,9 @@ __all__ = [
     "redirection",
     "loose_segments",
     "loose_words",
+    "program_label",
     "simple_commands",
+    "streamed_program_label",
     "tokens",
 ]
 
@@ -265,3 +273,60 @@ def loose_segments(line: str) -> list[str]:
 def loose_words(segment: str) -> list[str]:
     """Whitespace-separated words of ``segment``, quotes kept (never fails)."""
     return segment.split()
+
+
+# ---------------------------------------------------------------- program labels (routing)
+
+#: Programs that only set up where or how the next command runs (directory, environment,
+#: shell options, resource limits). Agents prefix most commands with one (``cd /app && ...``),
+#: so a label skips them when another program follows.
+SETUP_PROGRAMS = frozenset({"cd", "pushd", "popd", "export", "unset", "source", ".", "set", "shopt", "umask", "ulimit"})
+_ASSIGNMENT = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*=")
+_NOT_PROGRAMS = frozenset({"{", "}", "!"})  # a brace group, a negated pipeline: the program follows
+_WORD_END = frozenset(" \t\r\n;&|()<>")
+
+
+def _first_program(words_of: Iterator[list[str]]) -> tuple[str | None, str | None]:
+    """(first program, first program not in SETUP_PROGRAMS) of the simple commands' words,
+    ``VAR=value``, ``{`` and ``!`` skipped; the second is None when every program is a setup one."""
+    first: str | None = None
+    for words in words_of:
+        prog = next((w for w in words if w not in _NOT_PROGRAMS and not _ASSIGNMENT.match(w)), None)
+        if prog is None:
+            continue
+        if prog not in SETUP_PROGRAMS:
+            return first or prog, prog
+        first = first or prog
+    return first, None
+
+
+@functools.lru_cache(maxsize=1024)  # a router session labels its whole history per decode
+def program_label(command: str) -> str:
+    """The routing label of a shell command line: the program of its first simple command
+    (split on ``&&``, ``||``, ``;``, ``|``, ``&``, newlines and parentheses; ``VAR=value``
+    and the ``{`` of a brace group skipped) that is not in :data:`SETUP_PROGRAMS`, else the first program (``cd /x`` is
+    ``cd``). Quote-aware (:func:`tokens`); the loose split when the lexer cannot follow the
+    line; ``bash`` when there is no word at all."""
+    try:
+        first, prog = _first_program(c.words for c in simple_commands(tokens(command)))
+    except ShellSyntaxError:
+        first, prog = _first_program(loose_words(seg) for seg in loose_segments(command))
+    return prog or first or "bash"
+
+
+def streamed_program_label(prefix: str, *, final: bool = False) -> str | None:
+    """:func:`program_label` of a command line of which only ``prefix`` has streamed, or None
+    while more text could still change it: a program counts once its word is complete (a
+    blank or an operator follows, or the lexer stopped in a later token), and a setup
+    program only when the line is ``final`` (the stream or the code block ended)."""
+    if final:
+        return program_label(prefix)
+    toks: list[tuple[str, bool]] = []
+    try:
+        toks.extend(tokens(prefix))
+    except ShellSyntaxError:
+        pass  # a quote still open: the tokens before it are complete
+    else:
+        if toks and prefix[-1] not in _WORD_END:
+            toks.pop()  # the last word may still grow
+    return _first_program(c.words for c in simple_commands(iter(toks)))[1]

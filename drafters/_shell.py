@@ -11,7 +11,7 @@ import re
 from collections.abc import Callable
 from typing import Generic, TypeVar
 
-from aospec.shell import first_line, loose_segments, loose_words
+from aospec.shell import SETUP_PROGRAMS, first_line, loose_segments, loose_words
 from aospec.types import Action, History, Turn
 
 __all__ = ["HistoryIndex", "command_class", "command_contexts", "entities", "program"]
@@ -39,11 +39,14 @@ def _words(segment: str) -> list[str]:
 
 def program(command: str) -> str:
     """The program that does the work: first word of the last segment of the first line
-    that is not ``cd``/``source``/``export``, wrappers (sudo, timeout N, env X=1) skipped."""
+    that is not a setup command (``cd``, ``source``, ``export``, ...:
+    :data:`aospec.shell.SETUP_PROGRAMS`), wrappers (sudo, timeout N, env X=1) skipped.
+    A feature, not the routing label (:func:`aospec.shell.program_label`: the first
+    program, quote-aware)."""
     prog = ""
     for seg in loose_segments(first_line(command)):
         words = _words(seg)
-        if not words or words[0] in ("cd", "source", ".", "export", "set"):
+        if not words or words[0] in SETUP_PROGRAMS:
             continue
         if seg is not None and prog and words[0] in ("head", "tail", "grep", "wc", "sort", "less", "cat"):
             continue  # a pipeline filter after the real program

@@ -6,7 +6,8 @@ import it: tests/test_layers.py).
   reports), which ``specbox.routers.parse_chunk`` turns back into the same
   ``ToolCallDelta``; text pieces are the same strings.
 - :func:`tool_label` is ``specbox.routers.tool_label``: the label a router names (a shell
-  command's program, else the tool name), which routed action drafters need.
+  command's program past ``cd DIR &&``-style setup, :func:`aospec.shell.program_label`;
+  else the tool name), which routed action drafters need.
 - :class:`UnionRouter` joins several stream routers (``router=a+b`` of a replay policy).
 
 tests/replay/test_replay_routing.py checks the first two against specbox on recorded traces.
@@ -19,14 +20,13 @@ import re
 from collections.abc import Sequence
 from typing import Any
 
-from aospec.shell import ShellSyntaxError, loose_words, simple_commands, tokens
-from aospec.types import Action, Step
+from aospec.shell import program_label
+from aospec.types import Action, History, Step
 
 __all__ = ["UnionRouter", "step_stream", "tokenize", "tool_label"]
 
 #: specbox.routers' token pattern (GPT-2's pre-tokeniser: about one BPE token per piece).
 _TOKEN = re.compile(r" ?[^\W\d_]+| ?\d{1,3}| ?[^\s\w]+|_+|\s+(?!\S)|\s+")
-_ASSIGNMENT = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*=")
 
 
 def tokenize(text: str) -> list[str]:
@@ -66,23 +66,10 @@ def step_stream(step: Step) -> list[object]:
 
 
 def tool_label(action: Action) -> str:
-    """A shell action's program (first word of its first simple command, ``VAR=value``
-    skipped; the loose split when the lexer cannot follow it; ``bash`` when there is none),
-    else the tool name."""
+    """A shell action's program (:func:`aospec.shell.program_label`: the first program past
+    ``cd``/``export``-style setup commands), else the tool name."""
     cmd = action.command
-    if cmd is None:
-        return action.tool
-    try:
-        for simple in simple_commands(tokens(cmd)):
-            words = [w for w in simple.words if not _ASSIGNMENT.match(w)]
-            if words:
-                return words[0]
-    except ShellSyntaxError:
-        pass
-    for word in loose_words(cmd):
-        if not _ASSIGNMENT.match(word):
-            return word
-    return "bash"
+    return action.tool if cmd is None else program_label(cmd)
 
 
 class UnionRouter:
@@ -95,15 +82,18 @@ class UnionRouter:
         self.members = tuple(members)
         self.name = "+".join(str(getattr(m, "name", type(m).__name__)) for m in self.members)
 
-    def session(self) -> _UnionSession:
-        return _UnionSession(self.members)
+    def session(self, history: History | None = None) -> _UnionSession:
+        """One decode's session of every member; ``history`` (the branch's, where the engine
+        knows it) is passed on to each member's ``session``."""
+        return _UnionSession(self.members, history)
 
 
 class _UnionSession:
     __slots__ = ("_done", "_fired", "_sessions")
 
-    def __init__(self, members: Sequence[Any]) -> None:
-        self._sessions = [(m.session(), bool(getattr(m, "exact", False))) for m in members]
+    def __init__(self, members: Sequence[Any], history: History | None = None) -> None:
+        opened = [m.session() if history is None else m.session(history) for m in members]
+        self._sessions = [(s, bool(getattr(m, "exact", False))) for s, m in zip(opened, members, strict=True)]
         self._fired: set[str] = set()
         self._done = False
 

@@ -23,17 +23,19 @@ Routers:
   kept incrementally (each completed word adds its n-grams; the similarity to every
   training stream is updated by one sparse product), so re-scoring on every delta is cheap
   and equals a from-scratch ``transform`` of the prefix up to its last complete word.
-- :class:`ParseRouter`: exact, not learned: the program word after a fenced ```` ```bash ````
-  line, or the function name of an OpenAI tool-call delta.
+- :class:`ParseRouter`: exact, not learned: the label of a fenced ```` ```bash ```` block's
+  command once no more text can change it, or the function name of an OpenAI tool-call delta.
 - :class:`Assembly`: ``union`` (default; fires a tool when any member does), ``intersection``
   (when every member has) or ``weighted`` (when the weighted sum of the members' current
   scores reaches a threshold); with a ``prior`` (a Markov next-tool model) and a session
   opened with ``router.session(context)`` (the trajectory's earlier labels), learned guesses
   of implausible next tools are dropped.
 
-Labels ("tools"): a bash action's label is its program (:func:`tool_label`: the first word
-of the first simple command, found with :mod:`aospec.shell`); any other action's label is
-its tool name (tau-bench: the function name). ``respond`` and ``none`` are not calls:
+Labels ("tools"): a bash action's label is its program (:func:`tool_label`, i.e.
+:func:`aospec.shell.program_label`: the program of the first simple command that is not a
+setup command such as ``cd``, ``export`` or ``source``, so ``cd /app && make test`` is
+``make`` and ``cd /app`` alone is ``cd``); any other action's label is its tool name
+(tau-bench: the function name). ``respond`` and ``none`` are not calls:
 routers learn from those steps (as counter-examples) but never fire them.
 """
 
@@ -48,8 +50,8 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from aospec.errors import ConfigError
-from aospec.shell import ShellSyntaxError, loose_words, simple_commands, tokens
-from aospec.types import NO_ACTION_TOOL, Action, Step, Trace
+from aospec.shell import program_label, streamed_program_label
+from aospec.types import NO_ACTION_TOOL, Action, History, Step, Trace
 
 __all__ = [
     "NON_CALLS",
@@ -75,30 +77,17 @@ __all__ = [
 #: Labels of steps that call no tool: never fired.
 NON_CALLS = frozenset({NO_ACTION_TOOL, "respond"})
 
-_ASSIGNMENT = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*=")
-
 
 # ------------------------------------------------------------------ labels and streams
 
 
 def tool_label(action: Action) -> str:
-    """The routing label of ``action``: for a shell command, its program (the first word of
-    its first simple command, leading ``VAR=value`` assignments skipped; the loose
-    whitespace split when the lexer cannot follow the line); otherwise the tool name."""
+    """The routing label of ``action``: for a shell command, its program
+    (:func:`aospec.shell.program_label`: the first program past ``cd``/``export``/``source``
+    -style setup commands and ``VAR=value`` assignments; ``cd /x`` alone is ``cd``);
+    otherwise the tool name."""
     cmd = action.command
-    if cmd is None:
-        return action.tool
-    try:
-        for simple in simple_commands(tokens(cmd)):
-            words = [w for w in simple.words if not _ASSIGNMENT.match(w)]
-            if words:
-                return words[0]
-    except ShellSyntaxError:
-        pass
-    for seg_word in loose_words(cmd):
-        if not _ASSIGNMENT.match(seg_word):
-            return seg_word
-    return "bash"
+    return action.tool if cmd is None else program_label(cmd)
 
 
 @dataclass(frozen=True, slots=True)
@@ -273,17 +262,18 @@ class _Reader:
 class Router:
     """Base of routers: ``name`` and ``reader()``; ``session()`` opens a RouterSession.
 
-    ``session(context)`` takes the labels of the trajectory's earlier steps (oldest first;
-    :func:`tool_label` of each action) where the caller knows them; ``session()`` without
-    them behaves as if nothing were known. Only an :class:`Assembly` with a ``prior`` reads
-    it."""
+    ``session(context)`` takes what the caller knows of the trajectory so far: the labels of
+    its earlier steps (oldest first; :func:`tool_label` of each action) or the
+    :class:`aospec.types.History` itself (the engine passes the branch's), read as the labels
+    of its actions; ``session()`` without it behaves as if nothing were known. Only an
+    :class:`Assembly` with a ``prior`` reads it."""
 
     name: str = "router"
 
     def reader(self, context: Sequence[str] | None = None) -> _Reader:
         raise NotImplementedError
 
-    def session(self, context: Sequence[str] | None = None) -> RouterSession:
+    def session(self, context: Sequence[str] | History | None = None) -> RouterSession:
         return RouterSession(self, context)
 
 
@@ -298,8 +288,10 @@ class RouterSession:
 
     __slots__ = ("_fired", "_reader", "_subscribers", "closed", "name", "position")
 
-    def __init__(self, router: Router, context: Sequence[str] | None = None) -> None:
+    def __init__(self, router: Router, context: Sequence[str] | History | None = None) -> None:
         self.name = router.name
+        if isinstance(context, History):
+            context = [tool_label(turn.action) for turn in context.turns]
         self._reader = router.reader() if context is None else router.reader(context)
         self._fired: set[str] = set()
         self._subscribers: list[Callable[[RouteEvent], Any]] = []
@@ -763,25 +755,28 @@ class _TfidfReader(_Reader):
 
 
 class ParseRouter(Router):
-    """Exact, not learned: fires the program of a fenced ``bash`` block as soon as its first
-    word is complete (confidence 1), or a tool call's function name as it arrives."""
+    """Exact, not learned: fires the label of a fenced ``bash`` block's command (the rule of
+    :func:`tool_label`) as soon as no more text can change it (confidence 1): the first
+    program past setup commands (``cd DIR &&``, ``export X=1;``, ...) once its word is
+    complete; a command of setup programs only (``cd /x``) when the block closes or the
+    stream ends (:meth:`RouterSession.close`). A tool call's function name fires as it
+    arrives."""
 
     name = "parse"
     #: What it fires is certain: an assembly stops guessing once it has (Assembly).
     exact = True
     _FENCE = re.compile(r"```(?:bash|sh)[^\n]*\n")
+    _CLOSE = re.compile(r"(?:^|\n)[ \t]*```")
 
     def reader(self, context: Sequence[str] | None = None) -> _Reader:
         return _ParseReader()
-
-
-_PROGRAM = re.compile(r"\s*(?:[A-Za-z_]\w*=[^\s;&|()<>]*[ \t]+)*(?![A-Za-z_]\w*=)([^\s;&|()<>]+)[\s;&|()<>]")
 
 
 class _ParseReader(_Reader):
     def __init__(self) -> None:
         self._text = ""
         self._scan = 0
+        self._body: int | None = None  # where the command starts, once the fence has streamed
         self._tool: str | None = None
 
     def feed(self, text: str, name: str | None) -> list[tuple[str, float]]:
@@ -797,19 +792,23 @@ class _ParseReader(_Reader):
         return [] if self._tool is not None else self._look(final=True)
 
     def _look(self, *, final: bool) -> list[tuple[str, float]]:
-        m = ParseRouter._FENCE.search(self._text, max(0, self._scan - 16))
-        if m is None:
-            self._scan = len(self._text)
+        if self._body is None:
+            m = ParseRouter._FENCE.search(self._text, max(0, self._scan - 16))
+            if m is None:
+                self._scan = len(self._text)
+                return []
+            self._body = m.end()
+        body = self._text[self._body :]
+        close = ParseRouter._CLOSE.search(body)
+        if close is not None:
+            body, final = body[: close.start()], True
+        if not body.strip():
             return []
-        body = self._text[m.end() :]
-        if final:
-            body += "\n"
-        # The program is complete once a separator follows it (assignments skipped).
-        w = _PROGRAM.match(body)
-        if w is None:
+        tool = streamed_program_label(body, final=final)
+        if tool is None:
             return []
-        self._tool = tool_label(Action.bash(w.group(1)))
-        return [(self._tool, 1.0)]
+        self._tool = tool
+        return [(tool, 1.0)]
 
     def scores(self) -> dict[str, float]:
         return {self._tool: 1.0} if self._tool else {}

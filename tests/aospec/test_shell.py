@@ -12,8 +12,10 @@ from aospec.shell import (
     first_line,
     loose_segments,
     loose_words,
+    program_label,
     redirection,
     simple_commands,
+    streamed_program_label,
     tokens,
 )
 
@@ -66,3 +68,38 @@ def test_loose_splitting_never_fails_and_keeps_quotes() -> None:
     assert line == 'python -c "import os'
     assert loose_segments("cd x && grep 'a|b' f | wc") == ["cd x", "grep 'a", "b' f", "wc"]
     assert loose_words(line) == ["python", "-c", '"import', "os"]
+
+
+def test_program_label_skips_setup_commands_and_assignments() -> None:
+    assert program_label("cd /work/proj && make test") == "make"
+    assert program_label("cd /x; ls") == "ls"
+    assert program_label("cd /x || make") == "make"
+    assert program_label("pushd /x && export A=1 && . env.sh && set -e; umask 022; pytest -q") == "pytest"
+    assert program_label('cd "/a && b" && ls') == "ls"  # quoted operators are words
+    assert program_label("FOO=1 cd /x && BAR=2 python3 x.py | head") == "python3"
+    assert program_label("cd /x && grep -r foo . | wc -l") == "grep"  # the pipeline's first program
+    assert program_label("(cd /x && npm test)") == "npm"
+    assert program_label("cd /x && {\n  echo a\n  echo b\n} > out.txt") == "echo"  # a brace group
+    assert program_label("! grep -q x f") == "grep"
+    assert program_label("cd /x\nsource v/bin/activate\npython run.py") == "python"
+    assert program_label('cd /x && python -c "unbalanced') == "python"  # lexer fails: loose split
+
+
+def test_program_label_of_setup_commands_only_is_the_first_program() -> None:
+    assert program_label("cd /x") == "cd"
+    assert program_label("export A=1 && cd /x") == "export"
+    assert program_label("A=1 B=2") == "bash"
+    assert program_label("") == "bash"
+
+
+def test_streamed_program_label_waits_until_nothing_can_change_it() -> None:
+    assert streamed_program_label("cd /x && ma") is None
+    assert streamed_program_label("cd /x && make") is None  # 'make' may still grow
+    assert streamed_program_label("cd /x && make ") == "make"
+    assert streamed_program_label("cd /x && make;") == "make"
+    assert streamed_program_label('cd "/a b') is None  # an open quote
+    assert streamed_program_label("FOO") is None and streamed_program_label("FOO=1 py ") == "py"
+    assert streamed_program_label("cd /x") is None and streamed_program_label("cd /x\n") is None
+    assert streamed_program_label("cd /x", final=True) == "cd"
+    for cmd in ("cd /x && make test", "cd /x", 'cd /x && python -c "open', "A=1 ls -la"):
+        assert streamed_program_label(cmd, final=True) == program_label(cmd)

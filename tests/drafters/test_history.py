@@ -193,6 +193,18 @@ def test_routed_proposals_reach_a_test_command_older_than_the_repetition_window(
     assert 0 < routed[Action.bash("python -m pytest -q tests")] <= 1  # besides the skeleton's `python a.py`
 
 
+def test_routed_proposals_see_past_a_cd_prefix():
+    from specbox.routers import tool_label
+
+    d = HistoryActionDrafter(label=tool_label)
+    d.fit(TRAIN)
+    h = _history(["cd /app && make test", "cd /app && vim x.c", "cd /app", "ls"])
+    routed = [x.action for x in _routed(d, h, "make", width=50)]
+    assert Action.bash("cd /app && make test") in routed  # labelled 'make', not 'cd'
+    assert {tool_label(a) for a in routed} == {"make"}
+    assert [x.action for x in _routed(d, h, "cd", width=50)] == [Action.bash("cd /app")]
+
+
 def test_routed_proposals_need_the_label_function():
     d = HistoryActionDrafter()
     d.fit(TRAIN)

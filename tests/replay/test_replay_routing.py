@@ -181,3 +181,40 @@ def test_router_specs_are_dotted_paths_fit_on_the_training_traces(bundled):
     events = [e for d in step_stream(_trace().steps[0]) for e in session.feed(d)]
     assert [e.tool for e in events][-1:] == ["wc"]
     assert len({e.tool for e in events}) == len(events)
+
+
+def test_the_label_reads_past_cd_and_matches_specbox_on_such_commands():
+    for cmd in ("cd /work/proj && make test", "cd /x", "cd /x; export A=1 && pytest -q", "FOO=1 cd /x && ls"):
+        action = Action.bash(cmd)
+        assert tool_label(action) == specbox_routers.tool_label(action)
+    assert tool_label(Action.bash("cd /work/proj && make test")) == "make"
+    assert tool_label(Action.bash("cd /x")) == "cd"
+
+
+class _Member:
+    """A stream router that records the history its sessions were opened with."""
+
+    name = "member"
+
+    def __init__(self) -> None:
+        self.opened: list[object] = []
+
+    def session(self, history=None):
+        self.opened.append(history)
+        return specbox_routers.ParseRouter().session()
+
+
+def test_the_union_passes_the_branch_history_to_its_members():
+    from replay._streams import UnionRouter
+
+    a, b = _Member(), _Member()
+    union = UnionRouter([a, b])
+    history = _trace().history(1)
+    session = union.session(history)
+    assert a.opened == b.opened == [history]
+    assert [e.tool for d in step_stream(_trace().steps[1]) for e in session.feed(d)] == ["cat"]
+    union.session()
+    assert a.opened[-1] is None
+    # specbox's routers take the history as their context (the labels of its actions).
+    parse = UnionRouter([specbox_routers.ParseRouter()]).session(history)
+    assert [e.tool for d in step_stream(_trace().steps[1]) for e in parse.feed(d)] == ["cat"]

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from aospec.errors import ConfigError
-from aospec.types import Action, Step, Trace
+from aospec.types import Action, History, Step, Trace
 from specbox.routers import (
     Assembly,
     Keyword,
@@ -56,8 +56,9 @@ def _bash_trace(task: str) -> Trace:
 # ---------------------------------------------------------------- labels and streams
 
 
-def test_tool_label_is_the_program_of_the_first_simple_command() -> None:
-    assert tool_label(Action.bash("cd /app && ls -la")) == "cd"
+def test_tool_label_is_the_program_past_setup_commands() -> None:
+    assert tool_label(Action.bash("cd /app && ls -la")) == "ls"
+    assert tool_label(Action.bash("cd /app")) == "cd"
     assert tool_label(Action.bash("FOO=1 BAR=2 python3 x.py | head")) == "python3"
     assert tool_label(Action.bash("'my prog' arg")) == "my prog"
     assert tool_label(Action.bash('python -c "unbalanced')) == "python"  # lexer fails: loose split
@@ -218,6 +219,42 @@ def test_parse_router_fires_when_the_program_word_completes() -> None:
     assert [e.tool for e in t.feed(ToolCallDelta("book_reservation", ""))] == ["book_reservation"]
 
 
+def _parse_events(deltas: list[str], *, close: bool = False) -> list[tuple[str, int]]:
+    s = ParseRouter().session()
+    got = [(e.tool, e.position) for d in deltas for e in s.feed(d)]
+    return got + ([(e.tool, e.position) for e in s.close()] if close else [])
+
+
+def test_parse_router_reads_past_cd_to_the_next_program() -> None:
+    deltas = ["```bash\n", "cd", " /work", "/proj", " &&", " make", " test"]
+    assert _parse_events(deltas) == [("make", 7)]  # 'make' is complete once ' test' streamed
+    assert _parse_events(["```bash\n", "cd /x && ", "FOO=1 ", "py", "thon3", " -m"]) == [("python3", 6)]
+    assert _parse_events(["```bash\n", 'cd "/a ', 'b" ;', " export A=1\n", "pytest", " -q"]) == [("pytest", 6)]
+    # A cd alone: named when the block closes or the stream ends, not while more could follow.
+    assert _parse_events(["```bash\n", "cd /x", "\n"]) == []
+    assert _parse_events(["```bash\n", "cd /x", "\n", "```"]) == [("cd", 4)]
+    assert _parse_events(["```bash\n", "cd", " /x"], close=True) == [("cd", 3)]
+    assert _parse_events(["THOUGHT: x\n"], close=True) == []
+    assert _parse_events(["```bash\n", "ls", " -la"]) == [("ls", 3)]  # no setup: as before
+
+
+def test_parse_router_fires_the_label_of_the_whole_command() -> None:
+    commands = [
+        "cd /work/proj && make test",
+        "cd /x; export A=1 && source .venv/bin/activate && pytest -q tests",
+        "cd /x || exit 1",
+        "pushd /x >/dev/null && git status | head",
+        "cd /x",
+        "FOO=1 BAR=2 python3 x.py | head",
+        "(cd /x && npm test)",
+        'cd /x && python -c "unbalanced',
+    ]
+    for cmd in commands:
+        deltas = tokenize("```bash\n" + cmd + "\n```")
+        s = ParseRouter().session()
+        assert [e.tool for d in deltas for e in s.feed(d)] == [tool_label(Action.bash(cmd))], cmd
+
+
 # ---------------------------------------------------------------- assemblies
 
 
@@ -351,6 +388,19 @@ def test_prior_gate_drops_implausible_learned_guesses_only_with_a_context() -> N
     assert [e.tool for d in ("x ", "y ") for e in plain.feed(d)] == ["grep", "cat"]
     with pytest.raises(ConfigError):
         Assembly([learned], min_prior=0.5)  # type: ignore[list-item]
+
+
+def test_a_session_takes_the_branch_history_as_its_labels() -> None:
+    learned = _Fixed("a", {1: [("grep", 0.9)], 2: [("cat", 0.9)]})
+    gated = Assembly([learned, ParseRouter()], prior=_Prior(), min_prior=0.5)  # type: ignore[list-item]
+    history = History("t").extend(Action.bash("cd /app && ls -la"), "x")  # labelled 'ls'
+    for context in (history, ["ls"]):
+        s = gated.session(context)
+        assert [e.tool for d in ("x ", "y ") for e in s.feed(d)] == ["cat"]
+    empty = gated.session(History("t"))  # nothing known yet: P(. | start) gates both
+    assert [e.tool for d in ("x ", "y ") for e in empty.feed(d)] == []
+    plain = gated.session()
+    assert [e.tool for d in ("x ", "y ") for e in plain.feed(d)] == ["grep", "cat"]
 
 
 def test_evaluate_router_passes_each_steps_context() -> None:
