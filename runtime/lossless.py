@@ -23,7 +23,21 @@ a content snapshot of the final filesystem (:func:`snapshot_tree`: every path's 
 mode, owner, content hash, symlink target, device number and hard-link group, walked on
 the host through a fresh fork's merged root with directory file descriptors). With
 ``durable`` the speculative state directory is reopened afterwards and must show the
-same version and snapshot. Every sandbox session must leave no mount behind.
+same version and snapshot. Every run must leave nothing behind: no mount under the state
+root, no process below this one, no new entry in the state root.
+
+A *layer* (``check_case(..., layer=...)``: an async context manager around the speculative
+run's sandbox that yields a :class:`SpeculationLayer`) puts more between the engine and the
+sandbox for the speculative run alone: a wrapping sandbox (e.g. a result cache over a fork
+pool, as scripts/check_lossless.py ``--specbox`` builds from ``specbox/`` and ``live/``) and
+a stream router. With a router the actor streams its replies
+(:class:`aospec.testing.StreamingScriptedActor`) and a routed action drafter joins, proposing
+for each tool the router names the actor's true next action (with the case's odds) and
+other pool actions of that tool and of others. The comparison stays the same; the run
+also reports the engine's cache hits and routed forks and the layer's own counters.
+``make_case(..., layered=True)`` gives cases for a layer: their pools also hold repeated
+reads of the files the case writes, so a result cache is hit (and a stale entry would be
+caught), and the actor never decodes instantly, so a router's events land mid-decode.
 
 A minimised reproduction (:func:`minimise`) replaces the hashing actor by the serial run's
 own action sequence (still a pure function of the history) and drops actions, steps and
@@ -43,7 +57,8 @@ import random
 import stat
 import tempfile
 import traceback
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -53,8 +68,14 @@ import xxhash
 
 from aospec.engine import Engine
 from aospec.engine_config import EngineConfig
-from aospec.protocols import ActionDraft, ObservationDraft
-from aospec.testing import ScriptedActionDrafter, ScriptedActor, ScriptedObservationDrafter
+from aospec.protocols import ActionDraft, ObservationDraft, Sandbox
+from aospec.testing import (
+    ScriptedActionDrafter,
+    ScriptedActor,
+    ScriptedObservationDrafter,
+    ScriptedRoutedActionDrafter,
+    StreamingScriptedActor,
+)
 from aospec.types import Action, History, canonical_json
 from runtime import _fs, open_sandbox
 from runtime._state import default_state_root
@@ -65,6 +86,7 @@ __all__ = [
     "CaseOutcome",
     "LosslessCase",
     "RunRecord",
+    "SpeculationLayer",
     "check_case",
     "compare_runs",
     "diff_snapshots",
@@ -154,6 +176,22 @@ TEMPLATES: tuple[Callable[[random.Random, str, str, str], str], ...] = (
 )
 
 
+# Reads a result cache may serve (their output is a function of the version alone) of a
+# path p that the setup writes: each layered case repeats a few of them, with appends to p.
+WATCHED = ("/w/a", "/w/b", "/w/d/e", "/w/h", "/w/l")
+READS: tuple[Callable[[random.Random, str, str, str], str], ...] = (
+    lambda r, p, q, w: f"cat {p}",
+    lambda r, p, q, w: f"cat {q} {p}",
+    lambda r, p, q, w: f"wc -l {p}",
+    lambda r, p, q, w: f"wc -c {p} {q}",
+    lambda r, p, q, w: f"grep -c {w} {p}",
+    lambda r, p, q, w: f"tail -n 2 {p}",
+    lambda r, p, q, w: f"md5sum {p}",
+    lambda r, p, q, w: f"ls -a {p} /w",
+    lambda r, p, q, w: f"ls -aF /w /w/d; cat {p}",
+)
+
+
 def random_command(rng: random.Random) -> str:
     """One random shell command (see TEMPLATES)."""
     template = rng.choice(TEMPLATES)
@@ -227,9 +265,15 @@ class LosslessCase:
         return cls(**kw)
 
 
-def make_case(seed: int, config: str) -> LosslessCase:
+def make_case(seed: int, config: str, *, layered: bool = False) -> LosslessCase:
     """The case of ``seed`` on sandbox configuration ``config`` (the same seed gives the same
-    pool, steps and engine configuration on every sandbox configuration)."""
+    pool, steps and engine configuration on every sandbox configuration).
+
+    ``layered``: the case for a run through a :class:`SpeculationLayer`: the same case, its
+    pool with 2-4 reads (:data:`READS`) of :data:`WATCHED` paths added two or three times
+    each and one or two appends to each path read, an actor that takes 2-20 ms to decode (a
+    stream router's events land mid-decode, while routed forks can still launch), a random
+    ``routed_width`` and one to three more steps."""
     if config not in SANDBOX_CONFIGS:
         raise ValueError(f"unknown sandbox configuration {config!r}; known: {', '.join(SANDBOX_CONFIGS)}")
     rng = random.Random(seed)
@@ -251,7 +295,7 @@ def make_case(seed: int, config: str) -> LosslessCase:
         "provisional_targets": rng.random() < 0.7,
         "max_live_forks": rng.choice((1, 2, 4, 8)),
     }
-    return LosslessCase(
+    case = LosslessCase(
         seed=seed,
         config=config,
         pool=tuple(pool),
@@ -262,6 +306,26 @@ def make_case(seed: int, config: str) -> LosslessCase:
         draft_delay_ms=rng.choice((0, 1, 5)),
         p_obs=rng.choice((0.2, 0.5, 0.9)),
         p_action=rng.choice((0.2, 0.5, 0.9)),
+    )
+    if not layered:
+        return case
+    # drawn apart, so that a layered case is its plain case with these additions
+    lr = _rng(seed, "layered")
+    pool = list(case.pool)
+    for _ in range(lr.randint(2, 4)):
+        # a read, repeated, and appends to what it reads: a repeat at the same version is a
+        # cache hit, a repeat after an append must not be
+        p = lr.choice(WATCHED)
+        read = lr.choice(READS)(lr, p, lr.choice(PATHS), _q(lr.choice(WORDS)))
+        appends = [f"echo {_q(lr.choice(WORDS))} >> {p}" for _ in range(lr.randint(1, 2))]
+        for command in [read] * lr.randint(2, 3) + appends:
+            pool.insert(lr.randrange(len(pool) + 1), command)
+    return dataclasses.replace(
+        case,
+        pool=tuple(pool),
+        steps=case.steps + lr.randint(1, 3),
+        engine={**case.engine, "routed_width": lr.choice((1, 2, 3))},
+        actor_delay_ms=lr.choice((2, 5, 10, 20)),
     )
 
 
@@ -384,10 +448,52 @@ class RunRecord:
     forks_reused: int = 0
     drafts_hit: int = 0
     reopened: tuple[str, dict[str, tuple[Any, ...]]] | None = None
+    #: the engine's routing and cache figures (0 without a layer), the layer's own counters
+    counts: dict[str, int] = field(default_factory=dict)
 
     @property
     def digest(self) -> str:
         return _snapshot_digest(self.snapshot)
+
+
+def _first_word(action: Action) -> str:
+    cmd = action.command
+    if cmd is None:
+        return action.tool
+    words = cmd.split()
+    return words[0] if words else "bash"
+
+
+@dataclass(frozen=True, slots=True)
+class SpeculationLayer:
+    """What a speculative run goes through besides the case's drafters: yielded by the
+    ``layer`` context manager :func:`check_case` opens around the run's sandbox (and closes
+    before the committed state is snapshot, so everything the layer holds must be released
+    by then).
+
+    ``sandbox``: what the engine gets (wrapping the run's sandbox; the setup runs on it too).
+    ``router``: a stream router (:class:`aospec.protocols.StreamRouter`) or None; with one,
+    the actor streams and a routed action drafter joins. ``label``: the tool the router
+    names for an action (the routed drafter proposes actions of that label as the right
+    program). ``counts``: the layer's own counters, read once the run ends."""
+
+    sandbox: Sandbox
+    router: Any = None
+    label: Callable[[Action], str] = _first_word
+    counts: Callable[[], Mapping[str, int]] = dict
+
+
+#: ``check_case``'s ``layer``: the run's sandbox -> an async context manager of the layer.
+LayerFactory = Callable[[Sandbox], AbstractAsyncContextManager[SpeculationLayer]]
+
+#: Engine figures a run records in ``RunRecord.counts`` (EngineStatistics fields).
+ENGINE_COUNTS = (
+    "routes_fired",
+    "routed_forks_launched",
+    "routed_forks_reused",
+    "cache_hits",
+    "speculative_failures",
+)
 
 
 def _rng(*parts: object) -> random.Random:
@@ -467,20 +573,49 @@ def _drafters(
     return ScriptedObservationDrafter(observe, delay), ScriptedActionDrafter(propose, delay)
 
 
-def _actor(case: LosslessCase, pool: Sequence[Action]) -> ScriptedActor:
+def _routed_drafter(
+    case: LosslessCase, actor: ScriptedActor, pool: Sequence[Action], label: Callable[[Action], str]
+) -> ScriptedRoutedActionDrafter:
+    """For a tool the router names after ``history``: the action the actor will emit there
+    (it is a pure function of the history) when it is of that tool, with the case's odds,
+    then other pool actions of the same tool (right program, mostly wrong command) and
+    sometimes of another tool; a pure function of (history, tool)."""
+    by_label: dict[str, list[Action]] = {}
+    for a in pool:
+        by_label.setdefault(label(a), []).append(a)
+
+    def routed(history: History, tool: str) -> list[ActionDraft]:
+        rng = _rng(case.seed, "routed", _history_digests(history)[-1], tool)
+        drafts: list[ActionDraft] = []
+        true = actor.choose(history)
+        if label(true) == tool and rng.random() < case.p_action:
+            drafts.append(ActionDraft(true, 0, rng.random()))
+        same = by_label.get(tool, [])
+        for _ in range(rng.randint(0, 2) if same else 0):
+            drafts.append(ActionDraft(rng.choice(same), 0, rng.random()))
+        if rng.random() < 0.3:
+            drafts.append(ActionDraft(rng.choice(pool), 0, rng.random()))
+        rng.shuffle(drafts)
+        return drafts
+
+    return ScriptedRoutedActionDrafter(routed, delay_s=case.draft_delay_ms / 1000)
+
+
+def _actor(case: LosslessCase, pool: Sequence[Action], *, streaming: bool = False) -> ScriptedActor:
     def delay(history: History) -> float:
         if not case.actor_delay_ms:
             return 0.0
         return _rng(case.seed, "delay", _history_digests(history)[-1]).random() * case.actor_delay_ms / 1000
 
+    kind = StreamingScriptedActor if streaming else ScriptedActor
     if case.script is None:
-        return ScriptedActor.hashing(pool, seed=case.seed, delay_s=delay)
+        return kind.hashing(pool, seed=case.seed, delay_s=delay)
     script = tuple(_action(c) for c in case.script)
 
     def choose(history: History) -> Action:
         return script[len(history)] if len(history) < len(script) else Action.none()
 
-    return ScriptedActor(choose, delay)
+    return kind(choose, delay)
 
 
 async def run_engine(
@@ -489,9 +624,11 @@ async def run_engine(
     config: str | None = None,
     truth: History | None = None,
     state_root: Path | None = None,
+    layer: LayerFactory | None = None,
 ) -> RunRecord:
     """Run ``case`` once on a fresh sandbox of ``config`` (default: the case's): serial
-    when ``truth`` is None, else speculative with drafters that know ``truth``."""
+    when ``truth`` is None, else speculative with drafters that know ``truth``, through
+    ``layer`` when given (:class:`SpeculationLayer`)."""
     name = config or case.config
     pool = [_action(c) for c in case.pool]
     steps = case.steps if case.script is None else min(case.steps, len(case.script))
@@ -503,20 +640,32 @@ async def run_engine(
     sb_config = case.sandbox_config(name, state_dir)
     try:
         async with open_sandbox(sb_config) as sb:
-            await sb.execute(Action.bash(case.setup))
             if truth is None:
+                await sb.execute(Action.bash(case.setup))
                 engine = Engine(_actor(case, pool), sb, config=case.engine_config())
+                history = await engine.run(History(TASK), steps=steps)
+                stats, counts = engine.statistics(), {}
             else:
-                obs_drafter, action_drafter = _drafters(case, _Truth(truth), pool)
-                engine = Engine(
-                    _actor(case, pool),
-                    sb,
-                    observation_drafters=[obs_drafter],
-                    action_drafters=[action_drafter],
-                    config=case.engine_config(),
-                )
-            history = await engine.run(History(TASK), steps=steps)
-            stats = engine.statistics()
+                async with _layer(layer, sb) as lay:
+                    await lay.sandbox.execute(Action.bash(case.setup))
+                    obs_drafter, action_drafter = _drafters(case, _Truth(truth), pool)
+                    actor = _actor(case, pool, streaming=lay.router is not None)
+                    drafters: list[Any] = [action_drafter]
+                    if lay.router is not None:
+                        drafters.append(_routed_drafter(case, actor, pool, lay.label))
+                    engine = Engine(
+                        actor,
+                        lay.sandbox,
+                        observation_drafters=[obs_drafter],
+                        action_drafters=drafters,
+                        config=case.engine_config(),
+                        router=lay.router,
+                    )
+                    history = await engine.run(History(TASK), steps=steps)
+                    stats = engine.statistics()
+                    counts = {name: int(getattr(stats, name)) for name in ENGINE_COUNTS}
+                    counts.update(lay.counts())
+            # the layer is closed: what is snapshot is the committed state itself
             record = RunRecord(
                 trajectory=[(t.action.key, t.observation) for t in history.turns],
                 version=sb.version,
@@ -524,6 +673,7 @@ async def run_engine(
                 forks_launched=stats.forks_launched,
                 forks_reused=stats.forks_reused,
                 drafts_hit=stats.drafts_hit,
+                counts=counts,
             )
         if state_dir is not None:
             async with open_sandbox(sb_config) as sb:
@@ -532,6 +682,15 @@ async def run_engine(
     finally:
         if state_dir is not None:
             await anyio.to_thread.run_sync(_fs.remove_tree, state_dir)
+
+
+@asynccontextmanager
+async def _layer(layer: LayerFactory | None, sb: Sandbox) -> AsyncIterator[SpeculationLayer]:
+    if layer is None:
+        yield SpeculationLayer(sb)
+        return
+    async with layer(sb) as lay:
+        yield lay
 
 
 def _history(record: RunRecord) -> History:
@@ -547,8 +706,8 @@ def _history(record: RunRecord) -> History:
 @dataclass(slots=True)
 class CaseOutcome:
     """The verdict on one case: ``kind`` is ``ok``, ``divergence`` (``where`` says which
-    comparison), ``aborted`` (a run raised; ``where`` names the run), ``leak`` (mounts
-    left under the state root) or ``inconclusive`` (a command that should take
+    comparison), ``aborted`` (a run raised; ``where`` names the run), ``leak`` (mounts,
+    processes or state-root entries left behind) or ``inconclusive`` (a command that should take
     milliseconds timed out: the machine was too loaded to judge)."""
 
     case: LosslessCase
@@ -559,6 +718,8 @@ class CaseOutcome:
     forks_reused: int = 0
     drafts_hit: int = 0
     serial_actions: list[str] = field(default_factory=list)
+    #: the speculative run's RunRecord.counts (engine routing/cache figures, layer counters)
+    counts: dict[str, int] = field(default_factory=dict)
 
     @property
     def ok(self) -> bool:
@@ -578,6 +739,7 @@ class CaseOutcome:
             "forks_launched": self.forks_launched,
             "forks_reused": self.forks_reused,
             "drafts_hit": self.drafts_hit,
+            "counts": self.counts,
         }
 
     def summary(self) -> str:
@@ -623,19 +785,70 @@ def _leaks(state_root: Path) -> list[str]:
     return _fs.mounts_under(str(state_root)) if state_root.exists() else []
 
 
+def _descendants() -> dict[int, str]:
+    """The live processes below this one: pid -> command line (zombies left out)."""
+    parents: dict[int, int] = {}
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{name}/stat", encoding="utf-8", errors="replace") as f:
+                state, ppid = f.read().rsplit(")", 1)[1].split()[:2]
+        except (OSError, ValueError):
+            continue
+        if state != "Z":
+            parents[int(name)] = int(ppid)
+    found: set[int] = set()
+    frontier = {os.getpid()}
+    while frontier:
+        frontier = {pid for pid, ppid in parents.items() if ppid in frontier} - found
+        found |= frontier
+    out = {}
+    for pid in found:
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                out[pid] = f.read().replace(b"\0", b" ").decode(errors="replace").strip()
+        except OSError:
+            continue
+    return out
+
+
+def _entries(state_root: Path) -> set[str]:
+    return set(os.listdir(state_root)) if state_root.exists() else set()
+
+
+async def _left_behind(state_root: Path, processes: Mapping[int, str], entries: set[str]) -> list[str]:
+    """What a run left that was not there before it: mounts under the state root, processes
+    below this one, entries in the state root. Processes and entries get two seconds to go
+    (a killed process is reaped, a store removed, in the background)."""
+    out = [f"mount {m}" for m in _leaks(state_root)[:4]]
+    for _ in range(40):
+        procs = {pid: cmd for pid, cmd in _descendants().items() if processes.get(pid) != cmd}
+        new = _entries(state_root) - entries
+        if not procs and not new:
+            break
+        await anyio.sleep(0.05)
+    out += [f"process {pid}: {cmd[:80]}" for pid, cmd in sorted(procs.items())[:4]]
+    out += [f"entry {state_root / e}" for e in sorted(new)[:4]]
+    return out
+
+
 async def check_case(
     case: LosslessCase,
     *,
     reference: RunRecord | None = None,
     state_root: Path | None = None,
+    layer: LayerFactory | None = None,
 ) -> tuple[CaseOutcome, RunRecord | None]:
     """Run the reference (unless given: it depends on the seed only), serial and
     speculative runs of ``case`` and compare them; returns the outcome and the reference
-    record (to reuse for the same seed on other configurations)."""
+    record (to reuse for the same seed on other configurations). ``layer``: the
+    speculative run goes through it (:class:`SpeculationLayer`); the serial runs never do."""
     root = state_root or default_state_root()
     outcome = CaseOutcome(case)
 
     async def run(name: str, **kw: Any) -> RunRecord | None:
+        processes, entries = _descendants(), _entries(root)
         try:
             record = await run_engine(case, state_root=root, **kw)
         except Exception as exc:  # whatever the engine or a sandbox raises is the finding
@@ -643,12 +856,15 @@ async def check_case(
             if tb and tb[-1].filename == __file__:
                 raise  # a fault of this check itself, not of what it checks
             outcome.kind, outcome.where = "aborted", f"{name} run"
-            outcome.details = [f"{type(exc).__name__}: {exc}", *(f"at {f.filename}:{f.lineno} in {f.name}" for f in tb[-3:])]
+            outcome.details = [
+                f"{type(exc).__name__}: {exc}",
+                *(f"at {f.filename}:{f.lineno} in {f.name}" for f in tb[-3:]),
+            ]
             return None
-        leaked = _leaks(root)
+        leaked = await _left_behind(root, processes, entries)
         if leaked:
             outcome.kind, outcome.where = "leak", f"{name} run"
-            outcome.details = [f"mounts left under {root}: {leaked[:4]}"]
+            outcome.details = [f"left behind under {root} or below this process: {', '.join(leaked)}"]
             _fs.unmount_all_under(str(root))
             return None
         return record
@@ -660,12 +876,13 @@ async def check_case(
     serial = reference if case.config == REFERENCE_CONFIG else await run("serial")
     if serial is None:
         return outcome, reference
-    spec = await run("speculative", truth=_history(serial))
+    spec = await run("speculative", truth=_history(serial), layer=layer)
     if spec is None:
         return outcome, reference
     outcome.serial_actions = [_command_of(key) for key, _ in serial.trajectory]
     outcome.forks_launched, outcome.forks_reused = spec.forks_launched, spec.forks_reused
     outcome.drafts_hit = spec.drafts_hit
+    outcome.counts = dict(spec.counts)
     slow = sorted({cmd for r in (reference, serial, spec) for cmd in _spurious_timeouts(r)})
     if slow:
         outcome.kind, outcome.where = "inconclusive", "timeouts"
@@ -710,11 +927,13 @@ async def minimise(
     budget: int = 40,
     state_root: Path | None = None,
     progress: Callable[[str], None] | None = None,
+    layer: LayerFactory | None = None,
 ) -> CaseOutcome:
     """A smaller case failing the same way as ``outcome`` (same kind and comparison): the
     actor replays the serial run's actions (``script``), then steps, actions and
     speculation knobs are dropped one at a time while the failure persists (each candidate
-    tried up to ``attempts`` times: some failures are races). At most ``budget`` checks."""
+    tried up to ``attempts`` times: some failures are races). At most ``budget`` checks,
+    each through ``layer`` when given (as in :func:`check_case`)."""
     if outcome.ok:
         return outcome
     want = outcome.signature
@@ -726,7 +945,7 @@ async def minimise(
             if spent >= budget:
                 return None
             spent += 1
-            got, _ = await check_case(case, state_root=state_root)
+            got, _ = await check_case(case, state_root=state_root, layer=layer)
             if got.signature == want:
                 return got
         return None

@@ -10,6 +10,7 @@ Usage::
     scripts/check_lossless.py --runs 10000 --seed 1000 --jobs 2 --json > lossless.json
     scripts/check_lossless.py --runs 40 --configs compact,durable
     scripts/check_lossless.py --repro lossless-repro-17-compact.json   # rerun a reproduction
+    scripts/check_lossless.py --runs 400 --specbox --jobs 2          # through the SpecBox layer
 
 Run ``i`` is seed ``S + i // len(configs)`` on ``configs[i % len(configs)]``, so one seed
 covers every configuration and shares one reference run. A progress line goes to stderr;
@@ -19,6 +20,18 @@ out (an overloaded machine) is counted as inconclusive, not as a failure. Each f
 minimised (the serial action sequence
 replayed, then actions and speculation knobs dropped while it still fails the same way;
 ``--no-minimise`` skips it) and written to ``--out/lossless-repro-SEED-CONFIG.json``.
+
+``--specbox``: the speculative run of each case goes through the SpecBox layer a live run
+uses (``aospec run --cache reads --pool-depth 2 --router parse``, built by
+``live.specbox_layer.open_specbox``): the engine gets
+``CachedSandbox(PooledSandbox(sandbox, depth=2), deterministic=deterministic_reads())``, a
+``ParseRouter`` reads the actor's streamed replies, and a routed action drafter proposes
+right and wrong commands of the routed program. Cases are ``make_case(seed, config,
+layered=True)`` (repeated deterministic reads between writes, an actor that takes time to
+decode). The comparison is the same; the summary adds per configuration the committed cache
+hits (and all hits, forks' included), routes fired, routed forks launched and reused, pool
+forks served and the cache's violations and the engine's speculative failures.
+
 Exit status: 0 when every run passed, 1 when any diverged, aborted or leaked a mount, 2 on
 bad arguments.
 """
@@ -31,17 +44,70 @@ import os
 import sys
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
+from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
 import anyio
 
+from aospec.protocols import Sandbox
 from runtime import _fs
-from runtime.lossless import SANDBOX_CONFIGS, LosslessCase, check_case, make_case, minimise
+from runtime.lossless import (
+    SANDBOX_CONFIGS,
+    LayerFactory,
+    LosslessCase,
+    SpeculationLayer,
+    check_case,
+    make_case,
+    minimise,
+)
 
 KINDS = ("divergence", "aborted", "leak")  # failures; "inconclusive" runs are counted apart
+
+
+#: The figures summed per configuration (RunRecord.counts of the speculative runs), in order.
+COUNTS = (
+    "cache_hits",  # committed steps the cache served (the engine's count)
+    "cache_hits_all",  # every hit, discarded forks' included
+    "cache_stores",
+    "cache_violations",
+    "routes_fired",
+    "routed_forks_launched",
+    "routed_forks_reused",
+    "pool_served",
+    "pool_stale_discarded",
+    "speculative_failures",
+)
+
+
+def specbox_layer() -> LayerFactory:
+    """The SpecBox layer of ``aospec run --cache reads --pool-depth 2 --router parse``,
+    as ``live.specbox_layer.open_specbox`` stacks it, for ``check_case(..., layer=...)``."""
+    from live.specbox_layer import SpecBoxOptions, open_specbox
+    from specbox.routers import tool_label
+
+    options = SpecBoxOptions(cache="reads", pool_depth=2, router="parse")
+
+    @asynccontextmanager
+    async def layer(sandbox: Sandbox) -> AsyncIterator[SpeculationLayer]:
+        async with open_specbox(sandbox, options) as run:
+            cached, pooled = run.cached, run.pooled
+
+            def counts() -> dict[str, int]:
+                c = cached.cache_counts()
+                return {
+                    "cache_hits_all": c["hits"],
+                    "cache_stores": c["stores"],
+                    "cache_violations": c["violations"],
+                    "pool_served": pooled.stats.handed_out,
+                    "pool_stale_discarded": pooled.stats.stale_discarded,
+                }
+
+            yield SpeculationLayer(run.sandbox, run.router, tool_label, counts)
+
+    return layer
 
 
 def _private_state_root() -> Path:
@@ -50,9 +116,12 @@ def _private_state_root() -> Path:
     return root
 
 
-def _check_seed(seed: int, configs: Sequence[str], minimise_failures: bool) -> list[dict[str, Any]]:
+def _check_seed(
+    seed: int, configs: Sequence[str], minimise_failures: bool, specbox: bool = False
+) -> list[dict[str, Any]]:
     """Every configuration of one seed (in a worker process); one result dict per run."""
     root = _private_state_root()
+    layer = specbox_layer() if specbox else None
 
     async def main() -> list[dict[str, Any]]:
         results = []
@@ -60,13 +129,15 @@ def _check_seed(seed: int, configs: Sequence[str], minimise_failures: bool) -> l
         minimised: dict[tuple[str, str], dict[str, Any]] = {}
         for config in configs:
             started = time.perf_counter()
-            outcome, reference = await check_case(make_case(seed, config), reference=reference, state_root=root)
+            case = make_case(seed, config, layered=specbox)
+            outcome, reference = await check_case(case, reference=reference, state_root=root, layer=layer)
             result: dict[str, Any] = {"seed": seed, "config": config, **outcome.to_json()}
             result["elapsed_s"] = round(time.perf_counter() - started, 3)
             if outcome.kind in KINDS and minimise_failures:
                 # one seed failing the same way on several configurations is one finding
                 if outcome.signature not in minimised:
-                    minimised[outcome.signature] = (await minimise(outcome, state_root=root)).to_json()
+                    small = await minimise(outcome, state_root=root, layer=layer)
+                    minimised[outcome.signature] = small.to_json()
                 result["minimised"] = minimised[outcome.signature]
             results.append(result)
         return results
@@ -78,7 +149,7 @@ def _check_seed(seed: int, configs: Sequence[str], minimise_failures: bool) -> l
         _fs.remove_tree(str(root))
 
 
-def _write_repro(out: Path, result: dict[str, Any]) -> Path:
+def _write_repro(out: Path, result: dict[str, Any], specbox: bool = False) -> Path:
     out.mkdir(parents=True, exist_ok=True)
     path = out / f"lossless-repro-{result['seed']}-{result['config']}.json"
     small = result.get("minimised") or result
@@ -88,10 +159,21 @@ def _write_repro(out: Path, result: dict[str, Any]) -> Path:
         "details": small["details"],
         "case": small["case"],
         "original": {k: result[k] for k in ("kind", "where", "details", "case", "serial_actions")},
+        "specbox": specbox,
         "rerun": f"scripts/check_lossless.py --repro {path}",
     }
     path.write_text(json.dumps(doc, indent=2) + "\n")
     return path
+
+
+def _layer_table(layer: dict[str, dict[str, int]]) -> str:
+    names = ("cache hits", "all hits", "routes", "routed", "reused", "pool served", "spec fails")
+    keys = ("cache_hits", "cache_hits_all", "routes_fired", "routed_forks_launched", "routed_forks_reused")
+    keys += ("pool_served", "speculative_failures")
+    lines = [f"{'config':<10}" + "".join(f"{n:>13}" for n in names)]
+    for config, c in layer.items():
+        lines.append(f"{config:<10}" + "".join(f"{c[k]:>13}" for k in keys))
+    return "\n".join(lines)
 
 
 def _summary_table(counts: dict[str, dict[str, int]]) -> str:
@@ -113,6 +195,7 @@ def _run(args: argparse.Namespace, configs: list[str]) -> int:
         plan.append((args.seed + i, take))
         left -= len(take)
     counts = {c: {"runs": 0, "ok": 0, "divergence": 0, "aborted": 0, "leak": 0, "inconclusive": 0} for c in configs}
+    layer = {c: dict.fromkeys(COUNTS, 0) for c in configs}  # summed over the speculative runs
     failures: list[dict[str, Any]] = []
     done = 0
     check_s = 0.0  # time spent checking, without minimising failures
@@ -140,12 +223,17 @@ def _run(args: argparse.Namespace, configs: list[str]) -> int:
             c = counts[r["config"]]
             c["runs"] += 1
             c[r["kind"]] += 1
+            for k, v in r.get("counts", {}).items():
+                if k in layer[r["config"]]:
+                    layer[r["config"]][k] += v
             if r["kind"] == "inconclusive":
                 print(f"\ninconclusive: seed {r['seed']} [{r['config']}]: {r['details'][0]}", file=sys.stderr)
             elif r["kind"] != "ok":
-                r["repro"] = str(_write_repro(Path(args.out), r))
+                r["repro"] = str(_write_repro(Path(args.out), r, args.specbox))
                 failures.append(r)
-                print(f"\n{r['kind']}: seed {r['seed']} [{r['config']}] ({r['where']}) -> {r['repro']}", file=sys.stderr)
+                print(
+                    f"\n{r['kind']}: seed {r['seed']} [{r['config']}] ({r['where']}) -> {r['repro']}", file=sys.stderr
+                )
                 for d in r["details"][:6]:
                     print(f"  {d}", file=sys.stderr)
         progress()
@@ -153,13 +241,13 @@ def _run(args: argparse.Namespace, configs: list[str]) -> int:
     minimise_failures = not args.no_minimise
     if args.jobs <= 1:
         for seed, cfgs in plan:
-            take(_check_seed(seed, cfgs, minimise_failures))
+            take(_check_seed(seed, cfgs, minimise_failures, args.specbox))
     else:
         with ProcessPoolExecutor(max_workers=args.jobs) as pool:
             pending: set[Future[list[dict[str, Any]]]] = set()
             todo = iter(plan)
             for seed, cfgs in todo:
-                pending.add(pool.submit(_check_seed, seed, cfgs, minimise_failures))
+                pending.add(pool.submit(_check_seed, seed, cfgs, minimise_failures, args.specbox))
                 if len(pending) >= 2 * args.jobs:
                     break
             while pending:
@@ -168,7 +256,7 @@ def _run(args: argparse.Namespace, configs: list[str]) -> int:
                     take(fut.result())
                     nxt = next(todo, None)
                     if nxt is not None:
-                        pending.add(pool.submit(_check_seed, nxt[0], nxt[1], minimise_failures))
+                        pending.add(pool.submit(_check_seed, nxt[0], nxt[1], minimise_failures, args.specbox))
     progress(final=True)
     elapsed = time.perf_counter() - started
     if args.json:
@@ -176,6 +264,8 @@ def _run(args: argparse.Namespace, configs: list[str]) -> int:
             "runs": done,
             "seed": args.seed,
             "configs": counts,
+            "specbox": args.specbox,
+            "layer": layer,
             "elapsed_s": round(elapsed, 1),
             "runs_per_s": round(done / elapsed, 3) if elapsed else None,
             "check_s": round(check_s, 1),
@@ -187,6 +277,7 @@ def _run(args: argparse.Namespace, configs: list[str]) -> int:
         print(json.dumps(doc, indent=2))
     else:
         print(_summary_table(counts))
+        print(_layer_table(layer))
         if elapsed and check_s:
             print(
                 f"{done} runs in {elapsed:.0f} s ({done / elapsed:.2f} runs/s; "
@@ -205,14 +296,16 @@ def _repro(args: argparse.Namespace) -> int:
         print(f"check_lossless: cannot read {path}: {exc.strerror}", file=sys.stderr)
         return 2
     try:
-        case = LosslessCase.from_json(json.loads(text)["case"])
-    except (ValueError, KeyError, TypeError) as exc:
+        doc = json.loads(text)
+        case = LosslessCase.from_json(doc["case"])
+        layer = specbox_layer() if args.specbox or doc.get("specbox") else None
+    except (ValueError, KeyError, TypeError, AttributeError) as exc:
         print(f"check_lossless: {path}: not a reproduction file ({type(exc).__name__}: {exc})", file=sys.stderr)
         return 2
     root = _private_state_root()
 
     async def main() -> list[Any]:
-        return [(await check_case(case, state_root=root))[0] for _ in range(args.runs)]
+        return [(await check_case(case, state_root=root, layer=layer))[0] for _ in range(args.runs)]
 
     try:
         outcomes = anyio.run(main)
@@ -230,8 +323,12 @@ def _repro(args: argparse.Namespace) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
-    parser.add_argument("--runs", type=int, default=None, help="runs in all (default 100; with --repro: reruns, default 1)")
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter
+    )
+    parser.add_argument(
+        "--runs", type=int, default=None, help="runs in all (default 100; with --repro: reruns, default 1)"
+    )
     parser.add_argument("--seed", type=int, default=0, help="first seed (default 0)")
     parser.add_argument("--configs", default=",".join(SANDBOX_CONFIGS), help="comma-separated sandbox configurations")
     parser.add_argument("--jobs", type=int, default=1, help="worker processes (default 1)")
@@ -239,6 +336,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--out", default=".", help="directory for reproduction files (default .)")
     parser.add_argument("--no-minimise", action="store_true", help="write failures as found, unminimised")
     parser.add_argument("--repro", metavar="FILE", help="rerun the case of a reproduction file")
+    parser.add_argument(
+        "--specbox",
+        action="store_true",
+        help="speculative runs through the SpecBox layer (result cache over a fork pool, parse router)",
+    )
     args = parser.parse_args(argv)
     if args.runs is None:
         args.runs = 1 if args.repro else 100
