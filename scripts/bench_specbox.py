@@ -33,7 +33,8 @@ Measured per (policy, QPS): P50/P99 time until the tool's environment is ready (
 end of the decode) and end-to-end per call, cumulative provisioning time, peak RSS of the
 environments' process trees (sampled every --sample-ms, and at each on-demand acquire),
 hits, warm waits, cold starts and handoffs (an acquire that waited for a start took a
-released environment), wasted warm-ups, the most starts in flight and the time starts
+released environment; of the starts given up, those dropped while still queued and those
+stopped as soon as they were up), wasted warm-ups, the most starts in flight and the time starts
 queued for a slot, and the load average before and after.
 
     nice python scripts/bench_specbox.py --quick --out results/specbox.json
@@ -275,6 +276,8 @@ async def run_one(
         "cold_starts": stats["cold_starts"],
         "handoffs": stats["handoffs"],
         "unclaimed_starts": stats["unclaimed_starts"],
+        "starts_dropped": stats["starts_dropped"],
+        "unclaimed_stopped": stats["unclaimed_stopped"],
         "start_concurrency": pool.start_concurrency,
         "peak_starts_in_flight": stats["peak_starts_in_flight"],
         "start_queue_s": round(stats["start_queue_s"], 2),

@@ -21,7 +21,9 @@ of its measured start times (:meth:`EnvironmentPool.cold_start_cost`).
 Starts run in the pool's own task group, at most ``start_concurrency`` at once (default:
 the cores this process may run on), starts an acquire waits for ahead of warm-ups. An
 acquire waiting for a start takes an environment of its type released in the meantime;
-the start goes on and ends as an idle warm environment.
+the start it gave up is dropped while still queued unless its type needs it to keep its
+reserve, and one already begun is stopped as soon as it is up when its type has an idle
+environment (and its reserve) besides it; otherwise it ends as an idle warm environment.
 
 :class:`PooledSandbox` is a pool-backed ``aospec.protocols.Sandbox``: ``fork()`` hands out a
 fork made ahead of time when its version still equals the parent's (a stale one is
@@ -117,7 +119,8 @@ class EnvSpec:
 class Environment:
     """A live environment. ``value`` is what the spec's factory returned. ``claimed``: an
     acquire waits for this start (or, started, is about to take it); ``used``: it has been
-    acquired."""
+    acquired. ``given_up``: an acquire waited for this start and took another environment
+    instead (a handoff); ``begun``: the start holds a slot (no longer queued)."""
 
     spec: EnvSpec
     value: Any = None
@@ -125,6 +128,8 @@ class Environment:
     speculative: bool = False
     used: bool = False
     claimed: bool = False
+    given_up: bool = False
+    begun: bool = False
     last_used: float = field(default_factory=time.monotonic)
     start_s: float = 0.0
     _stop_event: anyio.Event | None = None
@@ -141,8 +146,10 @@ class Environment:
 class PoolStats:
     """Each acquire is one of ``hits`` (an idle environment), ``warm_waits`` (a warm-up it
     waited for), ``cold_starts`` (a start of its own) or ``handoffs`` (an environment
-    released while it waited for a start; that start, counted in ``unclaimed_starts``,
-    ends idle). ``starts_in_flight`` is now, ``peak_starts_in_flight`` at most (never above
+    released while it waited for a start; that start is counted in ``unclaimed_starts``,
+    and of those in ``starts_dropped`` when dropped before it began, in
+    ``unclaimed_stopped`` when stopped as soon as it was up; the rest end idle).
+    ``starts_in_flight`` is now, ``peak_starts_in_flight`` at most (never above
     the pool's ``start_concurrency``); ``start_queue_s`` sums the time starts waited for a
     slot (not part of ``provisioning_s`` nor of ``L_j``)."""
 
@@ -151,6 +158,8 @@ class PoolStats:
     cold_starts: int = 0
     handoffs: int = 0
     unclaimed_starts: int = 0
+    starts_dropped: int = 0
+    unclaimed_stopped: int = 0
     warm_ups: int = 0
     warm_skipped: int = 0
     wasted_warm_ups: int = 0
@@ -320,8 +329,10 @@ class EnvironmentPool:
                         self.stats.hits += 1
                     else:
                         # Why: a start takes seconds, a busy environment is often released
-                        # within milliseconds; the start goes on and ends idle and warm.
+                        # within milliseconds. The start given up is no one's now: it goes
+                        # on only where its type needs it (see _unclaim).
                         self.stats.handoffs += 1
+                        env.state = "busy"  # taken: not spare for the start given up
                         self._unclaim(claim, own, cancel=False)
                         claim = None
                     return self._take(env)
@@ -334,7 +345,7 @@ class EnvironmentPool:
                     starting = [e for e in self._envs if e.name == tool and e.state == "starting" and not e.claimed]
                     if starting:
                         claim, own = starting[0], False
-                        claim.claimed = True
+                        claim.claimed, claim.given_up = True, False
                         self._notify()  # a claimed start goes ahead of warm-ups in the queue
                         continue
                     if self._make_room(spec, speculative_only=False):
@@ -352,9 +363,16 @@ class EnvironmentPool:
     def _unclaim(self, env: Environment, own: bool, *, cancel: bool) -> None:
         """Give up the claim on ``env``. A cold start of one's own becomes a warm-up (so it
         is evicted first and counted wasted if never used), or, when ``cancel`` (or under
-        ``on-demand``, which keeps nothing warm), is cancelled or stopped."""
+        ``on-demand``, which keeps nothing warm), is cancelled or stopped. Given up for a
+        handoff (not ``cancel``), a start still queued is dropped unless its type needs it
+        for its reserve; one begun is checked again when it is up (:meth:`_start`)."""
         env.claimed = False
         self.stats.unclaimed_starts += not cancel
+        if not cancel:
+            env.given_up = True
+            if self._drop_if_unneeded(env):
+                self._notify()
+                return
         if own and (cancel or env.spec.policy == "on-demand"):
             if env.state == "starting" and env._scope is not None:
                 env._scope.cancel()
@@ -465,6 +483,35 @@ class EnvironmentPool:
                 victim.used = True  # counted once
         return True
 
+    def _drop_if_unneeded(self, env: Environment) -> bool:
+        """Drop ``env``, a start given up for a handoff and still queued, when its type has
+        its reserve (``kept_warm``; 0 under plain ``speculative``) idle or starting
+        unclaimed besides it. True when dropped."""
+        # Why: no acquire waits for it any more and it has cost nothing yet; dropped, it
+        # never holds memory, a start slot or a place in the budget. Kept while the reserve
+        # needs it: it keeps its place in the queue, where a new refill would go last.
+        if not (env.given_up and not env.claimed and env.state == "starting" and not env.begun):
+            return False
+        others = sum(1 for e in self._envs if e is not env and e.name == env.name and self._unclaimed_ready(e))
+        if others < env.spec.kept_warm:
+            return False
+        env.state = "stopped"
+        if env in self._envs:
+            self._envs.remove(env)
+        self.stats.starts_dropped += 1
+        return True
+
+    def _spare_when_up(self, env: Environment) -> bool:
+        """Whether ``env``, a start given up for a handoff that has just come up, is spare:
+        its type already has ``max(kept_warm, 1)`` idle besides it."""
+        # Why: its start is paid for, but an idle server of its type already serves the next
+        # call (and a burst's second call is handed the first one released); kept, it would
+        # hold its memory until the idle timeout. With nothing of its type idle it stays.
+        if not env.given_up or env.claimed:
+            return False
+        idle = sum(1 for e in self._envs if e is not env and e.name == env.name and e.state == "idle" and not e.claimed)
+        return idle >= max(env.spec.kept_warm, 1)
+
     def _above_reserve(self, env: Environment) -> bool:
         if not env.spec.kept_warm:
             return True
@@ -479,7 +526,8 @@ class EnvironmentPool:
     async def _wait_start_slot(self, env: Environment) -> bool:
         """Queue ``env``'s start until fewer than ``start_concurrency`` run and it is the
         first queued (claimed starts first, then in order). False when the pool closed or
-        ``env`` was dropped meanwhile."""
+        ``env`` was dropped meanwhile (also here: a start given up for a handoff that its
+        type no longer needs)."""
         # Why: a cold start here is CPU (an interpreter and its imports); more of them at
         # once than cores only makes each slower, and a start an acquire waits for is the
         # one whose delay a caller sees.
@@ -487,7 +535,7 @@ class EnvironmentPool:
         t0 = time.perf_counter()
         try:
             while True:
-                if self._closed or env.state != "starting":
+                if self._closed or env.state != "starting" or self._drop_if_unneeded(env):
                     return False
                 first = next((e for e in self._start_queue if e.claimed), self._start_queue[0])
                 if first is env and self.stats.starts_in_flight < self.start_concurrency:
@@ -496,6 +544,7 @@ class EnvironmentPool:
         finally:
             self._start_queue.remove(env)
             self.stats.start_queue_s += time.perf_counter() - t0
+        env.begun = True
         self.stats.starts_in_flight += 1
         self.stats.peak_starts_in_flight = max(self.stats.peak_starts_in_flight, self.stats.starts_in_flight)
         return True
@@ -504,7 +553,7 @@ class EnvironmentPool:
         spec = env.spec
         try:
             if not await self._wait_start_slot(env):
-                raise SandboxError(f"the start of {spec.name!r} was dropped: the pool closed")
+                raise SandboxError(f"the start of {spec.name!r} was dropped (pool closed, or no longer needed)")
         except BaseException as exc:  # closed or cancelled while queued: never started
             env._error = exc
             env.state = "stopped"
@@ -540,6 +589,9 @@ class EnvironmentPool:
         if env.state == "starting":
             env.state = "idle"
         if self._closed or env not in self._envs:
+            await self._stop(env)
+        elif env.state == "idle" and self._spare_when_up(env):
+            self.stats.unclaimed_stopped += 1
             await self._stop(env)
         self._notify()
 

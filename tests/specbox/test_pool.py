@@ -1,5 +1,7 @@
 """The prewarm pool (specbox/pool.py): policies, budget and idle eviction, cold-start cost,
-handoffs to waiting acquires, unclaimed-only max_warm, bounded starts in flight,
+handoffs to waiting acquires and what becomes of the starts they give up (dropped while
+queued unless the floor needs them, stopped when up if their type has one idle),
+unclaimed-only max_warm, bounded starts in flight,
 no leaks after close, the router and prefetch adapters, and the pool-backed Sandbox (the
 runtime conformance suite's protocol tests on PooledSandbox over InMemorySandbox and, as
 root, overlay)."""
@@ -179,9 +181,119 @@ async def test_an_acquire_waiting_for_a_start_takes_an_environment_released_mean
         gate.set()  # the start it no longer waits for ends as an idle warm environment
         await pool.wait_until(lambda: pool.count("t", "idle") == 1)
         spare = pool.environments("t")[1]
-        assert spare.speculative and not spare.claimed and not spare.used
+        assert spare.speculative and not spare.claimed and not spare.used  # nothing else of t was idle
+        assert pool.stats.unclaimed_stopped == 0 and pool.stats.starts_dropped == 0
         assert await pool.acquire("t") is spare and pool.stats.hits == 1
         assert fake.started == 2
+    assert fake.live == set()
+
+
+async def test_a_start_given_up_for_a_handoff_while_still_queued_is_dropped() -> None:
+    blocker, fake = Fake(gate=anyio.Event()), Fake()
+    specs = [blocker.spec("w", policy="speculative"), fake.spec("t", policy="speculative")]
+    async with EnvironmentPool(specs, start_concurrency=1) as pool:
+        first = await pool.acquire("t")
+        assert await pool.warm("w")  # holds the only start slot
+        await pool.wait_until(lambda: blocker.running == 1)
+        got: list[object] = []
+
+        async def second() -> None:
+            got.append(await pool.acquire("t"))
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(second)
+            await pool.wait_until(lambda: pool.count("t", "starting") == 1)  # queued behind w
+            await pool.release(first)
+        assert got == [first] and pool.stats.handoffs == 1 and pool.stats.unclaimed_starts == 1
+        assert pool.stats.starts_dropped == 1 and pool.count("t") == 1  # never started
+        assert blocker.gate is not None
+        blocker.gate.set()
+        await pool.wait_until(lambda: pool.count("w", "idle") == 1)
+        assert fake.begun == ["t"] and pool.stats.start_failures == 0 and pool.stats.wasted_warm_ups == 0
+    assert fake.live == set() and blocker.live == set()
+
+
+async def test_a_queued_start_given_up_is_kept_while_the_floor_needs_it_and_dropped_once_a_release_restores_it() -> (
+    None
+):
+    blocker, fake = Fake(gate=anyio.Event()), Fake()
+    specs = [blocker.spec("w", policy="speculative"), fake.spec("t", policy="speculative", floor=1)]
+    async with EnvironmentPool(specs, start_concurrency=1) as pool:
+        await pool.wait_until(lambda: pool.count("t", "idle") == 1)  # the floor
+        assert await pool.warm("w")  # holds the only start slot
+        await pool.wait_until(lambda: blocker.running == 1)
+        first = await pool.acquire("t")  # a hit; the floor's refill queues behind w
+        assert pool.count("t", "starting") == 1
+        got: list[object] = []
+
+        async def second() -> None:
+            got.append(await pool.acquire("t"))
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(second)
+            await pool.wait_until(lambda: pool.environments("t")[1].claimed)  # waits for the refill
+            await pool.release(first)
+        assert got == [first] and pool.stats.handoffs == 1
+        refill = pool.environments("t")[1]  # given up, but t has nothing else idle: kept, in its place
+        assert refill.state == "starting" and refill.given_up and pool.stats.starts_dropped == 0
+        await pool.release(first)  # the floor is idle again: the queued refill is not needed
+        await pool.wait_until(lambda: pool.stats.starts_dropped == 1)
+        assert pool.environments("t") == [first] and first.state == "idle"
+        assert blocker.gate is not None
+        blocker.gate.set()
+        await pool.wait_until(lambda: pool.count("w", "idle") == 1)
+        assert fake.begun == ["t"]  # only the floor's first start ever ran
+    assert fake.live == set() and blocker.live == set()
+
+
+async def test_a_begun_start_given_up_is_stopped_when_up_if_its_type_has_one_idle() -> None:
+    gate = anyio.Event()
+    fake = Fake(gate=gate)
+    async with EnvironmentPool([fake.spec("t", policy="speculative")]) as pool:
+        gate.set()
+        first = await pool.acquire("t")
+        gate = fake.gate = anyio.Event()
+        got: list[object] = []
+
+        async def second() -> None:
+            got.append(await pool.acquire("t"))
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(second)
+            await pool.wait_until(lambda: fake.running == 1)  # its start has begun
+            await pool.release(first)
+        assert got == [first] and pool.stats.starts_dropped == 0  # begun: not dropped
+        await pool.release(first)  # t has an idle environment again
+        gate.set()
+        await pool.wait_until(lambda: pool.stats.unclaimed_stopped == 1)
+        assert pool.environments("t") == [first] and fake.live == {first.value}
+        assert fake.started == 2 and pool.stats.wasted_warm_ups == 1
+    assert fake.live == set()
+
+
+async def test_a_given_up_start_another_acquire_claims_is_that_acquires() -> None:
+    gate = anyio.Event()
+    fake = Fake(gate=gate)
+    async with EnvironmentPool([fake.spec("t", policy="speculative")]) as pool:
+        gate.set()
+        first = await pool.acquire("t")
+        gate = fake.gate = anyio.Event()
+        got: list[object] = []
+
+        async def take() -> None:
+            got.append(await pool.acquire("t"))
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(take)
+            await pool.wait_until(lambda: fake.running == 1)
+            await pool.release(first)  # the first waiter takes it; the start is given up
+            await pool.wait_until(lambda: got == [first])
+            tg.start_soon(take)  # the next waiter claims the given-up start
+            await pool.wait_until(lambda: pool.environments("t")[1].claimed)
+            assert not pool.environments("t")[1].given_up
+            gate.set()
+        assert got[1] is pool.environments("t")[1] and got[1] is not first
+        assert pool.stats.warm_waits == 1 and pool.stats.unclaimed_stopped == 0 and pool.stats.starts_dropped == 0
     assert fake.live == set()
 
 
