@@ -86,23 +86,23 @@ def register(subparsers: Any) -> None:
         type=int,
         default=None,
         metavar="N",
-        help="forks of the committed sandbox made ahead of time, so a speculative fork is a queue pop (default 2 "
-        "when speculating; 0: off)",
+        help="forks of the committed sandbox made ahead of time, so a speculative fork is a queue pop (default 0: "
+        "off; docs/live-benchmark.md has why)",
     )
     box.add_argument(
         "--router",
         default=None,
         choices=("off", "parse", "trained"),
         help="read the model's stream and name the command's program before the reply ends, to fork its likely "
-        "commands early: parse (exact, default when speculating), trained (keyword + TF-IDF + parse fitted on "
-        "--train-traces; needs scikit-learn), off",
+        "commands early: parse (exact), trained (keyword + TF-IDF + parse fitted on --train-traces; needs "
+        "scikit-learn), off (default; docs/live-benchmark.md has why)",
     )
     box.add_argument(
         "--markov",
         action=argparse.BooleanOptionalAction,
         default=None,
         help="add a Markov tool-transition drafter (fitted on --train-traces, updated after every step) to the "
-        "action drafters (default: on when speculating with --train-traces)",
+        "action drafters (default off)",
     )
     add_format_option(p)
     p.set_defaults(func=_run)
@@ -152,8 +152,7 @@ def _check_args(args: argparse.Namespace) -> None:
                 raise ConfigError(f"{flag} {value} needs speculation: a serial run (--no-speculate) makes no forks")
         if args.markov:
             raise ConfigError("--markov is an action drafter: a serial run (--no-speculate) drafts nothing")
-    router = args.router or ("parse" if args.speculate else "off")
-    if router == "trained" and not args.train_traces:
+    if args.router == "trained" and not args.train_traces:
         raise ConfigError("--router trained is fitted on --train-traces: give them, or use --router parse")
     if args.markov and not args.train_traces:
         raise ConfigError("--markov is fitted on --train-traces: give them, or leave --markov out")
@@ -166,9 +165,12 @@ def _specbox_options(args: argparse.Namespace) -> Any:
     spec = args.speculate
     return SpecBoxOptions(
         cache=args.cache or ("reads" if spec else "off"),
-        pool_depth=args.pool_depth if args.pool_depth is not None else (2 if spec else 0),
-        router=args.router or ("parse" if spec else "off"),
-        markov=args.markov if args.markov is not None else bool(spec and args.train_traces),
+        # Only the cache is on by default: on the live benchmark the pool's forks made ahead
+        # and the routed forks cost more CPU than they saved on 2 cores
+        # (docs/live-benchmark.md, "With the SpecBox layer"); they are there to be asked for.
+        pool_depth=args.pool_depth if args.pool_depth is not None else 0,
+        router=args.router or "off",
+        markov=bool(args.markov),
     )
 
 
