@@ -1,13 +1,12 @@
 """What a stream router reads of a recorded step, built below ``specbox`` (replay may not
 import it: tests/test_layers.py).
 
-- :func:`step_stream` is ``specbox.routers.step_stream`` with each tool-call piece as an
-  OpenAI chat-completions chunk dict (the form :class:`aospec.protocols.StreamingActor`
-  reports), which ``specbox.routers.parse_chunk`` turns back into the same
-  ``ToolCallDelta``; text pieces are the same strings.
-- :func:`tool_label` is ``specbox.routers.tool_label``: the label a router names (a shell
-  command's program past ``cd DIR &&``-style setup, :func:`aospec.shell.program_label`;
-  else the tool name), which routed action drafters need.
+- :func:`step_stream` is :func:`aospec.streams.step_stream` (which specbox's routers use
+  too) with each tool-call piece as an OpenAI chat-completions chunk dict (the form
+  :class:`aospec.protocols.StreamingActor` reports), which ``specbox.routers.parse_chunk``
+  turns back into the same ``ToolCallDelta``; text pieces are the same strings.
+- :func:`tool_label` (:func:`aospec.streams.tool_label`, re-exported): the label a router
+  names, which routed action drafters need.
 - :class:`UnionRouter` joins several stream routers (``router=a+b`` of a replay policy).
 
 tests/replay/test_replay_routing.py checks the first two against specbox on recorded traces.
@@ -15,23 +14,14 @@ tests/replay/test_replay_routing.py checks the first two against specbox on reco
 
 from __future__ import annotations
 
-import json
-import re
 from collections.abc import Sequence
 from typing import Any
 
-from aospec.shell import program_label
-from aospec.types import Action, History, Step
+from aospec import streams
+from aospec.streams import tokenize, tool_label
+from aospec.types import History, Step
 
 __all__ = ["UnionRouter", "step_stream", "tokenize", "tool_label"]
-
-#: specbox.routers' token pattern (GPT-2's pre-tokeniser: about one BPE token per piece).
-_TOKEN = re.compile(r" ?[^\W\d_]+| ?\d{1,3}| ?[^\s\w]+|_+|\s+(?!\S)|\s+")
-
-
-def tokenize(text: str) -> list[str]:
-    """``text`` cut into stream tokens; ``"".join(tokenize(t)) == t``."""
-    return _TOKEN.findall(text)
 
 
 def _call_chunk(name: str | None, arguments: str) -> dict[str, Any]:
@@ -40,36 +30,9 @@ def _call_chunk(name: str | None, arguments: str) -> dict[str, Any]:
 
 
 def step_stream(step: Step) -> list[object]:
-    """The stream the actor decoded for ``step``, cut at the end of its action: a shell
-    step's reply up to the end of its command (else the command as a fenced bash block),
-    ``respond``'s content, a non-action's reply, or another tool's reply text, then a chunk
-    naming the function and its arguments JSON in token-sized chunks."""
-    action = step.action
-    cmd = action.command
-    reply = step.reply or ""
-    if cmd is not None:
-        if reply and cmd and cmd in reply:
-            text = reply[: reply.index(cmd) + len(cmd)]
-        else:
-            text = (reply + "\n\n" if reply else "") + f"```bash\n{cmd}"
-        return list(tokenize(text))
-    if action.tool == "respond":
-        content = action.args.get("content")
-        return list(tokenize(content if isinstance(content, str) and content else reply))
-    if action.is_none:
-        return list(tokenize(reply))
-    out: list[object] = list(tokenize(reply))
-    out.append(_call_chunk(action.tool, ""))
-    args = json.dumps(dict(action.to_json()["args"]), ensure_ascii=False)
-    out.extend(_call_chunk(None, piece) for piece in tokenize(args))
-    return out
-
-
-def tool_label(action: Action) -> str:
-    """A shell action's program (:func:`aospec.shell.program_label`: the first program past
-    ``cd``/``export``-style setup commands), else the tool name."""
-    cmd = action.command
-    return action.tool if cmd is None else program_label(cmd)
+    """The stream the actor decoded for ``step`` (:func:`aospec.streams.step_stream`), each
+    tool-call piece an OpenAI chat-completions chunk dict."""
+    return streams.step_stream(step, _call_chunk)
 
 
 class UnionRouter:

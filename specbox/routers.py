@@ -50,8 +50,10 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from aospec.errors import ConfigError
-from aospec.shell import program_label, streamed_program_label
-from aospec.types import NO_ACTION_TOOL, Action, History, Step, Trace
+from aospec.shell import streamed_program_label
+from aospec.streams import step_stream as step_stream_of
+from aospec.streams import tokenize, tool_label
+from aospec.types import NO_ACTION_TOOL, History, Step, Trace
 
 __all__ = [
     "NON_CALLS",
@@ -79,15 +81,6 @@ NON_CALLS = frozenset({NO_ACTION_TOOL, "respond"})
 
 
 # ------------------------------------------------------------------ labels and streams
-
-
-def tool_label(action: Action) -> str:
-    """The routing label of ``action``: for a shell command, its program
-    (:func:`aospec.shell.program_label`: the first program past ``cd``/``export``/``source``
-    -style setup commands and ``VAR=value`` assignments; ``cd /x`` alone is ``cd``);
-    otherwise the tool name."""
-    cmd = action.command
-    return action.tool if cmd is None else program_label(cmd)
 
 
 @dataclass(frozen=True, slots=True)
@@ -147,17 +140,6 @@ def parse_chunk(chunk: Any) -> list[Delta]:
     return out
 
 
-#: How eval streams are cut into tokens: GPT-2's pre-tokeniser pattern (a letter run or a
-#: 1-3 digit run with its leading space, a punctuation run with its leading space, or
-#: whitespace), roughly one BPE token each (about 3.5 characters on the tb1 replies).
-_TOKEN = re.compile(r" ?[^\W\d_]+| ?\d{1,3}| ?[^\s\w]+|_+|\s+(?!\S)|\s+")
-
-
-def tokenize(text: str) -> list[str]:
-    """``text`` cut into stream tokens (see ``_TOKEN``); ``"".join(tokenize(t)) == t``."""
-    return _TOKEN.findall(text)
-
-
 @dataclass(frozen=True, slots=True)
 class StreamStep:
     """One step as the router sees it: its stream (deltas, in order), its label, and
@@ -175,35 +157,12 @@ class StreamStep:
 
 
 def step_stream(step: Step) -> list[Delta]:
-    """The stream the actor decoded for ``step``, cut at the end of its action.
-
-    - A shell step: its reply text up to the end of the command inside it (the closing fence
-      and anything after are left out), else the action rendered as a fenced bash block;
-      tokenised with :func:`tokenize`.
-    - A tool call of any other tool (tau-bench): the reply text (only the first call of a
-      reply carries it) as tokens, then a :class:`ToolCallDelta` with the name, then the
-      arguments JSON (as the model streams it: ``json.dumps``, keys in call order) cut into tokens.
-    - ``respond``: its content text as tokens. ``none``: the reply text as tokens.
-    """
-    action = step.action
-    cmd = action.command
-    reply = step.reply or ""
-    if cmd is not None:
-        if reply and cmd and cmd in reply:
-            text = reply[: reply.index(cmd) + len(cmd)]
-        else:
-            text = (reply + "\n\n" if reply else "") + f"```bash\n{cmd}"
-        return list(tokenize(text))
-    if action.tool == "respond":
-        content = action.args.get("content")
-        return list(tokenize(content if isinstance(content, str) and content else reply))
-    if action.is_none:
-        return list(tokenize(reply))
-    out: list[Delta] = list(tokenize(reply))
-    out.append(ToolCallDelta(action.tool, ""))
-    args = json.dumps(dict(action.to_json()["args"]), ensure_ascii=False)
-    out.extend(ToolCallDelta(None, piece) for piece in tokenize(args))
-    return out
+    """The stream the actor decoded for ``step``, cut at the end of its action
+    (:func:`aospec.streams.step_stream`; tool-call pieces as :class:`ToolCallDelta`s):
+    a shell step's reply text up to the end of its command (else the command as a fenced
+    bash block); another tool's reply text, then the name delta, then its arguments JSON in
+    tokens (tau-bench); ``respond``'s content; ``none``'s reply text."""
+    return step_stream_of(step, ToolCallDelta)  # type: ignore[return-value]
 
 
 def stream_steps(traces: Iterable[Trace]) -> list[StreamStep]:
