@@ -33,7 +33,6 @@ from typing import Any, Literal
 from aospec.effects import classify_command
 from aospec.errors import ConfigError
 from aospec.protocols import Sandbox
-from aospec.shell import ShellSyntaxError, extract_substitutions, simple_commands, tokens
 from aospec.types import Action, Effect, Trace
 
 __all__ = [
@@ -133,6 +132,8 @@ def deterministic_reads(workdir: str = "/") -> Callable[[Action], bool]:
     ``-a -A -d -F -p -R -r -1`` (so ``ls -l``/``-la``, whose mtimes are not part of a
     version, always run), ``diff`` without ``-u``/``-c``, ``sort`` without ``-R``; a
     recursive ``grep``/``ls`` over ``/`` (or from ``/`` without a path) is refused too."""
+    from specbox.cache import plain_simple_commands
+
     allowed = frozenset(READ_PROGRAMS)
     start = posixpath.normpath(workdir) if workdir.startswith("/") else "/"
 
@@ -148,17 +149,10 @@ def deterministic_reads(workdir: str = "/") -> Callable[[Action], bool]:
 
     def predicate(action: Action) -> bool:
         cmd = action.command
-        if cmd is None or set(action.args) != {"command"} or "$" in cmd or "`" in cmd:
+        if cmd is None or "$" in cmd or "`" in cmd:
             return False
-        try:
-            subs: list[str] = []
-            rest = extract_substitutions(cmd, subs)
-            if subs:
-                return False
-            cmds = list(simple_commands(tokens(rest)))
-        except ShellSyntaxError:
-            return False
-        if not cmds:
+        cmds = plain_simple_commands(action)
+        if cmds is None:
             return False
         cwds = [start]
         for c in cmds:

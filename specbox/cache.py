@@ -60,6 +60,7 @@ __all__ = [
     "ResultCache",
     "SemanticCacheDrafter",
     "action_text",
+    "plain_simple_commands",
     "shell_commands",
     "similarity",
     "storable",
@@ -74,6 +75,25 @@ class CacheViolationWarning(UserWarning):
 # Policy: which actions are deterministic / idempotent reads
 
 
+def plain_simple_commands(action: Action) -> list[Any] | None:
+    """The simple commands of a ``bash`` action (``aospec.shell.simple_commands``), or None
+    when it is not a plain command line: another tool, extra arguments, a command
+    substitution, or text the lexer cannot follow. Predicates of deterministic commands
+    start here (:func:`shell_commands`, ``live.specbox_layer.deterministic_reads``)."""
+    cmd = action.command
+    if cmd is None or set(action.args) != {"command"}:
+        return None
+    try:
+        subs: list[str] = []
+        rest = extract_substitutions(cmd, subs)
+        if subs:
+            return None
+        cmds = list(simple_commands(tokens(rest)))
+    except ShellSyntaxError:
+        return None
+    return cmds or None
+
+
 def shell_commands(*names: str) -> Callable[[Action], bool]:
     """A predicate for ``bash`` actions made only of the simple commands ``names`` (e.g.
     ``shell_commands("cat", "wc", "ls")``), with no command substitution, and classified
@@ -85,20 +105,10 @@ def shell_commands(*names: str) -> Callable[[Action], bool]:
     allowed = frozenset(names)
 
     def predicate(action: Action) -> bool:
-        cmd = action.command
-        if cmd is None or set(action.args) != {"command"}:
+        cmds = plain_simple_commands(action)
+        if cmds is None or any(not c.words or c.words[0] not in allowed for c in cmds):
             return False
-        try:
-            subs: list[str] = []
-            rest = extract_substitutions(cmd, subs)
-            if subs:
-                return False
-            cmds = list(simple_commands(tokens(rest)))
-        except ShellSyntaxError:
-            return False
-        if not cmds or any(not c.words or c.words[0] not in allowed for c in cmds):
-            return False
-        return classify_command(cmd) is Effect.READ_ONLY
+        return classify_command(action.command) is Effect.READ_ONLY
 
     predicate.__name__ = f"shell_commands({', '.join(sorted(allowed))})"
     return predicate
