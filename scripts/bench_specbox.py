@@ -17,10 +17,10 @@ travels out of band (specbox.transport) and is read through once by the caller.
 --ballast-mb of resident memory, one JSON object per line).
 
 Policies: ``reserved`` (--reserved per type kept warm), ``on-demand``, ``speculative``
-(router-event warm-ups, max_warm 2), ``speculative-floor`` (the same plus a floor of
---floor warm per type) and ``speculative-markov`` (floor, router, and at the end of each
-call, i.e. the start of the next decode, a warm-up of the next tools the Markov prefetcher
-predicts with probability >= --markov-tau, at most --markov-budget). Sessions are the
+(router-event warm-ups, up to --max-warm idle or starting per type), ``speculative-floor``
+(the same plus a floor of --floor warm per type) and ``speculative-markov`` (floor,
+router, and at the end of each call, i.e. the start of the next decode, a warm-up of the
+next tools the Markov prefetcher predicts with probability >= --markov-tau, at most --markov-budget). Sessions are the
 held-out half of each set's tasks (``training.split_by_task``, seed 0); the prefetcher is
 fitted on the other half. Every policy runs under the same host budget (--max-envs live
 environments), start concurrency (--start-concurrency starts in flight, default the
@@ -127,7 +127,7 @@ def pct(xs: list[float], q: float) -> float:
 
 
 def make_specs(policy: str, names: list[str], args: argparse.Namespace) -> list[EnvSpec]:
-    kw: dict[str, Any] = {"reserved": args.reserved, "max_warm": 2}
+    kw: dict[str, Any] = {"reserved": args.reserved, "max_warm": args.max_warm}
     if policy in ("speculative-floor", "speculative-markov"):
         kw["floor"] = args.floor
     base = "speculative" if policy.startswith("speculative") else policy
@@ -335,6 +335,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--reserved", type=int, default=2, help="environments kept warm per type (reserved)")
     p.add_argument("--markov-tau", type=float, default=0.3, help="prefetch threshold (speculative-markov)")
     p.add_argument("--markov-budget", type=int, default=2, help="tools prefetched at most (speculative-markov)")
+    p.add_argument("--max-warm", type=int, default=2, help="idle or starting per type a warm-up may bring about")
     p.add_argument("--floor", type=int, default=1, help="environments kept warm per type (speculative-floor)")
     p.add_argument("--max-envs", type=int, default=48, help="live environments at most (every policy)")
     p.add_argument(
