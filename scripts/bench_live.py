@@ -473,7 +473,7 @@ async def measure_tpot(
                     f"  tpot {tpot_ms:g} ms {t.id} with SpecBox: {box.result.wall_s:.2f} s, action hits "
                     f"{bs.forks_reused} (routed {getattr(bs, 'routed_forks_reused', 0)}/"
                     f"{getattr(bs, 'routed_forks_launched', 0)}), cache hits {getattr(bs, 'cache_hits', 0)}, "
-                    f"pool served {(box.specbox or {}).get('pool', {}).get('served', 0)}, "
+                    f"pool served {((box.specbox or {}).get('pool') or {}).get('served', 0)}, "
                     f"{'lossless' if not why else 'DIVERGED: ' + why}"
                 )
     return fig
