@@ -356,7 +356,7 @@ class TpotFigures:
             "prediction_error": round(abs(pred_spec_wall - spec_wall) / spec_wall, 4) if spec_wall else 0.0,
             "lossless": not self.diverged and not self.box_diverged,
             "diverged": self.diverged,
-            **self.specbox_figures(serial_wall, steps),
+            **self.specbox_figures(serial_wall),
             "per_task": {
                 s.traj.id: {
                     "serial_s": round(s.result.wall_s, 3),
@@ -375,6 +375,7 @@ class TpotFigures:
         the same serial runs, and what each part of the layer did."""
         if not self.box_runs:
             return {}
+        steps = sum(len(r.result.steps) for r in self.box_runs)
         st = [r.result.statistics for r in self.box_runs]
         wall = sum(r.result.wall_s for r in self.box_runs)
         cache: dict[str, int] = {}
