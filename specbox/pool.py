@@ -580,6 +580,7 @@ class EnvironmentPool:
             self._notify()
             raise
         self.stats.starts_in_flight -= 1
+        self._notify()  # a queued start may take the freed slot now, not after this env's stop
         dt = time.perf_counter() - t0
         env.start_s = dt
         self.stats.provisioning_s += dt
