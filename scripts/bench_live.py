@@ -370,7 +370,7 @@ class TpotFigures:
             },
         }
 
-    def specbox_figures(self, serial_wall: float, steps: int) -> dict[str, Any]:
+    def specbox_figures(self, serial_wall: float) -> dict[str, Any]:
         """The ``--specbox`` runs' figures (none without them): wall time and saving against
         the same serial runs, and what each part of the layer did."""
         if not self.box_runs:
