@@ -200,10 +200,12 @@ async def run_agent(
     bytecode: bool = False,
     specbox: Any = None,
     train: Sequence[Trace] = (),
+    router: Any = None,
 ) -> Run:
     """One run of ``traj`` in a fresh sandbox: the project copied to /work, then the agent;
     with ``specbox`` (live.specbox_layer.SpecBoxOptions) under that layer (its Markov
-    drafter fitted on ``train``)."""
+    drafter fitted on ``train``; ``router``: the one built for ``specbox.router`` once, by
+    the caller, else it is built here)."""
     from live.actors import OpenAIChatActor
     from live.agent import Agent
     from live.record import step_of
@@ -225,7 +227,10 @@ async def run_agent(
         if setup.returncode != 0:
             raise RuntimeError(f"{traj.id}: copying the project failed: {setup.output}")
         box_options = specbox if specbox is not None else SpecBoxOptions()
-        async with OpenAIChatActor(base_url, "serve-trace") as actor, open_specbox(sb, box_options, train) as box:
+        async with (
+            OpenAIChatActor(base_url, "serve-trace") as actor,
+            open_specbox(sb, box_options, train, router=router) as box,
+        ):
             agent = Agent(
                 actor,
                 box.sandbox,
@@ -444,6 +449,7 @@ async def measure_tpot(
     policy: str = "aospec",
     specbox: Any = None,
     train: Sequence[Trace] = (),
+    router: Any = None,
 ) -> TpotFigures:
     from live.serve_trace import serve_trace
 
@@ -464,7 +470,9 @@ async def measure_tpot(
                 f"action hits {st.forks_reused}, {'lossless' if not why else 'DIVERGED: ' + why}"
             )
             if specbox is not None:
-                box = await run_agent(t, server.base_url, staged, speculate=True, specbox=specbox, train=train, **kw)
+                box = await run_agent(
+                    t, server.base_url, staged, speculate=True, specbox=specbox, train=train, router=router, **kw
+                )
                 why = divergence(serial, box)
                 if why:
                     fig.box_diverged.append(f"{t.id}: {why}")
@@ -755,9 +763,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         log(f"drafters fitted on {len(train)} training runs + {len(extra_train)} traces of {paths or 'nothing'}")
         train = [*train, *extra_train]
         drafters = default_drafters(train, policy=args.policy)
-        specbox = None
+        specbox = router = None
         if args.specbox:
-            from live.specbox_layer import SpecBoxOptions
+            from live.specbox_layer import SpecBoxOptions, build_router
 
             specbox = SpecBoxOptions(
                 cache=args.specbox_cache,
@@ -765,6 +773,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 router=args.specbox_router,
                 markov=args.specbox_markov,
             )
+            router = build_router(specbox.router, train)  # fitted once, shared by every task and TPOT
             log(f"with the SpecBox layer: {specbox}")
         out_lines: list[dict[str, Any]] = []
         if args.sessions:
@@ -814,7 +823,15 @@ def main(argv: Sequence[str] | None = None) -> int:
             log(f"TPOT {tpot:g} ms ...")
             figs[tpot] = anyio.run(
                 lambda tpot=tpot: measure_tpot(
-                    tpot, trajs, staged, drafters, args.base, policy=args.policy, specbox=specbox, train=train
+                    tpot,
+                    trajs,
+                    staged,
+                    drafters,
+                    args.base,
+                    policy=args.policy,
+                    specbox=specbox,
+                    train=train,
+                    router=router,
                 )
             )
             rows.append(figs[tpot].figures(train))
