@@ -57,17 +57,16 @@ def step_stream(step: Step, call: Callable[[str | None, str], object]) -> list[o
     cmd = action.command
     reply = step.reply or ""
     if cmd is not None:
-        if reply and cmd and cmd in reply:
-            text = reply[: reply.index(cmd) + len(cmd)]
-        else:
-            text = (reply + "\n\n" if reply else "") + f"```bash\n{cmd}"
-        return list(tokenize(text))
+        at = reply.find(cmd) if reply and cmd else -1
+        if at >= 0:
+            return tokenize(reply[: at + len(cmd)])
+        return tokenize((reply + "\n\n" if reply else "") + f"```bash\n{cmd}")
     if action.tool == "respond":
         content = action.args.get("content")
-        return list(tokenize(content if isinstance(content, str) and content else reply))
+        return tokenize(content if isinstance(content, str) and content else reply)
     if action.is_none:
-        return list(tokenize(reply))
-    out: list[object] = list(tokenize(reply))
+        return tokenize(reply)
+    out: list[object] = [*tokenize(reply)]
     out.append(call(action.tool, ""))
     args = json.dumps(dict(action.to_json()["args"]), ensure_ascii=False)
     out.extend(call(None, piece) for piece in tokenize(args))
