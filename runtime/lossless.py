@@ -69,6 +69,7 @@ import xxhash
 from aospec.engine import Engine
 from aospec.engine_config import EngineConfig
 from aospec.protocols import ActionDraft, ObservationDraft, Sandbox
+from aospec.streams import tool_label
 from aospec.testing import (
     ScriptedActionDrafter,
     ScriptedActor,
@@ -456,14 +457,6 @@ class RunRecord:
         return _snapshot_digest(self.snapshot)
 
 
-def _first_word(action: Action) -> str:
-    cmd = action.command
-    if cmd is None:
-        return action.tool
-    words = cmd.split()
-    return words[0] if words else "bash"
-
-
 @dataclass(frozen=True, slots=True)
 class SpeculationLayer:
     """What a speculative run goes through besides the case's drafters: yielded by the
@@ -479,7 +472,7 @@ class SpeculationLayer:
 
     sandbox: Sandbox
     router: Any = None
-    label: Callable[[Action], str] = _first_word
+    label: Callable[[Action], str] = tool_label
     counts: Callable[[], Mapping[str, int]] = dict
 
 

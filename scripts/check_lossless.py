@@ -86,7 +86,6 @@ def specbox_layer() -> LayerFactory:
     """The SpecBox layer of ``aospec run --cache reads --pool-depth 2 --router parse``,
     as ``live.specbox_layer.open_specbox`` stacks it, for ``check_case(..., layer=...)``."""
     from live.specbox_layer import SpecBoxOptions, open_specbox
-    from specbox.routers import tool_label
 
     options = SpecBoxOptions(cache="reads", pool_depth=2, router="parse")
 
@@ -105,7 +104,7 @@ def specbox_layer() -> LayerFactory:
                     "pool_stale_discarded": pooled.stats.stale_discarded,
                 }
 
-            yield SpeculationLayer(run.sandbox, run.router, tool_label, counts)
+            yield SpeculationLayer(run.sandbox, run.router, counts=counts)
 
     return layer
 
