@@ -199,8 +199,8 @@ def read_only(action: Action) -> bool:
 @dataclass(frozen=True, slots=True)
 class ToolOutput:
     """A call's ``result`` as a plain server returns it, and ``payload``: the raw output a
-    client may take out of band (read_file's file, bash's output text as UTF-8,
-    export_file's file), None for results that are never published."""
+    client may take out of band (read_file's file and bash's output text as UTF-8, both
+    with ``--artifacts`` only; export_file's file), None for results that are never published."""
 
     result: types.CallToolResult
     payload: bytes | None = None
@@ -247,7 +247,8 @@ async def run_call(
             out = text_result(text)
             if r.timed_out:
                 out = out.model_copy(update={"meta": {"aospec": {"timed_out": r.timed_out}}})
-            return ToolOutput(out, text.encode())
+            # the payload (a second copy of the output) only where it may be published
+            return ToolOutput(out, text.encode() if max_export_bytes is not None else None)
         path = posixpath.join(workdir, args["path"])
         if action.tool == "write_file":
             data = args["content"].encode()
@@ -280,7 +281,7 @@ async def run_call(
         except UnicodeDecodeError:
             return ToolOutput(error_result(f"{action.tool}: {args['path']} is not UTF-8 text"))
         if action.tool == "read_file":
-            return ToolOutput(text_result(text), raw)
+            return ToolOutput(text_result(text), raw if max_export_bytes is not None else None)
         old, new = args["old_str"], args["new_str"]
         if not old:
             return ToolOutput(error_result("edit_file: old_str must not be empty"))
@@ -632,7 +633,9 @@ async def _sandbox_backend(args: argparse.Namespace) -> AsyncIterator[SandboxToo
         overrides["state_dir"] = args.state
     if args.timeout is not None:
         overrides["timeout_s"] = args.timeout
-    predictor = _predictor(args, eligible=read_only if args.artifacts else _read_only_no_export)
+    # export_file is never speculated: each speculated export would hold up to
+    # --max-artifact-mb in memory per fork for a result that is rarely taken
+    predictor = _predictor(args, eligible=_read_only_no_export)
     async with contextlib.AsyncExitStack() as stack:
         artifacts = None
         if args.artifacts:
