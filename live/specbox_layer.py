@@ -331,15 +331,8 @@ async def open_specbox(
     if options.pool_depth > 0:
         from specbox.pool import PooledSandbox
 
-        try:
-            async with PooledSandbox.open(sandbox, depth=options.pool_depth) as pooled:
-                yield _layer(options, pooled, router, markov, pooled)
-        except BaseExceptionGroup as group:
-            # The pool's refill task group wraps what the run raised: pass on the run's own
-            # error (an endpoint that failed, Ctrl-C), as it is without a pool.
-            if len(group.exceptions) == 1:
-                raise group.exceptions[0] from None
-            raise
+        async with PooledSandbox.open(sandbox, depth=options.pool_depth) as pooled:
+            yield _layer(options, pooled, router, markov, pooled)
     else:
         yield _layer(options, sandbox, router, markov, None)
 

@@ -912,14 +912,23 @@ class PooledSandbox:
     async def open(cls, inner: Sandbox, depth: int = 2) -> AsyncIterator[PooledSandbox]:
         sb = cls(inner, depth)
         sb._kick()  # the first fill
+        # what the body raises is captured inside the refill task group and raised bare after
+        # it, so the caller sees the run's own error (not wrapped in an ExceptionGroup)
+        body_error: BaseException | None = None
         async with anyio.create_task_group() as tg:
             tg.start_soon(sb._refill_loop)
             try:
                 yield sb
+            except BaseException as exc:
+                if isinstance(exc, anyio.get_cancelled_exc_class()):
+                    raise
+                body_error = exc
             finally:
                 with anyio.CancelScope(shield=True):
                     await sb._drain()
                 tg.cancel_scope.cancel()
+        if body_error is not None:
+            raise body_error
 
     @property
     def version(self) -> str:
