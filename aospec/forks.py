@@ -61,6 +61,7 @@ class ForkEntry:
         "offset",
         "origin",
         "probability",
+        "routed",
         "sandbox",
         "speculative",
         "state",
@@ -73,6 +74,8 @@ class ForkEntry:
         self.probability = probability
         self.launched_ns = launched_ns
         self.speculative = speculative
+        #: launched for a routed draft (a router's program, drafted mid-decode)
+        self.routed = False
         self.state = ForkState.RUNNING
         self.origin: str | None = None
         self.sandbox: Sandbox | None = None

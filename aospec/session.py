@@ -189,9 +189,6 @@ class _Run:
     awaited: set[ForkEntry] = field(default_factory=set)
     """Speculative forks JASV accepted while they still ran: the step waits on them, so
     they run at foreground priority (the others in the background)."""
-    routed: set[ForkEntry] = field(default_factory=set)
-    """Live forks launched from routed action drafts (a fork leaves it when JASV takes it
-    or it is given up)."""
 
 
 class Session:
@@ -312,10 +309,7 @@ class Session:
 
         fork = self._verify(action) if self._use_forks else None
         if fork is not None:
-            routed = fork in run.routed
-            if routed:
-                run.routed.discard(fork)
-            ledger.fork_reused(emitted_ns, action.key, routed=routed)
+            ledger.fork_reused(emitted_ns, action.key, routed=fork.routed)
             if fork.running:
                 # Why: the step now waits on this fork; its command must not yield the CPU
                 # to speculative ones.
@@ -982,9 +976,8 @@ class Session:
         # Registered at once under the version it will fork from, so JASV finds it (and waits
         # for it) even if the actor emits this action before the fork task has run.
         fork.origin = version
+        fork.routed = routed
         run.forks.add(fork)
-        if routed:
-            run.routed.add(fork)
         run.ledger.fork_launched(now, key, routed=routed)
         fork.task = run.task_group.start_soon(self._run_fork, fork)
         return True
@@ -1032,7 +1025,6 @@ class Session:
             else:
                 fork.finish(ForkState.DISCARDED if fork.state is ForkState.RELEASED else ForkState.FAILED)
                 run.forks.remove(fork)
-                run.routed.discard(fork)
                 if sandbox is not None:
                     # Why shielded: the fork must be released even when this task is being
                     # cancelled, or its layers/processes would leak.
@@ -1076,7 +1068,6 @@ class Session:
         discards it), an idle one is discarded."""
         idle = []
         for fork in forks:
-            self._run.routed.discard(fork)
             was_idle = fork.state is ForkState.IDLE
             fork.state = ForkState.RELEASED
             if was_idle:
