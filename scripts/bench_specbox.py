@@ -144,7 +144,7 @@ def make_specs(policy: str, names: list[str], args: argparse.Namespace) -> list[
 
 
 def loadavg() -> list[float]:
-    return [float(x) for x in Path("/proc/loadavg").read_text().split()[:3]]
+    return list(os.getloadavg())
 
 
 async def run_one(

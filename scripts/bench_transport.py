@@ -276,8 +276,7 @@ def mcp_main(args: argparse.Namespace) -> int:
     import anyio
 
     sizes = args.sizes or [1, 16, 128]
-    with open("/proc/loadavg") as f:
-        load = f.read().split()[:3]
+    load = [f"{x:.2f}" for x in os.getloadavg()]  # as /proc/loadavg writes them
     rows = anyio.run(_mcp_bench, sizes, args.reps, args.transport, args.inband_reps_large)
     if args.json:
         for r in rows:
