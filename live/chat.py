@@ -388,7 +388,7 @@ class StreamFeed:
         self.fed = ""  # content passed on, over all attempts
         self.diverged = False
         self._fed_calls: dict[int, list[str]] = {}  # index -> [name, arguments] passed on
-        self._text = ""  # this attempt's content
+        self._text = ""  # this attempt's content, kept only until it has caught up with ``fed``
         self._calls: dict[int, list[str]] = {}
         self._synced = True  # this attempt's content has caught up with ``fed``
 
@@ -402,7 +402,6 @@ class StreamFeed:
         if not piece or self.diverged:
             return
         if self._synced:
-            self._text += piece
             self.fed += piece
             self.on_delta(piece)
             return
@@ -423,6 +422,13 @@ class StreamFeed:
         """One entry of a chunk's ``delta.tool_calls``."""
         if self.diverged:
             return
+        if not self._synced:
+            if self._text != self.fed:
+                # this attempt's content stopped short of what was fed: the reply has not the
+                # text the router read, so its tool calls must not follow that text
+                self.diverged = True
+                return
+            self._synced = True
         index = call.get("index", 0)
         index = index if isinstance(index, int) else 0
         fn = call.get("function") or {}
