@@ -400,11 +400,11 @@ class TpotFigures:
             "specbox_wasted_cpu_s": round(
                 sum(b.cpu_s - s.cpu_s for (s, _), b in zip(self.runs, self.box_runs, strict=True)), 3
             ),
-            "routes_fired": sum(getattr(x, "routes_fired", 0) for x in st),
-            "routed_forks_launched": sum(getattr(x, "routed_forks_launched", 0) for x in st),
-            "routed_forks_reused": sum(getattr(x, "routed_forks_reused", 0) for x in st),
-            "cache_hits": sum(getattr(x, "cache_hits", 0) for x in st),
-            "cache_saved_s": round(sum(getattr(x, "cache_saved_ns", 0) for x in st) * 1e-9, 3),
+            "routes_fired": sum(x.routes_fired for x in st),
+            "routed_forks_launched": sum(x.routed_forks_launched for x in st),
+            "routed_forks_reused": sum(x.routed_forks_reused for x in st),
+            "cache_hits": sum(x.cache_hits for x in st),
+            "cache_saved_s": round(sum(x.cache_saved_ns for x in st) * 1e-9, 3),
             "cache_counts": cache,
             "pool_served": sum(p["served"] for p in pools),
             "pool_made": sum(p["made"] for p in pools),
@@ -480,8 +480,8 @@ async def measure_tpot(
                 bs = box.result.statistics
                 log(
                     f"  tpot {tpot_ms:g} ms {t.id} with SpecBox: {box.result.wall_s:.2f} s, action hits "
-                    f"{bs.forks_reused} (routed {getattr(bs, 'routed_forks_reused', 0)}/"
-                    f"{getattr(bs, 'routed_forks_launched', 0)}), cache hits {getattr(bs, 'cache_hits', 0)}, "
+                    f"{bs.forks_reused} (routed {bs.routed_forks_reused}/"
+                    f"{bs.routed_forks_launched}), cache hits {bs.cache_hits}, "
                     f"pool served {((box.specbox or {}).get('pool') or {}).get('served', 0)}, "
                     f"{'lossless' if not why else 'DIVERGED: ' + why}"
                 )
