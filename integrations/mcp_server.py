@@ -639,7 +639,7 @@ async def _sandbox_backend(args: argparse.Namespace) -> AsyncIterator[SandboxToo
     async with contextlib.AsyncExitStack() as stack:
         artifacts = None
         if args.artifacts:
-            from specbox.transport import ArtifactServer
+            from specbox.transport import ArtifactServer, sweep_forever
 
             # closed on the way out whatever ends the server (EOF, a signal, an error): every
             # memfd is closed and the abstract socket goes with the listener
@@ -657,7 +657,7 @@ async def _sandbox_backend(args: argparse.Namespace) -> AsyncIterator[SandboxToo
             max_export_bytes=int(args.max_artifact_mb * (1 << 20)),
         )
         if artifacts is not None:
-            tg.start_soon(_sweep_artifacts, artifacts, args.artifact_ttl)
+            tg.start_soon(sweep_forever, artifacts, args.artifact_ttl)
         try:
             yield backend
         finally:
@@ -666,14 +666,6 @@ async def _sandbox_backend(args: argparse.Namespace) -> AsyncIterator[SandboxToo
             tg.cancel_scope.cancel()
     if args.stats:
         print(f"aospec mcp: {backend.stats.as_dict()}", file=sys.stderr)
-
-
-async def _sweep_artifacts(artifacts: Any, ttl_s: float) -> None:
-    """Free published results no client took within ``ttl_s`` (a client that does not read
-    artifacts, or one that went away before taking)."""
-    while True:
-        await anyio.sleep(max(ttl_s / 4, 0.05))
-        artifacts.sweep(ttl_s)
 
 
 def _text(result: types.CallToolResult) -> str:

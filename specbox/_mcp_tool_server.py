@@ -28,7 +28,7 @@ import json
 from typing import Any
 
 from specbox.mcp_env import ARTIFACT_KEY, ARTIFACT_MARKER
-from specbox.transport import INLINE_THRESHOLD, ArtifactServer
+from specbox.transport import INLINE_THRESHOLD, ArtifactServer, sweep_forever
 
 __all__ = ["build", "fill_text", "main"]
 
@@ -128,13 +128,8 @@ def main(argv: list[str] | None = None) -> int:
     async def run(artifacts: ArtifactServer) -> None:
         server = build(artifacts, args.name)
 
-        async def sweep() -> None:
-            while True:
-                await anyio.sleep(max(args.sweep_s / 4, 0.05))
-                artifacts.sweep(args.sweep_s)
-
         async with stdio_server() as (read, write), anyio.create_task_group() as tg:
-            tg.start_soon(sweep)
+            tg.start_soon(sweep_forever, artifacts, args.sweep_s)
             await server.run(read, write, server.create_initialization_options())
             tg.cancel_scope.cancel()
 

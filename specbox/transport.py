@@ -582,6 +582,17 @@ def _owner_alive(pid: int, made_at: float) -> bool:
     return start is None or start <= made_at + 2.0  # /proc's boot time has 1 s resolution
 
 
+async def sweep_forever(artifacts: ArtifactServer, ttl_s: float) -> None:
+    """Free published results no client took within ``ttl_s`` (a client that does not read
+    artifacts, or one that went away before taking), checking every quarter of ``ttl_s``;
+    runs until cancelled."""
+    import anyio
+
+    while True:
+        await anyio.sleep(max(ttl_s / 4, 0.05))
+        artifacts.sweep(ttl_s)
+
+
 def sweep_orphans(shm_dir: Path = SHM_DIR) -> list[str]:
     """Unlink the shared-memory segments (``aospec-<pid>-<token>``) whose producer process no
     longer exists (or whose pid now names a process started after the segment was made);
