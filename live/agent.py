@@ -107,12 +107,11 @@ def default_drafters(train: Sequence[Trace] = (), policy: str = "aospec") -> Dra
     check_drafter_names([p])
     if "oracle" in p.config.obs_names or "oracle" in p.config.action_names:
         raise AospecError(f"policy {policy!r} uses the oracle drafter, which only exists in replay")
-    from specbox.routers import tool_label
-
-    # The history drafter answers router events (propose_routed) with the router's label rule.
-    ds = DrafterSet(list(train), options={"history": {"label": tool_label}})
+    ds = DrafterSet(list(train))
     obs = tuple(ds.observation(n) for n in p.config.obs_names) if p.engine.branch_budget > 0 else ()
-    act = tuple(ds.action(n) for n in p.config.action_names) if p.engine.fork_width > 0 else ()
+    # routed_action: a drafter that takes a label rule (the history drafter, for
+    # propose_routed) gets the routers' (tool_label)
+    act = tuple(ds.routed_action(n) for n in p.config.action_names) if p.engine.fork_width > 0 else ()
     evd = ds.evd(p.config.kernel) if obs and p.engine.rank != "likelihood" else None
     return Drafters(obs, act, evd, p.engine)
 
