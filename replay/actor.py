@@ -164,14 +164,11 @@ class ReplayActor:
         history: the prefill first, then delta ``k`` of ``n`` (from 1) at
         ``round(k/n * output tokens' time)``, so the last one arrives as the action does.
         Nothing is reported on a diverged history or after the last step."""
-        self.calls += 1
         i = len(history)
-        if i >= len(self._actions):
-            return Action(END_TOOL)
+        if i >= len(self._actions) or not self.matches(history):
+            return await self.decode(history)
+        self.calls += 1
         total = self.decode_ns[i]
-        if not self.matches(history):
-            await self.clock.sleep_ns(total)
-            return Action(DIVERGED_TOOL, {"step": i})
         stream = self.stream(i)
         lead = self._prefill_ns[i]
         span = total - lead
