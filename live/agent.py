@@ -150,7 +150,7 @@ class FormatErrorSandbox:
         if name not in _FORWARDED or "inner" not in self.__dict__:
             raise AttributeError(name)
         value = getattr(self.inner, name)  # AttributeError when the inner has no such capability
-        if name == "last_cache_hit_ns" and self.__dict__.get("_answered_here"):
+        if name == "last_cache_hit_ns" and self._answered_here:
             return None
         return value
 
