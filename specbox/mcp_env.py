@@ -38,7 +38,7 @@ from typing import Any, TextIO
 import anyio
 
 from aospec.errors import ConfigError, SandboxError
-from specbox.pool import EnvSpec, Policy, process_tree_rss_bytes
+from specbox.pool import EnvSpec, Policy, process_children, process_tree_rss_bytes
 from specbox.transport import Artifact, ArtifactClient, ArtifactRef
 
 __all__ = [
@@ -173,23 +173,13 @@ class McpEnv:
 def _tagged_child(tag: str) -> int | None:
     """The pid of this process's child whose environment carries ``ENV_TAG=tag``."""
     needle = f"{ENV_TAG}={tag}".encode()
-    me = os.getpid()
-    try:
-        tasks = os.listdir(f"/proc/{me}/task")
-    except OSError:
-        return None
-    for tid in tasks:
+    for child in process_children(os.getpid()) or ():
         try:
-            children = Path(f"/proc/{me}/task/{tid}/children").read_text().split()
+            environ = Path(f"/proc/{child}/environ").read_bytes().split(b"\0")
         except OSError:
             continue
-        for child in children:
-            try:
-                environ = Path(f"/proc/{child}/environ").read_bytes().split(b"\0")
-            except OSError:
-                continue
-            if needle in environ:
-                return int(child)
+        if needle in environ:
+            return child
     return None
 
 

@@ -720,23 +720,34 @@ def process_rss_bytes(pid: int) -> int:
     return 0
 
 
+def process_children(pid: int) -> list[int] | None:
+    """The pids of ``pid``'s children, from /proc (``task/*/children``); None when ``pid``
+    is gone."""
+    try:
+        tids = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return None
+    out: list[int] = []
+    for tid in tids:
+        try:
+            with open(f"/proc/{pid}/task/{tid}/children") as f:
+                out.extend(int(c) for c in f.read().split())
+        except OSError:
+            continue
+    return out
+
+
 def process_tree_pids(pid: int) -> list[int]:
     """``pid`` and its live descendants, from /proc (``task/*/children``); [] when gone."""
     out: list[int] = []
     todo = [pid]
     while todo:
         p = todo.pop()
-        try:
-            tids = os.listdir(f"/proc/{p}/task")
-        except OSError:
+        children = process_children(p)
+        if children is None:
             continue
         out.append(p)
-        for tid in tids:
-            try:
-                with open(f"/proc/{p}/task/{tid}/children") as f:
-                    todo.extend(int(c) for c in f.read().split())
-            except OSError:
-                continue
+        todo.extend(children)
     return out
 
 
