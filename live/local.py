@@ -102,10 +102,9 @@ class TransformersActor(MemoActor):
 
     def _inline(self) -> bool:
         """Whether decodes run in the event loop's thread (see ``run_blocking``)."""
-        from drafters.backends import in_virtual_time
+        from drafters.backends import is_inline
 
-        offload = self.backend.offload
-        return offload == "inline" or (offload == "auto" and in_virtual_time())
+        return is_inline(self.backend.offload)
 
     async def _generate_streaming(self, messages: list[dict[str, Any]], feed: StreamFeed) -> Reply:
         """:meth:`_generate` feeding each decoded piece of text to ``feed`` from this task.

@@ -24,6 +24,7 @@ __all__ = [
     "LMBackend",
     "Offload",
     "in_virtual_time",
+    "is_inline",
     "make_backend",
     "merge_completions",
     "run_blocking",
@@ -121,10 +122,16 @@ def in_virtual_time() -> bool:
         return False
 
 
+def is_inline(offload: Offload) -> bool:
+    """Whether :func:`run_blocking` runs work under ``offload`` in the caller's thread:
+    ``inline``, or ``auto`` in replay's virtual time."""
+    return offload == "inline" or (offload == "auto" and in_virtual_time())
+
+
 async def run_blocking(work: Callable[[threading.Event | None], T], offload: Offload = "auto") -> T:
     """Run ``work(stop)`` for an async caller. Threaded, a cancelled caller sets ``stop``
     and waits until ``work`` returns: no computation outlives the call."""
-    if offload == "inline" or (offload == "auto" and in_virtual_time()):
+    if is_inline(offload):
         return work(None)
     stop = threading.Event()
     done = threading.Event()
