@@ -58,7 +58,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import posixpath
 import signal
 import socket
@@ -303,15 +302,11 @@ async def run_call(
 
 def artifact_result(ref: Any, meta: dict[str, Any] | None = None) -> types.CallToolResult:
     """A result carrying the :class:`~specbox.transport.ArtifactRef` ``ref`` instead of the
-    output, in :mod:`specbox.mcp_env`'s form (its constants, so both sides agree)."""
-    from specbox.mcp_env import ARTIFACT_KEY, ARTIFACT_MARKER
+    output: :func:`specbox.mcp_env.artifact_result` (imported only with ``--artifacts``)."""
+    from specbox.mcp_env import artifact_result as build
 
-    obj = ref.to_json()
-    return types.CallToolResult(
-        content=[types.TextContent(text=ARTIFACT_MARKER + json.dumps(obj))],
-        structured_content={ARTIFACT_KEY: obj},
-        meta=meta,
-    )
+    result: types.CallToolResult = build(ref, meta)
+    return result
 
 
 @dataclass

@@ -27,7 +27,7 @@ import importlib
 import json
 from typing import Any
 
-from specbox.mcp_env import ARTIFACT_KEY, ARTIFACT_MARKER
+from specbox.mcp_env import artifact_result
 from specbox.transport import INLINE_THRESHOLD, ArtifactServer, sweep_forever
 
 __all__ = ["build", "fill_text", "main"]
@@ -97,11 +97,8 @@ def build(artifacts: ArtifactServer, name: str = "aospec-tool") -> Any:
                 fill_text(writer.view, seed)
                 if size < artifacts.threshold:
                     return text(writer.view.tobytes().decode("ascii"))
-                ref = writer.publish().to_json()
-            return types.CallToolResult(
-                content=[types.TextContent(text=ARTIFACT_MARKER + json.dumps(ref))],
-                structured_content={ARTIFACT_KEY: ref},
-            )
+                ref = writer.publish()
+            return artifact_result(ref)
         if params.name == "artifact_stats":
             return text(json.dumps(vars(artifacts.stats)))
         return text(f"unknown tool {params.name!r}", error=True)

@@ -47,6 +47,7 @@ __all__ = [
     "McpEnv",
     "ToolResult",
     "artifact_ref_of",
+    "artifact_result",
     "mcp_server_spec",
     "mcp_tool_server_spec",
 ]
@@ -55,6 +56,21 @@ __all__ = [
 ARTIFACT_KEY = "aospec_artifact"
 #: The prefix of an out-of-band result's text content (followed by the ref's JSON).
 ARTIFACT_MARKER = "aospec-artifact:"
+
+
+def artifact_result(ref: ArtifactRef, meta: dict[str, Any] | None = None) -> Any:
+    """An MCP ``CallToolResult`` carrying ``ref`` instead of the output, in the form
+    :func:`artifact_ref_of` reads (marker text and structured content)."""
+    from mcp import types
+
+    obj = ref.to_json()
+    return types.CallToolResult(
+        content=[types.TextContent(text=ARTIFACT_MARKER + json.dumps(obj))],
+        structured_content={ARTIFACT_KEY: obj},
+        meta=meta,
+    )
+
+
 #: The environment variable that tags a pool's server process (to find its pid in /proc).
 ENV_TAG = "AOSPEC_POOL_ENV"
 
