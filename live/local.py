@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import contextlib
 import math
-import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -155,8 +154,6 @@ class TransformersActor(MemoActor):
     async def _generate(self, messages: list[dict[str, Any]], on_text: Callable[[str], None] | None = None) -> Reply:
         import anyio
 
-        from drafters.backends import run_blocking
-
         backend = self.backend
         prompt = backend.render(messages)
         greedy = self.temperature == 0
@@ -172,21 +169,16 @@ class TransformersActor(MemoActor):
                     first.append(time.monotonic_ns())
                 give(piece)
 
-        def work(stop: threading.Event | None) -> Any:
-            (done,) = backend.complete_sync(
+        try:
+            (done,) = await backend.complete(
                 prompt,
                 n=1,
                 max_new_tokens=self.max_new_tokens,
                 mode="greedy" if greedy else "sample",
                 temperature=1.0 if greedy else self.temperature,
                 seed=self.sample_seed,
-                stop=stop,
                 on_text=report,
             )
-            return done
-
-        try:
-            done = await run_blocking(work, backend.offload)
         except anyio.get_cancelled_exc_class():
             self.stats.cancelled_requests += 1
             raise

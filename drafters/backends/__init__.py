@@ -170,11 +170,14 @@ class BlockingCompletions:
 
     async def complete(
         self, prompt: str, *, n: int, max_new_tokens: int, mode: DecodeMode = "sample", temperature: float = 1.0,
-        seed: int = 0,
+        seed: int = 0, on_text: Callable[[str], None] | None = None,
     ) -> list[Completion]:
-        """``n`` completions of ``prompt`` (see ``complete_sync``)."""
+        """``n`` completions of ``prompt`` (see ``complete_sync``); ``on_text``, when given,
+        is passed on to a ``complete_sync`` that streams (the transformers backend's)."""
+        extra = {} if on_text is None else {"on_text": on_text}
+
         def work(stop: threading.Event | None) -> list[Completion]:
             return self.complete_sync(prompt, n=n, max_new_tokens=max_new_tokens, mode=mode, temperature=temperature,
-                                      seed=seed, stop=stop)
+                                      seed=seed, stop=stop, **extra)
 
         return await run_blocking(work, self.offload)
