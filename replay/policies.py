@@ -34,7 +34,7 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import json
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -489,10 +489,18 @@ class ChargedActionDrafter:
         self.failures = failures if failures is not None else DrafterFailures()
 
     async def propose(self, history: History, width: int, depth: int) -> Sequence[ActionDraft]:
+        return await self._charged(lambda inner: inner.propose(history, width, depth))
+
+    async def _charged(self, call: Callable[[Any], Awaitable[Sequence[ActionDraft]] | None]) -> list[ActionDraft]:
+        """The drafts of ``call(inner)`` over the inners (an inner it gives None for is
+        skipped, one that fails is recorded), after sleeping what one call with them costs."""
         drafts: list[ActionDraft] = []
         for inner in self.inners:
             try:
-                drafts.extend(await inner.propose(history, width, depth))
+                pending = call(inner)
+                if pending is None:
+                    continue
+                drafts.extend(await pending)
             except AospecError as exc:
                 self.failures.record(inner, exc)
         await self.clock.sleep_ns(self.call_ns + max((d.tokens for d in drafts), default=0) * self.tpot_ns)
@@ -507,17 +515,11 @@ class ChargedRoutedActionDrafter(ChargedActionDrafter):
     __slots__ = ()
 
     async def propose_routed(self, history: History, tool: str, width: int) -> Sequence[ActionDraft]:
-        drafts: list[ActionDraft] = []
-        for inner in self.inners:
+        def call(inner: Any) -> Awaitable[Sequence[ActionDraft]] | None:
             routed = getattr(inner, "propose_routed", None)
-            if routed is None:
-                continue
-            try:
-                drafts.extend(await routed(history, tool, width))
-            except AospecError as exc:
-                self.failures.record(inner, exc)
-        await self.clock.sleep_ns(self.call_ns + max((d.tokens for d in drafts), default=0) * self.tpot_ns)
-        return drafts
+            return None if routed is None else routed(history, tool, width)
+
+        return await self._charged(call)
 
 
 class DrafterSet:
