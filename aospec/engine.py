@@ -97,7 +97,7 @@ class Engine:
     drafter's candidates used as soon as it has them). ``evd`` supplies historical tool
     times for ranking (an empty estimator with the pattern kernel when omitted).
     ``canonicalizer`` is required with ``config.accept == "canonical"`` (e.g.
-    ``drafters.canonicalize.Canonicalizer()``) and refused otherwise. One Engine runs one
+    ``aospec.drafters.canonicalize.Canonicalizer()``) and refused otherwise. One Engine runs one
     trajectory at a time; :meth:`statistics` describes the last (or current) run.
 
     ``router`` (a :class:`aospec.protocols.StreamRouter`, used when the actor is a
@@ -134,7 +134,7 @@ class Engine:
             if canonicalizer is None:
                 raise ConfigError(
                     'engine: config.accept is "canonical" but no canonicalizer was given; pass one, e.g. '
-                    "Engine(..., canonicalizer=drafters.canonicalize.Canonicalizer())"
+                    "Engine(..., canonicalizer=aospec.drafters.canonicalize.Canonicalizer())"
                 )
             if not callable(getattr(canonicalizer, "canonical", None)):
                 raise ConfigError(f"engine: canonicalizer {canonicalizer!r} has no canonical(text) method")

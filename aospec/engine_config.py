@@ -53,7 +53,7 @@ class EngineConfig:
     - ``accept``: ``exact`` (default) keeps a continuation only if its draft is
       byte-identical to the real observation; ``canonical`` also keeps one whose draft
       equals it after canonicalisation by the ``canonicalizer`` object given to the
-      Engine (e.g. ``drafters.canonicalize.Canonicalizer()``: process ids, temp names,
+      Engine (e.g. ``aospec.drafters.canonicalize.Canonicalizer()``: process ids, temp names,
       times). The committed history always holds the real observation; ``canonical`` is
       lossless only if the actor's next action does not depend on the canonicalised
       fields (docs/engine.md).

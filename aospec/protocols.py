@@ -73,7 +73,7 @@ class StreamingActor(Protocol):
 
 @runtime_checkable
 class StreamRouter(Protocol):
-    """Names the tool the actor is about to call from its stream (e.g. ``specbox.routers``'
+    """Names the tool the actor is about to call from its stream (e.g. ``aospec.specbox.routers``'
     routers and assemblies).
 
     ``session(history)`` returns a fresh per-decode object with ``feed(delta) ->
@@ -151,7 +151,7 @@ class PrioritizedSandbox(Protocol):
 
 @runtime_checkable
 class CachingSandbox(Protocol):
-    """An optional Sandbox capability (``specbox.cache.CachedSandbox`` and wrappers that
+    """An optional Sandbox capability (``aospec.specbox.cache.CachedSandbox`` and wrappers that
     forward it): ``last_cache_hit_ns`` is None when this sandbox's last ``execute`` ran the
     action, else the tool time the cache saved (the stored entry's original run time, ns);
     ``cache_counts()`` returns the cache's counters (hits, misses, bypasses, stale_avoided,

@@ -1,4 +1,4 @@
-"""What an actor streamed for a recorded step, for stream routers (specbox.routers) and the
+"""What an actor streamed for a recorded step, for stream routers (aospec.specbox.routers) and the
 replay actor's streaming decode (replay/actor.py): one definition below both layers.
 
 - :func:`tokenize` cuts text into stream tokens with GPT-2's pre-tokeniser pattern (a letter

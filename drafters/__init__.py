@@ -20,28 +20,28 @@ __all__ = [
 
 #: name -> "module:attr" of observation drafter classes.
 OBSERVATION_DRAFTERS: dict[str, str] = {
-    "cache": "drafters.cache:ObservationCache",
-    "patterns": "drafters.patterns:PatternDrafter",
-    "lm": "drafters.lm:LMObservationDrafter",
+    "cache": "aospec.drafters.cache:ObservationCache",
+    "patterns": "aospec.drafters.patterns:PatternDrafter",
+    "lm": "aospec.drafters.lm:LMObservationDrafter",
 }
 
 #: name -> "module:attr" of action drafter classes.
 ACTION_DRAFTERS: dict[str, str] = {
-    "history": "drafters.history:HistoryActionDrafter",
-    "lm": "drafters.lm:LMActionDrafter",
+    "history": "aospec.drafters.history:HistoryActionDrafter",
+    "lm": "aospec.drafters.lm:LMActionDrafter",
 }
 
 #: name -> "module:attr" of language-model backends used by the LM drafters.
 LM_BACKENDS: dict[str, str] = {
-    "transformers": "drafters.backends.transformers:TransformersBackend",
-    "vllm": "drafters.backends.vllm:VLLMBackend",
-    "openai": "drafters.backends.openai:OpenAIBackend",
+    "transformers": "aospec.drafters.backends.transformers:TransformersBackend",
+    "vllm": "aospec.drafters.backends.vllm:VLLMBackend",
+    "openai": "aospec.drafters.backends.openai:OpenAIBackend",
 }
 
 #: name -> "module:attr" of EVD similarity kernels.
 KERNELS: dict[str, str] = {
     "pattern": "aospec.evd:PatternKernel",
-    "embedding": "drafters.embedding:EmbeddingKernel",
+    "embedding": "aospec.drafters.embedding:EmbeddingKernel",
 }
 
 _REGISTRIES = {

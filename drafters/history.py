@@ -52,11 +52,12 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from aospec.drafters._shell import HistoryIndex, command_class, entities, program
+
 from aospec.effects import classify_action
 from aospec.errors import ConfigError
 from aospec.protocols import ActionDraft
 from aospec.types import Action, Effect, History, Trace, Turn, canonical_json
-from drafters._shell import HistoryIndex, command_class, entities, program
 
 __all__ = ["HistoryActionDrafter", "skeleton"]
 
@@ -280,7 +281,7 @@ class HistoryActionDrafter:
     ``half_life``: within-trajectory decay in steps (0: none). ``harness``: the harness
     whose model to use (default: inferred from the history). ``harness_prior``:
     pseudo-observations of the pooled rates in a harness's rates. ``label``: the routing
-    label of an action (the router's own rule, e.g. ``specbox.routers.tool_label``: a shell
+    label of an action (the router's own rule, e.g. ``aospec.specbox.routers.tool_label``: a shell
     command's program, else the tool name), which :meth:`propose_routed` needs.
     """
 
@@ -532,7 +533,7 @@ class HistoryActionDrafter:
         if self.label is None:
             raise ConfigError(
                 "history drafter: propose_routed needs label= (the router's label function, "
-                "e.g. specbox.routers.tool_label)"
+                "e.g. aospec.specbox.routers.tool_label)"
             )
         state = self._index.update(history)
         model = self._harness_of(state)

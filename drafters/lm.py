@@ -2,7 +2,7 @@
 
 ``LMObservationDrafter`` asks a language model (playing the environment) for the output
 of an action in flight: it samples N continuations of a chat prompt built from the
-history and the action (:mod:`drafters.prompts`) and returns the distinct finished ones
+history and the action (:mod:`aospec.drafters.prompts`) and returns the distinct finished ones
 with their sequence probabilities ``exp(sum of token logprobs)``.
 
 ``LMActionDrafter`` asks a language model (playing the agent) for the next actions: each
@@ -11,7 +11,7 @@ sample is a chain of up to ``depth`` actions; the probability of action ``a`` at
 the sample's sequence probability).
 
 Both interpolate the model's candidates (observations; next actions at offset 0) with the
-training set's most frequent targets (:mod:`drafters.prior`), so a model that samples one
+training set's most frequent targets (:mod:`aospec.drafters.prior`), so a model that samples one
 text eight times still proposes distinct candidates and never fewer good ones than the
 frequency prior: ``prior=False`` turns that off. The prior comes from the traces given to
 ``fit``, else from the trained model directory (``aospec train`` saves it).
@@ -30,12 +30,9 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from aospec.errors import ConfigError
-from aospec.protocols import ActionDraft, ObservationDraft
-from aospec.types import Action, History, Trace
-from drafters.backends import DecodeMode, LMBackend, make_backend, merge_completions
-from drafters.prior import FrequencyPrior, interpolate
-from drafters.prompts import (
+from aospec.drafters.backends import DecodeMode, LMBackend, make_backend, merge_completions
+from aospec.drafters.prior import FrequencyPrior, interpolate
+from aospec.drafters.prompts import (
     ACTION_SEPARATOR,
     PromptBudget,
     action_messages,
@@ -43,6 +40,10 @@ from drafters.prompts import (
     parse_action,
     render_action,
 )
+
+from aospec.errors import ConfigError
+from aospec.protocols import ActionDraft, ObservationDraft
+from aospec.types import Action, History, Trace
 
 __all__ = ["LMActionDrafter", "LMObservationDrafter"]
 
@@ -69,7 +70,7 @@ class _LMDrafter:
         prior: bool = True,
         **backend_options: Any,
     ) -> None:
-        from drafters.model import is_shape, trained_meta
+        from aospec.drafters.model import is_shape, trained_meta
 
         meta = trained_meta(model) if backend in ("transformers", "vllm") else {}
         if prompt_tokens is None:
@@ -113,8 +114,9 @@ class _LMDrafter:
         import importlib.util
         import inspect
 
+        from aospec.drafters import resolve
+
         from aospec.errors import MissingDependencyError
-        from drafters import resolve
 
         name, options = self.backend_name, self.backend_options
         cls = resolve("LM backend", name)
@@ -131,7 +133,7 @@ class _LMDrafter:
                 )
         model = str(options.get("model", self.model_spec))
         if name == "transformers" and not self.shape:
-            from drafters.model import MODEL_META, SHAPES
+            from aospec.drafters.model import MODEL_META, SHAPES
 
             path = Path(model).expanduser()
             if not ((path / "config.json").is_file() or (path / MODEL_META).is_file()):
@@ -143,7 +145,7 @@ class _LMDrafter:
             if adapter is not None and not (Path(str(adapter)) / "adapter_config.json").is_file():
                 raise ConfigError(f"{type(self).__name__}: adapter {adapter!r} holds no adapter_config.json")
         if name == "vllm":
-            from drafters.backends.vllm import resolve_model
+            from aospec.drafters.backends.vllm import resolve_model
 
             resolve_model(model, options.get("adapter"))
         if name == "openai":
@@ -177,7 +179,7 @@ class _LMDrafter:
             self._backend = make_backend("transformers", {**self.backend_options, "texts": texts})
         if self.fit_steps <= 0:
             return
-        from drafters.finetune import fit_examples
+        from aospec.drafters.finetune import fit_examples
 
         backend: Any = self.backend
         examples = self._examples(traces, backend.count_tokens)
@@ -215,7 +217,7 @@ class LMObservationDrafter(_LMDrafter):
     kind = "observation"
 
     def _examples(self, traces: Sequence[Trace], count: Any) -> list[Any]:
-        from drafters.examples import build_examples
+        from aospec.drafters.examples import build_examples
 
         return build_examples(traces, count=count, kind="observation", budget=self.budget)
 
@@ -255,7 +257,7 @@ class LMActionDrafter(_LMDrafter):
         self.train_depth = depth
 
     def _examples(self, traces: Sequence[Trace], count: Any) -> list[Any]:
-        from drafters.examples import build_examples
+        from aospec.drafters.examples import build_examples
 
         return build_examples(traces, count=count, kind="action", budget=self.budget, depth=self.train_depth)
 
@@ -275,7 +277,7 @@ class LMActionDrafter(_LMDrafter):
 
 
 def rank_observations(comps: Sequence[Any], prior: FrequencyPrior) -> list[tuple[str, float, int]]:
-    """Distinct finished completions, interpolated with ``prior`` (:mod:`drafters.prior`),
+    """Distinct finished completions, interpolated with ``prior`` (:mod:`aospec.drafters.prior`),
     most probable first, as (text, probability, tokens generated; 0 for the prior's)."""
     finished = [c for c in merge_completions(comps) if c.finished]
     tokens = {c.text: c.tokens for c in finished}

@@ -227,7 +227,7 @@ def load_model(
     """
     torch = require("torch", "train")
     transformers = require("transformers", "train")
-    from drafters.tokenizer import train_tokenizer
+    from aospec.drafters.tokenizer import train_tokenizer
 
     transformers.utils.logging.disable_progress_bar()
     dtype = dtype or torch.float32

@@ -22,10 +22,11 @@ from collections import Counter, defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from aospec.drafters._shell import HistoryIndex, command_contexts
+
 from aospec.evd import CMD_SLOT, observation_pattern
 from aospec.protocols import ObservationDraft
 from aospec.types import Action, History, Trace, Turn
-from drafters._shell import HistoryIndex, command_contexts
 
 __all__ = ["PatternDrafter", "template_of"]
 

@@ -205,10 +205,10 @@ def load_transitions(path: str | Path, k: int) -> TransitionPredictor:
 
 
 def drafter_from_traces(paths: Sequence[str], k: int) -> DrafterPredictor:
-    """aospec's history action drafter (``drafters.history``) fitted on recorded traces
+    """aospec's history action drafter (``aospec.drafters.history``) fitted on recorded traces
     (any format ``aospec traces`` reads), as a predictor."""
-    from drafters.history import HistoryActionDrafter
-    from replay.io import load_traces
+    from aospec.drafters.history import HistoryActionDrafter
+    from aospec.replay.io import load_traces
 
     drafter = HistoryActionDrafter()
     drafter.fit(load_traces(list(paths)))

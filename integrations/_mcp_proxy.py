@@ -5,7 +5,7 @@ streamable HTTP URL), forwards ``tools/list`` (tool names that occur in more tha
 upstream are namespaced ``SERVER__tool``) and ``tools/call``.
 
 Speculation is limited to the tools a trusted configuration (``--trust FILE``, see
-:func:`integrations._mcp_common.load_trust`) marks read-only AND closed-world; an upstream's
+:func:`aospec.integrations._mcp_common.load_trust`) marks read-only AND closed-world; an upstream's
 own annotations never suffice, since any server can claim anything. After each call the
 predictor's proposals for trusted tools are issued to the upstream at once, and their
 results are kept under ``(tool, canonical arguments, state epoch)``. The epoch is a counter
@@ -31,9 +31,9 @@ from typing import Any
 
 import anyio
 import mcp_types as types
+from aospec.integrations._mcp_common import ArrivalGate, Predictor, error_result, load_trust, propose, result_meta
 
 from aospec.types import Action
-from integrations._mcp_common import ArrivalGate, Predictor, error_result, load_trust, propose, result_meta
 
 __all__ = ["ProxyBackend", "Upstream", "connect_upstream", "open_proxy"]
 

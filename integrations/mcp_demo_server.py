@@ -1,6 +1,6 @@
 """A small stateful MCP server to try ``aospec mcp --upstream`` against (stdio).
 
-``python -m integrations.mcp_demo_server [--name NAME]``: an in-memory key-value store
+``python -m aospec.integrations.mcp_demo_server [--name NAME]``: an in-memory key-value store
 with ``get(key)`` (read-only, closed-world), ``list_keys()`` (read-only, closed-world),
 ``put(key, value)`` (writes) and ``calls()`` (how many times each tool ran in this
 process: read-only but open-world, since it counts the proxy's speculative calls too).

@@ -18,12 +18,12 @@ Sandbox mode (the default) serves four tools on one committed aospec sandbox:
 Every error is an MCP tool error (``isError: true``) with a one-line message.
 
 Out-of-band results (``--artifacts``, for clients on the same host that opt in): the
-server runs a :class:`specbox.transport.ArtifactServer` (memfd backing, an abstract Unix
+server runs a :class:`aospec.specbox.transport.ArtifactServer` (memfd backing, an abstract Unix
 socket) for its lifetime. A ``read_file`` or ``bash`` output of at least the inline
 threshold (64 KiB) is published there and the result carries its ref instead of the text,
-in the form :mod:`specbox.mcp_env` documents (``structuredContent``
+in the form :mod:`aospec.specbox.mcp_env` documents (``structuredContent``
 ``{"aospec_artifact": REF}`` plus the text ``aospec-artifact:`` + the ref's JSON), which
-``McpEnv.call`` or an :class:`~specbox.transport.ArtifactClient` takes zero-copy. A fifth
+``McpEnv.call`` or an :class:`~aospec.specbox.transport.ArtifactClient` takes zero-copy. A fifth
 tool, ``export_file(path)``, hands any file of the sandbox (bytes; at most
 ``--max-artifact-mb``, 1 GiB by default; path rules as ``read_file``'s) the same way,
 inline in the ref (base64) below the threshold. Only the result returned to the client is
@@ -68,12 +68,8 @@ from typing import Any
 
 import anyio
 import mcp_types as types
-
-from aospec.effects import classify_command
-from aospec.errors import SandboxError
-from aospec.types import Action, Effect
-from integrations._asgi import read_body
-from integrations._mcp_common import (
+from aospec.integrations._asgi import read_body
+from aospec.integrations._mcp_common import (
     ArrivalGate,
     Predictor,
     RepeatPredictor,
@@ -85,6 +81,10 @@ from integrations._mcp_common import (
     result_meta,
     text_result,
 )
+
+from aospec.effects import classify_command
+from aospec.errors import SandboxError
+from aospec.types import Action, Effect
 
 __all__ = [
     "EXPORT_TOOL",
@@ -301,9 +301,9 @@ async def run_call(
 
 
 def artifact_result(ref: Any, meta: dict[str, Any] | None = None) -> types.CallToolResult:
-    """A result carrying the :class:`~specbox.transport.ArtifactRef` ``ref`` instead of the
-    output: :func:`specbox.mcp_env.artifact_result` (imported only with ``--artifacts``)."""
-    from specbox.mcp_env import artifact_result as build
+    """A result carrying the :class:`~aospec.specbox.transport.ArtifactRef` ``ref`` instead of the
+    output: :func:`aospec.specbox.mcp_env.artifact_result` (imported only with ``--artifacts``)."""
+    from aospec.specbox.mcp_env import artifact_result as build
 
     result: types.CallToolResult = build(ref, meta)
     return result
@@ -353,7 +353,7 @@ class SandboxToolServer:
         artifacts: Any = None,
         max_export_bytes: int = MAX_ARTIFACT_BYTES,
     ) -> None:
-        """``artifacts``: a started :class:`specbox.transport.ArtifactServer` to hand large
+        """``artifacts``: a started :class:`aospec.specbox.transport.ArtifactServer` to hand large
         results out of band through (and serve ``export_file`` of at most
         ``max_export_bytes``); None: every result in band, four tools."""
         self.root = root
@@ -621,7 +621,7 @@ async def serve_http(
 
 @contextlib.asynccontextmanager
 async def _sandbox_backend(args: argparse.Namespace) -> AsyncIterator[SandboxToolServer]:
-    from runtime import open_sandbox
+    from aospec.runtime import open_sandbox
 
     overrides: dict[str, Any] = {"backend": args.backend, "base": args.base}
     if args.state:
@@ -634,7 +634,7 @@ async def _sandbox_backend(args: argparse.Namespace) -> AsyncIterator[SandboxToo
     async with contextlib.AsyncExitStack() as stack:
         artifacts = None
         if args.artifacts:
-            from specbox.transport import ArtifactServer, sweep_forever
+            from aospec.specbox.transport import ArtifactServer, sweep_forever
 
             # closed on the way out whatever ends the server (EOF, a signal, an error): every
             # memfd is closed and the abstract socket goes with the listener
@@ -684,7 +684,7 @@ def _predictor(args: argparse.Namespace, eligible: Callable[[Action], bool]) -> 
 
 async def _serve(args: argparse.Namespace) -> None:
     if args.upstream:
-        from integrations._mcp_proxy import open_proxy
+        from aospec.integrations._mcp_proxy import open_proxy
 
         opener: Any = open_proxy(args, _predictor)
     else:
@@ -761,7 +761,7 @@ def _run(args: argparse.Namespace) -> int:
 
 
 def _inline_threshold() -> int:
-    from specbox.transport import INLINE_THRESHOLD
+    from aospec.specbox.transport import INLINE_THRESHOLD
 
     return INLINE_THRESHOLD
 
@@ -814,7 +814,7 @@ def register(subparsers: Any) -> None:
         action="store_true",
         help="hand large results out of band through shared memory (memfd) on this host: read_file and bash "
         "outputs of at least --artifact-threshold bytes come back as an aospec artifact ref "
-        "(structuredContent.aospec_artifact, read with specbox.mcp_env.McpEnv or specbox.transport.ArtifactClient), "
+        "(structuredContent.aospec_artifact, read with aospec.specbox.mcp_env.McpEnv or aospec.specbox.transport.ArtifactClient), "
         "and an export_file(path) tool hands any sandbox file over that way. Off by default: ordinary MCP clients "
         "cannot read shared memory, and only a client on the same host (same network namespace) can",
     )

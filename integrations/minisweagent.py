@@ -6,7 +6,7 @@
   ``backend: docker``) and returns the dict mini-swe-agent's ``LocalEnvironment`` returns
   (``output``, ``returncode``, ``exception_info``, and ``extra`` on a timeout), submitting
   by the same rule. Select it in mini-swe-agent's own configuration with
-  ``environment_class: integrations.minisweagent.AospecEnvironment`` (mini-swe-agent's
+  ``environment_class: aospec.integrations.minisweagent.AospecEnvironment`` (mini-swe-agent's
   ``get_environment`` imports any dotted path).
 - :class:`SpeculativeAgent` is mini-swe-agent's ``DefaultAgent`` whose model calls and
   command executions go through one aospec :class:`~aospec.session.Session`: the model is
@@ -59,6 +59,8 @@ def _import_quietly() -> None:
 
 _import_quietly()
 
+from aospec.live.agent import Drafters, default_drafters, serial_config
+from aospec.live.chat import ActorStats, history_digests, history_key
 from minisweagent.agents.default import AgentConfig, DefaultAgent
 from minisweagent.environments.local import LocalEnvironment
 from minisweagent.exceptions import InterruptAgentFlow
@@ -69,8 +71,6 @@ from aospec.engine import Engine
 from aospec.errors import AospecError
 from aospec.ledger import EngineStatistics
 from aospec.types import Action, History
-from live.agent import Drafters, default_drafters, serial_config
-from live.chat import ActorStats, history_digests, history_key
 
 __all__ = [
     "MULTI_ACTION_TOOL",
@@ -240,7 +240,7 @@ class AospecEnvironment:
 
     def __init__(self, *, config_class: type = AospecEnvironmentConfig, **kwargs: Any) -> None:
         self.config = config_class(**kwargs)
-        from runtime import SandboxConfig, open_sandbox
+        from aospec.runtime import SandboxConfig, open_sandbox
 
         fields = {"backend": self.config.backend, "base": self.config.base, "timeout_s": self.config.timeout}
         fields.update(self.config.sandbox)
@@ -289,7 +289,7 @@ class AospecEnvironment:
 
     def command_env(self) -> dict[str, str]:
         """The environment every command gets."""
-        from runtime.isolation import DEFAULT_PATH
+        from aospec.runtime.isolation import DEFAULT_PATH
 
         return {"PATH": DEFAULT_PATH, "HOME": "/root", **self.sandbox_config.env}
 
@@ -482,7 +482,7 @@ def _load_train(paths: list[str]) -> list[Any]:
     """The training traces under ``paths`` (``bundled``: the traces shipped with aospec)."""
     if not paths:
         return []
-    from replay import bundled_traces_path, load_traces
+    from aospec.replay import bundled_traces_path, load_traces
 
     return load_traces([bundled_traces_path() if p == "bundled" else p for p in paths])
 
@@ -491,11 +491,11 @@ class SpeculativeAgent(DefaultAgent):
     """``DefaultAgent`` co-speculating through one aospec session.
 
     ``env`` must be an :class:`AospecEnvironment` (its sandbox is the committed sandbox).
-    The drafters are ``drafters`` when given (:class:`live.agent.Drafters`), else those of
+    The drafters are ``drafters`` when given (:class:`aospec.live.agent.Drafters`), else those of
     the replay policy ``policy`` (default ``aospec``) fitted on the traces under ``train``
     (paths; ``bundled`` names the traces shipped with aospec; none: unfitted), built by
-    :func:`live.agent.default_drafters`. ``policy`` and ``train`` can come from
-    mini-swe-agent's YAML (``agent: {agent_class: integrations.minisweagent.SpeculativeAgent,
+    :func:`aospec.live.agent.default_drafters`. ``policy`` and ``train`` can come from
+    mini-swe-agent's YAML (``agent: {agent_class: aospec.integrations.minisweagent.SpeculativeAgent,
     train: [bundled]}``). ``speculate=False`` runs the same session serially. Everything
     else is ``DefaultAgent``'s keyword configuration. After a run, ``statistics`` holds the
     engine's figures; the trajectory holds none of them, so it stays what ``DefaultAgent``
@@ -520,7 +520,7 @@ class SpeculativeAgent(DefaultAgent):
     ) -> None:
         if not isinstance(env, AospecEnvironment):
             raise AospecError(
-                f"SpeculativeAgent needs an integrations.minisweagent.AospecEnvironment, got {type(env).__name__}"
+                f"SpeculativeAgent needs an aospec.integrations.minisweagent.AospecEnvironment, got {type(env).__name__}"
             )
         super().__init__(model, env, config_class=config_class, **kwargs)
         if drafters is None and speculate:

@@ -43,7 +43,7 @@ call is answered from the fork only when the server's JASV accepts it.
 
 Programmatic use: :func:`proxy_app` builds the ASGI app (``app.stats`` is its
 :class:`ProxyStats`, also served at ``GET /aospec/stats``); run it with any ASGI server
-(``live.serve_trace.serving(app)`` in tests).
+(``aospec.live.serve_trace.serving(app)`` in tests).
 """
 
 from __future__ import annotations
@@ -61,12 +61,13 @@ from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from aospec.integrations._asgi import read_body
+from aospec.integrations._proxy_actions import Prefetcher, watch
+from aospec.live.chat import ChatFormat
+
 from aospec.errors import ConfigError
 from aospec.protocols import ObservationDrafter
 from aospec.types import History, Turn, canonical_json, version_hash
-from integrations._asgi import read_body
-from integrations._proxy_actions import Prefetcher, watch
-from live.chat import ChatFormat
 
 __all__ = ["KNOWN_FIELDS", "VOLATILE_HEADERS", "ProxyStats", "SpeculatingProxy", "proxy_app", "register"]
 
@@ -926,7 +927,7 @@ def register(subparsers: Any) -> None:
 def default_drafters(train: Sequence[Any] = ()) -> tuple[Any, ...]:
     """The ``aospec`` replay policy's observation drafters (patterns + cache), fitted on
     ``train``."""
-    from live.agent import default_drafters as live_defaults
+    from aospec.live.agent import default_drafters as live_defaults
 
     return tuple(live_defaults(list(train)).observation)
 
@@ -948,12 +949,11 @@ def _probe(upstream: str) -> None:
 
 def _serve(args: argparse.Namespace) -> int:
     import uvicorn
-
-    from live.serve_trace import _bind
+    from aospec.live.serve_trace import _bind
 
     train: list[Any] = []
     if args.train or args.bundled:
-        from replay import bundled_traces_path, load_traces
+        from aospec.replay import bundled_traces_path, load_traces
 
         train = load_traces([*args.train, *([str(bundled_traces_path())] if args.bundled else [])])
     drafters = () if args.no_speculate else default_drafters(train)

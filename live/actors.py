@@ -5,7 +5,7 @@ hosted APIs, ``aospec serve-trace``).
 streamed ``POST {base_url}/chat/completions`` (``stream: true`` with
 ``stream_options.include_usage``), so provisional branches are concurrent requests, and
 cancelling the caller's scope closes the HTTP stream at once (the server sees the
-disconnect and stops generating). Replies are memoised by history (:class:`~live.chat.ReplyMemo`):
+disconnect and stops generating). Replies are memoised by history (:class:`~aospec.live.chat.ReplyMemo`):
 a history decoded once is answered from the memo, and earlier assistant turns are rendered
 from the memoised reply texts.
 
@@ -13,12 +13,12 @@ from the memoised reply texts.
 (:class:`aospec.protocols.StreamingActor`): each SSE content delta as a ``str``, each
 tool-call delta as a chat-completions chunk dict. A retried request's new attempt is fed
 only beyond what the failed attempt already fed, and not at all once it differs from it
-(:class:`~live.chat.StreamFeed`); a memoised reply, or a server answering with one JSON
+(:class:`~aospec.live.chat.StreamFeed`); a memoised reply, or a server answering with one JSON
 body, is fed whole at once.
 
 Errors: HTTP 5xx, 408 and 429, connection errors, timeouts and a stream cut before it
 finished are retried ``retries`` times with exponential backoff, then raise one
-:class:`~live.chat.ActorError` naming the URL, status and an excerpt of the body; other
+:class:`~aospec.live.chat.ActorError` naming the URL, status and an excerpt of the body; other
 4xx (a bad model name or key) raise at once with the server's message. Every attempt is
 bounded by ``timeout_s`` as a whole, not only between bytes.
 """
@@ -33,10 +33,10 @@ from typing import Any
 
 import anyio
 import httpx
+from aospec.live.chat import ActorError, ChatFormat, DeterminismReport, MemoActor, Reply, StreamFeed, estimate_tokens
 
 from aospec.errors import ConfigError
 from aospec.types import History
-from live.chat import ActorError, ChatFormat, DeterminismReport, MemoActor, Reply, StreamFeed, estimate_tokens
 
 __all__ = ["ActorError", "DeterminismReport", "OpenAIChatActor", "Reply"]  # the last three re-exported
 

@@ -6,7 +6,7 @@ execute, commit). Each action is one command in a fresh shell of the sandbox (th
 sandboxes start a new shell per command), so the filesystem is the only state carried
 from one step to the next, as in mini-swe-agent.
 
-- **Templates** belong to the actor's :class:`live.chat.ChatFormat` (system and instance
+- **Templates** belong to the actor's :class:`aospec.live.chat.ChatFormat` (system and instance
   templates, the format-error message); the agent passes them through.
 - **Format errors.** A reply without exactly one bash block is ``Action.none()``; the
   sandboxes run nothing for it and answer ``""``. The agent's sandbox wrapper
@@ -100,8 +100,8 @@ def default_drafters(train: Sequence[Trace] = (), policy: str = "aospec") -> Dra
     ``aospec``: the patterns and cache observation drafters, the history action drafter,
     EVD with the pattern kernel), fitted on ``train``; built by replay/policies.py's own
     builder, so live runs and replays speculate alike. The history drafter gets the
-    routers' label rule (``specbox.routers.tool_label``) for ``propose_routed``."""
-    from replay.policies import DrafterSet, check_drafter_names, parse_policy
+    routers' label rule (``aospec.specbox.routers.tool_label``) for ``propose_routed``."""
+    from aospec.replay.policies import DrafterSet, check_drafter_names, parse_policy
 
     p = parse_policy(policy)
     check_drafter_names([p])
@@ -270,14 +270,14 @@ class Agent:
     runtime session) executes.
 
     ``format_error`` answers replies without exactly one action (default: the actor's
-    ``chat_format.format_error``, else live.chat's default). ``drafters`` (default: none
+    ``chat_format.format_error``, else aospec.live.chat's default). ``drafters`` (default: none
     fitted, i.e. :func:`default_drafters` on no traces) only matter with
     ``speculate=True``. ``step_limit`` 0 means none. ``on_step(step, statistics)`` is
     called after every committed step (the recorder and the progress line hang here);
     an exception from it ends the run. ``router`` (an ``aospec.protocols.StreamRouter``,
-    e.g. ``specbox.routers.ParseRouter()``) reads each decode's stream when the actor
+    e.g. ``aospec.specbox.routers.ParseRouter()``) reads each decode's stream when the actor
     streams (``decode_streaming``); its events go to ``route_listeners`` (e.g.
-    ``specbox.pool.router_adapter(pool)``) and, speculating, to the action drafters that
+    ``aospec.specbox.pool.router_adapter(pool)``) and, speculating, to the action drafters that
     have ``propose_routed``. The serial engine gets the router too (its events are only
     counted and passed to the listeners: no drafters, no forks).
     """
@@ -302,7 +302,7 @@ class Agent:
             fmt = getattr(actor, "chat_format", None)
             format_error = getattr(fmt, "format_error", None)
             if format_error is None:
-                from live.chat import DEFAULT_FORMAT_ERROR
+                from aospec.live.chat import DEFAULT_FORMAT_ERROR
 
                 format_error = DEFAULT_FORMAT_ERROR
         self.actor = actor
@@ -395,6 +395,6 @@ class Agent:
         )
 
     def cache_counts(self) -> dict[str, int] | None:
-        """The sandbox's result-cache counters (``specbox.cache.CachedSandbox``), or None."""
+        """The sandbox's result-cache counters (``aospec.specbox.cache.CachedSandbox``), or None."""
         counts = getattr(self.sandbox, "cache_counts", None)
         return counts() if callable(counts) else None

@@ -160,7 +160,7 @@ def _check_args(args: argparse.Namespace) -> None:
 
 def _specbox_options(args: argparse.Namespace) -> Any:
     """The SpecBox layer of the run: what was asked, else the defaults of its mode."""
-    from live.specbox_layer import SpecBoxOptions
+    from aospec.live.specbox_layer import SpecBoxOptions
 
     spec = args.speculate
     return SpecBoxOptions(
@@ -175,7 +175,7 @@ def _specbox_options(args: argparse.Namespace) -> Any:
 
 
 def _chat_format(args: argparse.Namespace) -> Any:
-    from live.chat import ChatFormat
+    from aospec.live.chat import ChatFormat
 
     try:
         return ChatFormat.from_files(args.system_template, args.instance_template, action_format=args.action_format)
@@ -195,7 +195,7 @@ def _sampling(args: argparse.Namespace) -> dict[str, Any]:
 def _actor(args: argparse.Namespace, chat_format: Any) -> Any:
     """OpenAIChatActor for a URL, TransformersActor for a local path."""
     if args.model.startswith(("http://", "https://")):
-        from live.actors import OpenAIChatActor
+        from aospec.live.actors import OpenAIChatActor
 
         key = os.environ.get(args.api_key_env) if args.api_key_env else None
         return OpenAIChatActor(
@@ -208,7 +208,7 @@ def _actor(args: argparse.Namespace, chat_format: Any) -> Any:
             retries=args.retries,
         )
     try:
-        from live.local import TransformersActor
+        from aospec.live.local import TransformersActor
     except ImportError as exc:
         raise ConfigError(f"--model {args.model}: a local model needs the train extra (transformers): {exc}") from None
     return TransformersActor(args.model, chat_format=chat_format, sampling=_sampling(args), device=args.device)
@@ -226,11 +226,11 @@ def _run(args: argparse.Namespace) -> int:
         chat_format = _chat_format(args)
         train: list[Any] = []
         if args.train_traces and args.speculate:
-            from replay import load_traces
+            from aospec.replay import load_traces
 
             train = load_traces(args.train_traces)
         options = _specbox_options(args)
-        from live.specbox_layer import build_router
+        from aospec.live.specbox_layer import build_router
 
         args.specbox = options
         args.router_object = build_router(options.router, train)  # one that cannot be built: a usage error
@@ -263,12 +263,12 @@ def _recorded(state: dict[str, Any]) -> str:
 
 async def _main(args: argparse.Namespace, actor: Any, train: list[Any], state: dict[str, Any]) -> Any:
     import anyio
+    from aospec.live.agent import Agent, default_drafters
+    from aospec.live.record import TraceRecorder
+    from aospec.live.specbox_layer import open_specbox
+    from aospec.runtime import SandboxConfig, open_sandbox
 
     from aospec.types import History
-    from live.agent import Agent, default_drafters
-    from live.record import TraceRecorder
-    from live.specbox_layer import open_specbox
-    from runtime import SandboxConfig, open_sandbox
 
     try:
         if args.check_determinism:

@@ -2,11 +2,11 @@
 
 :class:`TransformersActor` renders a history's messages with the model's chat template and
 decodes greedily (or samples, with ``sampling={"temperature": T, "seed": S}``) through
-:class:`drafters.backends.transformers.TransformersBackend`. Decodes run in a worker thread
+:class:`aospec.drafters.backends.transformers.TransformersBackend`. Decodes run in a worker thread
 and are cancel-safe: a cancelled decode sets a flag the decode loop checks every token, and
 the caller's cancellation returns once the worker has stopped, so no computation outlives
 the call. The memo, ``reply_for`` and the determinism check are those of every actor
-(:class:`live.chat.MemoActor`).
+(:class:`aospec.live.chat.MemoActor`).
 
 ``decode_streaming`` (:class:`aospec.protocols.StreamingActor`) streams the reply as it is
 decoded: the backend gives each token's new text (``complete_sync(on_text=...)``) in the
@@ -23,8 +23,9 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+from aospec.live.chat import ActorError, ChatFormat, MemoActor, Reply, StreamFeed
+
 from aospec.errors import ConfigError, DrafterError
-from live.chat import ActorError, ChatFormat, MemoActor, Reply, StreamFeed
 
 __all__ = ["TransformersActor"]
 
@@ -34,7 +35,7 @@ _SAMPLING = frozenset({"temperature", "seed", "max_tokens"})
 class TransformersActor(MemoActor):
     """An actor decoding with a local causal LM.
 
-    ``model``: a model spec of :mod:`drafters.model` (a shape name such as ``tiny`` with
+    ``model``: a model spec of :mod:`aospec.drafters.model` (a shape name such as ``tiny`` with
     ``texts`` to train its tokenizer on, an ``aospec train`` output directory, a local
     Hugging Face directory), a ``LoadedModel``, or a torch module (then ``tokenizer`` is
     required). ``sampling``: ``temperature`` (default 0: greedy), ``seed``, ``max_tokens``
@@ -58,8 +59,8 @@ class TransformersActor(MemoActor):
         seed: int = 0,
         offload: str = "thread",
     ) -> None:
-        from drafters.backends.transformers import TransformersBackend
-        from drafters.model import LoadedModel
+        from aospec.drafters.backends.transformers import TransformersBackend
+        from aospec.drafters.model import LoadedModel
 
         super().__init__(chat_format)
         if self.chat_format.action_format != "bash":
@@ -101,7 +102,7 @@ class TransformersActor(MemoActor):
 
     def _inline(self) -> bool:
         """Whether decodes run in the event loop's thread (see ``run_blocking``)."""
-        from drafters.backends import is_inline
+        from aospec.drafters.backends import is_inline
 
         return is_inline(self.backend.offload)
 

@@ -24,9 +24,10 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from aospec.live.agent import AgentResult, StepRecord
+from aospec.replay.io import dump_jsonl
+
 from aospec.types import Step, Trace, version_hash
-from live.agent import AgentResult, StepRecord
-from replay.io import dump_jsonl
 
 __all__ = ["TraceRecorder", "step_of"]
 

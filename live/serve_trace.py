@@ -37,10 +37,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import anyio
+from aospec.live.chat import ChatFormat, estimate_tokens
 
 from aospec.errors import ConfigError
 from aospec.types import Step, Trace, canonical_json
-from live.chat import ChatFormat, estimate_tokens
 
 __all__ = [
     "ServeStats",
@@ -483,7 +483,7 @@ def register(subparsers: Any) -> None:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from replay import bundled_traces_path, load_traces
+    from aospec.replay import bundled_traces_path, load_traces
 
     paths = list(args.trace) + ([str(bundled_traces_path())] if args.bundled else [])
     if not paths:

@@ -5,7 +5,7 @@
     FormatErrorSandbox(CachedSandbox(PooledSandbox(runtime sandbox)))
 
 - **Pool inside the cache.** ``CachedSandbox.fork()`` forks its inner sandbox, the
-  :class:`specbox.pool.PooledSandbox`, so every fork the engine asks for comes from the
+  :class:`aospec.specbox.pool.PooledSandbox`, so every fork the engine asks for comes from the
   pool's ready queue (made ahead, handed out only at the committed version), and wraps it
   in a ``CachedSandbox`` of the same cache, so every ``execute`` — the committed path's and
   every speculative fork's — goes through the cache. The other order, a pool of cached
@@ -15,9 +15,9 @@
   the pool's lock.
 - **Cache** ``reads`` (:func:`deterministic_reads`): only commands whose output is a
   function of the filesystem version alone; everything else bypasses it.
-- **Router** ``parse`` (:class:`specbox.routers.ParseRouter`, exact) or ``trained`` (the
+- **Router** ``parse`` (:class:`aospec.specbox.routers.ParseRouter`, exact) or ``trained`` (the
   union of a keyword, a TF-IDF and the parse router fitted on the training traces).
-- **Markov** (:class:`specbox.markov.MarkovPrefetcher`): fitted on the training traces,
+- **Markov** (:class:`aospec.specbox.markov.MarkovPrefetcher`): fitted on the training traces,
   added as an action drafter (its ``propose_routed`` answers router events), and told each
   committed step (:meth:`SpecBoxRun.observe`).
 """
@@ -132,7 +132,7 @@ def deterministic_reads(workdir: str = "/") -> Callable[[Action], bool]:
     ``-a -A -d -F -p -R -r -1`` (so ``ls -l``/``-la``, whose mtimes are not part of a
     version, always run), ``diff`` without ``-u``/``-c``, ``sort`` without ``-R``; a
     recursive ``grep``/``ls`` over ``/`` (or from ``/`` without a path) is refused too."""
-    from specbox.cache import plain_simple_commands
+    from aospec.specbox.cache import plain_simple_commands
 
     allowed = frozenset(READ_PROGRAMS)
     start = posixpath.normpath(workdir) if workdir.startswith("/") else "/"
@@ -193,9 +193,9 @@ class SpecBoxOptions:
     """What of the SpecBox layer a live run uses (``aospec run`` options).
 
     ``cache``: ``off`` or ``reads`` (a result cache for :func:`deterministic_reads`).
-    ``pool_depth``: forks a :class:`specbox.pool.PooledSandbox` makes ahead (0: no pool).
+    ``pool_depth``: forks a :class:`aospec.specbox.pool.PooledSandbox` makes ahead (0: no pool).
     ``router``: ``off``, ``parse`` or ``trained`` (:func:`build_router`). ``markov``: add a
-    fitted :class:`specbox.markov.MarkovPrefetcher` to the action drafters."""
+    fitted :class:`aospec.specbox.markov.MarkovPrefetcher` to the action drafters."""
 
     cache: Literal["off", "reads"] = "off"
     pool_depth: int = 0
@@ -223,7 +223,7 @@ TRAINED_MIN_PRIOR = 0.3
 
 def build_router(kind: str, train: Sequence[Trace] = ()) -> Any:
     """The stream router ``kind`` names: None for ``off``; ``parse``: the exact
-    :class:`~specbox.routers.ParseRouter`; ``trained``: the union of a keyword router
+    :class:`~aospec.specbox.routers.ParseRouter`; ``trained``: the union of a keyword router
     (gamma 2), a TF-IDF router (scikit-learn) and the parse router, fitted on ``train``,
     with the prior gate of ``aospec routers eval``'s ``union+parse``: a learned guess fires
     only when a Markov model fitted on ``train`` gives it P(tool | previous tool) >=
@@ -231,7 +231,7 @@ def build_router(kind: str, train: Sequence[Trace] = ()) -> Any:
     which supplies the previous tools)."""
     if kind == "off":
         return None
-    from specbox.routers import ParseRouter
+    from aospec.specbox.routers import ParseRouter
 
     if kind == "parse":
         return ParseRouter()
@@ -245,7 +245,7 @@ def build_router(kind: str, train: Sequence[Trace] = ()) -> Any:
         raise ConfigError(
             "the trained router needs scikit-learn (pip install 'aospec[specbox]'); --router parse needs nothing"
         ) from None
-    from specbox.routers import Assembly, KeywordRouter, TfidfRouter, stream_steps
+    from aospec.specbox.routers import Assembly, KeywordRouter, TfidfRouter, stream_steps
 
     steps = stream_steps(train)
     if not steps:
@@ -260,8 +260,8 @@ def build_router(kind: str, train: Sequence[Trace] = ()) -> Any:
 
 
 def build_markov(train: Sequence[Trace]) -> Any:
-    """A :class:`~specbox.markov.MarkovPrefetcher` (SpecBox's settings) fitted on ``train``."""
-    from specbox.markov import MarkovPrefetcher
+    """A :class:`~aospec.specbox.markov.MarkovPrefetcher` (SpecBox's settings) fitted on ``train``."""
+    from aospec.specbox.markov import MarkovPrefetcher
 
     markov = MarkovPrefetcher()
     markov.fit(list(train))
@@ -284,12 +284,12 @@ class SpecBoxRun:
     def observe(self, action: Action) -> None:
         """A step was committed: the Markov model counts its transition online."""
         if self.markov is not None:
-            from specbox.routers import tool_label
+            from aospec.specbox.routers import tool_label
 
             self.markov.observe(tool_label(action), action)
 
     def with_drafters(self, drafters: Any) -> Any:
-        """``drafters`` (live.agent.Drafters) with the Markov drafter added (when speculating
+        """``drafters`` (aospec.live.agent.Drafters) with the Markov drafter added (when speculating
         with action drafters at all)."""
         if self.markov is None or not drafters.action:
             return drafters
@@ -329,7 +329,7 @@ async def open_specbox(
         router = build_router(options.router, train)
     markov = build_markov(train) if options.markov else None
     if options.pool_depth > 0:
-        from specbox.pool import PooledSandbox
+        from aospec.specbox.pool import PooledSandbox
 
         async with PooledSandbox.open(sandbox, depth=options.pool_depth) as pooled:
             yield _layer(options, pooled, router, markov, pooled)
@@ -340,7 +340,7 @@ async def open_specbox(
 def _layer(options: SpecBoxOptions, inner: Sandbox, router: Any, markov: Any, pooled: Any) -> SpecBoxRun:
     cached = None
     if options.cache == "reads":
-        from specbox.cache import CachedSandbox, ResultCache
+        from aospec.specbox.cache import CachedSandbox, ResultCache
 
         cached = CachedSandbox(inner, ResultCache(), deterministic=deterministic_reads(options.workdir))
     return SpecBoxRun(options, cached if cached is not None else inner, router, markov, pooled, cached)

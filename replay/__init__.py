@@ -14,10 +14,10 @@ from importlib import resources
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from replay.io import FORMATS, LoadedTraces, dump_jsonl, import_traces, load_traces, read_jsonl, write_jsonl
+from aospec.replay.io import FORMATS, LoadedTraces, dump_jsonl, import_traces, load_traces, read_jsonl, write_jsonl
 
 if TYPE_CHECKING:
-    from replay.stats import TraceStats, trace_stats
+    from aospec.replay.stats import TraceStats, trace_stats
 
 __all__ = [
     "FORMATS",
@@ -35,13 +35,13 @@ __all__ = [
 
 def bundled_traces_path() -> Path:
     """The directory of the tb1 sample bundled with the package (one run, see its NOTICE)."""
-    return Path(str(resources.files("replay") / "data" / "tb1-sample"))
+    return Path(str(resources.files("aospec.replay") / "data" / "tb1-sample"))
 
 
 def __getattr__(name: str) -> Any:
-    # replay.stats needs numpy: imported on first use, so the verbs register without it.
+    # aospec.replay.stats needs numpy: imported on first use, so the verbs register without it.
     if name in ("TraceStats", "trace_stats"):
-        from replay import stats
+        from aospec.replay import stats
 
         return getattr(stats, name)
-    raise AttributeError(f"module 'replay' has no attribute {name!r}")
+    raise AttributeError(f"module 'aospec.replay' has no attribute {name!r}")

@@ -1,9 +1,9 @@
-"""Reading untrusted trace input, shared by :mod:`replay.io` and the importers.
+"""Reading untrusted trace input, shared by :mod:`aospec.replay.io` and the importers.
 
 Only regular files are read, at most ``max_bytes`` each (:func:`read_bytes`,
 :func:`read_text`); JSON is strict (:func:`parse_json`); durations, timestamps and token
 counts must lie within the bounds below, which keep a replay's virtual time exact
-(:func:`check_seconds`). :mod:`replay.io` re-exports the public names.
+(:func:`check_seconds`). :mod:`aospec.replay.io` re-exports the public names.
 """
 
 from __future__ import annotations

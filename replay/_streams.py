@@ -3,7 +3,7 @@ import it: tests/test_layers.py).
 
 - :func:`step_stream` is :func:`aospec.streams.step_stream` (which specbox's routers use
   too) with each tool-call piece as an OpenAI chat-completions chunk dict (the form
-  :class:`aospec.protocols.StreamingActor` reports), which ``specbox.routers.parse_chunk``
+  :class:`aospec.protocols.StreamingActor` reports), which ``aospec.specbox.routers.parse_chunk``
   turns back into the same ``ToolCallDelta``; text pieces are the same strings.
 - :func:`tool_label` (:func:`aospec.streams.tool_label`, re-exported): the label a router
   names, which routed action drafters need.

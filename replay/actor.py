@@ -30,10 +30,10 @@ from collections.abc import Callable
 from decimal import Decimal
 
 import trio
+from aospec.replay._streams import step_stream
 
 from aospec.protocols import ObservationCanonicalizer
 from aospec.types import Action, History, Trace, Turn
-from replay._streams import step_stream
 
 __all__ = ["DIVERGED_TOOL", "END_TOOL", "ReplayActor", "VirtualClock", "ms_to_ns", "seconds_to_ns"]
 
@@ -153,7 +153,7 @@ class ReplayActor:
 
     def stream(self, i: int) -> list[object]:
         """The recorded stream of step ``i`` (replay/_streams.py: what
-        ``specbox.routers.step_stream`` gives, tool-call pieces as chat-completions chunks)."""
+        ``aospec.specbox.routers.step_stream`` gives, tool-call pieces as chat-completions chunks)."""
         found = self._streams[i]
         if found is None:
             found = self._streams[i] = step_stream(self.trace.steps[i])

@@ -99,7 +99,7 @@ def describe_failure(
     job: Any, item: int, attempts: int, cause: BaseException, where: str = ""
 ) -> SweepTaskError:
     """The SweepTaskError for ``item`` of ``job`` after ``attempts`` failed tries; the policy
-    and TPOT come from ``cause.sweep_where`` (set by :func:`replay.sweep.replay_trace`) when
+    and TPOT come from ``cause.sweep_where`` (set by :func:`aospec.replay.sweep.replay_trace`) when
     the failure happened inside one replay."""
     trace_id, policies, tpots = describe_item(job, item)
     at = getattr(cause, "sweep_where", None)

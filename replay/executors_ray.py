@@ -1,13 +1,13 @@
 """A sweep executor on a Ray cluster (issue 14, section 1).
 
-Implements the executor interface of :mod:`replay.executors` (``map_unordered(job, items)``
+Implements the executor interface of :mod:`aospec.replay.executors` (``map_unordered(job, items)``
 yields ``(item, result)`` as each item completes) with Ray actors::
 
-    from replay.executors_ray import RayExecutor
+    from aospec.replay.executors_ray import RayExecutor
     results = run_sweep(traces, policies, executor=RayExecutor(address="auto"))
 
-- The job (a :class:`replay.sweep.SweepJob`: the traces, policies and TPOTs; from
-  ``aospec sweep``, the evaluation traces as :class:`replay.sweep.TraceRef`, each read by
+- The job (a :class:`aospec.replay.sweep.SweepJob`: the traces, policies and TPOTs; from
+  ``aospec sweep``, the evaluation traces as :class:`aospec.replay.sweep.TraceRef`, each read by
   the actor that replays it) is put in the object store once; each worker actor (``num_cpus=1``, one per CPU of the cluster unless
   ``workers`` is given) receives it once and keeps its caches (a fold's drafters are fit
   once per worker, as in a local worker process).
@@ -15,7 +15,7 @@ yields ``(item, result)`` as each item completes) with Ray actors::
   the driver holds only their references: memory on the driver stays bounded however
   many items there are. Results stream back as they finish (``ray.wait``).
 - A failed item is retried once (on a fresh actor when its actor died: a lost node, an
-  out-of-memory kill); a second failure raises :class:`replay.executors.SweepTaskError`,
+  out-of-memory kill); a second failure raises :class:`aospec.replay.executors.SweepTaskError`,
   naming the trace, and the policy and TPOT that failed (every policy and TPOT of the item
   when the failure was outside a replay; for a job that is not a SweepJob: the item), as
   the local executors do.
@@ -32,8 +32,9 @@ from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, TypeVar
 
+from aospec.replay.executors import SweepTaskError, describe_failure, describe_item
+
 from aospec.errors import ConfigError, MissingDependencyError
-from replay.executors import SweepTaskError, describe_failure, describe_item
 
 __all__ = ["RayExecutor", "SweepTaskError", "describe_item", "require_ray"]
 

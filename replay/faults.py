@@ -4,8 +4,8 @@
 and the TPOT (replay/executors.py). To see that on a real sweep, on any executor, name this
 drafter in a policy and give it options::
 
-    aospec sweep --bundled --policies serial,aospec:obs_drafter=replay.faults.FaultyObservationDrafter \\
-        --drafter-options '{"replay.faults.FaultyObservationDrafter": {"fail_on_task": "oom", "times": 1, "marker": "/tmp/faults"}}'
+    aospec sweep --bundled --policies serial,aospec:obs_drafter=aospec.replay.faults.FaultyObservationDrafter \\
+        --drafter-options '{"aospec.replay.faults.FaultyObservationDrafter": {"fail_on_task": "oom", "times": 1, "marker": "/tmp/faults"}}'
 
 It is the pattern drafter (drafters/patterns.py) except that ``fit`` raises
 :class:`InjectedFault` when it is fit for evaluating ``fail_on_task`` under
@@ -21,8 +21,9 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from aospec.drafters.patterns import PatternDrafter
+
 from aospec.types import Trace
-from drafters.patterns import PatternDrafter
 
 __all__ = ["FaultyObservationDrafter", "InjectedFault"]
 

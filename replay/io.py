@@ -31,10 +31,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from aospec._files import new_file_mode
-from aospec.errors import TraceFormatError, TraceImportError
-from aospec.types import SCHEMA_VERSION, Action, Step, Trace
-from replay._input import (
+from aospec.replay._input import (
     MAX_DURATION_S,
     MAX_FILE_BYTES,
     MAX_OUTPUT_TOKENS,
@@ -47,6 +44,10 @@ from replay._input import (
     read_text,
     thaw_json,
 )
+
+from aospec._files import new_file_mode
+from aospec.errors import TraceFormatError, TraceImportError
+from aospec.types import SCHEMA_VERSION, Action, Step, Trace
 
 __all__ = [
     "FORMATS",
@@ -339,14 +340,14 @@ def _import_with(fmt: str, path: Path, text: str, max_file_bytes: int) -> list[T
     if fmt == "aospec":
         return parse_jsonl_text(text, str(path))
     if fmt == "tb1":
-        from replay.importers.tb1 import parse_tb1_text
+        from aospec.replay.importers.tb1 import parse_tb1_text
 
         return parse_tb1_text(path, text, max_file_bytes=max_file_bytes)
     if fmt == "mini-swe-agent":
-        from replay.importers.minisweagent import parse_traj_text
+        from aospec.replay.importers.minisweagent import parse_traj_text
 
         return parse_traj_text(path, text)
-    from replay.importers.taubench import parse_taubench_text
+    from aospec.replay.importers.taubench import parse_taubench_text
 
     return parse_taubench_text(path, text)
 
@@ -446,7 +447,7 @@ def import_traces(
     an import that leaves no trace at all still raises.
 
     ``keep(trace, file)``, when given, is what is kept of each trace instead of the trace
-    (anything with its ``id``, e.g. a :class:`replay.sweep.TraceRef`), so that importing
+    (anything with its ``id``, e.g. a :class:`aospec.replay.sweep.TraceRef`), so that importing
     many files holds one file's traces at a time (``aospec sweep``'s evaluation traces).
     """
     if format not in FORMATS:

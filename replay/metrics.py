@@ -31,9 +31,9 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 import numpy as np
+from aospec.replay.sweep import TraceResult
 
 from aospec.errors import ConfigError
-from replay.sweep import TraceResult
 
 __all__ = ["PolicySummary", "summarize"]
 
@@ -164,7 +164,7 @@ class _Group:
 def summarize(results: Iterable[TraceResult]) -> list[PolicySummary]:
     """One summary per (policy, TPOT), in first-seen policy order, TPOTs descending.
 
-    ``results`` may be a stream (e.g. :func:`replay.report.read_results` of a sweep's
+    ``results`` may be a stream (e.g. :func:`aospec.replay.report.read_results` of a sweep's
     results.jsonl): only a few numbers per result are kept, not the results.
 
     ConfigError when the results were replayed under different state models (a brackets'

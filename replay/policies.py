@@ -20,13 +20,13 @@ drafting call that fails during a run loses only that drafter's candidates and i
 (:class:`ChargedObservationDrafter`): a cheap drafter's candidates are continued when it is
 done, not when the slowest drafter of the policy is.
 
-``aospec:router=specbox.routers.ParseRouter`` routes: the replay actor streams each decode
-(:meth:`replay.actor.ReplayActor.decode_streaming`), the router names the tool mid-decode
+``aospec:router=aospec.specbox.routers.ParseRouter`` routes: the replay actor streams each decode
+(:meth:`aospec.replay.actor.ReplayActor.decode_streaming`), the router names the tool mid-decode
 and the action drafters that have ``propose_routed`` launch targets for it, charged like
 any drafting call (:class:`ChargedRoutedActionDrafter`). A router is a dotted path (replay
 names no package above it): a class or function with ``fit(traces)`` is fit on the
 fold's training traces, anything else is called without arguments; several joined with
-``+`` are read side by side (:class:`replay._streams.UnionRouter`).
+``+`` are read side by side (:class:`aospec.replay._streams.UnionRouter`).
 """
 
 from __future__ import annotations
@@ -38,6 +38,10 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequenc
 from dataclasses import dataclass
 from typing import Any
 
+from aospec.replay._streams import UnionRouter, tool_label
+from aospec.replay.actor import ReplayActor, VirtualClock, ms_to_ns
+from aospec.replay.sandbox import ReplayWorld
+
 from aospec._lazy import import_object
 from aospec.config import from_mapping
 from aospec.engine_config import EngineConfig
@@ -45,9 +49,6 @@ from aospec.errors import AospecError, ConfigError
 from aospec.evd import EVDEstimator
 from aospec.protocols import ActionDraft, ActionDrafter, ObservationCanonicalizer, ObservationDraft, ObservationDrafter
 from aospec.types import Action, History, Trace
-from replay._streams import UnionRouter, tool_label
-from replay.actor import ReplayActor, VirtualClock, ms_to_ns
-from replay.sandbox import ReplayWorld
 
 __all__ = [
     "BASE_POLICIES",
@@ -144,8 +145,8 @@ DEFAULT_POLICIES = (
 
 #: name -> "module:attr" of zero-argument canonicaliser factories (``accept=canonical``).
 CANONICALIZERS: dict[str, str] = {
-    "default": "drafters.canonicalize:Canonicalizer",
-    "all": "drafters.canonicalize:all_fields",
+    "default": "aospec.drafters.canonicalize:Canonicalizer",
+    "all": "aospec.drafters.canonicalize:all_fields",
 }
 
 
@@ -160,7 +161,7 @@ def load_canonicalizer(spec: str) -> ObservationCanonicalizer:
         except TypeError as exc:
             raise ConfigError(f"policy: canonicalizer {spec!r} cannot be built without arguments: {exc}") from None
     else:
-        from drafters.canonicalize import canonicalizer
+        from aospec.drafters.canonicalize import canonicalizer
 
         try:
             obj = canonicalizer(spec)
@@ -178,7 +179,7 @@ def _router_factory(name: str) -> Any:
     """The object a router's dotted path names (ConfigError when it names nothing)."""
     if ":" not in name and "." not in name:
         raise ConfigError(
-            f"policy: router {name!r} is not a dotted path (e.g. specbox.routers.ParseRouter; "
+            f"policy: router {name!r} is not a dotted path (e.g. aospec.specbox.routers.ParseRouter; "
             "replay knows routers only by path)"
         )
     obj = import_object(name, {}, "router")
@@ -189,8 +190,8 @@ def _router_factory(name: str) -> Any:
 
 def load_router(spec: str, train: Sequence[Trace] = ()) -> Any:
     """The stream router ``spec`` names: dotted paths joined by ``+`` (read side by side,
-    :class:`replay._streams.UnionRouter`). Each is fit on ``train`` when it has
-    ``fit(traces)`` (``specbox.routers.KeywordRouter``, ``TfidfRouter``), else called
+    :class:`aospec.replay._streams.UnionRouter`). Each is fit on ``train`` when it has
+    ``fit(traces)`` (``aospec.specbox.routers.KeywordRouter``, ``TfidfRouter``), else called
     without arguments (``ParseRouter``), or used as is when it is a router already."""
     names = [n for n in spec.split("+") if n and n != "none"]
     if not names:
@@ -305,7 +306,7 @@ def parse_policy(spec: str) -> Policy:
 def check_drafter_names(policies: Sequence[Policy]) -> None:
     """Resolve every drafter and kernel name now (ConfigError naming an unknown one), so a
     sweep fails before any work starts rather than inside a worker."""
-    from drafters import resolve
+    from aospec.drafters import resolve
 
     for p in policies:
         for name in p.config.obs_names:
@@ -527,7 +528,7 @@ class DrafterSet:
 
     ``options`` maps a drafter or kernel name to keyword arguments for its class. Each
     object is built (and fit, if it has ``fit``) once, on first use. Routing policies
-    get their own action drafters, built with ``label=`` (:func:`replay._streams.tool_label`,
+    get their own action drafters, built with ``label=`` (:func:`aospec.replay._streams.tool_label`,
     the routers' labels) when their class takes it, and their routers fit on ``train``.
     """
 
@@ -544,7 +545,7 @@ class DrafterSet:
     def construct(self, kind: str, name: str, *, labelled: bool = False) -> Any:
         """A new ``kind`` (a registry kind of :mod:`drafters`) named ``name``, built with its
         options and not fit; ``labelled``: with ``label=tool_label`` too when it takes one."""
-        from drafters import resolve
+        from aospec.drafters import resolve
 
         cls = resolve(kind, name)
         opts = self.options.get(name, {})

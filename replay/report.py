@@ -3,7 +3,7 @@
 ``aospec sweep`` streams: :class:`ResultsFile` appends each trace's records to
 ``results.jsonl`` (flushed) as the trace finishes, so the driver holds no records and an
 interrupted sweep leaves every finished trace on disk; when the sweep completes it
-rewrites the file in trace order (the order :func:`replay.sweep.run_sweep` returns), from
+rewrites the file in trace order (the order :func:`aospec.replay.sweep.run_sweep` returns), from
 the file itself. The summary is then computed by reading the file back
 (:func:`read_results`, one record at a time) and :func:`write_summary` writes
 summary.md, summary.jsonl and the plots from it.
@@ -19,8 +19,8 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any
 
-from replay.metrics import PolicySummary
-from replay.sweep import TraceResult
+from aospec.replay.metrics import PolicySummary
+from aospec.replay.sweep import TraceResult
 
 __all__ = [
     "PLOTS",
@@ -75,7 +75,7 @@ def _header(summaries: Sequence[PolicySummary]) -> tuple[str, ...]:
 
 def state_model_caption(summaries: Sequence[PolicySummary]) -> str:
     """``state model: NAME: what it means`` for the summaries' state model ("" when empty)."""
-    from replay.sandbox import STATE_MODEL_MEANING
+    from aospec.replay.sandbox import STATE_MODEL_MEANING
 
     if not summaries:
         return ""
@@ -300,7 +300,7 @@ class ResultsFile:
     file (two integers), never a record.
 
     Until :meth:`finish` the records are in the order their traces finished (what an
-    interrupted sweep leaves); after it, in the order :func:`replay.sweep.run_sweep`
+    interrupted sweep leaves); after it, in the order :func:`aospec.replay.sweep.run_sweep`
     returns them (trace, then TPOT, then policy), byte for byte the same whatever the
     executor.
     """

@@ -39,10 +39,11 @@ import bisect
 import statistics
 from collections.abc import Mapping, Sequence
 
+from aospec.replay.actor import VirtualClock, seconds_to_ns
+
 from aospec.effects import classify_action
 from aospec.errors import ConfigError, SandboxError
 from aospec.types import Action, Effect, Trace, version_hash
-from replay.actor import VirtualClock, seconds_to_ns
 
 __all__ = [
     "OFF_RECORD_PREFIX",

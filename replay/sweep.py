@@ -7,7 +7,7 @@ time and checks the invariants on every run:
 - every committed step's decode time is ``D_i`` and its tool time ``T_i`` exactly, and a
   policy that speculates nothing takes exactly ``sum(D_i + T_i)`` (integer nanoseconds);
 - no policy beats its matching ceiling (the same engine configuration with free oracle
-  drafters, :meth:`replay.policies.Policy.twin`), replayed under the same state model.
+  drafters, :meth:`aospec.replay.policies.Policy.twin`), replayed under the same state model.
 
 The state model (``recorded``, ``effects`` or ``blind``; ``auto`` picks ``recorded`` when
 every trace recorded its versions, else ``effects``: replay/sandbox.py) decides which
@@ -41,15 +41,15 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import anyio
+from aospec.replay._input import MAX_FILE_BYTES
+from aospec.replay.actor import ReplayActor, VirtualClock, estimate_tokens, ms_to_ns, seconds_to_ns
+from aospec.replay.executors import Executor, local_executor
+from aospec.replay.policies import DrafterFailures, DrafterSet, Policy, check_drafters
+from aospec.replay.sandbox import ReplayWorld, resolve_state_model
 
 from aospec.engine import Engine
 from aospec.errors import ConfigError, EngineError
 from aospec.types import Trace
-from replay._input import MAX_FILE_BYTES
-from replay.actor import ReplayActor, VirtualClock, estimate_tokens, ms_to_ns, seconds_to_ns
-from replay.executors import Executor, local_executor
-from replay.policies import DrafterFailures, DrafterSet, Policy, check_drafters
-from replay.sandbox import ReplayWorld, resolve_state_model
 
 __all__ = [
     "DEFAULT_TPOTS_MS",
@@ -402,7 +402,7 @@ class TraceRef:
         return self.steps
 
     def load(self) -> Trace:
-        from replay.io import import_traces
+        from aospec.replay.io import import_traces
 
         for t in import_traces(self.path, self.format, max_file_bytes=self.max_file_bytes).traces:
             if t.id == self.id:
@@ -502,10 +502,10 @@ def iter_sweep(
     (its index in ``eval_traces``; its results ordered by TPOT, then policy) as soon as it
     finishes, in the order traces finish. Nothing is kept after it is yielded, so a caller
     that writes each trace's results out (``aospec sweep``: replay/report.py's
-    :class:`replay.report.ResultsFile`) holds only the traces in flight.
+    :class:`aospec.replay.report.ResultsFile`) holds only the traces in flight.
 
     The arguments are checked before the first trace runs (ConfigError). A trace that
-    fails is retried once by the executor, then reported (:class:`replay.executors.SweepTaskError`,
+    fails is retried once by the executor, then reported (:class:`aospec.replay.executors.SweepTaskError`,
     naming the trace, policy and TPOT); the stream ends there, after the traces that
     finished before it. Closing the generator early stops the executor's workers.
 
@@ -574,7 +574,7 @@ def run_sweep(
     ``state_model`` applies to the whole set: ``recorded`` (ConfigError naming the first
     trace and step without recorded versions), ``effects``, ``blind``, or ``auto``:
     ``recorded`` when every trace has its versions, else ``effects``
-    (:func:`replay.sandbox.resolve_state_model`).
+    (:func:`aospec.replay.sandbox.resolve_state_model`).
 
     Drafters are fit on ``train_traces`` when given, else leave-one-task-out (each trace's
     drafters see only traces of other tasks; a set with a single task cannot be swept that

@@ -2,7 +2,7 @@
 
 ::
 
-    from runtime import open_sandbox
+    from aospec.runtime import open_sandbox
 
     async with open_sandbox(backend="overlay", base="busybox") as sb:   # the committed root
         obs = await sb.execute(Action.bash("echo hi > /tmp/x"))           # observation text
@@ -22,11 +22,10 @@ from collections.abc import Mapping
 from contextlib import AbstractAsyncContextManager
 from typing import Any
 
-from aospec._lazy import import_object
-from runtime._state import RecoveryReport, default_state_root
-from runtime.bases import BaseFS, build_base, cache_dir, open_base
-from runtime.config import Bind, Limits, SandboxConfig
-from runtime.observation import (
+from aospec.runtime._state import RecoveryReport, default_state_root
+from aospec.runtime.bases import BaseFS, build_base, cache_dir, open_base
+from aospec.runtime.config import Bind, Limits, SandboxConfig
+from aospec.runtime.observation import (
     CommandResult,
     MiniSweAgentFormatter,
     ObservationFormatter,
@@ -34,7 +33,9 @@ from runtime.observation import (
     SandboxStatistics,
     get_formatter,
 )
-from runtime.versions import EMPTY_LAYER, Layer, UpperTracker, base_version, chain_version, hash_file, tree_layer
+from aospec.runtime.versions import EMPTY_LAYER, Layer, UpperTracker, base_version, chain_version, hash_file, tree_layer
+
+from aospec._lazy import import_object
 
 __all__ = [
     "BACKENDS",
@@ -66,8 +67,8 @@ __all__ = [
 #: Sandbox backends by short name (any "package.module:function" works too); each value
 #: is an async context manager factory taking a SandboxConfig.
 BACKENDS = {
-    "overlay": "runtime.overlay:open_overlay",
-    "docker": "runtime.docker:open_docker",
+    "overlay": "aospec.runtime.overlay:open_overlay",
+    "docker": "aospec.runtime.docker:open_docker",
 }
 
 

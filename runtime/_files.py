@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import os
 
+from aospec.runtime import _fs
+
 from aospec.errors import SandboxError
-from runtime import _fs
 
 __all__ = ["check_workdir", "read_in_root", "write_in_root"]
 

@@ -18,8 +18,7 @@ import struct
 from pathlib import Path
 
 import xxhash
-
-from runtime._fs import OPAQUE_XATTR
+from aospec.runtime._fs import OPAQUE_XATTR
 
 __all__ = ["layer_digest"]
 

@@ -7,13 +7,13 @@ from collections.abc import Mapping
 from typing import Any, Self
 
 import anyio
+from aospec.runtime._state import new_id
+from aospec.runtime.isolation import DEFAULT_PATH
+from aospec.runtime.observation import CommandResult, ObservationFormatter
+from aospec.runtime.versions import EMPTY_LAYER, Layer
 
 from aospec.errors import SandboxError
 from aospec.types import Action
-from runtime._state import new_id
-from runtime.isolation import DEFAULT_PATH
-from runtime.observation import CommandResult, ObservationFormatter
-from runtime.versions import EMPTY_LAYER, Layer
 
 
 class SandboxSession:

@@ -34,9 +34,10 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+from aospec.runtime._fs import remove_tree
+from aospec.runtime.versions import base_version, tree_layer
+
 from aospec.errors import SandboxError, SandboxUnavailableError
-from runtime._fs import remove_tree
-from runtime.versions import base_version, tree_layer
 
 __all__ = [
     "BaseFS",
@@ -276,7 +277,7 @@ def build_debootstrap_base(
 
 def export_image_base(rootfs: Path, image: str) -> None:
     """Export Docker image ``image`` (its merged filesystem) into ``rootfs``."""
-    from runtime.daemon import docker_client
+    from aospec.runtime.daemon import docker_client
 
     client = docker_client()
     try:

@@ -10,7 +10,7 @@ import signal
 import time
 from pathlib import Path
 
-from runtime.config import Limits
+from aospec.runtime.config import Limits
 
 __all__ = ["Cgroups", "CommandCgroup"]
 

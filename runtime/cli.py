@@ -107,18 +107,18 @@ def register(subparsers: Any) -> None:
 
 
 def _build_base(args: argparse.Namespace) -> int:
-    from runtime.bases import build_base
+    from aospec.runtime.bases import build_base
 
     base = build_base(args.spec, force=args.force, suite=args.suite, mirror=args.mirror, include=args.include)
     out: dict[str, Any] = base.to_json()
     if args.spec.startswith("debootstrap"):
-        from runtime.bases import parse_debootstrap_spec
+        from aospec.runtime.bases import parse_debootstrap_spec
 
         suite, packages = parse_debootstrap_spec(args.spec, suite=args.suite, include=args.include)
         out["spec"] = f"debootstrap:{suite}" + ("+" + ",".join(packages) if packages else "")
     if args.docker:
-        from runtime.daemon import docker_client
-        from runtime.docker import ensure_base_image
+        from aospec.runtime.daemon import docker_client
+        from aospec.runtime.docker import ensure_base_image
 
         client = docker_client()
         try:
@@ -131,8 +131,7 @@ def _build_base(args: argparse.Namespace) -> int:
 
 def _exec(args: argparse.Namespace) -> int:
     import anyio
-
-    from runtime import Bind, Limits, SandboxConfig, open_sandbox
+    from aospec.runtime import Bind, Limits, SandboxConfig, open_sandbox
 
     cmd = list(args.cmd)
     if cmd and cmd[0] == "--":
@@ -214,9 +213,9 @@ def _exec(args: argparse.Namespace) -> int:
 
 
 def _info(args: argparse.Namespace) -> int:
-    from runtime.config import Limits, SandboxConfig
-    from runtime.host import host_support
-    from runtime.seccomp import seccomp_support
+    from aospec.runtime.config import Limits, SandboxConfig
+    from aospec.runtime.host import host_support
+    from aospec.runtime.seccomp import seccomp_support
 
     support, _ = host_support()
     out: dict[str, Any] = {
@@ -235,7 +234,7 @@ def _info(args: argparse.Namespace) -> int:
         "seccomp": seccomp_support(),
     }
     try:
-        from runtime.daemon import checkpoint_support, docker_client
+        from aospec.runtime.daemon import checkpoint_support, docker_client
 
         client = docker_client()
         try:
@@ -252,7 +251,7 @@ def _info(args: argparse.Namespace) -> int:
 
 
 def _verify(args: argparse.Namespace) -> int:
-    from runtime.overlay import verify_state_dir
+    from aospec.runtime.overlay import verify_state_dir
 
     check = verify_state_dir(args.state)
     if args.format == "json":
@@ -278,7 +277,7 @@ def _verify(args: argparse.Namespace) -> int:
 def _gc(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from runtime.gc import collect_garbage
+    from aospec.runtime.gc import collect_garbage
 
     report = collect_garbage(Path(args.state_root) if args.state_root else None, dry_run=args.dry_run)
     if args.format == "json":

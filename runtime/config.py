@@ -101,7 +101,7 @@ class SandboxConfig:
     one sandbox the same way (None: only the session's budget). A write past a budget
     fails: the command is killed (``limits_hit`` names ``memory``). Overlay backend, with
     a writable memory cgroup. ``seccomp``: the overlay backend's syscall filter,
-    ``default``, ``none`` or the path of a JSON profile (``runtime.seccomp``).
+    ``default``, ``none`` or the path of a JSON profile (``aospec.runtime.seccomp``).
     """
 
     backend: str = "overlay"

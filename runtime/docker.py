@@ -12,7 +12,7 @@ Forks: ``copy-upper`` (default when the upper is readable, measured faster here)
 a container from the parent's image and copies the parent's upper into the new
 container's upper before starting it; ``commit`` uses ``docker commit`` and starts the
 fork from the committed image. Process checkpoints (``docker checkpoint``, CRIU) are not
-used: ``runtime.daemon.checkpoint_support()`` says whether this host could.
+used: ``aospec.runtime.daemon.checkpoint_support()`` says whether this host could.
 
 Needs a local daemon with the overlay2 storage driver (the upper, lower and merged
 directories and the container's cgroup are read on this host).
@@ -33,13 +33,10 @@ from pathlib import Path
 from typing import Any
 
 import anyio
-
-from aospec._lazy import require
-from aospec.errors import SandboxError, SandboxUnavailableError
-from runtime import _fs
-from runtime._files import check_workdir, read_in_root, write_in_root
-from runtime._session import SandboxSession
-from runtime._state import (
+from aospec.runtime import _fs
+from aospec.runtime._files import check_workdir, read_in_root, write_in_root
+from aospec.runtime._session import SandboxSession
+from aospec.runtime._state import (
     RecoveryReport,
     default_state_root,
     lock_state_dir,
@@ -48,11 +45,11 @@ from runtime._state import (
     unregister_store,
     write_atomic,
 )
-from runtime.bases import BaseFS, open_base
-from runtime.config import SandboxConfig
-from runtime.daemon import docker_client
-from runtime.isolation import check_binds, reached_file_size
-from runtime.observation import (
+from aospec.runtime.bases import BaseFS, open_base
+from aospec.runtime.config import SandboxConfig
+from aospec.runtime.daemon import docker_client
+from aospec.runtime.isolation import check_binds, reached_file_size
+from aospec.runtime.observation import (
     TIMEOUT_RETURNCODE,
     CommandResult,
     ObservationFormatter,
@@ -60,7 +57,10 @@ from runtime.observation import (
     SandboxStatistics,
     get_formatter,
 )
-from runtime.versions import UpperTracker
+from aospec.runtime.versions import UpperTracker
+
+from aospec._lazy import require
+from aospec.errors import SandboxError, SandboxUnavailableError
 
 __all__ = ["DockerSandbox", "ensure_base_image", "open_docker"]
 
@@ -374,7 +374,7 @@ class DockerStore:
 
 
 class DockerSandbox(SandboxSession):
-    """A container sandbox; same API as :class:`runtime.overlay.OverlaySandbox`."""
+    """A container sandbox; same API as :class:`aospec.runtime.overlay.OverlaySandbox`."""
 
     backend = "docker"
 

@@ -14,10 +14,10 @@ import signal
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from runtime import _fs
-from runtime._state import default_state_root, state_dir_in_use, store_alive
-from runtime.host import host_support
-from runtime.processes import MARKER_ENV, OWNER_ENV, live_owner_tokens, process_environments
+from aospec.runtime import _fs
+from aospec.runtime._state import default_state_root, state_dir_in_use, store_alive
+from aospec.runtime.host import host_support
+from aospec.runtime.processes import MARKER_ENV, OWNER_ENV, live_owner_tokens, process_environments
 
 __all__ = ["GcReport", "collect_garbage"]
 
@@ -152,7 +152,7 @@ def _store_id_known(root: Path, store_id: str) -> bool:
 def _gc_containers(live_ids: set[str], *, dry_run: bool) -> list[str]:
     """Containers of ephemeral stores whose owner is gone (persistent HEAD containers are kept)."""
     try:
-        from runtime.daemon import docker_client
+        from aospec.runtime.daemon import docker_client
 
         client = docker_client()
     except Exception:

@@ -8,8 +8,8 @@ import shutil
 import threading
 from dataclasses import dataclass
 
-from runtime.cgroups import Cgroups
-from runtime.config import Limits
+from aospec.runtime.cgroups import Cgroups
+from aospec.runtime.config import Limits
 
 __all__ = ["HostSupport", "host_support"]
 
@@ -55,7 +55,7 @@ class HostSupport:
 def _can_mount() -> bool:
     import tempfile
 
-    from runtime import _fs
+    from aospec.runtime import _fs
 
     d = tempfile.mkdtemp(prefix="aospec-probe-")
     try:

@@ -1,7 +1,7 @@
 """Running one command isolated: bubblewrap namespaces, rlimits, its cgroup, timeouts.
 
-The cgroups live in ``runtime.cgroups``, the host probe in ``runtime.host``, the process
-markers in ``runtime.processes``.
+The cgroups live in ``aospec.runtime.cgroups``, the host probe in ``aospec.runtime.host``, the process
+markers in ``aospec.runtime.processes``.
 
 A command runs as ``bwrap ... -- /bin/bash -c CMD`` with the sandbox's merged overlay as
 ``/``: every namespace unshared (no network unless asked), capabilities dropped, no
@@ -29,14 +29,14 @@ from typing import TypeVar
 
 import anyio
 from anyio.lowlevel import RunVar
+from aospec.runtime.cgroups import CommandCgroup
+from aospec.runtime.config import Bind, Limits
+from aospec.runtime.host import host_support
+from aospec.runtime.observation import TIMEOUT_RETURNCODE, CommandResult, OutputBuffer
+from aospec.runtime.processes import MARKER_ENV, OWNER_ENV, kill_marked, own_owner_token, set_process_priority
+from aospec.runtime.seccomp import program_fd
 
 from aospec.errors import SandboxError, SandboxUnavailableError
-from runtime.cgroups import CommandCgroup
-from runtime.config import Bind, Limits
-from runtime.host import host_support
-from runtime.observation import TIMEOUT_RETURNCODE, CommandResult, OutputBuffer
-from runtime.processes import MARKER_ENV, OWNER_ENV, kill_marked, own_owner_token, set_process_priority
-from runtime.seccomp import program_fd
 
 __all__ = [
     "DEFAULT_PATH",
@@ -414,7 +414,7 @@ async def run_bwrap(
     ``after`` runs also when the command fails or is cancelled. Returns the result and
     what ``after`` returned. The command's cgroup ``cgroup_name`` nests in
     ``cgroup_parents`` (see :meth:`Cgroups.ensure_group`); ``seccomp`` is a compiled
-    filter (:func:`runtime.seccomp.filter_program`) bwrap loads before the command;
+    filter (:func:`aospec.runtime.seccomp.filter_program`) bwrap loads before the command;
     ``priority`` the sandbox's :class:`CommandPriority`.
 
     bwrap is spawned from the event loop's thread on purpose: ``--die-with-parent``

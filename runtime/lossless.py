@@ -65,6 +65,9 @@ from typing import Any
 
 import anyio
 import xxhash
+from aospec.runtime import _fs, open_sandbox
+from aospec.runtime._state import default_state_root
+from aospec.runtime.config import Limits, SandboxConfig
 
 from aospec.engine import Engine
 from aospec.engine_config import EngineConfig
@@ -78,9 +81,6 @@ from aospec.testing import (
     StreamingScriptedActor,
 )
 from aospec.types import Action, History, canonical_json
-from runtime import _fs, open_sandbox
-from runtime._state import default_state_root
-from runtime.config import Limits, SandboxConfig
 
 __all__ = [
     "SANDBOX_CONFIGS",

@@ -119,8 +119,8 @@ class RawFormatter:
 
 
 FORMATTERS = {
-    "mini-swe-agent": "runtime.observation:MiniSweAgentFormatter",
-    "raw": "runtime.observation:RawFormatter",
+    "mini-swe-agent": "aospec.runtime.observation:MiniSweAgentFormatter",
+    "raw": "aospec.runtime.observation:RawFormatter",
 }
 
 

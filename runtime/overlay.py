@@ -1,10 +1,10 @@
 """The overlay backend: sandboxes as stacks of immutable layers under one writable upper,
 run with bubblewrap.
 
-A sandbox mounts overlayfs over its stack of layers (``runtime.overlay_store`` keeps the
+A sandbox mounts overlayfs over its stack of layers (``aospec.runtime.overlay_store`` keeps the
 state directory: layers, HEAD, recovery, compaction, verification) with a tmpfs upper.
 A command runs in the merged root; afterwards the upper's changes become a Layer and the
-version moves on (``runtime.versions``). A fork freezes its parent's pending changes into
+version moves on (``aospec.runtime.versions``). A fork freezes its parent's pending changes into
 a layer and mounts a new overlay on the same stack; a commit makes the fork's stack the
 parent's (and, for the committed root, HEAD's); discard unmounts and deletes.
 """
@@ -19,16 +19,14 @@ from pathlib import Path
 from typing import Any
 
 import anyio
-
-from aospec.errors import SandboxError, SandboxUnavailableError
-from runtime import _fs
-from runtime._files import check_workdir, read_in_root, write_in_root
-from runtime._session import SandboxSession
-from runtime._state import RecoveryReport, default_state_root, new_id, private_dir
-from runtime.bases import open_base
-from runtime.config import SandboxConfig
-from runtime.host import host_support
-from runtime.isolation import (
+from aospec.runtime import _fs
+from aospec.runtime._files import check_workdir, read_in_root, write_in_root
+from aospec.runtime._session import SandboxSession
+from aospec.runtime._state import RecoveryReport, default_state_root, new_id, private_dir
+from aospec.runtime.bases import open_base
+from aospec.runtime.config import SandboxConfig
+from aospec.runtime.host import host_support
+from aospec.runtime.isolation import (
     CommandPriority,
     bwrap_argv,
     check_binds,
@@ -37,10 +35,12 @@ from runtime.isolation import (
     remove_bind_points,
     run_bwrap,
 )
-from runtime.observation import CommandResult, ObservationFormatter, SandboxStatistics, get_formatter
-from runtime.overlay_store import MOUNT_OPTS, OverlayStore, StateCheck, fd_names, verify_state_dir
-from runtime.seccomp import filter_program
-from runtime.versions import UpperTracker
+from aospec.runtime.observation import CommandResult, ObservationFormatter, SandboxStatistics, get_formatter
+from aospec.runtime.overlay_store import MOUNT_OPTS, OverlayStore, StateCheck, fd_names, verify_state_dir
+from aospec.runtime.seccomp import filter_program
+from aospec.runtime.versions import UpperTracker
+
+from aospec.errors import SandboxError, SandboxUnavailableError
 
 __all__ = [
     "OverlaySandbox",

@@ -1,5 +1,5 @@
 """The overlay backend's store: one state directory of layers, HEAD and the live
-sandboxes' mounts (``runtime.overlay`` holds the sandboxes that run on it).
+sandboxes' mounts (``aospec.runtime.overlay`` holds the sandboxes that run on it).
 
 
 State directory (one per session, ``SandboxConfig.state_dir``; mode 0700, like the state
@@ -20,7 +20,7 @@ root above private ones, and every mount below it is nosuid,nodev)::
     trash/      disk layers and uppers no longer used, deleted in batches
 
 A command runs in ``m/``. Afterwards the upper's changes become a Layer and the version
-moves on (``runtime.versions``). Freezing an upper (the committed root does it after
+moves on (``aospec.runtime.versions``). Freezing an upper (the committed root does it after
 every command that wrote anything, a fork when it is forked again or committed) moves
 its tmpfs under ``ml/`` and remounts it read-only: O(1), so commits cost a few mounts and
 one HEAD write. Memory layers are merged into a disk layer (compaction, which keeps the
@@ -48,11 +48,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from aospec.errors import SandboxError
-from runtime import _fs
-from runtime._integrity import layer_digest
-from runtime._session import SandboxSession
-from runtime._state import (
+from aospec.runtime import _fs
+from aospec.runtime._integrity import layer_digest
+from aospec.runtime._session import SandboxSession
+from aospec.runtime._state import (
     RecoveryReport,
     lock_state_dir,
     new_id,
@@ -61,11 +60,13 @@ from runtime._state import (
     unregister_store,
     write_atomic,
 )
-from runtime.bases import BaseFS
-from runtime.config import SandboxConfig
-from runtime.host import host_support
-from runtime.processes import kill_marked
-from runtime.versions import base_version, tree_layer
+from aospec.runtime.bases import BaseFS
+from aospec.runtime.config import SandboxConfig
+from aospec.runtime.host import host_support
+from aospec.runtime.processes import kill_marked
+from aospec.runtime.versions import base_version, tree_layer
+
+from aospec.errors import SandboxError
 
 __all__ = ["MOUNT_OPTS", "OverlayStore", "StateCheck", "fd_names", "verify_state_dir"]
 
@@ -89,7 +90,7 @@ class OverlayStore:
         self.id = ""
         self.recovery = RecoveryReport()
         self._lock_fd = -1
-        # content digests of disk layers (runtime._integrity), kept in HEAD so that a
+        # content digests of disk layers (aospec.runtime._integrity), kept in HEAD so that a
         # reopened persistent state is checked against what its version was made from
         self.digests: dict[str, str] = {}
         self._refs: dict[str, int] = {}
@@ -100,7 +101,7 @@ class OverlayStore:
         self._cg_counter = 0
         self.seccomp_program: bytes | None = None  # compiled by open_overlay
         self.compactions = 0
-        # Open sandboxes by id (runtime.overlay.OverlaySandbox; typed by the base class so
+        # Open sandboxes by id (aospec.runtime.overlay.OverlaySandbox; typed by the base class so
         # this file does not import the sandbox file that imports it).
         self.live: dict[str, SandboxSession] = {}
         # read-only views of layer stacks, shared by the sandboxes on the same stack

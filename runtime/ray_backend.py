@@ -2,7 +2,7 @@
 
 ::
 
-    from runtime.ray_backend import RayOptions, RaySandboxCluster
+    from aospec.runtime.ray_backend import RayOptions, RaySandboxCluster
 
     cluster = RaySandboxCluster(RayOptions(address="auto"))       # or ray.init() first
     async with cluster.open(SandboxConfig(base="busybox")) as sb:  # a RaySandbox
@@ -34,7 +34,7 @@ go on (their committed state never left their node). A session's forks are disca
 the session closes; :meth:`RaySandboxCluster.gc` closes sessions idle past a bound (their
 driver died) and cleans state that dead hosts left on each node.
 
-``open_sandbox(SandboxConfig(backend="runtime.ray_backend:open_ray"))`` uses
+``open_sandbox(SandboxConfig(backend="aospec.runtime.ray_backend:open_ray"))`` uses
 :func:`default_cluster` (``AOSPEC_RAY_ADDRESS``, default: the Ray this process is connected
 to, else ``auto``). Ray is an optional dependency (``pip install 'aospec[ray]'``).
 """
@@ -123,7 +123,7 @@ class RayOptions:
             raise ConfigError("sessions_per_cpu must be > 0 and max_live_sandboxes >= 1")
         if self.placement_timeout_s < 0 or self.poll_s <= 0:
             raise ConfigError("placement_timeout_s must be >= 0 and poll_s > 0")
-        if self.backend in ("ray", "runtime.ray_backend:open_ray"):
+        if self.backend in ("ray", "aospec.runtime.ray_backend:open_ray"):
             raise ConfigError("the Ray backend runs a local backend on each node (overlay or docker), not itself")
 
 
@@ -155,7 +155,7 @@ class NodeHost:
     """
 
     def __init__(self, node_id: str, cpus: float, options: RayOptions) -> None:
-        from runtime._state import default_state_root, private_dir
+        from aospec.runtime._state import default_state_root, private_dir
 
         self.node_id = node_id
         self.options = options
@@ -178,7 +178,7 @@ class NodeHost:
 
     def _collect(self) -> dict[str, int]:
         """Clean what dead hosts of this node left under its state root (mounts, dirs)."""
-        from runtime.gc import collect_garbage
+        from aospec.runtime.gc import collect_garbage
 
         with contextlib.suppress(Exception):
             r = collect_garbage(self.state_root, docker=False)
@@ -243,7 +243,7 @@ class NodeHost:
 
     async def open(self, session_id: str, config: dict[str, Any]) -> tuple[str, str] | str:
         """Open a session: ``(root handle, version)``, or why this node is full (a string)."""
-        from runtime import SandboxConfig, open_sandbox
+        from aospec.runtime import SandboxConfig, open_sandbox
 
         why = self._full()
         if why is not None:
@@ -608,7 +608,7 @@ class RaySandboxCluster:
     @asynccontextmanager
     async def open(self, config: Any = None, **overrides: Any) -> AsyncIterator[RaySandbox]:
         """Open a session on the node with most room: ``async with cluster.open(cfg) as sb``."""
-        from runtime import SandboxConfig
+        from aospec.runtime import SandboxConfig
 
         if config is None:
             config = SandboxConfig()
@@ -625,7 +625,7 @@ class RaySandboxCluster:
 
     async def open_session(self, config: Any) -> RaySandbox:
         """Place and open a session; the caller closes the returned root (``aclose``)."""
-        from runtime._state import new_id
+        from aospec.runtime._state import new_id
 
         await anyio.to_thread.run_sync(self.connect)
         data = _config_data(config)
@@ -700,7 +700,7 @@ def default_cluster() -> RaySandboxCluster:
 
 
 def open_ray(config: Any = None, **overrides: Any) -> contextlib.AbstractAsyncContextManager[RaySandbox]:
-    """The opener of ``SandboxConfig(backend="runtime.ray_backend:open_ray")``: a session
+    """The opener of ``SandboxConfig(backend="aospec.runtime.ray_backend:open_ray")``: a session
     on :func:`default_cluster`, running its default local backend (overlay) on the node."""
     return default_cluster().open(config, **overrides)
 

@@ -27,8 +27,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import xxhash
-
-from runtime._fs import is_opaque, is_whiteout, walk_tree
+from aospec.runtime._fs import is_opaque, is_whiteout, walk_tree
 
 __all__ = [
     "EMPTY_LAYER",

@@ -68,9 +68,9 @@ def plot(path: Path, title: str, xlabel: str, ylabel: str, series: dict[str, tup
 
 
 def bench_latency(args: argparse.Namespace, traces: list[Any], out: Path) -> dict[str, Any]:
-    from drafters.backends.server import CompletionServer
-    from drafters.backends.transformers import TransformersBackend
-    from drafters.prompts import PromptBudget, observation_messages
+    from aospec.drafters.backends.server import CompletionServer
+    from aospec.drafters.backends.transformers import TransformersBackend
+    from aospec.drafters.prompts import PromptBudget, observation_messages
 
     texts = [x for t in traces for s in t.steps for x in (s.action.command or "", s.observation)]
     backend = TransformersBackend(args.model, texts=texts, device=args.device, decode="dynamic", offload="inline")
@@ -112,8 +112,7 @@ def bench_latency(args: argparse.Namespace, traces: list[Any], out: Path) -> dic
             rows.append([rec["backend"], batch, step_ms, step_ms / batch, tn * 1e3 / batch, t1 * 1e3])
     backend.decode = "dynamic"
     import anyio
-
-    from drafters.backends.openai import OpenAIBackend
+    from aospec.drafters.backends.openai import OpenAIBackend
 
     with CompletionServer(backend, name="bench").running() as url:
         remote = OpenAIBackend("bench", base_url=url)
@@ -141,9 +140,9 @@ def bench_latency(args: argparse.Namespace, traces: list[Any], out: Path) -> dic
 
 
 def bench_accuracy(args: argparse.Namespace, train: list[Any], evals: list[Any], out: Path) -> dict[str, Any]:
-    from drafters import resolve
-    from drafters.backends import merge_completions
-    from drafters.lm import LMActionDrafter, LMObservationDrafter
+    from aospec.drafters import resolve
+    from aospec.drafters.backends import merge_completions
+    from aospec.drafters.lm import LMActionDrafter, LMObservationDrafter
 
     def options(model: str) -> dict[str, Any]:
         if model in ("tiny", "small"):  # trained here; a trained directory brings its own budgets
@@ -233,10 +232,10 @@ def bench_actions(args: argparse.Namespace, traces: list[Any], out: Path) -> dic
     ``--history-options``) and, with ``--action-model``, the LM action drafter; folds by
     ``--split`` (``loto``: leave one task out; ``holdout``: the 20% task split). Traces from
     ``--extra-train`` join every fold's training set (e.g. another harness's traces)."""
-    from drafters import resolve
-    from drafters.lm import LMActionDrafter
-    from replay import load_traces
-    from training.dataset import split_by_task
+    from aospec.drafters import resolve
+    from aospec.drafters.lm import LMActionDrafter
+    from aospec.replay import load_traces
+    from aospec.training.dataset import split_by_task
 
     extra = load_traces(args.extra_train) if args.extra_train else []
     if args.split == "loto":
@@ -262,8 +261,8 @@ def bench_actions(args: argparse.Namespace, traces: list[Any], out: Path) -> dic
 
 
 def bench_replay(args: argparse.Namespace, train: list[Any], evals: list[Any], out: Path) -> dict[str, Any]:
-    from replay.policies import parse_policies
-    from replay.sweep import run_sweep
+    from aospec.replay.policies import parse_policies
+    from aospec.replay.sweep import run_sweep
 
     # A small branch budget makes the ranking matter: with few candidates per action, every
     # rule launches the same ones.
@@ -344,8 +343,8 @@ def main() -> int:
                    help="LM action drafter model (an `aospec train --kind action` dir; default: --model if a shape)")
     args = p.parse_args()
 
-    from replay import bundled_traces_path, load_traces
-    from training.dataset import split_by_task
+    from aospec.replay import bundled_traces_path, load_traces
+    from aospec.training.dataset import split_by_task
 
     traces = load_traces([args.traces or bundled_traces_path()])
     train, evals, held = split_by_task(

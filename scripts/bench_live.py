@@ -65,10 +65,10 @@ import anyio
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from aospec.runtime import Bind, SandboxConfig, default_state_root, open_sandbox
 from bench_live.tasks import MEASURED, QUICK, TRAINING, Trajectory
 
 from aospec.types import Action, Step, Trace
-from runtime import Bind, SandboxConfig, default_state_root, open_sandbox
 
 TPOTS_MS = (20.0, 10.0, 1.0)
 BASE = "debootstrap:bookworm+gcc,libc6-dev,make,python3,python3-pip,python3-venv"
@@ -203,13 +203,13 @@ async def run_agent(
     router: Any = None,
 ) -> Run:
     """One run of ``traj`` in a fresh sandbox: the project copied to /work, then the agent;
-    with ``specbox`` (live.specbox_layer.SpecBoxOptions) under that layer (its Markov
+    with ``specbox`` (aospec.live.specbox_layer.SpecBoxOptions) under that layer (its Markov
     drafter fitted on ``train``; ``router``: the one built for ``specbox.router`` once, by
     the caller, else it is built here)."""
-    from live.actors import OpenAIChatActor
-    from live.agent import Agent
-    from live.record import step_of
-    from live.specbox_layer import SpecBoxOptions, open_specbox
+    from aospec.live.actors import OpenAIChatActor
+    from aospec.live.agent import Agent
+    from aospec.live.record import step_of
+    from aospec.live.specbox_layer import SpecBoxOptions, open_specbox
 
     env = {**ENV, "PYTHONDONTWRITEBYTECODE": "" if bytecode else "1"}
     cfg = SandboxConfig(
@@ -287,8 +287,8 @@ def replay_prediction(
     state model used."""
     import inspect
 
-    from replay.policies import DrafterSet, parse_policies
-    from replay.sweep import replay_trace
+    from aospec.replay.policies import DrafterSet, parse_policies
+    from aospec.replay.sweep import replay_trace
 
     kw: dict[str, Any] = {"check_ceilings": False}
     model = "default"
@@ -425,7 +425,7 @@ class TpotFigures:
 
 async def record_training(staged: dict[str, Path], base: str, trajs: Sequence[Trajectory]) -> list[Trace]:
     """The training tasks' runs, recorded (serial, no decode time): the drafters' data."""
-    from live.serve_trace import serve_trace
+    from aospec.live.serve_trace import serve_trace
 
     out = []
     async with serve_trace([script_trace(t) for t in trajs], 0.0) as server:
@@ -451,7 +451,7 @@ async def measure_tpot(
     train: Sequence[Trace] = (),
     router: Any = None,
 ) -> TpotFigures:
-    from live.serve_trace import serve_trace
+    from aospec.live.serve_trace import serve_trace
 
     fig = TpotFigures(tpot_ms, policy=policy)
     async with serve_trace([script_trace(t) for t in trajs], tpot_ms) as server:
@@ -528,9 +528,9 @@ def leaks(store_ids: Sequence[str]) -> dict[str, int]:
     """What the sessions of ``store_ids`` left on this host: mounts and state directories
     under this benchmark's private state root, sandbox processes (orphans included) and
     cgroups of those stores. Scoped, since other aospec users of the host may be running."""
-    from runtime._fs import mounts_under
-    from runtime.host import host_support
-    from runtime.processes import marked_processes
+    from aospec.runtime._fs import mounts_under
+    from aospec.runtime.host import host_support
+    from aospec.runtime.processes import marked_processes
 
     _, cgroups = host_support()
     root = default_state_root()
@@ -549,7 +549,7 @@ async def concurrent_sessions(
 ) -> dict[str, Any]:
     """``n`` speculative sessions at once (cycling through ``trajs``), each compared with a
     serial reference run of its trajectory; then the leak check."""
-    from live.serve_trace import serve_trace
+    from aospec.live.serve_trace import serve_trace
 
     async with serve_trace([script_trace(t) for t in trajs], tpot_ms) as server:
         refs = {}
@@ -743,8 +743,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     trajs = [t for t in MEASURED if t.task in names]
     if not trajs:
         ap.error(f"no task among {names}; have {', '.join(t.task for t in MEASURED)}")
-    from live.agent import default_drafters
-    from runtime.bases import build_base, open_base
+    from aospec.live.agent import default_drafters
+    from aospec.runtime.bases import build_base, open_base
 
     if args.base.startswith("debootstrap"):
         log(f"base {args.base} (built on first use, about 2 minutes) ...")
@@ -756,7 +756,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         staged = stage([*trajs, *TRAINING], Path(tmp))
         log("recording the training tasks (drafters are fitted on these only) ...")
         train = anyio.run(record_training, staged, args.base, TRAINING)
-        from replay import bundled_traces_path, load_traces
+        from aospec.replay import bundled_traces_path, load_traces
 
         paths = [p for p in (args.train_traces or [str(bundled_traces_path())]) if p != "none"]
         extra_train = load_traces(paths) if paths else []
@@ -765,7 +765,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         drafters = default_drafters(train, policy=args.policy)
         specbox = router = None
         if args.specbox:
-            from live.specbox_layer import SpecBoxOptions, build_router
+            from aospec.live.specbox_layer import SpecBoxOptions, build_router
 
             specbox = SpecBoxOptions(
                 cache=args.specbox_cache,
@@ -855,7 +855,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             if args.json:
                 print(json.dumps(extra["bytecode"]), flush=True)
         if args.out:
-            from replay import write_jsonl
+            from aospec.replay import write_jsonl
 
             out = Path(args.out)
             out.mkdir(parents=True, exist_ok=True)

@@ -56,13 +56,13 @@ from pathlib import Path
 from typing import Any
 
 import openai
+from aospec.integrations.proxy import default_drafters, proxy_app
+from aospec.live.serve_trace import serve_trace_app, serving
+from aospec.replay import bundled_traces_path, load_traces
+from aospec.replay.io import write_jsonl
 
 from aospec.protocols import ObservationDraft
 from aospec.types import Action, History, Trace
-from integrations.proxy import default_drafters, proxy_app
-from live.serve_trace import serve_trace_app, serving
-from replay import bundled_traces_path, load_traces
-from replay.io import write_jsonl
 
 AOSPEC = str(Path(sys.executable).parent / "aospec")
 
@@ -159,10 +159,9 @@ def mcp_server() -> Iterator[str]:
 
 
 async def action_harness(base_url: str, mcp_url: str, trace: Trace) -> tuple[float, list[Any], list[Any]]:
+    from aospec.live.chat import ChatFormat
     from mcp import ClientSession
     from mcp.client.streamable_http import streamable_http_client
-
-    from live.chat import ChatFormat
 
     client = openai.AsyncOpenAI(base_url=base_url, api_key="sk-bench", max_retries=0)
     messages: list[dict[str, Any]] = [{"role": "user", "content": trace.instruction or trace.task}]

@@ -15,15 +15,15 @@ import time
 from pathlib import Path
 
 import anyio
+from aospec.replay import bundled_traces_path, load_traces
+from aospec.replay.policies import DEFAULT_POLICIES, DrafterSet, parse_policies
+from aospec.replay.sweep import DEFAULT_TPOTS_MS, replay_trace, run_sweep
 
 from aospec.engine import Engine
 from aospec.engine_config import EngineConfig
 from aospec.protocols import ActionDraft, ObservationDraft
 from aospec.testing import InMemorySandbox, ScriptedActionDrafter, ScriptedActor, ScriptedObservationDrafter
 from aospec.types import Action, History
-from replay import bundled_traces_path, load_traces
-from replay.policies import DEFAULT_POLICIES, DrafterSet, parse_policies
-from replay.sweep import DEFAULT_TPOTS_MS, replay_trace, run_sweep
 
 DEFAULT_DIR = Path("/work/shared/traces/tb1-mini-swe-agent-claude-sonnet-4")
 

@@ -58,7 +58,7 @@ def _per_token(router: Any, steps: list[Any], limit: int) -> dict[str, float]:
 def _rescore_from_scratch(tf: Any, steps: list[Any], limit: int) -> dict[str, float]:
     """One full re-vectorisation and scoring of each step's whole stream (what scoring every
     token without the incremental vector would cost per token)."""
-    from specbox.routers import delta_text
+    from aospec.specbox.routers import delta_text
 
     clock = time.perf_counter_ns
     times = []
@@ -81,10 +81,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     args = parser.parse_args(argv)
 
-    from replay import bundled_traces_path, load_traces
-    from specbox.markov import MarkovPrefetcher
-    from specbox.routers import Assembly, KeywordRouter, ParseRouter, TfidfRouter, stream_steps
-    from training.dataset import split_by_task
+    from aospec.replay import bundled_traces_path, load_traces
+    from aospec.specbox.markov import MarkovPrefetcher
+    from aospec.specbox.routers import Assembly, KeywordRouter, ParseRouter, TfidfRouter, stream_steps
+    from aospec.training.dataset import split_by_task
 
     paths = list(args.traces) + ([bundled_traces_path()] if args.bundled else [])
     if not paths:

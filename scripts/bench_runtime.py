@@ -28,12 +28,12 @@ from pathlib import Path
 from typing import Any
 
 import anyio
+from aospec.runtime import SandboxConfig, default_state_root, hash_file, open_sandbox
+from aospec.runtime._fs import mounts_under
+from aospec.runtime.host import host_support
+from aospec.runtime.processes import marked_processes
 
 from aospec.progress import progress
-from runtime import SandboxConfig, default_state_root, hash_file, open_sandbox
-from runtime._fs import mounts_under
-from runtime.host import host_support
-from runtime.processes import marked_processes
 
 
 def pct(xs: list[float], q: float) -> float:
@@ -216,7 +216,7 @@ async def cycles(backend: str, n: int, bar: Any) -> dict[str, Any]:
     before = leak_snapshot()
     containers_before = None
     if backend == "docker":
-        from runtime.daemon import docker_client
+        from aospec.runtime.daemon import docker_client
 
         client = docker_client()
         containers_before = len(client.containers.list(all=True))
@@ -248,7 +248,7 @@ async def cycles(backend: str, n: int, bar: Any) -> dict[str, Any]:
 
 def docker_available() -> bool:
     try:
-        from runtime.daemon import docker_client
+        from aospec.runtime.daemon import docker_client
 
         docker_client().close()
         return True

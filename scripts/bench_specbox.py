@@ -9,11 +9,11 @@ the decode. Then the call acquires an environment of its tool type, makes one re
 and releases it. Tool types: the --types most frequent call labels, the rest "other".
 
 Every tool type is a real process. ``--env mcp`` (the default): a real MCP server
-(``specbox._mcp_tool_server``, started by the official SDK's stdio client, initialized
+(``aospec.specbox._mcp_tool_server``, started by the official SDK's stdio client, initialized
 and listed) that imports --imports at start (default numpy and scipy.stats); a call is
 ``lookup``, and one call in --large-every ``produce(--large-bytes)``, whose output
-travels out of band (specbox.transport) and is read through once by the caller.
-``--env demo``: the earlier stand-in (``specbox._demo_tool``: a --cold-s sleep plus
+travels out of band (aospec.specbox.transport) and is read through once by the caller.
+``--env demo``: the earlier stand-in (``aospec.specbox._demo_tool``: a --cold-s sleep plus
 --ballast-mb of resident memory, one JSON object per line).
 
 Policies: ``reserved`` (--reserved per type kept warm), ``on-demand``, ``speculative``
@@ -58,16 +58,16 @@ import anyio
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from replay import bundled_traces_path, load_traces
-from specbox.markov import MarkovPrefetcher
-from specbox.pool import EnvironmentPool, EnvSpec, demo_tool_spec
-from specbox.routers import (
+from aospec.replay import bundled_traces_path, load_traces
+from aospec.specbox.markov import MarkovPrefetcher
+from aospec.specbox.pool import EnvironmentPool, EnvSpec, demo_tool_spec
+from aospec.specbox.routers import (
     NON_CALLS,
     ParseRouter,
     step_stream,
     tool_label,
 )
-from training.dataset import split_by_task
+from aospec.training.dataset import split_by_task
 
 TAU = Path("/work/shared/traces/tau-bench-gpt-4o-airline")
 
@@ -134,7 +134,7 @@ def make_specs(policy: str, names: list[str], args: argparse.Namespace) -> list[
     if args.env == "demo":
         ballast = 16 if args.ballast_mb is None else args.ballast_mb
         return [demo_tool_spec(n, startup_s=args.cold_s, ballast_mb=ballast, policy=base, **kw) for n in names]  # type: ignore[arg-type]
-    from specbox.mcp_env import mcp_tool_server_spec
+    from aospec.specbox.mcp_env import mcp_tool_server_spec
 
     imports = [m for m in args.imports.split(",") if m]
     return [

@@ -7,11 +7,11 @@ local worker processes. Each (mode, N) runs in a fresh interpreter, whose peak R
 (``ru_maxrss`` of the driver alone: worker processes are not counted) is reported with the
 RSS once the traces are built, so the growth is the sweep's own:
 
-- ``stream``: :func:`replay.sweep.iter_sweep` into :class:`replay.report.ResultsFile`
+- ``stream``: :func:`aospec.replay.sweep.iter_sweep` into :class:`aospec.replay.report.ResultsFile`
   (appended and flushed per trace, sorted at the end from the file), then
-  :func:`replay.metrics.summarize` over :func:`replay.report.read_results`, as
+  :func:`aospec.replay.metrics.summarize` over :func:`aospec.replay.report.read_results`, as
   ``aospec sweep`` does (plots aside).
-- ``memory``: :func:`replay.sweep.run_sweep` (every result in a list), summarize, write
+- ``memory``: :func:`aospec.replay.sweep.run_sweep` (every result in a list), summarize, write
   results.jsonl: the pre-streaming path.
 
 The copies share their steps with the ten originals, so the figures isolate what the
@@ -19,7 +19,7 @@ sweep keeps per trace; ``--distinct`` loads every copy afresh from the files ins
 loaded traces themselves cost when every evaluation trace is loaded in the driver.
 ``--files`` writes the N copies as N files and sweeps them, the traces loaded in the driver
 (mode ``traces``: the CLI before evaluation traces travelled as references) or kept as
-:class:`replay.sweep.TraceRef` (mode ``refs``: what ``aospec sweep`` does; the workers read
+:class:`aospec.replay.sweep.TraceRef` (mode ``refs``: what ``aospec sweep`` does; the workers read
 each trace when they replay it).
 
     python scripts/bench_sweep_memory.py --traces 500,1000,2000 --jobs 2
@@ -60,12 +60,12 @@ def _peak_mb() -> float:
 def child(
     mode: str, n: int, policies_text: str, tpots: list[float], jobs: int, distinct: bool, files: str = ""
 ) -> dict[str, object]:
-    from replay import bundled_traces_path, load_traces
-    from replay.executors import local_executor
-    from replay.metrics import summarize
-    from replay.policies import parse_policies
-    from replay.report import ResultsFile, read_results
-    from replay.sweep import iter_sweep, run_sweep
+    from aospec.replay import bundled_traces_path, load_traces
+    from aospec.replay.executors import local_executor
+    from aospec.replay.metrics import summarize
+    from aospec.replay.policies import parse_policies
+    from aospec.replay.report import ResultsFile, read_results
+    from aospec.replay.sweep import iter_sweep, run_sweep
 
     sample = load_traces([bundled_traces_path()])
     policies = parse_policies(policies_text)
@@ -73,8 +73,8 @@ def child(
     traces: list = []
     if files:  # N distinct trace files on disk, as `aospec sweep DIR` reads them
         if mode == "refs":  # what `aospec sweep` keeps: one TraceRef per trace, steps read by the workers
-            from replay.io import import_traces
-            from replay.sweep import TraceRef
+            from aospec.replay.io import import_traces
+            from aospec.replay.sweep import TraceRef
 
             traces = list(import_traces([files], keep=TraceRef.of).traces)
         else:  # every trace loaded in the driver (the CLI before TraceRef)
@@ -128,8 +128,8 @@ def per_record(n: int) -> dict[str, object]:
     path keeps of them (the summary's accumulators and the results file's offsets)."""
     import random
 
-    from replay.metrics import _Group
-    from replay.sweep import TraceResult
+    from aospec.replay.metrics import _Group
+    from aospec.replay.sweep import TraceResult
 
     rng = random.Random(0)
 
@@ -165,8 +165,8 @@ def per_record(n: int) -> dict[str, object]:
 
 def _write_files(out: Path, n: int) -> None:
     """N copies of the bundled sample's traces, one file each, with distinct ids."""
-    from replay import bundled_traces_path, load_traces
-    from replay.io import write_jsonl
+    from aospec.replay import bundled_traces_path, load_traces
+    from aospec.replay.io import write_jsonl
 
     sample = load_traces([bundled_traces_path()])
     for k in range(n):

@@ -10,7 +10,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from replay import bundled_traces_path, load_traces, read_jsonl, trace_stats, write_jsonl
+from aospec.replay import bundled_traces_path, load_traces, read_jsonl, trace_stats, write_jsonl
 
 SHARED_TB1 = Path(__file__).resolve().parents[1].parent / "shared" / "traces" / "tb1-mini-swe-agent-claude-sonnet-4"
 

@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Out-of-band handover vs JSON-RPC: how long a consumer waits for a producer's artifact.
 
-A producer process (``python -m specbox.transport``) publishes an artifact of each size
+A producer process (``python -m aospec.specbox.transport``) publishes an artifact of each size
 (1, 10, 100, 1000 MB; ``--quick`` stops at 100 MB). For each, the consumer (this process)
 measures, from the request to holding a usable buffer:
 
@@ -57,22 +57,21 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-
-from specbox.transport import ArtifactClient, ArtifactRef, JsonRpcClient
+from aospec.specbox.transport import ArtifactClient, ArtifactRef, JsonRpcClient
 
 MB = 1_000_000
 PAGE = 4096
 
 
 def expected_byte(i: int, seed: int = 0) -> int:
-    """Byte ``i`` of specbox.transport.fill_pattern (for spot checks)."""
+    """Byte ``i`` of aospec.specbox.transport.fill_pattern (for spot checks)."""
     return (i % (251 * 4096) * 7 + seed) % 251
 
 
 class Producer:
     def __init__(self, backing: str) -> None:
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "specbox.transport", "--backing", backing],
+            [sys.executable, "-m", "aospec.specbox.transport", "--backing", backing],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             text=True,
@@ -192,9 +191,8 @@ async def _mcp_server(extra: list[str], transport: str) -> Any:
 
 
 async def _mcp_bench(sizes_mb: list[int], reps: int, transport: str, inband_reps_large: int) -> list[dict[str, Any]]:
+    from aospec.specbox.mcp_env import artifact_ref_of
     from mcp.shared.exceptions import MCPError as McpError
-
-    from specbox.mcp_env import artifact_ref_of
 
     stack_in, inband = await _mcp_server(["--artifacts", "--artifact-threshold", str(1 << 31)], transport)
     stack_oob, oob = await _mcp_server(["--artifacts"], transport)

@@ -21,11 +21,10 @@ import time
 from pathlib import Path
 
 import anyio
-
-from runtime import SandboxConfig, open_sandbox
-from runtime._fs import remove_tree
-from runtime._integrity import layer_digest
-from runtime.overlay import verify_state_dir
+from aospec.runtime import SandboxConfig, open_sandbox
+from aospec.runtime._fs import remove_tree
+from aospec.runtime._integrity import layer_digest
+from aospec.runtime.overlay import verify_state_dir
 
 
 async def _make_state(state: Path, mb: int, files: int) -> None:

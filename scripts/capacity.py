@@ -165,13 +165,13 @@ class _CountedActions:
 def replay_ledgers(traces: Sequence[Any], policies: Sequence[Any], tpot_ms: float) -> list[SessionLedger]:
     """Every trace under every policy at ``tpot_ms``, in virtual time, with the counters."""
     import anyio
+    from aospec.replay.actor import ReplayActor, VirtualClock, ms_to_ns
+    from aospec.replay.policies import DrafterFailures
+    from aospec.replay.sandbox import ReplayWorld
+    from aospec.replay.sweep import SweepJob
     from trio.testing import MockClock
 
     from aospec.engine import Engine
-    from replay.actor import ReplayActor, VirtualClock, ms_to_ns
-    from replay.policies import DrafterFailures
-    from replay.sandbox import ReplayWorld
-    from replay.sweep import SweepJob
 
     job = SweepJob(list(traces), None, list(policies), [tpot_ms], {})
     out: list[SessionLedger] = []
@@ -340,9 +340,9 @@ def measure_fork(n: int = 64, rounds: int = 3) -> dict[str, float]:
     import time
 
     import anyio
+    from aospec.runtime import open_sandbox
 
     from aospec.types import Action
-    from runtime import open_sandbox
 
     def mounts() -> int:
         return Path("/proc/self/mountinfo").read_text().count("\n")
@@ -377,7 +377,7 @@ def measure_fork(n: int = 64, rounds: int = 3) -> dict[str, float]:
 
 
 def _load_traces(args: argparse.Namespace) -> list[Any]:
-    from replay import load_traces
+    from aospec.replay import load_traces
 
     if args.eval:
         traces: list[Any] = []
@@ -420,7 +420,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--json", action="store_true", help="print JSON instead of tables")
     args = p.parse_args(argv)
 
-    from replay.policies import parse_policies
+    from aospec.replay.policies import parse_policies
 
     sessions = [int(x) for x in str(args.sessions).split(",") if x]
     traces = _load_traces(args)

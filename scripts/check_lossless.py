@@ -23,7 +23,7 @@ replayed, then actions and speculation knobs dropped while it still fails the sa
 
 ``--specbox``: the speculative run of each case goes through the SpecBox layer a live run
 uses (``aospec run --cache reads --pool-depth 2 --router parse``, built by
-``live.specbox_layer.open_specbox``): the engine gets
+``aospec.live.specbox_layer.open_specbox``): the engine gets
 ``CachedSandbox(PooledSandbox(sandbox, depth=2), deterministic=deterministic_reads())``, a
 ``ParseRouter`` reads the actor's streamed replies, and a routed action drafter proposes
 right and wrong commands of the routed program. Cases are ``make_case(seed, config,
@@ -51,10 +51,8 @@ from pathlib import Path
 from typing import Any
 
 import anyio
-
-from aospec.protocols import Sandbox
-from runtime import _fs
-from runtime.lossless import (
+from aospec.runtime import _fs
+from aospec.runtime.lossless import (
     SANDBOX_CONFIGS,
     LayerFactory,
     LosslessCase,
@@ -63,6 +61,8 @@ from runtime.lossless import (
     make_case,
     minimise,
 )
+
+from aospec.protocols import Sandbox
 
 KINDS = ("divergence", "aborted", "leak")  # failures; "inconclusive" runs are counted apart
 
@@ -84,8 +84,8 @@ COUNTS = (
 
 def specbox_layer() -> LayerFactory:
     """The SpecBox layer of ``aospec run --cache reads --pool-depth 2 --router parse``,
-    as ``live.specbox_layer.open_specbox`` stacks it, for ``check_case(..., layer=...)``."""
-    from live.specbox_layer import SpecBoxOptions, open_specbox
+    as ``aospec.live.specbox_layer.open_specbox`` stacks it, for ``check_case(..., layer=...)``."""
+    from aospec.live.specbox_layer import SpecBoxOptions, open_specbox
 
     options = SpecBoxOptions(cache="reads", pool_depth=2, router="parse")
 

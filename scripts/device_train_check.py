@@ -162,16 +162,15 @@ def latency_stage(
     paths: list[str] | None = None,
 ) -> dict:
     import torch
-
-    from drafters.backends.transformers import TransformersBackend
-    from drafters.model import build_model, resolve_dtype
-    from drafters.tokenizer import train_tokenizer
+    from aospec.drafters.backends.transformers import TransformersBackend
+    from aospec.drafters.model import build_model, resolve_dtype
+    from aospec.drafters.tokenizer import train_tokenizer
 
     device = args.device
     tokenizer = train_tokenizer(texts, vocab_size=4096 if not args.smoke else 512)
     dtype = resolve_dtype("auto", device)
     model = build_model(shape, tokenizer, seed=0, device=device, dtype=dtype)
-    from drafters.model import LoadedModel
+    from aospec.drafters.model import LoadedModel
 
     backend = TransformersBackend(loaded=LoadedModel(model, tokenizer, shape, {}), max_context=4096, decode="dynamic")
     params = sum(p.numel() for p in model.parameters())
@@ -196,7 +195,7 @@ def latency_stage(
 
 
 def train_stage(args: argparse.Namespace, traces: list[Any], work: Path, deadline: float) -> dict:
-    from training.trainer import TrainConfig, train
+    from aospec.training.trainer import TrainConfig, train
 
     left = deadline - elapsed()
     time_limit = max(10.0, min(args.train_seconds, left - args.eval_reserve_s))
@@ -231,8 +230,8 @@ def train_stage(args: argparse.Namespace, traces: list[Any], work: Path, deadlin
 
 
 def trained_latency_stage(args: argparse.Namespace, work: Path, traces: list[Any], deadline: float) -> dict:
-    from drafters.backends.transformers import TransformersBackend
-    from drafters.prompts import PromptBudget, observation_messages
+    from aospec.drafters.backends.transformers import TransformersBackend
+    from aospec.drafters.prompts import PromptBudget, observation_messages
 
     backend = TransformersBackend(str(work / "train"), device=args.device, decode="dynamic", max_context=4096)
     trace = max(traces, key=len)
@@ -251,7 +250,7 @@ def vllm_stage(args: argparse.Namespace, work: Path) -> dict:
         import vllm  # noqa: F401
     except Exception as exc:
         return {"available": False, "reason": f"{type(exc).__name__}: {exc}"[:200]}
-    from drafters.backends.vllm import VLLMBackend
+    from aospec.drafters.backends.vllm import VLLMBackend
 
     backend = VLLMBackend(str(work / "train"), gpu_memory_utilization=0.2, max_model_len=2048)
     prompt = backend.render([{"role": "system", "content": "env"}, {"role": "user", "content": "ls -la"}])
@@ -265,7 +264,7 @@ def vllm_stage(args: argparse.Namespace, work: Path) -> dict:
                         "ms_per_step_upper_bound": round(dt * 1e3 / max(1, max(c.tokens for c in comps)), 3)}
     # Same weights, same greedy decode: the two backends should agree token for token (up
     # to numerics late in the sequence: vLLM may run another dtype/kernels).
-    from drafters.backends.transformers import TransformersBackend
+    from aospec.drafters.backends.transformers import TransformersBackend
 
     ref = TransformersBackend(str(work / "train"), device=args.device, decode="dynamic", max_context=2048)
     mine = backend.complete_sync(prompt, n=1, max_new_tokens=32, mode="greedy")[0].token_ids
@@ -332,7 +331,7 @@ def main() -> int:
     SUMMARY["smoke"] = args.smoke
 
     def load() -> list[Any]:
-        from replay import bundled_traces_path, load_traces
+        from aospec.replay import bundled_traces_path, load_traces
 
         candidates = [args.traces] if args.traces else [
             str(ROOT.parent / "shared" / "traces" / "tb1-mini-swe-agent-claude-sonnet-4"),

@@ -7,7 +7,7 @@ bytes), then prints ``{"ready": true, "pid": N}``. Each request line ``{"id": ..
 ..., "args": {...}}`` is answered with ``{"id": ..., "result": ...}`` after ``--call-s``
 seconds. End of input ends it.
 
-Run: ``python -m specbox._demo_tool --startup-s 0.3 --ballast-mb 20``.
+Run: ``python -m aospec.specbox._demo_tool --startup-s 0.3 --ballast-mb 20``.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import time
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="specbox._demo_tool")
+    p = argparse.ArgumentParser(prog="aospec.specbox._demo_tool")
     p.add_argument("--startup-s", type=float, default=0.2, help="simulated import time")
     p.add_argument("--ballast-mb", type=int, default=0, help="resident memory to hold")
     p.add_argument("--call-s", type=float, default=0.0, help="time per call")

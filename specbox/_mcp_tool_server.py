@@ -1,17 +1,17 @@
 """A real MCP tool server (stdio, the official SDK's low-level server) with a real cold start.
 
-``python -m specbox._mcp_tool_server [--import MOD ...] [--ballast-mb N] [--threshold B]``:
+``python -m aospec.specbox._mcp_tool_server [--import MOD ...] [--ballast-mb N] [--threshold B]``:
 before it answers ``initialize`` it imports each ``--import`` module (e.g. ``numpy``,
 ``scipy.stats``, ``sklearn.linear_model``: what a tool server that computes something
 pays at every start), touches ``--ballast-mb`` of resident memory, and starts an
-:class:`specbox.transport.ArtifactServer` for its large outputs. Tools:
+:class:`aospec.specbox.transport.ArtifactServer` for its large outputs. Tools:
 
 - ``echo(text)``: the text back.
 - ``lookup(key)``: ``{"key": KEY, "value": sha256(KEY)}`` as JSON text.
 - ``produce(size, seed=0)``: ``size`` bytes of printable text (byte i is
   ``32 + (7 i + seed) % 95``). Below the threshold it is the result's text; from the
   threshold up it is published out of band and the result carries its
-  :class:`~specbox.transport.ArtifactRef` (:mod:`specbox.mcp_env` documents the form).
+  :class:`~aospec.specbox.transport.ArtifactRef` (:mod:`aospec.specbox.mcp_env` documents the form).
 - ``artifact_stats()``: the artifact server's counts as JSON (``live`` is 0 once every
   consumer has closed what it took).
 
@@ -27,8 +27,8 @@ import importlib
 import json
 from typing import Any
 
-from specbox.mcp_env import artifact_result
-from specbox.transport import INLINE_THRESHOLD, ArtifactServer, sweep_forever
+from aospec.specbox.mcp_env import artifact_result
+from aospec.specbox.transport import INLINE_THRESHOLD, ArtifactServer, sweep_forever
 
 __all__ = ["build", "fill_text", "main"]
 
@@ -65,7 +65,7 @@ def build(artifacts: ArtifactServer, name: str = "aospec-tool") -> Any:
         ),
         types.Tool(
             name="produce",
-            description="SIZE bytes of text; large outputs travel out of band (specbox.transport)",
+            description="SIZE bytes of text; large outputs travel out of band (aospec.specbox.transport)",
             annotations=read_only,
             input_schema={
                 **obj,
@@ -107,7 +107,7 @@ def build(artifacts: ArtifactServer, name: str = "aospec-tool") -> Any:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m specbox._mcp_tool_server", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m aospec.specbox._mcp_tool_server", description=__doc__.splitlines()[0])
     p.add_argument("--import", dest="imports", action="append", default=[], help="a module to import at start")
     p.add_argument("--ballast-mb", type=int, default=0, help="resident memory to hold")
     p.add_argument("--threshold", type=int, default=INLINE_THRESHOLD, help="inline results below this size")

@@ -79,7 +79,7 @@ def plain_simple_commands(action: Action) -> list[Any] | None:
     """The simple commands of a ``bash`` action (``aospec.shell.simple_commands``), or None
     when it is not a plain command line: another tool, extra arguments, a command
     substitution, or text the lexer cannot follow. Predicates of deterministic commands
-    start here (:func:`shell_commands`, ``live.specbox_layer.deterministic_reads``)."""
+    start here (:func:`shell_commands`, ``aospec.live.specbox_layer.deterministic_reads``)."""
     cmd = action.command
     if cmd is None or set(action.args) != {"command"}:
         return None

@@ -10,7 +10,7 @@ One record per router (``keyword``, ``tfidf``, ``parse``) and assembly (``union`
 parse, the learned guesses gated by the Markov next-tool prior at ``--min-prior``;
 ``union+parse(no-prior)``: the same without the gate), with ``micro_f1``,
 ``precision``, ``recall``, ``top3_hit``, ``coverage``, ``fire_position_mean``/``_p50`` and
-``us_per_token`` (specbox.routers.RouterScore), then one ``markov`` record (next-tool top-1
+``us_per_token`` (aospec.specbox.routers.RouterScore), then one ``markov`` record (next-tool top-1
 and top-3 accuracy, prefetch rate and precision at lambda/tau/B).
 """
 
@@ -80,7 +80,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
 
 
 def _load(paths: list[str], args: argparse.Namespace) -> list[Any]:
-    from replay.io import import_traces
+    from aospec.replay.io import import_traces
 
     mib = args.max_file_mb
     if not (math.isfinite(mib) and mib > 0):
@@ -103,8 +103,8 @@ def _split(args: argparse.Namespace) -> tuple[list[Any], list[Any], dict[str, An
                 file=sys.stderr,
             )
         return train, evals, {"split": "given", "shared_tasks": len(shared)}
-    from replay import bundled_traces_path
-    from training.dataset import split_by_task
+    from aospec.replay import bundled_traces_path
+    from aospec.training.dataset import split_by_task
 
     sources: list[Any] = list(args.paths)
     if args.bundled:
@@ -122,8 +122,8 @@ def _eval(args: argparse.Namespace) -> int:
     if not 0.0 <= args.min_prior <= 1.0:
         raise ConfigError(f"--min-prior must be in [0, 1], got {args.min_prior}")
     train, evals, info = _split(args)
-    from specbox.markov import MarkovPrefetcher, evaluate_markov
-    from specbox.routers import Assembly, KeywordRouter, ParseRouter, TfidfRouter, evaluate_router, stream_steps
+    from aospec.specbox.markov import MarkovPrefetcher, evaluate_markov
+    from aospec.specbox.routers import Assembly, KeywordRouter, ParseRouter, TfidfRouter, evaluate_router, stream_steps
 
     tr_steps = stream_steps(train)
     ev_steps = stream_steps(evals)

@@ -1,6 +1,6 @@
 """Markov prefetch over tool transitions (SpecBox: Laplace alpha=1, lambda=5, tau=0.6, B=1).
 
-:class:`MarkovPrefetcher` counts transitions between tool labels (:func:`specbox.routers.tool_label`:
+:class:`MarkovPrefetcher` counts transitions between tool labels (:func:`aospec.specbox.routers.tool_label`:
 a shell command's program, else the tool name; a trace starts in the state ``<start>``) and
 predicts the next tool with Laplace smoothing::
 
@@ -37,10 +37,11 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from aospec.specbox.routers import NON_CALLS, tool_label
+
 from aospec.errors import ConfigError
 from aospec.protocols import ActionDraft
 from aospec.types import Action, History, Trace
-from specbox.routers import NON_CALLS, tool_label
 
 __all__ = ["START", "MarkovPrefetcher", "MarkovScore", "evaluate_markov", "prefetch_task", "tool_costs_ms"]
 

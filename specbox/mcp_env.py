@@ -5,15 +5,15 @@ starts it with the official SDK's client (``mcp.client.stdio.stdio_client`` and
 ``ClientSession``: spawn, ``initialize``, ``list_tools``, all of it the measured cold
 start), holds the session open in a task of its own and hands out a :class:`McpEnv`, whose
 ``call(tool, args)`` is ``session.call_tool``. :func:`mcp_tool_server_spec` is the same
-for the server shipped here (:mod:`specbox._mcp_tool_server`), whose cold start is
+for the server shipped here (:mod:`aospec.specbox._mcp_tool_server`), whose cold start is
 importing the modules it is told to.
 
 Out-of-band results. A tool whose output is at least the inline threshold publishes it in
-a :class:`specbox.transport.ArtifactServer` of its own process and returns the
-:class:`~specbox.transport.ArtifactRef` JSON instead of the bytes, twice:
+a :class:`aospec.specbox.transport.ArtifactServer` of its own process and returns the
+:class:`~aospec.specbox.transport.ArtifactRef` JSON instead of the bytes, twice:
 ``structuredContent`` is ``{"aospec_artifact": REF}`` and the one text content is
 ``"aospec-artifact:" + json(REF)`` (for clients that read only text). :meth:`McpEnv.call`
-recognises either, *takes* the artifact through an :class:`~specbox.transport.ArtifactClient`
+recognises either, *takes* the artifact through an :class:`~aospec.specbox.transport.ArtifactClient`
 (one per producer, kept for the environment's life) and returns a :class:`ToolResult`
 whose ``view`` is the read-only, zero-copy mapping of the producer's memory. Taking moves
 the token's reference to the consumer: closing the result (or the environment) frees the
@@ -36,10 +36,10 @@ from pathlib import Path
 from typing import Any, TextIO
 
 import anyio
+from aospec.specbox.pool import EnvSpec, Policy, process_children, process_tree_rss_bytes
+from aospec.specbox.transport import Artifact, ArtifactClient, ArtifactRef
 
 from aospec.errors import ConfigError, SandboxError
-from specbox.pool import EnvSpec, Policy, process_children, process_tree_rss_bytes
-from specbox.transport import Artifact, ArtifactClient, ArtifactRef
 
 __all__ = [
     "ARTIFACT_KEY",
@@ -259,15 +259,16 @@ def mcp_tool_server_spec(
     memory_bytes: int | None = None,
     **kw: Any,
 ) -> EnvSpec:
-    """A tool type served by :mod:`specbox._mcp_tool_server` (a real MCP server): its cold
+    """A tool type served by :mod:`aospec.specbox._mcp_tool_server` (a real MCP server): its cold
     start is the interpreter, the SDK, and importing ``imports`` (e.g. ``("numpy",
     "scipy.stats")``), plus ``ballast_mb`` of resident memory."""
-    command = [sys.executable, "-m", "specbox._mcp_tool_server", "--name", name, "--ballast-mb", str(ballast_mb)]
+    command = [sys.executable, "-m", "aospec.specbox._mcp_tool_server", "--name", name, "--ballast-mb", str(ballast_mb)]
     for module in imports:
         command += ["--import", module]
     if threshold is not None:
         command += ["--threshold", str(threshold)]
     est = memory_bytes if memory_bytes is not None else (70 + 60 * len(imports) + ballast_mb) << 20
-    root = str(Path(__file__).resolve().parents[1])  # this checkout's specbox, installed or not
-    pythonpath = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)
-    return mcp_server_spec(name, command, env={"PYTHONPATH": pythonpath}, memory_bytes=est, **kw)
+    # the same interpreter finds aospec as this process does (installed or editable); a
+    # PYTHONPATH of the caller's is passed on, since the SDK starts servers in a clean environment
+    env = {"PYTHONPATH": os.environ["PYTHONPATH"]} if os.environ.get("PYTHONPATH") else None
+    return mcp_server_spec(name, command, env=env, memory_bytes=est, **kw)

@@ -692,7 +692,7 @@ def router_adapter(pool: EnvironmentPool, tool_of: Callable[[str], str | None] |
 def prefetch_adapter(
     pool: EnvironmentPool, tool_of: Callable[[str], str | None] | None = None
 ) -> Callable[[Any], None]:
-    """An ``on_prefetch`` for ``specbox.markov.prefetch_task``: warms each prefetched tool
+    """An ``on_prefetch`` for ``aospec.specbox.markov.prefetch_task``: warms each prefetched tool
     (its ``[(tool, probability), ...]`` or plain tool names)."""
 
     def on_prefetch(tools: Sequence[Any]) -> None:
@@ -819,9 +819,9 @@ def demo_tool_spec(
     memory_bytes: int | None = None,
     **kw: Any,
 ) -> EnvSpec:
-    """A tool type served by :mod:`specbox._demo_tool` (a stand-in for an MCP server whose
+    """A tool type served by :mod:`aospec.specbox._demo_tool` (a stand-in for an MCP server whose
     cold start is importing heavy modules: a sleep plus ``ballast_mb`` of resident memory)."""
-    argv = [sys.executable, "-m", "specbox._demo_tool", "--startup-s", str(startup_s), "--ballast-mb", str(ballast_mb)]
+    argv = [sys.executable, "-m", "aospec.specbox._demo_tool", "--startup-s", str(startup_s), "--ballast-mb", str(ballast_mb)]
     est = memory_bytes if memory_bytes is not None else (ballast_mb + 15) << 20
 
     async def start() -> ProcessEnv:
@@ -854,7 +854,7 @@ def sandbox_spec(
 
     @asynccontextmanager
     async def open_env() -> AsyncIterator[SandboxEnv]:
-        from runtime import open_sandbox
+        from aospec.runtime import open_sandbox
 
         async with open_sandbox(config) as sb:
             fork = await sb.fork()

@@ -791,7 +791,7 @@ class Assembly(Router):
     stream (a later guess could only be a wasted prewarm).
 
     ``prior``: a next-tool model with ``distribution(labels) -> {tool: probability}`` (e.g. a
-    fitted :class:`specbox.markov.MarkovPrefetcher`). When the session has a ``context`` (the
+    fitted :class:`aospec.specbox.markov.MarkovPrefetcher`). When the session has a ``context`` (the
     trajectory's earlier labels: ``router.session(context)``), a learned member's guess of a
     tool is passed on only if ``P(tool | context) >= min_prior``: the stream must point at
     the tool and the tool must be a plausible next one. Exact members are never gated, and a

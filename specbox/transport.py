@@ -34,7 +34,7 @@ For comparison, :class:`JsonRpcServer`/:class:`JsonRpcClient` are a plain JSON-R
 baseline over a Unix socket (``Content-Length`` framing) moving the bytes as base64 in the
 reply, as tool servers usually do. ``scripts/bench_transport.py`` compares the two.
 
-``python -m specbox.transport`` runs a producer driven by lines on stdin (used by the tests
+``python -m aospec.specbox.transport`` runs a producer driven by lines on stdin (used by the tests
 and the benchmark to publish from another process); see :func:`main`.
 """
 
@@ -959,7 +959,7 @@ def fill_pattern(view: memoryview, seed: int = 0) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m specbox.transport [--backing memfd|shm] [--threshold N]``: start an
+    """``python -m aospec.specbox.transport [--backing memfd|shm] [--threshold N]``: start an
     artifact server and a JSON-RPC server, print ``ready ARTIFACT_ADDRESS RPC_ADDRESS PID``,
     then obey one command a line on stdin, answering one line each:
 
@@ -971,7 +971,7 @@ def main(argv: list[str] | None = None) -> int:
     """
     import argparse
 
-    parser = argparse.ArgumentParser(prog="python -m specbox.transport")
+    parser = argparse.ArgumentParser(prog="python -m aospec.specbox.transport")
     parser.add_argument("--backing", choices=["memfd", "shm"], default="memfd")
     parser.add_argument("--threshold", type=int, default=INLINE_THRESHOLD)
     args = parser.parse_args(argv)

@@ -63,9 +63,10 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
 
 
 def _run(args: argparse.Namespace) -> int:
+    from aospec.drafters.model import check_model_spec, fix_modes
+    from aospec.training.trainer import TrainConfig, train
+
     from aospec.config import from_mapping
-    from drafters.model import check_model_spec, fix_modes
-    from training.trainer import TrainConfig, train
 
     config = from_mapping(
         TrainConfig,

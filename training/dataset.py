@@ -1,6 +1,6 @@
 """Training examples from canonical traces, split by task.
 
-The examples themselves are built by :mod:`drafters.examples` (the LM drafters fit on
+The examples themselves are built by :mod:`aospec.drafters.examples` (the LM drafters fit on
 them too) and re-exported here; this module splits traces and examples by task.
 """
 
@@ -11,9 +11,10 @@ import random
 from collections.abc import Callable, Iterable, Sequence
 from typing import TypeVar
 
+from aospec.drafters.examples import Example, ExampleKind, build_examples, expand_weights
+
 from aospec.errors import ConfigError
 from aospec.types import Trace
-from drafters.examples import Example, ExampleKind, build_examples, expand_weights
 
 __all__ = ["Example", "ExampleKind", "build_examples", "expand_weights", "split_by_task", "tasks_of"]
 

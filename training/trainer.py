@@ -26,15 +26,16 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+from aospec.drafters.examples import Example, ExampleKind, build_examples
+from aospec.drafters.finetune import encode_example, end_token, fit_examples
+from aospec.drafters.model import MODEL_META, is_shape, load_model, make_portable, resolve_device, resolve_dtype
+from aospec.drafters.prior import FrequencyPrior
+from aospec.drafters.prompts import ACTION_SEPARATOR, PromptBudget
+from aospec.training.dataset import split_by_task
+
 from aospec._lazy import require
 from aospec.errors import ConfigError
 from aospec.types import Trace
-from drafters.examples import Example, ExampleKind, build_examples
-from drafters.finetune import encode_example, end_token, fit_examples
-from drafters.model import MODEL_META, is_shape, load_model, make_portable, resolve_device, resolve_dtype
-from drafters.prior import FrequencyPrior
-from drafters.prompts import ACTION_SEPARATOR, PromptBudget
-from training.dataset import split_by_task
 
 __all__ = ["TrainConfig", "TrainResult", "encode_example", "evaluate", "fit_examples", "train"]
 
@@ -129,7 +130,7 @@ def _first(target: str, kind: ExampleKind) -> str:
 
 def frequency_prior(train: Sequence[Example], *, kind: ExampleKind = "observation") -> FrequencyPrior:
     """The frequency prior of the training targets (for actions: of the first action), the
-    one the LM drafters interpolate with (:mod:`drafters.prior`)."""
+    one the LM drafters interpolate with (:mod:`aospec.drafters.prior`)."""
     return FrequencyPrior.of(_first(e.target, kind) for e in train)
 
 
@@ -137,7 +138,7 @@ def _first_actions(comps: Sequence[Any], prior: FrequencyPrior) -> list[str]:
     """Distinct first actions of sampled chains ranked like ``LMActionDrafter`` at offset 0:
     by the fraction of samples holding them (ties: the better sequence probability),
     interpolated with ``prior``."""
-    from drafters.prior import interpolate
+    from aospec.drafters.prior import interpolate
 
     seen: dict[str, list[float]] = {}
     for c in comps:
@@ -184,8 +185,9 @@ def _evaluate(
     priors: Sequence[FrequencyPrior],
 ) -> list[tuple[float | None, float | None, int]]:
     """:func:`evaluate` under each of ``priors`` from the same samples."""
+    from aospec.drafters.lm import rank_observations
+
     from aospec.progress import track
-    from drafters.lm import rank_observations
 
     if not examples:
         return [(None, None, 0) for _ in priors]
@@ -250,7 +252,7 @@ def _latest_checkpoint(out: Path) -> Path | None:
 def _load_traces(paths: Sequence[str]) -> list[Trace]:
     if not paths:
         raise ConfigError("no traces given (--traces DIR)")
-    from replay import load_traces
+    from aospec.replay import load_traces
 
     return list(load_traces(list(paths)))
 
@@ -416,7 +418,7 @@ def train(config: TrainConfig, *, traces: Sequence[Trace] | None = None) -> Trai
         else:
             tokenizer.save_pretrained(str(final))
             make_portable(final)
-        from drafters.backends.transformers import TransformersBackend
+        from aospec.drafters.backends.transformers import TransformersBackend
 
         backend = TransformersBackend(str(out), device=device, dtype=str(dtype).removeprefix("torch."),
                                       max_context=config.prompt_tokens + config.target_tokens + 512)

@@ -94,8 +94,9 @@ def make_backend(name: str, options: Mapping[str, Any] | None = None) -> LMBacke
     """Build the backend registered as ``name`` (or a dotted path) with keyword ``options``."""
     import inspect
 
+    from aospec.drafters import resolve
+
     from aospec.errors import ConfigError
-    from drafters import resolve
 
     cls = resolve("LM backend", name)
     options = dict(options or {})

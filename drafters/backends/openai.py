@@ -1,5 +1,5 @@
 """Backend for any OpenAI-compatible ``/v1/completions`` endpoint that returns logprobs
-(vLLM's server, llama.cpp, SGLang, :mod:`drafters.backends.server`, ...).
+(vLLM's server, llama.cpp, SGLang, :mod:`aospec.drafters.backends.server`, ...).
 
 The prompt is rendered locally: with the chat template of ``tokenizer`` (a local
 tokenizer directory) when given, else in ChatML, the layout Qwen models and the
@@ -13,9 +13,10 @@ import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from aospec.drafters.backends import Completion, DecodeMode
+
 from aospec._lazy import require
 from aospec.errors import ConfigError, DrafterError
-from drafters.backends import Completion, DecodeMode
 
 __all__ = ["OpenAIBackend", "render_chatml"]
 

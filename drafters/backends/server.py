@@ -3,7 +3,7 @@
 It answers ``POST /v1/completions`` (prompt, n, max_tokens, temperature, logprobs, stop,
 seed) and ``GET /v1/models`` like vLLM's server does, which makes a trained drafter
 reachable from another process and gives the ``openai`` backend a real endpoint in tests.
-Run it with ``python -m drafters.backends.server --model OUT_DIR --port 8000``.
+Run it with ``python -m aospec.drafters.backends.server --model OUT_DIR --port 8000``.
 """
 
 from __future__ import annotations
@@ -143,9 +143,9 @@ class CompletionServer:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from drafters.backends.transformers import TransformersBackend
+    from aospec.drafters.backends.transformers import TransformersBackend
 
-    p = argparse.ArgumentParser(prog="python -m drafters.backends.server", description=__doc__)
+    p = argparse.ArgumentParser(prog="python -m aospec.drafters.backends.server", description=__doc__)
     p.add_argument("--model", default="tiny", help="shape name, aospec train output dir or local model dir")
     p.add_argument("--adapter", default=None)
     p.add_argument("--name", default="drafter", help="served model name")

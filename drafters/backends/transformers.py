@@ -42,10 +42,11 @@ from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from typing import Any, Literal
 
+from aospec.drafters.backends import BlockingCompletions, Completion, DecodeMode, Offload
+from aospec.drafters.backends._text import TokenizerText, end_token_ids, prompt_seed
+
 from aospec._lazy import require
 from aospec.errors import ConfigError
-from drafters.backends import BlockingCompletions, Completion, DecodeMode, Offload
-from drafters.backends._text import TokenizerText, end_token_ids, prompt_seed
 
 __all__ = ["DECODE_PATHS", "TransformersBackend"]
 
@@ -307,7 +308,7 @@ class TransformersBackend(TokenizerText, BlockingCompletions):
             raise ConfigError(f"transformers backend: offload must be auto, thread or inline, not {offload!r}")
         self._torch = torch = require("torch", "train", purpose="the transformers drafter backend")
         self._transformers = require("transformers", "train", purpose="the transformers drafter backend")
-        from drafters.model import load_model, resolve_device, resolve_dtype
+        from aospec.drafters.model import load_model, resolve_device, resolve_dtype
 
         if loaded is None:
             self.device = resolve_device(device)

@@ -25,10 +25,11 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from aospec.drafters.backends import BlockingCompletions, Completion, DecodeMode, Offload, _text
+from aospec.drafters.backends._text import TokenizerText, prompt_seed
+
 from aospec._lazy import require
 from aospec.errors import ConfigError, DrafterError
-from drafters.backends import BlockingCompletions, Completion, DecodeMode, Offload, _text
-from drafters.backends._text import TokenizerText, prompt_seed
 
 __all__ = [
     "VLLMBackend",
@@ -88,7 +89,7 @@ def resolve_model(model: str, adapter: str | None = None) -> VLLMModel:
     """The model directory, tokenizer directory and adapter of ``model``: an ``aospec
     train`` output (LoRA: its base plus ``adapter/``; full: ``model/``) or a local Hugging
     Face model directory, plus an optional explicit PEFT ``adapter`` directory."""
-    from drafters.model import is_shape, trained_meta
+    from aospec.drafters.model import is_shape, trained_meta
 
     if is_shape(model):
         raise ConfigError(

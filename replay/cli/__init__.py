@@ -1,6 +1,6 @@
 """The ``aospec`` verbs of the replay package, registered as ``aospec.commands`` entry points
-(pyproject.toml): ``sweep`` and ``replay`` (:mod:`replay.cli.sweep`), ``traces``
-(:mod:`replay.cli.traces`).
+(pyproject.toml): ``sweep`` and ``replay`` (:mod:`aospec.replay.cli.sweep`), ``traces``
+(:mod:`aospec.replay.cli.traces`).
 
 Every verb that reads traces takes them the same way (:func:`add_trace_inputs`): PATHs (files
 or directories, any supported format) and/or ``--bundled`` (the tb1 sample shipped with
@@ -15,8 +15,9 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
+from aospec.replay._input import MAX_FILE_BYTES
+
 from aospec.errors import ConfigError, TraceImportError
-from replay._input import MAX_FILE_BYTES
 
 __all__ = ["add_input_limits", "add_trace_inputs", "load_trace_inputs", "trace_sources"]
 
@@ -35,7 +36,7 @@ def add_trace_inputs(parser: argparse.ArgumentParser, *, bundled_help: str, path
 def trace_sources(args: argparse.Namespace, *extra: Sequence[Any], missing: str) -> list[Any]:
     """The PATHs, then ``extra`` lists (e.g. ``--eval``), then the bundled sample when
     ``--bundled``; ConfigError ``missing`` when there are none."""
-    from replay import bundled_traces_path
+    from aospec.replay import bundled_traces_path
 
     sources: list[Any] = list(args.paths)
     for more in extra:
@@ -68,10 +69,10 @@ def load_trace_inputs(
     paths: Sequence[Any], args: argparse.Namespace, *, format: str = "auto", as_refs: bool = False
 ) -> Any:
     """Import ``paths`` under the options of :func:`add_input_limits`; returns a
-    :class:`replay.io.LoadedTraces`. Skipped files are named on stderr (the first few, then a count).
-    With ``as_refs`` each trace is kept as a :class:`replay.sweep.TraceRef` (id, task, step
+    :class:`aospec.replay.io.LoadedTraces`. Skipped files are named on stderr (the first few, then a count).
+    With ``as_refs`` each trace is kept as a :class:`aospec.replay.sweep.TraceRef` (id, task, step
     count, file): the caller holds no steps, and whoever replays a trace reads it then."""
-    from replay.io import import_traces
+    from aospec.replay.io import import_traces
 
     mib = args.max_file_mb
     if not (math.isfinite(mib) and mib > 0):
@@ -79,7 +80,7 @@ def load_trace_inputs(
     max_bytes = max(1, int(mib * 2**20))
     keep = None
     if as_refs:
-        from replay.sweep import TraceRef
+        from aospec.replay.sweep import TraceRef
 
         def keep(trace: Any, file: Any) -> Any:
             return TraceRef.of(trace, file, max_file_bytes=max_bytes)

@@ -10,19 +10,20 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from aospec.replay.cli import add_input_limits, add_trace_inputs, load_trace_inputs, trace_sources
+
 from aospec.cli import add_format_option, print_records, print_table
-from replay.cli import add_input_limits, add_trace_inputs, load_trace_inputs, trace_sources
 
 __all__ = ["register_replay", "register_sweep", "slow_policy_note"]
 
 
 class _DefaultPolicies:
-    """``--policies``' default, ``replay.policies.DEFAULT_POLICIES`` joined by commas: a
+    """``--policies``' default, ``aospec.replay.policies.DEFAULT_POLICIES`` joined by commas: a
     string only when help shows it or a handler reads it, so that registering the verb does
     not import the engine (help stays fast)."""
 
     def __str__(self) -> str:
-        from replay.policies import DEFAULT_POLICIES
+        from aospec.replay.policies import DEFAULT_POLICIES
 
         return ",".join(DEFAULT_POLICIES)
 
@@ -116,8 +117,9 @@ def _register(sub: argparse._SubParsersAction, name: str, helptext: str) -> None
 
 
 def _drafter_options(text: str | None) -> dict[str, Any]:
+    from aospec.replay._input import parse_json, read_text
+
     from aospec.errors import ConfigError, TraceFormatError
-    from replay._input import parse_json, read_text
 
     if not text:
         return {}
@@ -181,7 +183,7 @@ def _slow_components(policy: Any) -> list[str]:
     found = []
     if c.kernel == "embedding" or c.kernel.endswith(":EmbeddingKernel"):
         found.append("embedding kernel")
-    if any(n == "lm" or n.startswith("drafters.lm:") for n in (*c.obs_names, *c.action_names)):
+    if any(n == "lm" or n.startswith("aospec.drafters.lm:") for n in (*c.obs_names, *c.action_names)):
         found.append("LM drafter")
     return found
 
@@ -212,7 +214,7 @@ def _executor(args: argparse.Namespace, n_traces: int) -> tuple[Any, str, int]:
     if args.jobs is not None and args.jobs < 1:
         raise ConfigError(f"--jobs must be >= 1, got {args.jobs}")
     if args.executor == "ray":
-        from replay.executors_ray import RayExecutor, require_ray
+        from aospec.replay.executors_ray import RayExecutor, require_ray
 
         require_ray()  # MissingDependencyError naming pip install 'aospec[ray]', before any work
         where = args.address or "a local Ray"
@@ -220,7 +222,7 @@ def _executor(args: argparse.Namespace, n_traces: int) -> tuple[Any, str, int]:
         return RayExecutor(address=args.address, workers=args.jobs), f"ray ({where}, {workers})", args.jobs or 1
     if args.address is not None:
         raise ConfigError("--address needs --executor ray")
-    from replay.executors import local_executor
+    from aospec.replay.executors import local_executor
 
     jobs = min(args.jobs if args.jobs is not None else (os.cpu_count() or 1), n_traces, os.cpu_count() or 1)
     return local_executor(max(1, jobs)), f"local ({jobs} worker{'s' if jobs != 1 else ''})", jobs
@@ -235,11 +237,12 @@ def _run(
     """Replay the traces ``args`` name; ``on_start()`` runs once the sweep's arguments are
     checked, and ``sink(index, results)`` receives each trace's results as it finishes.
     Returns the policies and the run's metadata."""
+    from aospec.replay.policies import check_drafters, parse_policies
+    from aospec.replay.sandbox import STATE_MODEL_MEANING, resolve_state_model
+    from aospec.replay.sweep import iter_sweep, loading
+
     from aospec.errors import ConfigError
     from aospec.progress import progress
-    from replay.policies import check_drafters, parse_policies
-    from replay.sandbox import STATE_MODEL_MEANING, resolve_state_model
-    from replay.sweep import iter_sweep, loading
 
     if not (math.isfinite(args.prefill_ms_per_ktok) and args.prefill_ms_per_ktok >= 0):
         raise ConfigError(f"--prefill-ms-per-ktok must be a finite number >= 0, got {args.prefill_ms_per_ktok:g}")
@@ -298,9 +301,9 @@ def _run(
 def _sweep(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from replay.metrics import summarize
-    from replay.report import ResultsFile, drafter_failure_note, read_results, write_summary
-    from replay.report import print_table as print_summary_table
+    from aospec.replay.metrics import summarize
+    from aospec.replay.report import ResultsFile, drafter_failure_note, read_results, write_summary
+    from aospec.replay.report import print_table as print_summary_table
 
     tpots = _floats(args.tpots, "--tpots")
     out = Path(args.out)
@@ -324,11 +327,10 @@ def _sweep(args: argparse.Namespace) -> int:
 
 
 def _replay(args: argparse.Namespace) -> int:
+    from aospec.replay.metrics import summarize
+    from aospec.replay.report import drafter_failure_note
+    from aospec.replay.report import print_table as print_summary_table
     from rich.table import Table
-
-    from replay.metrics import summarize
-    from replay.report import drafter_failure_note
-    from replay.report import print_table as print_summary_table
 
     if not (math.isfinite(args.tpot_ms) and args.tpot_ms > 0):
         from aospec.errors import ConfigError

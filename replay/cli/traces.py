@@ -16,8 +16,9 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from aospec.replay.cli import add_input_limits, add_trace_inputs, load_trace_inputs, trace_sources
+
 from aospec.cli import add_format_option, print_json, print_table
-from replay.cli import add_input_limits, add_trace_inputs, load_trace_inputs, trace_sources
 
 __all__ = ["register"]
 
@@ -87,7 +88,7 @@ def _fmt_pct(v: float | None) -> str:
 
 
 def _stats(args: argparse.Namespace) -> int:
-    from replay import trace_stats
+    from aospec.replay import trace_stats
 
     sources = _sources(args)
     loaded = load_trace_inputs(sources, args, format=args.input_format)
@@ -158,8 +159,7 @@ def _plot(traces: list, stats: Any, path: Path) -> Path:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     import numpy as np
-
-    from replay.stats import tool_durations
+    from aospec.replay.stats import tool_durations
 
     d = np.sort(tool_durations(traces))
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
@@ -190,7 +190,7 @@ def _plot(traces: list, stats: Any, path: Path) -> Path:
 
 
 def _convert(args: argparse.Namespace) -> int:
-    from replay import dump_jsonl, write_jsonl
+    from aospec.replay import dump_jsonl, write_jsonl
 
     loaded = load_trace_inputs(_sources(args), args, format=args.input_format)
     traces = loaded.traces

@@ -40,10 +40,7 @@ from pathlib import Path
 from typing import Any
 
 import regex
-
-from aospec.errors import TraceFormatError
-from aospec.types import Action, Step, Trace
-from replay._input import (
+from aospec.replay._input import (
     MAX_FILE_BYTES,
     MAX_OUTPUT_TOKENS,
     as_float,
@@ -53,6 +50,9 @@ from replay._input import (
     parse_json,
     read_text,
 )
+
+from aospec.errors import TraceFormatError
+from aospec.types import Action, Step, Trace
 
 __all__ = [
     "ACTION_REGEX_BUDGET_S",

@@ -27,9 +27,10 @@ import re
 from pathlib import Path
 from typing import Any
 
+from aospec.replay._input import MAX_FILE_BYTES, freeze_json, json_error, parse_json, read_text
+
 from aospec.errors import TraceFormatError
 from aospec.types import Action, Step, Trace
-from replay._input import MAX_FILE_BYTES, freeze_json, json_error, parse_json, read_text
 
 __all__ = ["HARNESS", "RESPOND_TOOL", "parse_taubench_text", "read_taubench"]
 

@@ -30,9 +30,7 @@ import re
 from pathlib import Path
 from typing import Any
 
-from aospec.errors import TraceFormatError
-from aospec.types import Action, Step, Trace
-from replay._input import (
+from aospec.replay._input import (
     MAX_FILE_BYTES,
     MAX_OUTPUT_TOKENS,
     as_float,
@@ -42,6 +40,9 @@ from replay._input import (
     parse_json,
     read_text,
 )
+
+from aospec.errors import TraceFormatError
+from aospec.types import Action, Step, Trace
 
 __all__ = ["ACTOR_MODEL", "HARNESS", "NEGATIVE_TOLERANCE_S", "SOURCE", "parse_tb1_text", "read_tb1"]
 

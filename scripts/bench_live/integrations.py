@@ -110,9 +110,8 @@ def minisweagent_run(
     traj: Any, base_url: str, project: Path, base: str, env: dict[str, str], *, speculate: bool, drafters: Any
 ) -> dict[str, Any]:
     """One run (synchronous: mini-swe-agent's loop is)."""
+    from aospec.integrations.minisweagent import AospecEnvironment, SpeculativeAgent
     from minisweagent.agents.default import DefaultAgent
-
-    from integrations.minisweagent import AospecEnvironment, SpeculativeAgent
 
     templates = {
         "system_template": SYSTEM,
@@ -158,9 +157,9 @@ async def mcp_run(
     traj: Any, base_url: str, project: Path, base: str, env: dict[str, str], *, speculate: bool, train_path: str | None
 ) -> dict[str, Any]:
     """One run of a minimal chat loop whose commands go through the MCP server's bash tool."""
-    from integrations._mcp_common import RepeatPredictor, combine, drafter_from_traces
-    from integrations.mcp_server import SandboxToolServer, _text, read_only
-    from runtime import Bind, SandboxConfig, open_sandbox
+    from aospec.integrations._mcp_common import RepeatPredictor, combine, drafter_from_traces
+    from aospec.integrations.mcp_server import SandboxToolServer, _text, read_only
+    from aospec.runtime import Bind, SandboxConfig, open_sandbox
 
     cfg = SandboxConfig(base=base, binds=(Bind(str(project), f"/src/{traj.project}"),), env=env, timeout_s=300)
     predictor = None
@@ -246,11 +245,11 @@ def measure_integrations(
     log: Any = print,
 ) -> list[dict[str, Any]]:
     """One row per integration at ``tpot_ms`` over ``trajs``."""
-    from live.serve_trace import serve_trace_app, serving
+    from aospec.live.serve_trace import serve_trace_app, serving
 
     train_path = None
     if "mcp" in which:
-        from replay import write_jsonl
+        from aospec.replay import write_jsonl
 
         train_path = str(tmp / "integrations-training.jsonl")
         write_jsonl(list(train), Path(train_path))
@@ -277,7 +276,7 @@ def measure_integrations(
                     why = _same(a, b) or (None if a["exit"] == "submitted" else f"baseline ended: {a['exit']}")
                     wa, wb, h = a["wall_s"], b["wall_s"], b["stats"]["forks_reused"]
                 elif name == "proxy":
-                    from integrations.proxy import proxy_app
+                    from aospec.integrations.proxy import proxy_app
 
                     kw = {"speculate": False, "tpot_ms": tpot_ms, "drafters": None, "base": base}
                     a = anyio.run(partial(run_agent, t, server.base_url, staged, **kw))

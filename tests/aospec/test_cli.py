@@ -60,16 +60,16 @@ def test_the_installed_verbs_come_from_entry_points_of_their_packages():
 
     verbs = {ep.name: ep.value for ep in command_entry_points()}
     assert verbs == {
-        "mcp": "integrations.mcp_server:register",
-        "proxy": "integrations.proxy:register",
-        "replay": "replay.cli.sweep:register_replay",
-        "routers": "specbox.cli:register",
-        "run": "live.cli:register",
-        "sandbox": "runtime.cli:register",
-        "serve-trace": "live.serve_trace:register",
-        "sweep": "replay.cli.sweep:register_sweep",
-        "traces": "replay.cli.traces:register",
-        "train": "training.cli:register",
+        "mcp": "aospec.integrations.mcp_server:register",
+        "proxy": "aospec.integrations.proxy:register",
+        "replay": "aospec.replay.cli.sweep:register_replay",
+        "routers": "aospec.specbox.cli:register",
+        "run": "aospec.live.cli:register",
+        "sandbox": "aospec.runtime.cli:register",
+        "serve-trace": "aospec.live.serve_trace:register",
+        "sweep": "aospec.replay.cli.sweep:register_sweep",
+        "traces": "aospec.replay.cli.traces:register",
+        "train": "aospec.training.cli:register",
     }
 
 

@@ -13,9 +13,9 @@ import sys
 from pathlib import Path
 
 import pytest
+from aospec.replay import bundled_traces_path
 
 from aospec.cli import main
-from replay import bundled_traces_path
 
 TESTS = Path(__file__).resolve().parents[1]
 TB1_TRIAL = next((TESTS / "replay" / "data" / "tb1" / "2025-08-15__16-23-45").glob("*.jsonl"))

@@ -9,10 +9,10 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from aospec.replay import bundled_traces_path, dump_jsonl, load_traces, read_jsonl
 
 from aospec._files import new_file_mode
 from aospec.cli import main
-from replay import bundled_traces_path, dump_jsonl, load_traces, read_jsonl
 
 TESTS = Path(__file__).resolve().parents[1]
 TB1_FIXTURES = TESTS / "replay" / "data" / "tb1"

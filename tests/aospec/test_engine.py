@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import anyio
 import pytest
+from aospec.drafters.canonicalize import Canonicalizer
 from trio.testing import MockClock
 
 from aospec.engine import Engine
@@ -13,7 +14,6 @@ from aospec.ledger import EventKind
 from aospec.protocols import ActionDraft, ObservationDraft
 from aospec.testing import InMemorySandbox, ScriptedActionDrafter, ScriptedActor, ScriptedObservationDrafter
 from aospec.types import Action, History
-from drafters.canonicalize import Canonicalizer
 
 SCRIPT = [
     Action.bash("sleep 2 && cat a"),  # read-only, long

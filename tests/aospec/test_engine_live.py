@@ -9,6 +9,7 @@ import re
 import anyio
 import pytest
 import xxhash
+from aospec.drafters.canonicalize import Canonicalizer
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -17,7 +18,6 @@ from aospec.engine_config import EngineConfig
 from aospec.protocols import ActionDraft, ObservationDraft
 from aospec.testing import InMemorySandbox, ScriptedActionDrafter, ScriptedActor, ScriptedObservationDrafter
 from aospec.types import Action, History
-from drafters.canonicalize import Canonicalizer
 
 POOL = [
     Action.bash(c)

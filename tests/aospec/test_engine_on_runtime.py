@@ -8,15 +8,15 @@ import random
 
 import anyio
 import pytest
+from aospec.runtime import default_state_root, open_sandbox
+from aospec.runtime._fs import mounts_under
+from aospec.runtime.host import host_support
 
 from aospec.engine import Engine
 from aospec.engine_config import EngineConfig
 from aospec.protocols import ActionDraft, ObservationDraft
 from aospec.testing import ScriptedActionDrafter, ScriptedActor, ScriptedObservationDrafter
 from aospec.types import Action, History
-from runtime import default_state_root, open_sandbox
-from runtime._fs import mounts_under
-from runtime.host import host_support
 
 POOL = [
     Action.bash(c)

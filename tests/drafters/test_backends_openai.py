@@ -11,10 +11,11 @@ import pytest
 pytest.importorskip("torch")
 pytest.importorskip("openai")
 
+from aospec.drafters.backends.openai import OpenAIBackend, render_chatml
+from aospec.drafters.backends.server import CompletionServer
+from aospec.drafters.backends.transformers import TransformersBackend
+
 from aospec.errors import ConfigError, DrafterError
-from drafters.backends.openai import OpenAIBackend, render_chatml
-from drafters.backends.server import CompletionServer
-from drafters.backends.transformers import TransformersBackend
 
 MESSAGES = [{"role": "system", "content": "task"}, {"role": "user", "content": "cat notes.txt"}]
 

@@ -13,10 +13,11 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
+from aospec.drafters.backends import Completion, LMBackend, make_backend, merge_completions  # noqa: E402
+from aospec.drafters.backends.transformers import TransformersBackend  # noqa: E402
+from aospec.replay import bundled_traces_path, load_traces  # noqa: E402
+
 from aospec.errors import ConfigError, DrafterError  # noqa: E402
-from drafters.backends import Completion, LMBackend, make_backend, merge_completions  # noqa: E402
-from drafters.backends.transformers import TransformersBackend  # noqa: E402
-from replay import bundled_traces_path, load_traces  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -275,7 +276,7 @@ def test_greedy_paths_agree_with_generate_on_a_long_prompt(backend: Transformers
 
 def test_sliding_window_models_decode_dynamically(backend: TransformersBackend, long_prompt: str) -> None:
     transformers = pytest.importorskip("transformers")
-    from drafters.model import LoadedModel, qwen3_config
+    from aospec.drafters.model import LoadedModel, qwen3_config
 
     config = qwen3_config("tiny", backend.tokenizer, use_sliding_window=True, sliding_window=32, max_window_layers=1)
     assert "sliding_attention" in config.layer_types
@@ -323,7 +324,7 @@ def test_gpu_paths_match_static_on_the_gpu(
 ) -> None:
     import copy
 
-    from drafters.model import LoadedModel
+    from aospec.drafters.model import LoadedModel
 
     model = copy.deepcopy(backend.loaded.model).to(device="cuda", dtype=getattr(torch, dtype))
     loaded = LoadedModel(model=model, tokenizer=backend.tokenizer, spec="tiny", meta={})
@@ -384,7 +385,7 @@ def test_the_stream_ends_at_the_end_token(backend: TransformersBackend, prompt: 
 
 
 def test_text_stream_holds_back_unfinished_characters(backend: TransformersBackend) -> None:
-    from drafters.backends.transformers import _TextStream
+    from aospec.drafters.backends.transformers import _TextStream
 
     text = "ls → 日本語 ✓ é\n```bash\necho 'naïve' > x\n```"
     ids = backend.encode(text)
@@ -437,7 +438,7 @@ def test_on_text_streams_only_one_sequence(backend: TransformersBackend, prompt:
 def test_on_text_on_cuda_graphs_keeps_the_tokens(backend: TransformersBackend, prompt: str) -> None:
     import copy
 
-    from drafters.model import LoadedModel
+    from aospec.drafters.model import LoadedModel
 
     model = copy.deepcopy(backend.loaded.model).to(device="cuda")
     b = TransformersBackend(

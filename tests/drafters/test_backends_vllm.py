@@ -15,18 +15,19 @@ import pytest
 pytest.importorskip("torch")
 pytest.importorskip("peft")
 
-from aospec.cli import main
-from aospec.errors import AospecError, ConfigError, DrafterError, MissingDependencyError
-from drafters.backends import make_backend
-from drafters.backends.transformers import TransformersBackend
-from drafters.backends.vllm import (
+from aospec.drafters.backends import make_backend
+from aospec.drafters.backends.transformers import TransformersBackend
+from aospec.drafters.backends.vllm import (
     VLLMText,
     completion_from_output,
     hf_overrides_for,
     lora_rank_slot,
     resolve_model,
 )
-from replay import bundled_traces_path
+from aospec.replay import bundled_traces_path
+
+from aospec.cli import main
+from aospec.errors import AospecError, ConfigError, DrafterError, MissingDependencyError
 
 FAST = ["--steps", "2", "--batch-size", "2", "--prompt-tokens", "128", "--target-tokens", "16", "--vocab-size", "384",
         "--eval-limit", "1", "--eval-samples", "1", "--checkpoint-every", "100", "--device", "cpu"]
@@ -204,7 +205,7 @@ def test_missing_logprobs_are_an_error_not_a_partial_result() -> None:
 
 @pytest.mark.skipif(importlib.util.find_spec("vllm") is not None, reason="vllm is installed here")
 def test_missing_vllm_is_one_line_naming_the_install_command(trained: dict[str, Path]) -> None:
-    from drafters.lm import LMObservationDrafter
+    from aospec.drafters.lm import LMObservationDrafter
 
     for build in (
         lambda: make_backend("vllm", {"model": str(trained["lora"])}),

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import anyio
+from aospec.drafters.cache import ObservationCache
 
 from aospec.types import Action, History, Step, Trace
-from drafters.cache import ObservationCache
 
 
 def _trace(pairs, task="t", id=None) -> Trace:

@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import pytest
+from aospec.drafters.canonicalize import DEFAULT_FIELDS, FIELDS, Canonicalizer, canonicalizer
 from hypothesis import given
 from hypothesis import strategies as st
 
 from aospec.errors import ConfigError
-from drafters.canonicalize import DEFAULT_FIELDS, FIELDS, Canonicalizer, canonicalizer
 
 
 def test_off_by_default_and_parsed_from_config_values() -> None:

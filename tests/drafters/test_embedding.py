@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import pytest
+from aospec.drafters import resolve
+from aospec.drafters.embedding import EmbeddingKernel, ngram_embeddings
 
 from aospec.errors import ConfigError
 from aospec.protocols import Kernel
-from drafters import resolve
-from drafters.embedding import EmbeddingKernel, ngram_embeddings
 
 TIMEOUTS = [
     "The last command <command>sleep 60</command> timed out and has been killed.\nThe output of the command was:\n<output>\n</output>",

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import anyio
 import pytest
+from aospec.drafters.history import HistoryActionDrafter, skeleton
 
 from aospec.errors import ConfigError
 from aospec.types import Action, History, Step, Trace
-from drafters.history import HistoryActionDrafter, skeleton
 
 
 def _trace(cmds, task) -> Trace:
@@ -164,7 +164,7 @@ def _routed(d, h, tool, width=4):
 
 
 def test_routed_proposals_keep_only_the_routed_program_with_its_conditional_probability():
-    from specbox.routers import tool_label  # the router's own label rule
+    from aospec.specbox.routers import tool_label  # the router's own label rule
 
     d = HistoryActionDrafter(label=tool_label)
     d.fit(TRAIN)
@@ -183,7 +183,7 @@ def test_routed_proposals_keep_only_the_routed_program_with_its_conditional_prob
 
 
 def test_routed_proposals_reach_a_test_command_older_than_the_repetition_window():
-    from specbox.routers import tool_label
+    from aospec.specbox.routers import tool_label
 
     d = HistoryActionDrafter(label=tool_label, max_recent=3)
     d.fit(TRAIN)
@@ -194,7 +194,7 @@ def test_routed_proposals_reach_a_test_command_older_than_the_repetition_window(
 
 
 def test_routed_proposals_see_past_a_cd_prefix():
-    from specbox.routers import tool_label
+    from aospec.specbox.routers import tool_label
 
     d = HistoryActionDrafter(label=tool_label)
     d.fit(TRAIN)

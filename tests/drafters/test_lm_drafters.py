@@ -10,15 +10,16 @@ import pytest
 
 pytest.importorskip("torch")
 
+from aospec.drafters import resolve
+from aospec.drafters.backends import Completion, merge_completions
+from aospec.drafters.lm import LMActionDrafter, LMObservationDrafter, rank_action_chains, rank_observations
+from aospec.drafters.prompts import ACTION_SEPARATOR
+from aospec.replay import bundled_traces_path, load_traces
+from aospec.training.dataset import split_by_task
+
 from aospec.errors import ConfigError
 from aospec.protocols import ActionDrafter, ObservationDrafter, Trainable
 from aospec.types import Action, History, Trace
-from drafters import resolve
-from drafters.backends import Completion, merge_completions
-from drafters.lm import LMActionDrafter, LMObservationDrafter, rank_action_chains, rank_observations
-from drafters.prompts import ACTION_SEPARATOR
-from replay import bundled_traces_path, load_traces
-from training.dataset import split_by_task
 
 OPTIONS = dict(prompt_tokens=192, max_new_tokens=64, samples=6, device="cpu", vocab_size=768, fit_batch_size=6)
 

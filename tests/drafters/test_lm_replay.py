@@ -8,9 +8,9 @@ import pytest
 
 pytest.importorskip("torch")
 
-from replay import bundled_traces_path, load_traces
-from replay.policies import parse_policies
-from replay.sweep import run_sweep
+from aospec.replay import bundled_traces_path, load_traces
+from aospec.replay.policies import parse_policies
+from aospec.replay.sweep import run_sweep
 
 LM = {"model": "tiny", "device": "cpu", "prompt_tokens": 160, "max_new_tokens": 48, "samples": 6,
       "fit_steps": 30, "fit_batch_size": 6, "vocab_size": 768}

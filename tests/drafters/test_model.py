@@ -8,10 +8,11 @@ from hypothesis import strategies as st
 
 torch = pytest.importorskip("torch")
 
+from aospec.drafters.model import SHAPES, build_model, load_model, qwen3_config  # noqa: E402
+from aospec.drafters.tokenizer import CHATML_TEMPLATE, END_TOKEN, train_tokenizer  # noqa: E402
+from aospec.replay import bundled_traces_path, load_traces  # noqa: E402
+
 from aospec.errors import ConfigError  # noqa: E402
-from drafters.model import SHAPES, build_model, load_model, qwen3_config  # noqa: E402
-from drafters.tokenizer import CHATML_TEMPLATE, END_TOKEN, train_tokenizer  # noqa: E402
-from replay import bundled_traces_path, load_traces  # noqa: E402
 
 
 @pytest.fixture(scope="module")

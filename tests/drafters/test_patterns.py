@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import anyio
+from aospec.drafters.patterns import PatternDrafter, template_of
 
 from aospec.evd import EVDEstimator, observation_pattern
 from aospec.types import Action, History, Step, Trace
-from drafters.patterns import PatternDrafter, template_of
 
 TIMEOUT = (
     "The last command <command>{}</command> timed out and has been killed.\n"

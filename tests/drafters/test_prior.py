@@ -5,13 +5,13 @@ from __future__ import annotations
 import math
 
 import pytest
+from aospec.drafters.backends import Completion
+from aospec.drafters.lm import rank_action_chains, rank_observations
+from aospec.drafters.prior import FrequencyPrior, interpolate
+from aospec.drafters.prompts import ACTION_SEPARATOR
 
 from aospec.errors import ConfigError
 from aospec.types import Action
-from drafters.backends import Completion
-from drafters.lm import rank_action_chains, rank_observations
-from drafters.prior import FrequencyPrior, interpolate
-from drafters.prompts import ACTION_SEPARATOR
 
 EMPTY = "<returncode>0</returncode>\n<output>\n</output>"
 

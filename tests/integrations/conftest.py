@@ -25,8 +25,8 @@ def anyio_backend() -> str:
 def mcp_state_root(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
     """A private AOSPEC_STATE_ROOT for ``aospec mcp`` subprocesses (skips where the overlay
     backend cannot run); fails if any mount is left under it afterwards."""
-    from runtime._fs import mounts_under
-    from runtime.host import host_support
+    from aospec.runtime._fs import mounts_under
+    from aospec.runtime.host import host_support
 
     support, _ = host_support()
     if support.problems():

@@ -13,9 +13,8 @@ from typing import Any
 
 import anyio
 import pytest
-
-from specbox.mcp_env import McpEnv, artifact_ref_of
-from specbox.transport import INLINE_THRESHOLD, ArtifactClient, ArtifactRef
+from aospec.specbox.mcp_env import McpEnv, artifact_ref_of
+from aospec.specbox.transport import INLINE_THRESHOLD, ArtifactClient, ArtifactRef
 
 pytestmark = pytest.mark.anyio
 
@@ -237,8 +236,9 @@ def test_artifact_options_need_artifacts_and_the_help_says_why() -> None:
 
 
 def test_export_file_is_a_tool_only_with_artifacts() -> None:
+    from aospec.integrations.mcp_server import ToolArgumentError, check_args, read_only
+
     from aospec.types import Action
-    from integrations.mcp_server import ToolArgumentError, check_args, read_only
 
     check_args("export_file", {"path": "x"}, export=True)
     with pytest.raises(ToolArgumentError, match="unknown tool 'export_file'; the tools are bash, edit_file, read"):

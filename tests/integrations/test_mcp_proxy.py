@@ -18,7 +18,7 @@ import pytest
 AOSPEC = str(Path(sys.executable).with_name("aospec"))
 pytestmark = pytest.mark.anyio
 
-DEMO = f"{shlex.quote(sys.executable)} -m integrations.mcp_demo_server"
+DEMO = f"{shlex.quote(sys.executable)} -m aospec.integrations.mcp_demo_server"
 RO_CLOSED = {"readOnly": True, "openWorld": False}
 
 
@@ -129,7 +129,7 @@ async def test_proxy_of_the_sandbox_server_over_http(mcp_state_root: Path, mcp_c
 
 
 def test_trust_needs_both_explicit_marks(tmp_path: Path) -> None:
-    from integrations._mcp_common import load_trust
+    from aospec.integrations._mcp_common import load_trust
 
     f = tmp_path / "t.json"
     f.write_text(

@@ -178,8 +178,9 @@ async def test_concurrent_calls_run_one_at_a_time_in_arrival_order(mcp_state_roo
 
 
 def test_transition_table_from_actions_and_files(tmp_path: Path) -> None:
+    from aospec.integrations._mcp_common import TransitionPredictor, load_transitions
+
     from aospec.types import Action
-    from integrations._mcp_common import TransitionPredictor, load_transitions
 
     a, b, c = Action.bash("ls"), Action("read_file", {"path": "x"}), Action.bash("pytest")
     p = TransitionPredictor.fit([[a, b, c], [a, b], [a, c]], k=2)
@@ -193,8 +194,9 @@ def test_transition_table_from_actions_and_files(tmp_path: Path) -> None:
 
 
 def test_tool_arguments_are_checked() -> None:
+    from aospec.integrations.mcp_server import ToolArgumentError, check_args, read_only
+
     from aospec.types import Action
-    from integrations.mcp_server import ToolArgumentError, check_args, read_only
 
     check_args("edit_file", {"path": "p", "old_str": "a", "new_str": "b"})
     for tool, args, message in [
@@ -212,9 +214,10 @@ def test_tool_arguments_are_checked() -> None:
 
 
 async def test_train_traces_fits_aospecs_history_action_drafter(tmp_path: Path) -> None:
+    from aospec.integrations._mcp_common import drafter_from_traces
+    from aospec.replay.io import write_jsonl
+
     from aospec.types import Action, Step, Trace
-    from integrations._mcp_common import drafter_from_traces
-    from replay.io import write_jsonl
 
     acts = [
         Action("read_file", {"path": "/w/conf"}),

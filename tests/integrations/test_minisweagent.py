@@ -32,20 +32,19 @@ from typing import Any
 import anyio
 import pytest
 import yaml
-from minisweagent.agents.default import DefaultAgent
-from minisweagent.config import builtin_config_dir
-from minisweagent.environments import get_environment
-from minisweagent.environments.local import LocalEnvironment
-from minisweagent.models.test_models import DeterministicModel, make_output
-from pydantic import BaseModel
-
-from integrations.minisweagent import (
+from aospec.integrations.minisweagent import (
     AospecEnvironment,
     SpeculativeAgent,
     action_of,
     decode_outputs,
     encode_outputs,
 )
+from minisweagent.agents.default import DefaultAgent
+from minisweagent.config import builtin_config_dir
+from minisweagent.environments import get_environment
+from minisweagent.environments.local import LocalEnvironment
+from minisweagent.models.test_models import DeterministicModel, make_output
+from pydantic import BaseModel
 
 pytestmark = pytest.mark.root
 
@@ -109,8 +108,8 @@ def sandbox_files(env: AospecEnvironment, cwd: Path) -> dict[str, bytes]:
 
 @pytest.fixture(scope="module")
 def aospec_dirs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
-    from runtime._fs import mounts_under
-    from runtime.host import host_support
+    from aospec.runtime._fs import mounts_under
+    from aospec.runtime.host import host_support
 
     support, _ = host_support()
     if support.problems():
@@ -126,8 +125,8 @@ def aospec_dirs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
 
 @pytest.fixture(scope="module")
 def drafters() -> Any:
-    from live.agent import default_drafters
-    from replay import bundled_traces_path, load_traces
+    from aospec.live.agent import default_drafters
+    from aospec.replay import bundled_traces_path, load_traces
 
     return default_drafters(load_traces([bundled_traces_path()]))
 
@@ -165,7 +164,7 @@ def test_speculative_agent_is_lossless_against_mini_swe_agent(aospec_dirs: Path,
     files_a = {p.name: p.read_bytes() for p in sorted(cwd.iterdir())}
 
     # (b) the same agent, AospecEnvironment picked by mini-swe-agent's own config key
-    env_b = get_environment({**env_config(cwd), "environment_class": "integrations.minisweagent.AospecEnvironment"})
+    env_b = get_environment({**env_config(cwd), "environment_class": "aospec.integrations.minisweagent.AospecEnvironment"})
     assert isinstance(env_b, AospecEnvironment)
     # (c) the co-speculating agent
     env_c = AospecEnvironment(**env_config(cwd))
@@ -211,12 +210,12 @@ def test_speculative_agent_is_lossless_against_mini_swe_agent(aospec_dirs: Path,
     # the trajectories: (c) is what (b) saved, but for the agent class named in it
     traj_b = json.loads((tmp_path / "b.traj.json").read_text())
     traj_c = json.loads((tmp_path / "c.traj.json").read_text())
-    assert traj_c["info"]["config"]["agent_type"] == "integrations.minisweagent.SpeculativeAgent"
+    assert traj_c["info"]["config"]["agent_type"] == "aospec.integrations.minisweagent.SpeculativeAgent"
     traj_c["info"]["config"]["agent_type"] = traj_b["info"]["config"]["agent_type"]
     traj_c["info"]["config"]["agent"]["output_path"] = traj_b["info"]["config"]["agent"]["output_path"]
     assert strip_times(traj_c) == strip_times(traj_b)
     assert traj_c["trajectory_format"] == "mini-swe-agent-1.1"
-    assert traj_c["info"]["config"]["environment_type"] == "integrations.minisweagent.AospecEnvironment"
+    assert traj_c["info"]["config"]["environment_type"] == "aospec.integrations.minisweagent.AospecEnvironment"
 
     check_inspector(tmp_path / "c.traj.json", traj_c)
     check_importer(tmp_path / "c.traj.json")
@@ -248,7 +247,7 @@ def check_inspector(path: Path, traj: dict[str, Any]) -> None:
 def check_importer(path: Path) -> None:
     """aospec's importer reads the trajectory back: one step per executed command (plus
     one for the reply without a command)."""
-    from replay import load_traces
+    from aospec.replay import load_traces
 
     (trace,) = load_traces([path])
     commands = [s.action.command for s in trace.steps]
@@ -269,7 +268,7 @@ def _docker_skip_reason() -> str | None:
     from aospec.errors import SandboxUnavailableError
 
     try:
-        from runtime.daemon import docker_client
+        from aospec.runtime.daemon import docker_client
 
         driver = docker_client().info().get("Driver")
     except SandboxUnavailableError as exc:
@@ -307,10 +306,10 @@ def test_environment_mirrors_the_local_environment(aospec_dirs: Path, tmp_path: 
 
 CLI_CONFIG = """\
 agent:
-  agent_class: integrations.minisweagent.SpeculativeAgent
+  agent_class: aospec.integrations.minisweagent.SpeculativeAgent
   train: [bundled]
 environment:
-  environment_class: integrations.minisweagent.AospecEnvironment
+  environment_class: aospec.integrations.minisweagent.AospecEnvironment
   cwd: /work
 model:
   model_class: deterministic
@@ -355,8 +354,8 @@ def test_mini_cli_runs_the_speculative_agent_from_its_own_config(aospec_dirs: Pa
     traj = json.loads(out.read_text())
     info = traj["info"]
     assert (info["exit_status"], info["submission"]) == ("Submitted", "echo hi\n")
-    assert info["config"]["agent_type"] == "integrations.minisweagent.SpeculativeAgent"
-    assert info["config"]["environment_type"] == "integrations.minisweagent.AospecEnvironment"
+    assert info["config"]["agent_type"] == "aospec.integrations.minisweagent.SpeculativeAgent"
+    assert info["config"]["environment_type"] == "aospec.integrations.minisweagent.AospecEnvironment"
     assert "hi" in traj["messages"][5]["content"] and traj["messages"][5]["extra"]["raw_output"] == "hi\n"
 
 

@@ -18,15 +18,15 @@ from typing import Any
 import httpx
 import openai
 import pytest
+from aospec.integrations.proxy import SpeculatingProxy, proxy_app, speculable
+from aospec.live.serve_trace import TraceServer, serve_trace_app, serving
+from aospec.replay import bundled_traces_path, load_traces
 from starlette.applications import Starlette
 from starlette.responses import JSONResponse
 from starlette.routing import Route
 
 from aospec.protocols import ObservationDraft
 from aospec.types import Action, History, Trace
-from integrations.proxy import SpeculatingProxy, proxy_app, speculable
-from live.serve_trace import TraceServer, serve_trace_app, serving
-from replay import bundled_traces_path, load_traces
 
 #: The text harness's observation template. The bundled traces are mini-swe-agent's, whose
 #: recorded observations already hold its ``<returncode>``/``<output>`` template, so
@@ -144,7 +144,7 @@ def test_replies_identical_and_speculation_hits(servers, traces, tools, stream) 
 def test_default_drafters_stay_lossless(servers, traces) -> None:
     """The real drafters (patterns + cache, fit on the other traces): whatever they hit,
     the harness sees exactly what it sees without the proxy."""
-    from integrations.proxy import default_drafters
+    from aospec.integrations.proxy import default_drafters
 
     trace = traces[9]  # train-fasttext: repeated actions
     up = servers(serve_trace_app([trace], 0.0))
@@ -273,7 +273,7 @@ def test_learns_a_wrapper(servers, traces) -> None:
 
 
 def test_learns_how_the_reply_is_appended() -> None:
-    from integrations.proxy import apply_shape, learn_shape, reply_message
+    from aospec.integrations.proxy import apply_shape, learn_shape, reply_message
 
     reply = {"role": "assistant", "content": None, "refusal": None,
              "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "bash", "arguments": "{}"}}]}  # fmt: skip
@@ -356,8 +356,7 @@ def test_local_tiny_model_upstream(servers) -> None:
     the same replies with and without the proxy, and hits from the third request on."""
     pytest.importorskip("torch")
     import anyio
-
-    from live.local import TransformersActor
+    from aospec.live.local import TransformersActor
 
     texts = ["```bash\nls -la\n```", "THOUGHT: list the files", "<returncode>0</returncode>\n<output>\nf\n</output>"]
     actor = TransformersActor("tiny", texts=texts * 20, vocab_size=400, max_new_tokens=12)

@@ -23,11 +23,11 @@ from typing import Any
 import anyio
 import openai
 import pytest
+from aospec.integrations._proxy_actions import ActionWatcher, map_call, prefetch_url
+from aospec.integrations.proxy import proxy_app
+from aospec.live.serve_trace import TraceServer, serve_trace_app, serving
 
 from aospec.types import Action, Step, Trace
-from integrations._proxy_actions import ActionWatcher, map_call, prefetch_url
-from integrations.proxy import proxy_app
-from live.serve_trace import TraceServer, serve_trace_app, serving
 from tests.integrations.conftest import AOSPEC
 
 W = "/tmp/pa"
@@ -88,10 +88,9 @@ async def mcp_http(tmp_path: Path, state: Path, args: list[str]) -> AsyncIterato
 
 async def harness(base_url: str, mcp_url: str, *, tools: bool, stream: bool) -> tuple[list[Any], list[Any]]:
     """(what the harness saw: replies and tool results; the server's meta per action)."""
+    from aospec.live.chat import ChatFormat
     from mcp import ClientSession
     from mcp.client.streamable_http import streamable_http_client
-
-    from live.chat import ChatFormat
 
     client = openai.AsyncOpenAI(base_url=base_url, api_key="sk-test", max_retries=0)
     messages: list[dict[str, Any]] = [{"role": "user", "content": "run the commands"}]

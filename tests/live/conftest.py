@@ -3,7 +3,7 @@ loopback ports (real uvicorn servers in a thread of their own; any event loop in
 
 - ``bundled_traces``: the bundled tb1 sample (a list of Trace).
 - ``serve_traces(traces, tpot_ms=0, **kw)``: starts serve-trace for ``traces`` and returns
-  its :class:`live.serve_trace.TraceServer` (``.base_url`` is ``http://127.0.0.1:PORT/v1``,
+  its :class:`aospec.live.serve_trace.TraceServer` (``.base_url`` is ``http://127.0.0.1:PORT/v1``,
   ``.stats`` what it served); stopped when the test ends.
 - ``trace_server``: serve-trace over the bundled sample at tpot 0.
 - ``serve_app(app)``: runs any ASGI app (e.g. a small starlette fault server) the same way.
@@ -16,10 +16,10 @@ from contextlib import ExitStack
 from typing import Any
 
 import pytest
+from aospec.live.serve_trace import TraceServer, serve_trace_app, serving
+from aospec.replay import bundled_traces_path, load_traces
 
 from aospec.types import Trace
-from live.serve_trace import TraceServer, serve_trace_app, serving
-from replay import bundled_traces_path, load_traces
 
 
 @pytest.fixture

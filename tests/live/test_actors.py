@@ -8,6 +8,9 @@ import json
 
 import anyio
 import pytest
+from aospec.live.actors import OpenAIChatActor
+from aospec.live.chat import ActorError, ChatFormat
+from aospec.live.serve_trace import reply_text
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, StreamingResponse
@@ -15,9 +18,6 @@ from starlette.routing import Route
 
 from aospec.protocols import Actor
 from aospec.types import Action, History
-from live.actors import OpenAIChatActor
-from live.chat import ActorError, ChatFormat
-from live.serve_trace import reply_text
 
 pytestmark = pytest.mark.anyio
 

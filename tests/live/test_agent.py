@@ -9,20 +9,20 @@ from pathlib import Path
 
 import anyio
 import pytest
+from aospec.live.actors import OpenAIChatActor
+from aospec.live.agent import Agent, Drafters, default_drafters, submission
+from aospec.live.chat import DEFAULT_FORMAT_ERROR, ChatFormat
+from aospec.live.record import TraceRecorder, step_of
+from aospec.runtime import open_sandbox
+from aospec.runtime._fs import mounts_under
+from aospec.runtime.host import host_support
+from aospec.runtime.lossless import snapshot_sandbox
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from aospec.protocols import ActionDraft, ObservationDraft
 from aospec.testing import InMemorySandbox, ScriptedActionDrafter, ScriptedActor, ScriptedObservationDrafter
 from aospec.types import Action, History, Step, Trace
-from live.actors import OpenAIChatActor
-from live.agent import Agent, Drafters, default_drafters, submission
-from live.chat import DEFAULT_FORMAT_ERROR, ChatFormat
-from live.record import TraceRecorder, step_of
-from runtime import open_sandbox
-from runtime._fs import mounts_under
-from runtime.host import host_support
-from runtime.lossless import snapshot_sandbox
 
 # ----------------------------------------------------------------------------- fixtures
 
@@ -173,7 +173,7 @@ async def test_live_agent_speculative_equals_serial(overlay_state, serve_traces,
     assert serial.exit_reason == "submitted" and len(serial.steps) == len(DEMO_REPLIES), serial.history
     assert serial.history.turns[2].observation == ChatFormat().format_error
     assert serial_out == b"hello, world\n"
-    from replay import read_jsonl
+    from aospec.replay import read_jsonl
 
     (recorded,) = read_jsonl(tmp_path / "serial.jsonl")
     spec, spec_files, spec_out = await _live_run(server.base_url, True, [recorded], tmp_path / "spec.jsonl")

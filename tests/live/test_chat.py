@@ -7,10 +7,7 @@ import json
 from pathlib import Path
 
 import pytest
-
-from aospec.errors import ConfigError
-from aospec.types import Action, History
-from live.chat import (
+from aospec.live.chat import (
     ChatFormat,
     DeterminismReport,
     Reply,
@@ -18,6 +15,9 @@ from live.chat import (
     history_digests,
     history_key,
 )
+
+from aospec.errors import ConfigError
+from aospec.types import Action, History
 
 FMT = ChatFormat()
 TOOLS = ChatFormat(action_format="tools")

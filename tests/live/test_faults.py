@@ -74,7 +74,7 @@ def make_actor() -> ScriptedActor:
 
 
 def _overlay_reason() -> str | None:
-    from runtime.host import host_support
+    from aospec.runtime.host import host_support
 
     support, _ = host_support()
     problems = support.problems()
@@ -88,7 +88,7 @@ def overlay_dirs(tmp_path_factory: pytest.TempPathFactory) -> Any:
     reason = _overlay_reason()
     if reason:
         pytest.skip(f"overlay backend cannot run here: {reason}")
-    from runtime._fs import mounts_under
+    from aospec.runtime._fs import mounts_under
 
     cache, state = tmp_path_factory.mktemp("faults-cache"), tmp_path_factory.mktemp("faults-state")
     mp = pytest.MonkeyPatch()
@@ -116,7 +116,7 @@ class Box:
     async def state(self) -> tuple[str, Any]:
         if self.backend == "memory":
             return self.sandbox.version, self.sandbox.files
-        from runtime.lossless import snapshot_sandbox
+        from aospec.runtime.lossless import snapshot_sandbox
 
         return self.sandbox.version, await snapshot_sandbox(self.sandbox)
 
@@ -131,9 +131,9 @@ async def open_box(backend: str) -> AsyncIterator[Box]:
     if backend == "memory":
         yield Box(backend, InMemorySandbox(op_delay_s=OP_DELAY_S))
         return
-    from runtime import SandboxConfig, open_sandbox
-    from runtime._fs import mounts_under
-    from runtime.processes import marked_processes
+    from aospec.runtime import SandboxConfig, open_sandbox
+    from aospec.runtime._fs import mounts_under
+    from aospec.runtime.processes import marked_processes
 
     async with open_sandbox(SandboxConfig(backend="overlay", base="busybox", timeout_s=20)) as sb:
         store_id, path = sb.store.id, sb.store.path

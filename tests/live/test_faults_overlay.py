@@ -42,8 +42,8 @@ CONFIG = EngineConfig(branch_budget=2, fork_width=2, depth=1, max_live_forks=4)
 
 @pytest.fixture(scope="module")
 def overlay_dirs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
-    from runtime._fs import mounts_under
-    from runtime.host import host_support
+    from aospec.runtime._fs import mounts_under
+    from aospec.runtime.host import host_support
 
     support, _ = host_support()
     if support.problems():
@@ -73,7 +73,7 @@ def _cmdline(pid: int) -> str:
 async def kill_while_running(store_id: str, needle: str, killed: list[int], *, once: bool) -> None:
     """SIGKILL, from outside, the sandbox processes of the store whose command line holds
     ``needle`` (the bubblewrap processes running it), whenever they show up."""
-    from runtime.processes import marked_processes
+    from aospec.runtime.processes import marked_processes
 
     while True:
         for pid in marked_processes(f"aospec-{store_id}-"):
@@ -90,10 +90,10 @@ async def kill_while_running(store_id: str, needle: str, killed: list[int], *, o
 
 
 async def run_killing(needle: str | None, *, drafters: bool, once: bool = False) -> dict[str, Any]:
-    from runtime import SandboxConfig, open_sandbox
-    from runtime._fs import mounts_under
-    from runtime.lossless import snapshot_sandbox
-    from runtime.processes import marked_processes
+    from aospec.runtime import SandboxConfig, open_sandbox
+    from aospec.runtime._fs import mounts_under
+    from aospec.runtime.lossless import snapshot_sandbox
+    from aospec.runtime.processes import marked_processes
 
     killed: list[int] = []
     serial = dict(enumerate(SCRIPT))

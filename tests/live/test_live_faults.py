@@ -18,19 +18,19 @@ from typing import Any
 
 import anyio
 import pytest
+from aospec.live.actors import OpenAIChatActor
+from aospec.live.agent import Agent, Drafters, default_drafters
+from aospec.live.chat import ChatFormat
+from aospec.live.record import TraceRecorder
+from aospec.live.serve_trace import serve_trace_app
+from aospec.replay import read_jsonl
+from aospec.runtime import open_sandbox
+from aospec.runtime._fs import mounts_under
+from aospec.runtime.host import host_support
 
 from aospec.cli import main
 from aospec.protocols import ActionDraft, ObservationDraft
 from aospec.types import Action, History, Step, Trace
-from live.actors import OpenAIChatActor
-from live.agent import Agent, Drafters, default_drafters
-from live.chat import ChatFormat
-from live.record import TraceRecorder
-from live.serve_trace import serve_trace_app
-from replay import read_jsonl
-from runtime import open_sandbox
-from runtime._fs import mounts_under
-from runtime.host import host_support
 
 pytestmark = pytest.mark.root
 

@@ -11,11 +11,12 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
+from aospec.live.chat import ActorError, ChatFormat  # noqa: E402
+from aospec.live.local import TransformersActor  # noqa: E402
+
 from aospec.errors import ConfigError  # noqa: E402
 from aospec.protocols import Actor, StreamingActor  # noqa: E402
 from aospec.types import Action, History  # noqa: E402
-from live.chat import ActorError, ChatFormat  # noqa: E402
-from live.local import TransformersActor  # noqa: E402
 
 pytestmark = pytest.mark.anyio
 

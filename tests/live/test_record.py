@@ -11,13 +11,13 @@ import textwrap
 from pathlib import Path
 
 import pytest
+from aospec.live.agent import Agent, StepRecord
+from aospec.live.chat import Reply
+from aospec.live.record import TraceRecorder, step_of
+from aospec.replay import read_jsonl, write_jsonl
 
 from aospec.testing import InMemorySandbox, ScriptedActor
 from aospec.types import Action, History
-from live.agent import Agent, StepRecord
-from live.chat import Reply
-from live.record import TraceRecorder, step_of
-from replay import read_jsonl, write_jsonl
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -104,8 +104,8 @@ def test_kill_9_loses_no_committed_step(tmp_path: Path) -> None:
         import os, signal, anyio
         from aospec.testing import InMemorySandbox, ScriptedActor
         from aospec.types import Action
-        from live.agent import Agent
-        from live.record import TraceRecorder
+        from aospec.live.agent import Agent
+        from aospec.live.record import TraceRecorder
 
         rec = TraceRecorder({str(path)!r}, task="t", actor_model="scripted")
 

@@ -14,13 +14,13 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from aospec.live.chat import ChatFormat
+from aospec.replay import bundled_traces_path, read_jsonl
+from aospec.runtime._fs import mounts_under
+from aospec.runtime.host import host_support
 
 from aospec.cli import main
 from aospec.types import Step, Trace
-from live.chat import ChatFormat
-from replay import bundled_traces_path, read_jsonl
-from runtime._fs import mounts_under
-from runtime.host import host_support
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -140,7 +140,7 @@ class _Alternating:
 
 @pytest.mark.root
 def test_check_determinism_warns_when_two_identical_requests_differ(overlay_state, serve_app, capsys) -> None:
-    from live.serve_trace import serve_trace_app
+    from aospec.live.serve_trace import serve_trace_app
 
     a = demo_trace()
     b = Trace("count-demo-2", "count", "mini-swe-agent", "m", "tests/live", (

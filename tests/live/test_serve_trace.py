@@ -16,11 +16,11 @@ import anyio
 import httpx
 import openai
 import pytest
+from aospec.live.chat import ChatFormat
+from aospec.live.serve_trace import reply_text, serve_trace, serve_trace_app
 
 from aospec.errors import ConfigError
 from aospec.types import Action, Trace
-from live.chat import ChatFormat
-from live.serve_trace import reply_text, serve_trace, serve_trace_app
 
 FMT = ChatFormat()
 

@@ -12,6 +12,18 @@ from pathlib import Path
 
 import anyio
 import pytest
+from aospec.live.actors import OpenAIChatActor
+from aospec.live.agent import Agent, FormatErrorSandbox, default_drafters
+from aospec.live.chat import ChatFormat
+from aospec.live.record import TraceRecorder
+from aospec.live.specbox_layer import TRAINED_MIN_PRIOR, SpecBoxOptions, build_router, deterministic_reads, open_specbox
+from aospec.runtime import open_sandbox
+from aospec.runtime._fs import mounts_under
+from aospec.runtime.host import host_support
+from aospec.runtime.lossless import snapshot_sandbox
+from aospec.specbox.cache import CachedSandbox
+from aospec.specbox.pool import PooledSandbox
+from aospec.specbox.routers import ParseRouter, tool_label
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import StreamingResponse
@@ -21,18 +33,6 @@ from aospec.cli import main
 from aospec.protocols import CachingSandbox, PrioritizedSandbox, StreamingActor
 from aospec.testing import InMemorySandbox
 from aospec.types import Action, History, Step, Trace
-from live.actors import OpenAIChatActor
-from live.agent import Agent, FormatErrorSandbox, default_drafters
-from live.chat import ChatFormat
-from live.record import TraceRecorder
-from live.specbox_layer import TRAINED_MIN_PRIOR, SpecBoxOptions, build_router, deterministic_reads, open_specbox
-from runtime import open_sandbox
-from runtime._fs import mounts_under
-from runtime.host import host_support
-from runtime.lossless import snapshot_sandbox
-from specbox.cache import CachedSandbox
-from specbox.pool import PooledSandbox
-from specbox.routers import ParseRouter, tool_label
 
 TASK = "Count the lines of /work/data.txt before and after appending one, then submit."
 REPLIES = [
@@ -279,7 +279,7 @@ async def test_a_repeated_read_hits_the_cache_at_the_same_version_and_not_after_
 async def test_a_serial_run_and_a_specbox_speculative_run_commit_the_same(
     overlay_state, serve_traces, tmp_path
 ) -> None:
-    from replay import read_jsonl
+    from aospec.replay import read_jsonl
 
     server = serve_traces([demo_trace()], tpot_ms=2.0)
     serial, serial_files, _, _, _ = await _run(
@@ -327,7 +327,7 @@ def test_aospec_run_with_the_specbox_layer_prints_its_figures(overlay_state, ser
         "pool": data["specbox"]["pool"],
     }
     assert data["specbox"]["pool"]["served"] >= 0 and data["specbox"]["pool"]["made"] >= 2
-    from replay import read_jsonl
+    from aospec.replay import read_jsonl
 
     (trace,) = read_jsonl(rec)
     assert trace.meta["specbox"]["router"] == "parse" and trace.meta["result"]["routes_fired"] == data["routes_fired"]

@@ -1,11 +1,11 @@
-"""live.chat.StreamFeed directly, across the attempts of one request: a retry whose content
+"""aospec.live.chat.StreamFeed directly, across the attempts of one request: a retry whose content
 falls short of what was already fed and then streams tool calls diverges (its calls would
 follow text the reply does not have), while one whose content catches up exactly feeds only
 the calls beyond what was fed."""
 
 from __future__ import annotations
 
-from live.chat import StreamFeed, tool_call_chunk
+from aospec.live.chat import StreamFeed, tool_call_chunk
 
 
 def _call(name: str = "", args: str = "", index: int = 0) -> dict[str, object]:

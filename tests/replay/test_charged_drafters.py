@@ -4,14 +4,14 @@ from __future__ import annotations
 
 import anyio
 import trio
+from aospec.replay.actor import VirtualClock
+from aospec.replay.policies import ChargedObservationDrafter, DrafterFailures
 from trio.testing import MockClock
 
 from aospec.errors import DrafterError
 from aospec.protocols import ObservationDraft
 from aospec.testing import ScriptedObservationDrafter
 from aospec.types import Action, History
-from replay.actor import VirtualClock
-from replay.policies import ChargedObservationDrafter, DrafterFailures
 
 MS = 1_000_000
 

@@ -6,12 +6,12 @@ import os
 from collections.abc import Callable, Iterator, Sequence
 
 import pytest
+from aospec.replay import bundled_traces_path, load_traces
+from aospec.replay.executors import InlineExecutor, LocalProcessExecutor, SweepTaskError, local_executor
+from aospec.replay.policies import parse_policies
+from aospec.replay.sweep import run_sweep
 
 from aospec.errors import ConfigError
-from replay import bundled_traces_path, load_traces
-from replay.executors import InlineExecutor, LocalProcessExecutor, SweepTaskError, local_executor
-from replay.policies import parse_policies
-from replay.sweep import run_sweep
 
 
 class CountingJob:

@@ -12,13 +12,13 @@ import shutil
 from pathlib import Path
 
 import pytest
+from aospec.replay import bundled_traces_path, dump_jsonl, import_traces, load_traces, read_jsonl
+from aospec.replay.importers.minisweagent import parse_traj_text
+from aospec.replay.io import MAX_OUTPUT_TOKENS
+from aospec.replay.policies import check_drafters, parse_policies
+from aospec.replay.sweep import run_sweep
 
 from aospec.errors import ConfigError, MissingDependencyError, TraceFormatError, TraceImportError
-from replay import bundled_traces_path, dump_jsonl, import_traces, load_traces, read_jsonl
-from replay.importers.minisweagent import parse_traj_text
-from replay.io import MAX_OUTPUT_TOKENS
-from replay.policies import check_drafters, parse_policies
-from replay.sweep import run_sweep
 
 DATA = Path(__file__).parent / "data"
 V1 = DATA / "mini-swe-agent" / "v1-count-lines.traj.json"

@@ -6,13 +6,13 @@ import json
 from pathlib import Path
 
 import pytest
+from aospec.replay import load_traces
+from aospec.replay.importers.minisweagent import parse_traj_text, read_traj
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from aospec.errors import TraceFormatError
 from aospec.types import Action
-from replay import load_traces
-from replay.importers.minisweagent import parse_traj_text, read_traj
 
 DIR = Path(__file__).parent / "data" / "mini-swe-agent"
 V1 = DIR / "v1-count-lines.traj.json"

@@ -7,14 +7,14 @@ import json
 from pathlib import Path
 
 import pytest
+from aospec.replay import load_traces, trace_stats
+from aospec.replay.importers.taubench import RESPOND_TOOL, parse_taubench_text, read_taubench
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from aospec.effects import step_effect
 from aospec.errors import TraceFormatError
 from aospec.types import Action, Effect
-from replay import load_traces, trace_stats
-from replay.importers.taubench import RESPOND_TOOL, parse_taubench_text, read_taubench
 
 FIXTURE = Path(__file__).parent / "data" / "taubench" / "gpt-4o-airline.two-tasks.json"
 SHARED = Path("/work/shared/traces/tau-bench-gpt-4o-airline/gpt-4o-airline.even-tasks.json")

@@ -8,13 +8,13 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from aospec.replay import bundled_traces_path, load_traces, trace_stats
+from aospec.replay.importers.tb1 import ACTOR_MODEL, HARNESS, parse_tb1_text, read_tb1
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from aospec.errors import TraceFormatError, TraceImportError
 from aospec.types import Action
-from replay import bundled_traces_path, load_traces, trace_stats
-from replay.importers.tb1 import ACTOR_MODEL, HARNESS, parse_tb1_text, read_tb1
 
 TB1_DIR = Path(__file__).parent / "data" / "tb1"
 SHARED_TB1 = Path("/work/shared/traces/tb1-mini-swe-agent-claude-sonnet-4")

@@ -8,13 +8,13 @@ from pathlib import Path
 from types import MappingProxyType
 
 import pytest
+from aospec.replay import bundled_traces_path, dump_jsonl, load_traces, read_jsonl, write_jsonl
+from aospec.replay.io import freeze_json, parse_jsonl_text
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from aospec.errors import TraceFormatError, TraceImportError
 from aospec.types import SCHEMA_VERSION, Action, Step, Trace
-from replay import bundled_traces_path, dump_jsonl, load_traces, read_jsonl, write_jsonl
-from replay.io import freeze_json, parse_jsonl_text
 
 DATA = Path(__file__).parent / "data"
 TB1_DIR = DATA / "tb1"

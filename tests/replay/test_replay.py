@@ -6,15 +6,15 @@ from pathlib import Path
 
 import anyio
 import pytest
+from aospec.replay import bundled_traces_path, load_traces
+from aospec.replay.actor import DIVERGED_TOOL, ReplayActor, VirtualClock, seconds_to_ns
+from aospec.replay.policies import DEFAULT_POLICIES, DrafterSet, parse_policies, parse_policy
+from aospec.replay.sandbox import OFF_RECORD_PREFIX, ReplayWorld
+from aospec.replay.sweep import check_ceiling, check_trajectory, replay_trace
 from trio.testing import MockClock
 
 from aospec.errors import ConfigError, EngineError
 from aospec.types import Action, History, Step, Trace
-from replay import bundled_traces_path, load_traces
-from replay.actor import DIVERGED_TOOL, ReplayActor, VirtualClock, seconds_to_ns
-from replay.policies import DEFAULT_POLICIES, DrafterSet, parse_policies, parse_policy
-from replay.sandbox import OFF_RECORD_PREFIX, ReplayWorld
-from replay.sweep import check_ceiling, check_trajectory, replay_trace
 
 # tool times whose binary sums are inexact: 0.1 + 0.2 != 0.3 in floats
 STEPS = [
@@ -206,7 +206,7 @@ def _pid_trace(task: str, pids=(4242, 5151, 6262)) -> Trace:
 
 
 def test_replay_actor_matches_canonically_equal_histories_only_when_given_a_canonicaliser():
-    from drafters.canonicalize import Canonicalizer
+    from aospec.drafters.canonicalize import Canonicalizer
 
     trace = _pid_trace("t")
     turns = trace.history(3).turns
@@ -221,8 +221,8 @@ def test_replay_actor_matches_canonically_equal_histories_only_when_given_a_cano
 
 
 def test_canonical_acceptance_replays_losslessly_and_counts_canonical_hits_apart():
-    from replay.metrics import summarize
-    from replay.report import markdown_summary
+    from aospec.replay.metrics import summarize
+    from aospec.replay.report import markdown_summary
 
     trace = _pid_trace("eval")
     train = [_pid_trace("train-a", (11, 12, 13)), _pid_trace("train-b", (21, 22, 23))]
@@ -242,6 +242,6 @@ def test_canonical_acceptance_replays_losslessly_and_counts_canonical_hits_apart
     assert summaries["spechop-cache"].obs_canonical_hit_rate == 0.0
     assert "canonical hit" in markdown_summary(list(summaries.values()), {})
     with pytest.raises(ConfigError, match="canonicalizer 'colour'"):
-        from replay.policies import check_drafter_names
+        from aospec.replay.policies import check_drafter_names
 
         check_drafter_names(parse_policies("aospec:accept=canonical:canonicalizer=colour"))

@@ -7,12 +7,12 @@ fork to the right recorded step is subtle.
 
 from __future__ import annotations
 
+from aospec.replay.policies import DEFAULT_POLICIES, DrafterSet, parse_policies
+from aospec.replay.sweep import replay_trace
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from aospec.types import Action, Step, Trace
-from replay.policies import DEFAULT_POLICIES, DrafterSet, parse_policies
-from replay.sweep import replay_trace
 
 COMMANDS = [
     "ls",

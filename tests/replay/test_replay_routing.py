@@ -9,19 +9,19 @@ from pathlib import Path
 import pytest
 import trio
 import trio.testing
+from aospec.replay import bundled_traces_path, load_traces
+from aospec.replay._streams import step_stream, tool_label
+from aospec.replay.actor import DIVERGED_TOOL, END_TOOL, ReplayActor, VirtualClock
+from aospec.replay.policies import DrafterSet, load_router, parse_policies, parse_policy
+from aospec.replay.sweep import replay_trace
 
 from aospec.errors import ConfigError
 from aospec.protocols import ActionDraft, StreamingActor
 from aospec.types import Action, History, Step, Trace
-from replay import bundled_traces_path, load_traces
-from replay._streams import step_stream, tool_label
-from replay.actor import DIVERGED_TOOL, END_TOOL, ReplayActor, VirtualClock
-from replay.policies import DrafterSet, load_router, parse_policies, parse_policy
-from replay.sweep import replay_trace
 
-specbox_routers = pytest.importorskip("specbox.routers")
+specbox_routers = pytest.importorskip("aospec.specbox.routers")
 
-PARSE = "specbox.routers.ParseRouter"
+PARSE = "aospec.specbox.routers.ParseRouter"
 TAUBENCH = Path(__file__).parent / "data" / "taubench"
 REPLY = "THOUGHT: count the lines of the file.\n\n```bash\nwc -l data.txt\n```"
 
@@ -153,7 +153,7 @@ def test_a_routed_policy_replays_losslessly_and_counts_its_routed_forks(mid):
 
 
 def test_the_history_drafter_routes_on_the_bundled_sample(mid):
-    from drafters.history import HistoryActionDrafter
+    from aospec.drafters.history import HistoryActionDrafter
 
     if not hasattr(HistoryActionDrafter, "propose_routed"):
         pytest.skip("the history drafter has no propose_routed yet")
@@ -172,11 +172,11 @@ def test_router_specs_are_dotted_paths_fit_on_the_training_traces(bundled):
     with pytest.raises(ConfigError, match="dotted path"):
         load_router("parse")
     with pytest.raises(ConfigError, match="no attribute"):
-        load_router("specbox.routers.NoSuchRouter")
+        load_router("aospec.specbox.routers.NoSuchRouter")
     assert isinstance(load_router(PARSE), specbox_routers.ParseRouter)
-    keyword = load_router("specbox.routers.KeywordRouter", bundled[:4])  # has fit(traces): fit
+    keyword = load_router("aospec.specbox.routers.KeywordRouter", bundled[:4])  # has fit(traces): fit
     assert isinstance(keyword, specbox_routers.KeywordRouter) and keyword.profiles
-    union = load_router(f"specbox.routers.KeywordRouter+{PARSE}", bundled[:4])
+    union = load_router(f"aospec.specbox.routers.KeywordRouter+{PARSE}", bundled[:4])
     session = union.session()
     events = [e for d in step_stream(_trace().steps[0]) for e in session.feed(d)]
     assert [e.tool for e in events][-1:] == ["wc"]
@@ -205,7 +205,7 @@ class _Member:
 
 
 def test_the_union_passes_the_branch_history_to_its_members():
-    from replay._streams import UnionRouter
+    from aospec.replay._streams import UnionRouter
 
     a, b = _Member(), _Member()
     union = UnionRouter([a, b])

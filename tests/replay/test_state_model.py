@@ -1,7 +1,7 @@
 """Replay state models: recorded versions, the static effect classifier, the blind bracket.
 
 The traces here are canonical traces *with* recorded versions, written with
-``replay.io.write_jsonl`` and read back, as a live run records them:
+``aospec.replay.io.write_jsonl`` and read back, as a live run records them:
 
 - HIDDEN_WRITE: ``git status`` looks read-only to the classifier, but the recording shows
   it changed the filesystem (it refreshed ``.git/index``). Under ``effects`` the next
@@ -20,16 +20,16 @@ import sys
 from pathlib import Path
 
 import pytest
+from aospec.replay import bundled_traces_path, load_traces
+from aospec.replay.actor import VirtualClock
+from aospec.replay.io import write_jsonl
+from aospec.replay.metrics import summarize
+from aospec.replay.policies import DrafterSet, parse_policies
+from aospec.replay.sandbox import ReplayWorld, recorded_versions_problem, resolve_state_model, world_versions
+from aospec.replay.sweep import replay_trace, run_sweep
 
 from aospec.errors import ConfigError
 from aospec.types import Action, Effect, Step, Trace, version_hash
-from replay import bundled_traces_path, load_traces
-from replay.actor import VirtualClock
-from replay.io import write_jsonl
-from replay.metrics import summarize
-from replay.policies import DrafterSet, parse_policies
-from replay.sandbox import ReplayWorld, recorded_versions_problem, resolve_state_model, world_versions
-from replay.sweep import replay_trace, run_sweep
 
 V0, V1, V2 = (version_hash("test", str(k)) for k in range(3))
 LONG_S = 10.0  # every tool call: long enough that hiding one shows in the latency

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from aospec.replay import trace_stats
+from aospec.replay.stats import tool_durations
 
 from aospec.types import Action, Step, Trace
-from replay import trace_stats
-from replay.stats import tool_durations
 
 
 def _trace(id: str, task: str, durations: list[float | None], *, harness: str = "h", estimated: bool = True) -> Trace:

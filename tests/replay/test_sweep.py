@@ -6,16 +6,16 @@ import json
 import math
 
 import pytest
+from aospec.replay import bundled_traces_path, load_traces
+from aospec.replay.metrics import summarize
+from aospec.replay.policies import parse_policies
+from aospec.replay.report import PLOTS, write_report
+from aospec.replay.sweep import run_sweep
 
 from aospec.cli import main as cli_main
 from aospec.errors import ConfigError
 from aospec.testing import FitRecorder
 from aospec.types import Trace
-from replay import bundled_traces_path, load_traces
-from replay.metrics import summarize
-from replay.policies import parse_policies
-from replay.report import PLOTS, write_report
-from replay.sweep import run_sweep
 
 JSON_KEYS = {
     "policy",
@@ -173,7 +173,7 @@ def test_cli_errors_are_one_line(capsys):
 
 
 def test_a_sweep_with_a_slow_policy_says_so_with_an_estimate_first():
-    from replay.cli.sweep import slow_policy_note
+    from aospec.replay.cli.sweep import slow_policy_note
 
     assert slow_policy_note(parse_policies("serial,aospec,ceiling"), steps=929, tpots=5, jobs=2) is None
     note = slow_policy_note(parse_policies("serial,aospec:kernel=embedding"), steps=929, tpots=5, jobs=2)

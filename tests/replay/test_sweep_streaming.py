@@ -10,18 +10,18 @@ import sys
 from pathlib import Path
 
 import pytest
+from aospec.replay import bundled_traces_path, load_traces
+from aospec.replay.executors import InlineExecutor, LocalProcessExecutor, SweepTaskError
+from aospec.replay.faults import InjectedFault
+from aospec.replay.metrics import summarize
+from aospec.replay.policies import parse_policies
+from aospec.replay.report import ResultsFile, read_results
+from aospec.replay.sweep import iter_sweep, run_sweep
 
 from aospec.cli import main as cli_main
 from aospec.errors import MissingDependencyError
-from replay import bundled_traces_path, load_traces
-from replay.executors import InlineExecutor, LocalProcessExecutor, SweepTaskError
-from replay.faults import InjectedFault
-from replay.metrics import summarize
-from replay.policies import parse_policies
-from replay.report import ResultsFile, read_results
-from replay.sweep import iter_sweep, run_sweep
 
-FAULTY = "replay.faults.FaultyObservationDrafter"
+FAULTY = "aospec.replay.faults.FaultyObservationDrafter"
 FAULTY_POLICY = f"aospec:obs_drafter={FAULTY}"
 LAST_TASK = "train-fasttext"  # the bundled sample's last task: its trace runs last with one worker
 
@@ -127,7 +127,7 @@ def test_address_needs_the_ray_executor(tmp_path, capsys):
 
 def test_the_ray_executor_without_ray_names_the_extra(tmp_path, capsys, monkeypatch):
     monkeypatch.setitem(sys.modules, "ray", None)  # what an environment without Ray sees: ImportError
-    from replay.executors_ray import require_ray
+    from aospec.replay.executors_ray import require_ray
 
     with pytest.raises(MissingDependencyError, match=r"pip install 'aospec\[ray\]'"):
         require_ray()
@@ -141,9 +141,10 @@ def test_the_cli_hands_the_executor_references_not_steps(tmp_path, bundled, monk
     import io
     import pickle
 
-    import replay.executors
+    import aospec.replay.executors
+    from aospec.replay.sweep import TraceRef
+
     from aospec.types import Step, Trace
-    from replay.sweep import TraceRef
 
     jobs = []
 
@@ -152,7 +153,7 @@ def test_the_cli_hands_the_executor_references_not_steps(tmp_path, bundled, monk
             jobs.append(job)
             return super().map_unordered(job, items)
 
-    monkeypatch.setattr(replay.executors, "local_executor", lambda n, retries=1: Recording(retries))
+    monkeypatch.setattr(aospec.replay.executors, "local_executor", lambda n, retries=1: Recording(retries))
     assert _sweep(tmp_path, "--policies", "serial,aospec", "--jobs", "1") == 0
     (job,) = jobs
     assert all(isinstance(r, TraceRef) for r in job.eval_traces)

@@ -8,11 +8,11 @@ from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
 import pytest
+from aospec.runtime import SandboxConfig, open_sandbox
+from aospec.runtime._fs import mounts_under
+from aospec.runtime.host import host_support
 
 from aospec.errors import SandboxUnavailableError
-from runtime import SandboxConfig, open_sandbox
-from runtime._fs import mounts_under
-from runtime.host import host_support
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -46,7 +46,7 @@ _docker_reason: list[str | None] = []
 def docker_skip_reason() -> str | None:
     if not _docker_reason:
         try:
-            from runtime.daemon import docker_client
+            from aospec.runtime.daemon import docker_client
 
             client = docker_client()
             driver = client.info().get("Driver")

@@ -10,8 +10,7 @@ from __future__ import annotations
 import sys
 
 import anyio
-
-from runtime import SandboxConfig, open_sandbox
+from aospec.runtime import SandboxConfig, open_sandbox
 
 
 async def main(backend: str, state_dir: str, mode: str) -> None:

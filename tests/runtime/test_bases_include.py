@@ -12,9 +12,9 @@ import sys
 from pathlib import Path
 
 import pytest
+from aospec.runtime.bases import build_base, debootstrap_name, open_base, parse_debootstrap_spec
 
 from aospec.errors import SandboxError, SandboxUnavailableError
-from runtime.bases import build_base, debootstrap_name, open_base, parse_debootstrap_spec
 
 STUB = """#!/bin/sh
 # records its arguments; the last non-option argument but one is the target

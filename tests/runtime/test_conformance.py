@@ -13,14 +13,14 @@ from contextlib import AbstractAsyncContextManager, asynccontextmanager
 
 import anyio
 import pytest
+from aospec.replay.actor import VirtualClock
+from aospec.replay.sandbox import ReplayWorld
+from aospec.runtime import SandboxConfig, open_sandbox
 
 from aospec.errors import SandboxError
 from aospec.protocols import Sandbox
 from aospec.testing import InMemorySandbox
 from aospec.types import Action, Step, Trace
-from replay.actor import VirtualClock
-from replay.sandbox import ReplayWorld
-from runtime import SandboxConfig, open_sandbox
 
 pytestmark = pytest.mark.anyio
 

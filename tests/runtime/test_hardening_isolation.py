@@ -13,11 +13,11 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from aospec.runtime import Bind, Limits, SandboxConfig, open_sandbox
+from aospec.runtime.config import GiB
+from aospec.runtime.host import HostSupport, host_support
 
 from aospec.errors import ConfigError, SandboxError
-from runtime import Bind, Limits, SandboxConfig, open_sandbox
-from runtime.config import GiB
-from runtime.host import HostSupport, host_support
 
 pytestmark = pytest.mark.anyio
 
@@ -269,7 +269,7 @@ async def test_bad_seccomp_profile_is_one_clear_error(overlay: str, tmp_path: Pa
 def test_missing_seccomp_library_names_the_fix() -> None:
     code = (
         "import sys; sys.modules['pyseccomp'] = None\n"
-        "from runtime.seccomp import filter_program\n"
+        "from aospec.runtime.seccomp import filter_program\n"
         "try:\n    filter_program('default')\nexcept Exception as exc:\n    print(type(exc).__name__, exc)\n"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT).stdout

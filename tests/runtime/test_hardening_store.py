@@ -17,11 +17,11 @@ from pathlib import Path
 
 import anyio
 import pytest
+from aospec.runtime import Limits, SandboxConfig, _fs, default_state_root, open_sandbox
+from aospec.runtime.bases import cache_dir
+from aospec.runtime.overlay import verify_state_dir
 
 from aospec.errors import SandboxError
-from runtime import Limits, SandboxConfig, _fs, default_state_root, open_sandbox
-from runtime.bases import cache_dir
-from runtime.overlay import verify_state_dir
 
 pytestmark = pytest.mark.anyio
 
@@ -161,7 +161,7 @@ async def test_a_setuid_file_written_in_a_sandbox_gives_host_users_no_root(overl
 
 
 def test_the_base_cache_is_private() -> None:
-    from runtime.bases import open_base
+    from aospec.runtime.bases import open_base
 
     bases = cache_dir() / "bases"
     open_base("busybox")

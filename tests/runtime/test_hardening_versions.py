@@ -15,11 +15,10 @@ from typing import Any
 
 import anyio
 import pytest
+from aospec.runtime import SandboxConfig, _fs, open_sandbox
+from aospec.runtime.versions import Layer, UpperTracker, tree_layer
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-
-from runtime import SandboxConfig, _fs, open_sandbox
-from runtime.versions import Layer, UpperTracker, tree_layer
 
 ROOT = Path(__file__).resolve().parents[2]
 DEEP_NAME = "d" * 60

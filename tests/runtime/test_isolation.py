@@ -11,9 +11,8 @@ from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
 import pytest
-
-from runtime import Limits, SandboxConfig, open_sandbox
-from runtime.host import host_support
+from aospec.runtime import Limits, SandboxConfig, open_sandbox
+from aospec.runtime.host import host_support
 
 pytestmark = pytest.mark.anyio
 
@@ -264,7 +263,7 @@ async def test_escape_attempts_in_forks_lose_nothing_in_the_committed_state(limi
 
 
 async def test_declared_binds_are_the_only_host_paths_visible(backend: str, tmp_path: Path) -> None:
-    from runtime import Bind
+    from aospec.runtime import Bind
 
     ro, rw = tmp_path / "ro", tmp_path / "rw"
     ro.mkdir()

@@ -13,12 +13,8 @@ from pathlib import Path
 
 import anyio
 import pytest
-from hypothesis import HealthCheck, Phase, example, given, settings
-from hypothesis import strategies as st
-
-from aospec.types import Action
-from runtime import open_sandbox
-from runtime.lossless import (
+from aospec.runtime import open_sandbox
+from aospec.runtime.lossless import (
     SANDBOX_CONFIGS,
     CaseOutcome,
     LosslessCase,
@@ -29,6 +25,10 @@ from runtime.lossless import (
     snapshot_sandbox,
     snapshot_tree,
 )
+from hypothesis import HealthCheck, Phase, example, given, settings
+from hypothesis import strategies as st
+
+from aospec.types import Action
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -20,10 +20,10 @@ from typing import Any
 
 import anyio
 import pytest
+from aospec.live.specbox_layer import deterministic_reads
+from aospec.runtime.lossless import CaseOutcome, LosslessCase, SpeculationLayer, check_case, make_case
 
 from aospec.types import Action
-from live.specbox_layer import deterministic_reads
-from runtime.lossless import CaseOutcome, LosslessCase, SpeculationLayer, check_case, make_case
 
 ROOT = Path(__file__).resolve().parents[2]
 

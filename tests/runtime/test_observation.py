@@ -4,10 +4,10 @@ with jinja2, as mini-swe-agent does), so observations match recorded traces."""
 from __future__ import annotations
 
 import pytest
+from aospec.runtime import CommandResult, MiniSweAgentFormatter, RawFormatter, get_formatter
 
 from aospec.errors import ConfigError
 from aospec.types import Action
-from runtime import CommandResult, MiniSweAgentFormatter, RawFormatter, get_formatter
 
 jinja2 = pytest.importorskip("jinja2")
 
@@ -67,7 +67,7 @@ def test_timeouts_match_mini_swe_agent_byte_for_byte() -> None:
 
 def test_formatters_are_chosen_by_name_or_dotted_path() -> None:
     assert isinstance(get_formatter("mini-swe-agent"), MiniSweAgentFormatter)
-    assert isinstance(get_formatter("runtime.observation:RawFormatter"), RawFormatter)
+    assert isinstance(get_formatter("aospec.runtime.observation:RawFormatter"), RawFormatter)
     custom = RawFormatter()
     assert get_formatter(custom) is custom
     with pytest.raises(ConfigError, match="unknown observation formatter 'nope'"):

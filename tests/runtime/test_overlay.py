@@ -7,15 +7,15 @@ import shutil
 from pathlib import Path
 
 import pytest
+from aospec.runtime import Limits, SandboxConfig, open_base, open_sandbox
+from aospec.runtime._fs import mounts_under
+from aospec.runtime.host import HostSupport
+from aospec.runtime.processes import marked_processes
+from aospec.runtime.versions import Layer, base_version, chain_version, tree_layer
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from aospec.errors import ConfigError, SandboxError, SandboxUnavailableError
-from runtime import Limits, SandboxConfig, open_base, open_sandbox
-from runtime._fs import mounts_under
-from runtime.host import HostSupport
-from runtime.processes import marked_processes
-from runtime.versions import Layer, base_version, chain_version, tree_layer
 
 pytestmark = pytest.mark.anyio
 

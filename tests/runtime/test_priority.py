@@ -10,16 +10,16 @@ from pathlib import Path
 
 import anyio
 import pytest
+from aospec.runtime import SandboxConfig, open_sandbox
+from aospec.runtime.host import host_support
+from aospec.runtime.isolation import _tree
+from aospec.runtime.processes import marked_processes
 
 from aospec.engine import Engine
 from aospec.engine_config import EngineConfig
 from aospec.protocols import ActionDraft, PrioritizedSandbox
 from aospec.testing import InMemorySandbox, ScriptedActionDrafter, ScriptedActor
 from aospec.types import Action, History
-from runtime import SandboxConfig, open_sandbox
-from runtime.host import host_support
-from runtime.isolation import _tree
-from runtime.processes import marked_processes
 
 pytestmark = [pytest.mark.anyio, pytest.mark.root]
 

@@ -14,11 +14,10 @@ from collections.abc import Iterable
 from pathlib import Path
 
 import pytest
-
-from runtime import SandboxConfig, open_sandbox
-from runtime._fs import mounts_under, unmount_all_under
-from runtime.host import host_support
-from runtime.processes import marked_processes
+from aospec.runtime import SandboxConfig, open_sandbox
+from aospec.runtime._fs import mounts_under, unmount_all_under
+from aospec.runtime.host import host_support
+from aospec.runtime.processes import marked_processes
 
 pytestmark = pytest.mark.anyio
 
@@ -137,7 +136,7 @@ async def test_overlay_recovers_from_sigkill_at_random_moments(overlay: str, sta
 @pytest.mark.docker
 @pytest.mark.slow
 async def test_docker_recovers_from_sigkill_with_commands_in_flight(docker_backend: str, state: Path) -> None:
-    from runtime.daemon import docker_client
+    from aospec.runtime.daemon import docker_client
 
     child = Child(docker_backend, state, "inflight")
     child.wait_for("READY", timeout=300)

@@ -8,11 +8,10 @@ import os
 from pathlib import Path
 
 import pytest
-
-from runtime import SandboxConfig, default_state_root, open_sandbox
-from runtime._fs import mounts_under
-from runtime.host import host_support
-from runtime.processes import marked_processes
+from aospec.runtime import SandboxConfig, default_state_root, open_sandbox
+from aospec.runtime._fs import mounts_under
+from aospec.runtime.host import host_support
+from aospec.runtime.processes import marked_processes
 
 pytestmark = pytest.mark.anyio
 
@@ -75,7 +74,7 @@ async def test_hundreds_of_overlay_cycles_leak_nothing(overlay: str) -> None:
 @pytest.mark.docker
 @pytest.mark.slow
 async def test_docker_cycles_leak_nothing(docker_backend: str) -> None:
-    from runtime.daemon import docker_client
+    from aospec.runtime.daemon import docker_client
 
     client = docker_client()
     containers = len(client.containers.list(all=True))

@@ -12,8 +12,7 @@ from pathlib import Path
 
 import anyio
 import pytest
-
-from runtime._fs import mounts_under
+from aospec.runtime._fs import mounts_under
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -117,9 +116,9 @@ def test_an_unreachable_docker_daemon_is_one_clear_error(overlay: str) -> None:
 
 @pytest.mark.docker
 def test_a_docker_image_can_become_a_base(docker_backend: str) -> None:
-    from runtime import open_base
-    from runtime.daemon import docker_client
-    from runtime.docker import ensure_base_image
+    from aospec.runtime import open_base
+    from aospec.runtime.daemon import docker_client
+    from aospec.runtime.docker import ensure_base_image
 
     client = docker_client()
     image = ensure_base_image(client, open_base("busybox"))
@@ -137,8 +136,8 @@ def test_a_docker_image_can_become_a_base(docker_backend: str) -> None:
 async def test_gc_of_another_state_root_never_kills_a_running_command(overlay: str, tmp_path: Path) -> None:
     # found by scripts/check_lossless.py: gc of root B removed the cgroups of a live
     # session under root A, SIGKILLing its command (exit 137, no output)
-    from runtime import open_sandbox
-    from runtime.gc import collect_garbage
+    from aospec.runtime import open_sandbox
+    from aospec.runtime.gc import collect_garbage
 
     other_root = tmp_path / "other-root"
     other_root.mkdir()
@@ -162,10 +161,10 @@ async def test_gc_of_another_state_root_keeps_an_idle_live_stores_cgroup(overlay
     # found by a concurrent check_lossless + CI run: between two commands a live store's
     # cgroup holds no process, so gc of another root took it for a crashed store's and
     # removed it; a command starting at that moment was SIGKILLed (exit 137)
-    from runtime import open_sandbox
-    from runtime._state import store_alive
-    from runtime.gc import collect_garbage
-    from runtime.host import host_support
+    from aospec.runtime import open_sandbox
+    from aospec.runtime._state import store_alive
+    from aospec.runtime.gc import collect_garbage
+    from aospec.runtime.host import host_support
 
     _, cgroups = host_support()
     if cgroups is None:

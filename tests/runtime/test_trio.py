@@ -4,9 +4,9 @@ operations as on asyncio, including timeouts and cancellation."""
 from __future__ import annotations
 
 import pytest
+from aospec.runtime import SandboxConfig, open_sandbox
 
 from aospec.types import Action
-from runtime import SandboxConfig, open_sandbox
 
 pytestmark = pytest.mark.anyio
 

@@ -11,11 +11,10 @@ from pathlib import Path
 
 import pytest
 import xxhash
+from aospec.runtime import _fs
+from aospec.runtime.versions import Layer, UpperTracker, _TreeReader, base_version, chain_version, hash_file, tree_layer
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-
-from runtime import _fs
-from runtime.versions import Layer, UpperTracker, _TreeReader, base_version, chain_version, hash_file, tree_layer
 
 NAMES = ("a", "b", "c")
 PATHS = [n for n in NAMES] + [f"{x}/{y}" for x in NAMES for y in NAMES] + [f"a/{y}/{z}" for y in NAMES for z in NAMES]

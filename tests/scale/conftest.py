@@ -77,7 +77,7 @@ SWEEP_TPOTS = (20.0, 1.0)
 
 
 def bundled_traces() -> list[object]:
-    from replay import load_traces
+    from aospec.replay import load_traces
 
     return list(load_traces(Path(__file__).resolve().parents[2] / "replay" / "data" / "tb1-sample"))
 
@@ -85,9 +85,9 @@ def bundled_traces() -> list[object]:
 @pytest.fixture(scope="session")
 def sweep_reference() -> list[dict[str, object]]:
     """The bundled sample swept in this process (the local executor): the records to match."""
-    from replay.executors import InlineExecutor
-    from replay.policies import parse_policies
-    from replay.sweep import run_sweep
+    from aospec.replay.executors import InlineExecutor
+    from aospec.replay.policies import parse_policies
+    from aospec.replay.sweep import run_sweep
 
     results = run_sweep(
         bundled_traces(), parse_policies(SWEEP_POLICIES), tpots_ms=SWEEP_TPOTS, executor=InlineExecutor()
@@ -96,8 +96,8 @@ def sweep_reference() -> list[dict[str, object]]:
 
 
 def _sweep_on(executor: object) -> list[dict[str, object]]:
-    from replay.policies import parse_policies
-    from replay.sweep import run_sweep
+    from aospec.replay.policies import parse_policies
+    from aospec.replay.sweep import run_sweep
 
     results = run_sweep(bundled_traces(), parse_policies(SWEEP_POLICIES), tpots_ms=SWEEP_TPOTS, executor=executor)
     return [r.to_json() for r in results]

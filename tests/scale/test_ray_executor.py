@@ -12,7 +12,7 @@ import pytest
 
 ray = pytest.importorskip("ray")
 
-from replay.executors_ray import RayExecutor, SweepTaskError  # noqa: E402
+from aospec.replay.executors_ray import RayExecutor, SweepTaskError  # noqa: E402
 
 ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # the test jobs travel by value
 

@@ -7,7 +7,7 @@ import pytest
 
 ray = pytest.importorskip("ray")
 
-from replay.executors_ray import RayExecutor  # noqa: E402
+from aospec.replay.executors_ray import RayExecutor  # noqa: E402
 
 
 def test_a_sweep_on_a_two_node_cluster_equals_the_local_sweep(two_node_cluster, sweep_reference, sweep_on) -> None:

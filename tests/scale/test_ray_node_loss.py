@@ -12,10 +12,11 @@ import pytest
 
 ray = pytest.importorskip("ray")
 
+from aospec.runtime._fs import mounts_under  # noqa: E402
+from aospec.runtime.gc import collect_garbage  # noqa: E402
+from aospec.runtime.ray_backend import NodeLostError, RayOptions, RaySandboxCluster  # noqa: E402
+
 from aospec.types import Action  # noqa: E402
-from runtime._fs import mounts_under  # noqa: E402
-from runtime.gc import collect_garbage  # noqa: E402
-from runtime.ray_backend import NodeLostError, RayOptions, RaySandboxCluster  # noqa: E402
 
 pytestmark = [pytest.mark.anyio, pytest.mark.root]
 
@@ -27,8 +28,8 @@ def anyio_backend() -> str:
 
 @pytest.fixture(scope="module")
 def cluster(two_node_cluster, scale_dirs: dict[str, Path]) -> Iterator[RaySandboxCluster]:
-    from runtime import build_base
-    from runtime.host import host_support
+    from aospec.runtime import build_base
+    from aospec.runtime.host import host_support
 
     problems = host_support()[0].problems()
     if problems:

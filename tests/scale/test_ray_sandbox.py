@@ -18,15 +18,9 @@ import pytest
 
 pytest.importorskip("ray")
 
-from aospec.engine import Engine
-from aospec.engine_config import EngineConfig
-from aospec.errors import SandboxError
-from aospec.protocols import ActionDraft, ObservationDraft, Sandbox
-from aospec.testing import ScriptedActionDrafter, ScriptedActor, ScriptedObservationDrafter
-from aospec.types import Action, History
-from runtime import SandboxConfig, open_sandbox
-from runtime._fs import mounts_under
-from runtime.ray_backend import (
+from aospec.runtime import SandboxConfig, open_sandbox
+from aospec.runtime._fs import mounts_under
+from aospec.runtime.ray_backend import (
     ClusterFullError,
     NodeLostError,
     RayOptions,
@@ -35,9 +29,16 @@ from runtime.ray_backend import (
     set_default_cluster,
 )
 
+from aospec.engine import Engine
+from aospec.engine_config import EngineConfig
+from aospec.errors import SandboxError
+from aospec.protocols import ActionDraft, ObservationDraft, Sandbox
+from aospec.testing import ScriptedActionDrafter, ScriptedActor, ScriptedObservationDrafter
+from aospec.types import Action, History
+
 pytestmark = [pytest.mark.anyio, pytest.mark.root]
 
-RAY_BACKEND = "runtime.ray_backend:open_ray"
+RAY_BACKEND = "aospec.runtime.ray_backend:open_ray"
 
 
 def _conformance_tests() -> dict[str, object]:
@@ -59,12 +60,12 @@ def anyio_backend() -> str:
 
 @pytest.fixture(scope="module")
 def cluster(two_node_cluster: object, scale_dirs: dict[str, Path]) -> Iterator[RaySandboxCluster]:
-    from runtime.host import host_support
+    from aospec.runtime.host import host_support
 
     problems = host_support()[0].problems()
     if problems:
         pytest.skip(f"overlay sandbox cannot run here: {'; '.join(problems)}")
-    from runtime import build_base
+    from aospec.runtime import build_base
 
     build_base("busybox")  # once, before two node hosts would race to build it
     c = RaySandboxCluster(

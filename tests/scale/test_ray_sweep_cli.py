@@ -13,7 +13,7 @@ ray = pytest.importorskip("ray")
 
 from aospec.cli import main as cli_main  # noqa: E402
 
-FAULTY = "replay.faults.FaultyObservationDrafter"
+FAULTY = "aospec.replay.faults.FaultyObservationDrafter"
 
 
 def _sweep(out: Path, *args: str) -> int:

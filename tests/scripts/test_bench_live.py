@@ -19,7 +19,7 @@ TINY = ["--base", "busybox", "--tasks", "inventory-discount", "--train-traces", 
 
 
 def _skip_reason() -> str | None:
-    from runtime.host import host_support
+    from aospec.runtime.host import host_support
 
     problems = host_support()[0].problems()
     return "; ".join(problems) if problems else None

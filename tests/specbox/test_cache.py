@@ -9,14 +9,7 @@ import warnings
 
 import anyio
 import pytest
-from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
-
-from aospec.errors import SandboxError
-from aospec.protocols import ObservationDrafter, Sandbox
-from aospec.testing import InMemorySandbox
-from aospec.types import Action, History
-from specbox.cache import (
+from aospec.specbox.cache import (
     CachedSandbox,
     CachePolicy,
     CacheViolationWarning,
@@ -27,6 +20,13 @@ from specbox.cache import (
     similarity,
     storable,
 )
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from aospec.errors import SandboxError
+from aospec.protocols import ObservationDrafter, Sandbox
+from aospec.testing import InMemorySandbox
+from aospec.types import Action, History
 
 READS = shell_commands("cat", "ls", "wc")
 
@@ -349,7 +349,7 @@ OV_OPS = st.lists(
 
 
 def _overlay_reason() -> str | None:
-    from runtime.host import host_support
+    from aospec.runtime.host import host_support
 
     problems = host_support()[0].problems()
     return "; ".join(problems) if problems else None
@@ -362,7 +362,7 @@ def test_overlay_results_from_the_cache_are_never_stale(ops: list[tuple[str, int
     reason = _overlay_reason()
     if reason:
         pytest.skip(f"overlay sandboxes cannot run here: {reason}")
-    from runtime import open_sandbox
+    from aospec.runtime import open_sandbox
 
     async def main() -> None:
         async with open_sandbox(backend="overlay", timeout_s=20) as inner:

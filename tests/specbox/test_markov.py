@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import anyio
 import pytest
+from aospec.specbox.markov import START, MarkovPrefetcher, evaluate_markov, tool_costs_ms
 
 from aospec.errors import ConfigError
 from aospec.protocols import ActionDraft, ActionDrafter
 from aospec.types import Action, History, Step, Trace
-from specbox.markov import START, MarkovPrefetcher, evaluate_markov, tool_costs_ms
 
 
 def _trace(tid: str, commands: list[str], durations: list[float] | None = None) -> Trace:
@@ -130,7 +130,7 @@ def test_evaluate_markov_on_held_out_traces() -> None:
 
 
 def test_background_task_observes_and_prefetches() -> None:
-    from specbox.markov import prefetch_task
+    from aospec.specbox.markov import prefetch_task
 
     m = MarkovPrefetcher(tau=0.6, lam=5.0, costs={"cat": 100.0, "ls": 100.0})
     m.fit([_trace(f"t{i}", ["ls", "cat x"]) for i in range(8)])

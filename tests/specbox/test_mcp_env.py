@@ -1,7 +1,7 @@
 """MCP tool servers as prewarm-pool environments (specbox/mcp_env.py): real stdio MCP
-server processes (specbox._mcp_tool_server with no heavy import, so each starts fast)
+server processes (aospec.specbox._mcp_tool_server with no heavy import, so each starts fast)
 started by the official SDK client, warmed, acquired and released; large results out of
-band through specbox.transport, freed in the producer once the consumer closes them; and
+band through aospec.specbox.transport, freed in the producer once the consumer closes them; and
 nothing left behind (processes, /dev/shm entries, descriptors) after the pool closes.
 No timed assertions (scripts/bench_specbox.py measures)."""
 
@@ -15,10 +15,8 @@ from pathlib import Path
 import anyio
 import mcp_types as types
 import pytest
-
-from aospec.errors import ConfigError, SandboxError
-from specbox._mcp_tool_server import fill_text
-from specbox.mcp_env import (
+from aospec.specbox._mcp_tool_server import fill_text
+from aospec.specbox.mcp_env import (
     ARTIFACT_KEY,
     ARTIFACT_MARKER,
     ENV_TAG,
@@ -27,8 +25,10 @@ from specbox.mcp_env import (
     mcp_server_spec,
     mcp_tool_server_spec,
 )
-from specbox.pool import EnvironmentPool, process_tree_pids
-from specbox.transport import INLINE_THRESHOLD, SHM_DIR, SHM_PREFIX, ArtifactRef
+from aospec.specbox.pool import EnvironmentPool, process_tree_pids
+from aospec.specbox.transport import INLINE_THRESHOLD, SHM_DIR, SHM_PREFIX, ArtifactRef
+
+from aospec.errors import ConfigError, SandboxError
 
 pytestmark = pytest.mark.anyio
 

@@ -16,13 +16,8 @@ from pathlib import Path
 
 import anyio
 import pytest
-
-from aospec.errors import ConfigError
-from aospec.protocols import Sandbox
-from aospec.testing import InMemorySandbox
-from aospec.types import Action
-from specbox.markov import MarkovPrefetcher, prefetch_task
-from specbox.pool import (
+from aospec.specbox.markov import MarkovPrefetcher, prefetch_task
+from aospec.specbox.pool import (
     EnvironmentPool,
     EnvSpec,
     PooledSandbox,
@@ -32,7 +27,12 @@ from specbox.pool import (
     process_rss_bytes,
     router_adapter,
 )
-from specbox.routers import ParseRouter
+from aospec.specbox.routers import ParseRouter
+
+from aospec.errors import ConfigError
+from aospec.protocols import Sandbox
+from aospec.testing import InMemorySandbox
+from aospec.types import Action
 
 pytestmark = pytest.mark.anyio
 
@@ -546,7 +546,7 @@ globals().update(_conformance_tests())
 
 @pytest.fixture(scope="module")
 def overlay_dirs(tmp_path_factory: pytest.TempPathFactory):  # type: ignore[no-untyped-def]
-    from runtime.host import host_support
+    from aospec.runtime.host import host_support
 
     problems = host_support()[0].problems()
     if problems:
@@ -557,7 +557,7 @@ def overlay_dirs(tmp_path_factory: pytest.TempPathFactory):  # type: ignore[no-u
     mp.setenv("AOSPEC_STATE_ROOT", str(state))
     yield state
     mp.undo()
-    from runtime._fs import mounts_under
+    from aospec.runtime._fs import mounts_under
 
     assert not mounts_under(str(state))
 
@@ -569,7 +569,7 @@ def opener(request: pytest.FixtureRequest):  # type: ignore[no-untyped-def]
 
         @asynccontextmanager
         async def open_overlay() -> AsyncIterator[Sandbox]:
-            from runtime import SandboxConfig, open_sandbox
+            from aospec.runtime import SandboxConfig, open_sandbox
 
             async with (
                 open_sandbox(SandboxConfig(backend="overlay", timeout_s=20)) as inner,
@@ -595,9 +595,9 @@ async def any_sandbox(opener) -> AsyncIterator[Sandbox]:  # type: ignore[no-unty
 
 @pytest.mark.root
 async def test_a_sandbox_store_is_a_pool_environment_and_is_closed_with_the_pool(overlay_dirs) -> None:  # type: ignore[no-untyped-def]
-    from runtime import SandboxConfig
-    from runtime._fs import mounts_under
-    from specbox.pool import pooled_sandbox, sandbox_spec
+    from aospec.runtime import SandboxConfig
+    from aospec.runtime._fs import mounts_under
+    from aospec.specbox.pool import pooled_sandbox, sandbox_spec
 
     spec = sandbox_spec("sb", SandboxConfig(backend="overlay", timeout_s=20), policy="reserved", reserved=1)
     async with EnvironmentPool([spec]) as pool:
@@ -650,5 +650,5 @@ async def test_a_cancelled_cold_start_leaves_no_process() -> None:
         assert pool.count() == 0 and pool.stats.start_failures == 1
     import subprocess
 
-    out = subprocess.run(["pgrep", "-f", "specbox._demo_tool --startup-s 5.0"], capture_output=True, text=True)
+    out = subprocess.run(["pgrep", "-f", "aospec.specbox._demo_tool --startup-s 5.0"], capture_output=True, text=True)
     assert out.stdout.strip() == ""

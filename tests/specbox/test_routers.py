@@ -7,10 +7,7 @@ import json
 
 import numpy as np
 import pytest
-
-from aospec.errors import ConfigError
-from aospec.types import Action, History, Step, Trace
-from specbox.routers import (
+from aospec.specbox.routers import (
     Assembly,
     Keyword,
     KeywordRouter,
@@ -26,6 +23,9 @@ from specbox.routers import (
     tokenize,
     tool_label,
 )
+
+from aospec.errors import ConfigError
+from aospec.types import Action, History, Step, Trace
 
 
 def _trace(task: str, steps: list[tuple[str | None, Action]]) -> Trace:

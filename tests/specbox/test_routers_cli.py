@@ -7,9 +7,9 @@ import json
 from pathlib import Path
 
 import pytest
+from aospec.replay import bundled_traces_path, load_traces, write_jsonl
 
 from aospec.cli import main
-from replay import bundled_traces_path, load_traces, write_jsonl
 
 ROUTER_FIELDS = {
     "router",

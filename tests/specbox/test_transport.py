@@ -17,8 +17,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-
-from specbox.transport import (
+from aospec.specbox.transport import (
     SHM_DIR,
     SHM_PREFIX,
     ArtifactClient,
@@ -49,11 +48,11 @@ def no_leaked_segments() -> Iterator[None]:
 
 
 class Producer:
-    """``python -m specbox.transport`` in a child process."""
+    """``python -m aospec.specbox.transport`` in a child process."""
 
     def __init__(self, *args: str) -> None:
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "specbox.transport", *args],
+            [sys.executable, "-m", "aospec.specbox.transport", *args],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             text=True,
@@ -175,7 +174,7 @@ def test_a_crashed_consumer_leaks_no_lease() -> None:
         code = textwrap.dedent(
             f"""
             import json, os, signal, sys
-            from specbox.transport import ArtifactClient, ArtifactRef
+            from aospec.specbox.transport import ArtifactClient, ArtifactRef
             ref = ArtifactRef.from_json(json.loads({json.dumps(json.dumps(ref.to_json()))}))
             art = ArtifactClient(ref.address).open(ref)
             print(bytes(art.view[:1]).decode(), flush=True)

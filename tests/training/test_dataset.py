@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import pytest
+from aospec.drafters.prompts import ACTION_SEPARATOR, ELISION, PromptBudget, parse_action, render_action
+from aospec.replay import bundled_traces_path, load_traces
+from aospec.training.dataset import Example, build_examples, expand_weights, split_by_task
 
 from aospec.errors import ConfigError
 from aospec.types import Action, Step, Trace
-from drafters.prompts import ACTION_SEPARATOR, ELISION, PromptBudget, parse_action, render_action
-from replay import bundled_traces_path, load_traces
-from training.dataset import Example, build_examples, expand_weights, split_by_task
 
 
 def words(text: str) -> int:
@@ -135,7 +135,7 @@ def test_bundled_traces_give_examples_within_budget(bundled: list[Trace]) -> Non
 
 
 def test_frequency_baseline_proposes_the_most_frequent_training_targets() -> None:
-    from training.trainer import frequency_baseline
+    from aospec.training.trainer import frequency_baseline
 
     def ex(task: str, target: str) -> Example:
         return Example(task, f"{task}-t", 0, (), target, 1.0, 1)

@@ -17,7 +17,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 @pytest.mark.slow
 def test_device_check_smoke_run_writes_a_complete_summary(tmp_path: Path) -> None:
-    from replay import bundled_traces_path
+    from aospec.replay import bundled_traces_path
 
     env = {**os.environ, "OUT": str(tmp_path), "PYTHON": sys.executable}
     proc = subprocess.run(

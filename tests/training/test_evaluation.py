@@ -10,14 +10,15 @@ import pytest
 
 pytest.importorskip("torch")
 
+from aospec.drafters.backends import Completion
+from aospec.drafters.lm import LMObservationDrafter
+from aospec.drafters.prior import FrequencyPrior
+from aospec.drafters.prompts import ACTION_SEPARATOR
+from aospec.replay import bundled_traces_path
+from aospec.training.dataset import Example
+from aospec.training.trainer import _first_actions, frequency_baseline, frequency_prior
+
 from aospec.cli import main
-from drafters.backends import Completion
-from drafters.lm import LMObservationDrafter
-from drafters.prior import FrequencyPrior
-from drafters.prompts import ACTION_SEPARATOR
-from replay import bundled_traces_path
-from training.dataset import Example
-from training.trainer import _first_actions, frequency_baseline, frequency_prior
 
 FAST = ["--steps", "4", "--batch-size", "4", "--prompt-tokens", "128", "--target-tokens", "32", "--vocab-size", "512",
         "--eval-limit", "6", "--eval-samples", "4", "--checkpoint-every", "4", "--device", "cpu"]

@@ -10,9 +10,10 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("peft")
 
+from aospec.replay import bundled_traces_path, load_traces  # noqa: E402
+
 from aospec._files import new_file_mode  # noqa: E402
 from aospec.cli import main  # noqa: E402
-from replay import bundled_traces_path, load_traces  # noqa: E402
 
 FAST = ["--steps", "4", "--batch-size", "4", "--prompt-tokens", "128", "--target-tokens", "32", "--vocab-size", "512",
         "--eval-limit", "3", "--eval-samples", "2", "--checkpoint-every", "2", "--device", "cpu"]
@@ -55,7 +56,7 @@ def test_full_fine_tune_reports_json_and_writes_every_artifact(tmp_path: Path, c
         assert json.loads((out / d / "tokenizer_config.json").read_text())["tokenizer_class"] == "PreTrainedTokenizerFast"
     config = json.loads((out / "model" / "config.json").read_text())
     assert config["rope_theta"] == config["rope_parameters"]["rope_theta"]
-    from drafters.model import load_model
+    from aospec.drafters.model import load_model
 
     loaded = load_model(str(out))
     assert loaded.model.config.rope_parameters["rope_theta"] == config["rope_theta"]
@@ -78,7 +79,7 @@ def test_lora_adapter_is_exported_in_peft_format_for_vllm(tmp_path: Path, capsys
     base = weights(out / "base" / "model.safetensors")
     assert not any("lora" in k for k in base)
 
-    from drafters.backends.transformers import TransformersBackend
+    from aospec.drafters.backends.transformers import TransformersBackend
 
     backend = TransformersBackend(str(out), device="cpu")  # base + adapter, merged
     prompt = backend.render([{"role": "system", "content": "t"}, {"role": "user", "content": "ls"}])
