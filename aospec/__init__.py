@@ -29,6 +29,7 @@ from aospec.protocols import (
     Trainable,
 )
 from aospec.types import SCHEMA_VERSION, Action, Effect, History, Step, Trace, Turn, canonical_json
+from aospec.wrappers import SandboxWrapper
 
 __version__ = "0.1.0"
 
@@ -73,6 +74,7 @@ __all__ = [
     "Sandbox",
     "SandboxError",
     "SandboxUnavailableError",
+    "SandboxWrapper",
     "Session",
     "StateUnknownError",
     "Step",
