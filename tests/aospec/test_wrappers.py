@@ -8,9 +8,13 @@ from __future__ import annotations
 
 import inspect
 
+import anyio
 import pytest
+from trio.testing import MockClock
 
+from aospec.engine import Engine
 from aospec.protocols import (
+    ActionDraft,
     CachingSandbox,
     Capabilities,
     PrioritizedSandbox,
@@ -28,8 +32,12 @@ from aospec.testing import (
     ScriptedRoutedActionDrafter,
     StreamingScriptedActor,
 )
-from aospec.types import Action
+from aospec.types import Action, History
 from aospec.wrappers import CAPABILITIES, SandboxWrapper
+
+
+def run_virtual(fn):
+    return anyio.run(fn, backend="trio", backend_options={"clock": MockClock(autojump_threshold=0)})
 
 
 class Passing(SandboxWrapper):
@@ -188,3 +196,31 @@ def test_capabilities_are_found_by_isinstance_and_a_failing_check_means_none():
     assert caps.sandbox == SandboxCapabilities(prioritized=True, caching=False)
     assert SandboxCapabilities.of(_BrokenCache(InMemorySandbox())) == SandboxCapabilities()
     assert not Capabilities.of(actor=ScriptedActor(lambda h: Action.none()), sandbox=Plain(InMemorySandbox())).streaming_actor
+
+
+SCRIPT = [Action.bash(c) for c in ["echo a > x", "sleep 1 && cat x", "sleep 1 && ls", "cat x"]]
+
+
+def _choose(history: History) -> Action:
+    return SCRIPT[len(history)] if len(history) < len(SCRIPT) else Action.none()
+
+
+def test_the_engine_puts_forks_in_the_background_by_their_own_capability():
+    # The committed sandbox has no priority, its forks have: every speculative fork is
+    # set to the background as soon as it is forked (and one JASV waits on to the front).
+    plain = Plain(InMemorySandbox(op_delay_s=0.01))
+    wrong = ScriptedActionDrafter(lambda h: [ActionDraft(Action.bash("sleep 5 && rm x"), 0, 0.9)])
+
+    async def main():
+        engine = Engine(ScriptedActor(_choose, 0.5), plain, action_drafters=[wrong])
+        async with engine.session(History("t")) as session:
+            assert session.capabilities.sandbox == SandboxCapabilities()
+            for _ in SCRIPT:
+                await session.execute(await session.decode())
+        return engine.statistics()
+
+    stats = run_virtual(main)
+    assert stats.forks_launched >= 1 and stats.forks_reused == 0
+    background = [f for f in plain.forks if not f.foreground]
+    assert 1 <= len(background) <= stats.forks_launched  # speculative forks only
+    assert len(plain.forks) - len(background) >= len(SCRIPT)  # the steps' own forks stay in front
