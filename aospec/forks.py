@@ -38,8 +38,10 @@ if TYPE_CHECKING:
 
 __all__ = ["ForkEntry", "ForkRegistry", "ForkState", "Forks"]
 
-#: How a part of the engine reports a failed speculative operation (``Session._speculation_failed``).
+#: How a part of the engine reports a failed speculative operation: ``failed(what, exc,
+#: warn=False)``, counted and logged by :meth:`aospec.ledger.Ledger.speculation_failed`.
 Failed = Callable[..., None]
+_NO_CAPABILITIES = SandboxCapabilities()
 
 
 class ForkState(enum.Enum):
@@ -98,7 +100,7 @@ class ForkEntry:
         self.state = ForkState.RUNNING
         self.origin: str | None = None
         self.sandbox: Sandbox | None = None
-        self.capabilities = SandboxCapabilities()
+        self.capabilities = _NO_CAPABILITIES
         self.observation: str | None = None
         self.exec_start_ns: int | None = None
         self.exec_end_ns: int | None = None
@@ -210,6 +212,9 @@ class Forks:
         self._ledger = ledger
         self._task_group = task_group
         self._failed = failed
+        # A fork's capabilities, found once per class of fork (forks of one class have the
+        # same; a fork need not have its parent's: a pool hands out its inner sandbox's).
+        self._fork_capabilities: dict[type, SandboxCapabilities] = {type(sandbox): capabilities}
         self.registry = ForkRegistry()
         """``F``: live speculative forks by (origin version, action key), each RUNNING or IDLE."""
         self._idle: set[ForkEntry] = set()
@@ -277,7 +282,7 @@ class Forks:
                     self._ledger.fork_discarded(self._clock.now_ns(), fork.action.key, 0)
                     return
                 fork.sandbox = sandbox
-                fork.capabilities = SandboxCapabilities.of(sandbox)
+                fork.capabilities = self._capabilities_of(sandbox)
                 if fork.state is ForkState.RELEASED or sandbox.version != fork.origin:
                     # Released before it started, or the committed state moved on between launch
                     # and fork: this fork could never pass JASV under the version it is registered for.
@@ -312,6 +317,12 @@ class Forks:
                         await self._discard_sandbox(sandbox, fork.action)
                     now = self._clock.now_ns()
                     self._ledger.fork_discarded(now, fork.action.key, fork.tool_ns(now), speculative=fork.speculative)
+
+    def _capabilities_of(self, sandbox: Sandbox) -> SandboxCapabilities:
+        caps = self._fork_capabilities.get(type(sandbox))
+        if caps is None:
+            caps = self._fork_capabilities[type(sandbox)] = SandboxCapabilities.of(sandbox)
+        return caps
 
     @contextmanager
     def _verified_path(self) -> Iterator[None]:
@@ -413,7 +424,7 @@ class Forks:
                 await self._discard_sandbox(sandbox, action, exc)
             raise
         fork.sandbox = sandbox
-        fork.capabilities = SandboxCapabilities.of(sandbox)
+        fork.capabilities = self._capabilities_of(sandbox)
         fork.finish(ForkState.IDLE)
         return fork
 

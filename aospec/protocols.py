@@ -7,9 +7,9 @@ be cancel-safe (release what it holds when ``anyio.get_cancelled_exc_class()`` i
 Some seams have optional capabilities (:class:`StreamingActor`, :class:`RoutedActionDrafter`,
 :class:`StreamingObservationDrafter`, :class:`PrioritizedSandbox`, :class:`CachingSandbox`,
 :class:`GroupedKernel`). The engine finds them once, by ``isinstance``, when a run starts
-(:class:`Capabilities`; a fork's when it is forked: :class:`SandboxCapabilities`), never by
-probing attributes as it goes. A sandbox that wraps another one says which of them it has
-by one rule: :class:`aospec.wrappers.SandboxWrapper`.
+(:class:`Capabilities`; a fork's when one of its class is first forked:
+:class:`SandboxCapabilities`), never by probing attributes as it goes. A sandbox that wraps
+another one says which of them it has by one rule: :class:`aospec.wrappers.SandboxWrapper`.
 
 In-package implementations for tests live in :mod:`aospec.testing`. Traces have no seam of
 their own: the importers are plain functions from a path to ``Trace`` objects
@@ -321,8 +321,9 @@ class Capabilities:
     - ``streaming_drafters``: per observation drafter, whether it is a
       :class:`StreamingObservationDrafter` (then its ``draft_stream`` is used);
     - ``routed_drafters``: the action drafters that are :class:`RoutedActionDrafter` s;
-    - ``sandbox``: the committed sandbox's. A fork's are found once when it is forked: a
-      fork need not have its parent's (a pool hands out its inner sandbox's forks).
+    - ``sandbox``: the committed sandbox's. A fork's are found once per class of fork (when
+      the first is forked): a fork need not have its parent's (a pool hands out its inner
+      sandbox's forks).
     """
 
     streaming_actor: bool = False
