@@ -68,7 +68,7 @@ class ForkEntry:
     ``state`` is its life (:class:`ForkState`); ``task`` the task that runs it (a
     speculative target), cancelled to stop it. ``speculative`` is False for the execution
     of the committed step itself. ``exec_start_ns``/``exec_end_ns`` bound its tool time.
-    ``capabilities`` are its sandbox's, found once when it is forked.
+    ``capabilities`` are its sandbox's (found once per class of fork).
     """
 
     __slots__ = (
