@@ -8,9 +8,11 @@ from aospec.errors import (
     ConfigError,
     DrafterError,
     EngineError,
+    FailedAfterCommitError,
     MissingDependencyError,
     SandboxError,
     SandboxUnavailableError,
+    StateUnknownError,
     TraceFormatError,
     TraceImportError,
 )
@@ -27,6 +29,7 @@ from aospec.protocols import (
     Trainable,
 )
 from aospec.types import SCHEMA_VERSION, Action, Effect, History, Step, Trace, Turn, canonical_json
+from aospec.wrappers import SandboxWrapper
 
 __version__ = "0.1.0"
 
@@ -62,6 +65,7 @@ __all__ = [
     "EngineConfig",
     "EngineError",
     "EngineStatistics",
+    "FailedAfterCommitError",
     "History",
     "Kernel",
     "MissingDependencyError",
@@ -70,7 +74,9 @@ __all__ = [
     "Sandbox",
     "SandboxError",
     "SandboxUnavailableError",
+    "SandboxWrapper",
     "Session",
+    "StateUnknownError",
     "Step",
     "StreamingObservationDrafter",
     "Trace",

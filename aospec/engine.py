@@ -61,6 +61,7 @@ from aospec.ledger import EngineStatistics, Ledger
 from aospec.protocols import (
     ActionDrafter,
     Actor,
+    Capabilities,
     Clock,
     ObservationCanonicalizer,
     ObservationDrafter,
@@ -136,12 +137,12 @@ class Engine:
                     'engine: config.accept is "canonical" but no canonicalizer was given; pass one, e.g. '
                     "Engine(..., canonicalizer=aospec.drafters.canonicalize.Canonicalizer())"
                 )
-            if not callable(getattr(canonicalizer, "canonical", None)):
+            if not isinstance(canonicalizer, ObservationCanonicalizer):
                 raise ConfigError(f"engine: canonicalizer {canonicalizer!r} has no canonical(text) method")
         elif canonicalizer is not None:
             raise ConfigError('engine: a canonicalizer was given but config.accept is "exact"')
         self.canonicalizer = canonicalizer
-        if router is not None and not callable(getattr(router, "session", None)):
+        if router is not None and not isinstance(router, StreamRouter):
             raise ConfigError(f"engine: router {router!r} has no session() method")
         self.router = router
         self.route_listeners = tuple(route_listeners)
@@ -170,6 +171,14 @@ class Engine:
             raise EngineError("this Engine is already running; use one Engine per concurrent trajectory")
         self._running = True
         self._ledger = ledger = Ledger(keep_events=self._keep_events)
+        # Found once for the run: the engine never probes a seam for a capability again.
+        capabilities = Capabilities.of(
+            actor=self.actor,
+            sandbox=self.sandbox,
+            observation_drafters=self.observation_drafters,
+            action_drafters=self.action_drafters,
+            router=self.router,
+        )
         session: Session | None = None
         try:
             async with anyio.create_task_group() as tg:
@@ -187,6 +196,7 @@ class Engine:
                     ledger=ledger,
                     evd=self.evd.session(),
                     history=history,
+                    capabilities=capabilities,
                 )
                 try:
                     yield session
@@ -199,7 +209,8 @@ class Engine:
             leaf = _single_leaf(group)
             if leaf is None:
                 raise
-            raise leaf from None
+            # (its own cause kept: a FailedAfterCommitError's is the backend's error)
+            raise leaf from leaf.__cause__
         finally:
             self._running = False
             if session is not None:

@@ -9,10 +9,35 @@
     ├── MissingDependencyError       an optional extra is not installed (names the pip command);
     │                                also an ImportError
     ├── SandboxError                 a sandbox operation failed
-    │   └── SandboxUnavailableError  the backend cannot run here (privileges, overlayfs,
-    │                                dockerd, base image) and says what to do
+    │   ├── SandboxUnavailableError  the backend cannot run here (privileges, overlayfs,
+    │   │                            dockerd, base image) and says what to do
+    │   ├── NodeLostError            the Ray node holding a sandbox session died (``node_id``)
+    │   └── ClusterFullError         no Ray node had room for a session or fork in time
     ├── DrafterError                 a drafter backend failed or is misconfigured
-    └── EngineError                  an engine invariant broke (e.g. losslessness)
+    ├── ActorError                   a model endpoint or local model failed (``url``, ``status``,
+    │                                ``body``)
+    ├── EngineError                  an engine invariant broke (e.g. losslessness), or a call
+    │   │                            out of order
+    │   ├── FailedAfterCommitError   a step was committed, then something failed: the verified
+    │   │                            history holds the step; do not retry it
+    │   └── StateUnknownError        the committed sandbox's state is unknown, or not the
+    │                                verified history's: retrying the step is unsafe
+    ├── SweepTaskError               a sweep item failed on every try (names trace, policies, TPOTs)
+    ├── CommandLoadError             an ``aospec.commands`` entry point failed to load
+    └── TransportError               an artifact transport request failed
+        ├── UnknownTokenError        no live artifact has that token; also a LookupError
+        └── ProducerGoneError        the producer's server cannot be reached; also a ConnectionError
+
+Each class is defined beside the code that raises it, and imports from there:
+``NodeLostError``, ``ClusterFullError`` in :mod:`aospec.runtime.ray_backend`;
+``ActorError`` in :mod:`aospec.live.chat`; ``SweepTaskError`` in
+:mod:`aospec.replay.executors`; ``CommandLoadError`` in :mod:`aospec.cli`; the
+``TransportError`` family in :mod:`aospec.specbox.transport`; the rest here.
+
+An error on the engine's verified path (docs/engine.md, Faults) is raised as itself, with a
+note naming the step, when the verified history and the committed sandbox still agree (the
+step may be retried); as :class:`FailedAfterCommitError` or :class:`StateUnknownError`
+(the original error as ``__cause__``) when they do not.
 
 A command-line run turns any of these into one line on stderr and exit status 2.
 """
@@ -26,9 +51,11 @@ __all__ = [
     "ConfigError",
     "DrafterError",
     "EngineError",
+    "FailedAfterCommitError",
     "MissingDependencyError",
     "SandboxError",
     "SandboxUnavailableError",
+    "StateUnknownError",
     "TraceFormatError",
     "TraceImportError",
 ]
@@ -117,4 +144,28 @@ class DrafterError(AospecError):
 
 
 class EngineError(AospecError):
-    """An engine invariant was violated."""
+    """An engine invariant was violated, or the engine was called out of order."""
+
+
+class FailedAfterCommitError(EngineError):
+    """A step was committed, then something failed: the backend's ``commit`` raised after it
+    took effect, or the engine's own work after the commit did (adopting a continuation,
+    the ledger). The verified history holds the step and the committed sandbox is at its
+    state, so the step must not be executed again. ``step`` is its index in the verified
+    history; the error that was raised is ``__cause__``."""
+
+    def __init__(self, message: str, *, step: int) -> None:
+        super().__init__(message)
+        self.step = step
+
+
+class StateUnknownError(EngineError):
+    """The committed sandbox's state is unknown, or known to differ from the verified
+    history's: a failed commit left it at a version that is neither the one before nor the
+    fork's (or its version cannot be read), or, without forks, the step failed on the
+    committed sandbox itself after changing it. Retrying the step is unsafe. ``step`` is
+    the index of the step that failed; the error that was raised is ``__cause__``."""
+
+    def __init__(self, message: str, *, step: int) -> None:
+        super().__init__(message)
+        self.step = step

@@ -10,8 +10,9 @@ started on it can hide. ``T(c)`` is a kernel regression over historical
 with a pluggable similarity kernel :class:`aospec.protocols.Kernel`. The default
 :class:`PatternKernel` is pattern equality: two observations are similar (1) when they
 instantiate the same mined pattern (numbers, paths, hex ids and the echoed command
-abstracted away), else 0. Kernels with a ``key`` method are evaluated through grouped sums
-in O(1) per candidate; any other kernel (e.g. embeddings) is evaluated over all pairs.
+abstracted away), else 0. Kernels with a ``key`` method (:class:`aospec.protocols.GroupedKernel`)
+are evaluated through grouped sums in O(1) per candidate; any other kernel (e.g.
+embeddings) is evaluated over all pairs.
 
 The ablation rankings are ``likelihood`` (``p(c)`` only) and ``tooltime`` (``T(c)`` only).
 """
@@ -25,7 +26,7 @@ from typing import Any
 import numpy as np
 
 from aospec.errors import ConfigError
-from aospec.protocols import Kernel, ObservationDraft
+from aospec.protocols import GroupedKernel, Kernel, ObservationDraft
 from aospec.types import Action, Trace
 
 __all__ = ["CMD_SLOT", "EVDEstimator", "EVDSession", "PatternKernel", "observation_pattern", "rank_drafts"]
@@ -88,7 +89,7 @@ class EVDEstimator:
 
     def __init__(self, kernel: Kernel | None = None) -> None:
         self.kernel: Any = kernel if kernel is not None else PatternKernel()
-        self._grouped = callable(getattr(self.kernel, "key", None))
+        self._grouped = isinstance(self.kernel, GroupedKernel)
         self._sums: dict[str, list[float]] = {}
         self._obs: list[str] = []
         self._times: list[float] = []

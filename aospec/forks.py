@@ -1,4 +1,4 @@
-"""The JASV fork registry: speculative target actions running in sandbox forks.
+"""The forks of one run: the JASV registry and the fork lifecycle.
 
 Joint Action-State Verification reuses a fork for the action the actor emitted iff the
 fork's action key equals the emitted action's key AND the fork's origin version equals the
@@ -6,23 +6,42 @@ committed version. Entries are indexed by ``(origin_version, action_key)`` so th
 one dict lookup. Forks whose origin is no longer the committed version can never be reused
 (versions never return to an earlier value) and are pruned after every commit; forks of
 steps that left the filesystem unchanged keep their origin and stay valid across steps.
+
+:class:`Forks` is everything one run does to the committed sandbox: it decides every
+speculative launch (:meth:`Forks.launch`, the one place), runs each target in a fork of
+its own (one speculative ``fork()`` call at a time, behind the verified path's), sets
+forks' priority, verifies the emitted action against the registry (:meth:`Forks.verify`:
+JASV), executes the step when no fork has it (:meth:`Forks.execute`), commits the step's
+fork (:meth:`Forks.commit`, the one place), and releases and discards every other fork.
 """
 
 from __future__ import annotations
 
 import enum
-from collections.abc import Iterator
-from typing import TYPE_CHECKING
+import numbers
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from typing import TYPE_CHECKING, cast
 
 import anyio
+import anyio.lowlevel
 
-from aospec.protocols import Sandbox
+from aospec.engine_config import EngineConfig
+from aospec.errors import StateUnknownError
+from aospec.ledger import Ledger, label, short
+from aospec.protocols import CachingSandbox, Clock, PrioritizedSandbox, Sandbox, SandboxCapabilities
 from aospec.types import Action
 
 if TYPE_CHECKING:
     from anyio import TaskHandle
+    from anyio.abc import TaskGroup
 
-__all__ = ["ForkEntry", "ForkRegistry", "ForkState"]
+__all__ = ["ForkEntry", "ForkRegistry", "ForkState", "Forks"]
+
+#: How a part of the engine reports a failed speculative operation: ``failed(what, exc,
+#: warn=False)``, counted and logged by :meth:`aospec.ledger.Ledger.speculation_failed`.
+Failed = Callable[..., None]
+_NO_CAPABILITIES = SandboxCapabilities()
 
 
 class ForkState(enum.Enum):
@@ -49,11 +68,13 @@ class ForkEntry:
     ``state`` is its life (:class:`ForkState`); ``task`` the task that runs it (a
     speculative target), cancelled to stop it. ``speculative`` is False for the execution
     of the committed step itself. ``exec_start_ns``/``exec_end_ns`` bound its tool time.
+    ``capabilities`` are its sandbox's (found once per class of fork).
     """
 
     __slots__ = (
         "_waiter",
         "action",
+        "capabilities",
         "exec_end_ns",
         "exec_start_ns",
         "launched_ns",
@@ -79,6 +100,7 @@ class ForkEntry:
         self.state = ForkState.RUNNING
         self.origin: str | None = None
         self.sandbox: Sandbox | None = None
+        self.capabilities = _NO_CAPABILITIES
         self.observation: str | None = None
         self.exec_start_ns: int | None = None
         self.exec_end_ns: int | None = None
@@ -159,3 +181,377 @@ class ForkRegistry:
         for e in out:
             self.remove(e)
         return out
+
+
+class Forks:
+    """The committed sandbox and its forks in one run (``F``; see the module docstring).
+
+    ``use_forks``: speculation is on, so the committed sandbox is kept idle (it only forks
+    and commits) and each step runs in a fork; else each step runs on the committed sandbox
+    itself, as serial execution does. ``capabilities`` are the committed sandbox's;
+    ``failed(what, exc, warn=False)`` counts a speculative failure.
+    """
+
+    def __init__(
+        self,
+        sandbox: Sandbox,
+        capabilities: SandboxCapabilities,
+        *,
+        use_forks: bool,
+        config: EngineConfig,
+        clock: Clock,
+        ledger: Ledger,
+        task_group: TaskGroup,
+        failed: Failed,
+    ) -> None:
+        self._sandbox = sandbox
+        self._caps = capabilities
+        self._use_forks = use_forks
+        self._config = config
+        self._clock = clock
+        self._ledger = ledger
+        self._task_group = task_group
+        self._failed = failed
+        # A fork's capabilities, found once per class of fork (forks of one class have the
+        # same; a fork need not have its parent's: a pool hands out its inner sandbox's).
+        self._fork_capabilities: dict[type, SandboxCapabilities] = {type(sandbox): capabilities}
+        self.registry = ForkRegistry()
+        """``F``: live speculative forks by (origin version, action key), each RUNNING or IDLE."""
+        self._idle: set[ForkEntry] = set()
+        """Forks that executed and that no task owns (IDLE, or RELEASED from IDLE): the run
+        commits or discards each; empty once the run is closed."""
+        self._awaited: set[ForkEntry] = set()
+        """Speculative forks JASV accepted while they still ran: the step waits on them, so
+        they run at foreground priority (the others in the background)."""
+        self.inflight: tuple[str, str] | None = None
+        """``(v, a.key)`` while the committed step executes ``a`` from ``v``."""
+        # Speculative forks of the committed sandbox go one at a time, and none starts while
+        # the verified path forks or commits it: the backend serialises these calls, and a
+        # step's own fork or commit queued behind a burst of guesses' forks was most of a
+        # step's overhead in live runs.
+        self._gate = anyio.Lock()
+        self._critical = 0
+        self._critical_done = anyio.Event()
+
+    # ------------------------------------------------------------------ speculative forks
+
+    def launch(self, action: Action, offset: int, probability: float, *, routed: bool = False) -> bool:
+        """Start ``f``: ``action`` in a fork of the committed sandbox, registered at once
+        under the version it forks from (False when an equal one is live or running). The
+        one place where a speculative launch is decided. ``routed``: drafted once a router
+        named the tool being decoded (counted apart)."""
+        try:
+            version = self._sandbox.version
+        except Exception as exc:
+            # Speculation only: the verified path reads the version too, and fails there.
+            self._failed("reading the committed version", exc)
+            return False
+        key = action.key
+        if self.registry.has(version, key) or self.inflight == (version, key):
+            # An equal fork is live, or the committed step is executing this very action
+            # from this very state already.
+            return False
+        excess = len(self.registry) + 1 - self._config.max_live_forks
+        if excess > 0:
+            # Why: live forks hold sandboxes; past the cap the oldest (drafted for the
+            # earliest boundary, so the least likely still to be emitted) make room.
+            self.release(self.registry.oldest(excess))
+        now = self._clock.now_ns()
+        fork = ForkEntry(action, offset=offset, probability=probability, launched_ns=now, speculative=True)
+        # Registered at once under the version it will fork from, so JASV finds it (and waits
+        # for it) even if the actor emits this action before the fork task has run.
+        fork.origin = version
+        fork.routed = routed
+        self.registry.add(fork)
+        self._ledger.fork_launched(now, key, routed=routed)
+        fork.task = self._task_group.start_soon(self._run, fork)
+        return True
+
+    async def _run(self, fork: ForkEntry) -> None:
+        """Fork the committed sandbox and run a speculative target in it. Any failure here
+        (forking, executing, reading the fork's version) only loses this fork's result:
+        JASV then runs the action as serial execution would."""
+        sandbox: Sandbox | None = None
+        try:
+            # Why: a fork released before its task ever ran must not fork at all.
+            await anyio.lowlevel.checkpoint_if_cancelled()
+            try:
+                sandbox = await self._fork_speculatively(fork)
+                if sandbox is None:
+                    # released, or the committed state moved on first: it could never pass JASV
+                    self._ledger.fork_discarded(self._clock.now_ns(), fork.action.key, 0)
+                    return
+                fork.sandbox = sandbox
+                fork.capabilities = self._capabilities_of(sandbox)
+                if fork.state is ForkState.RELEASED or sandbox.version != fork.origin:
+                    # Released before it started, or the committed state moved on between launch
+                    # and fork: this fork could never pass JASV under the version it is registered for.
+                    return
+                if fork not in self._awaited:
+                    # Why: a guess must never take CPU or IO from the command the agent waits on.
+                    await self._prioritize(fork, foreground=False)
+                    if fork in self._awaited:  # JASV accepted it meanwhile
+                        await self._prioritize(fork, foreground=True)
+                fork.exec_start_ns = self._clock.now_ns()
+                fork.observation = await sandbox.execute(fork.action)
+            except Exception as exc:
+                self._failed(f"fork {short(fork.action.key)}", exc)
+                return
+            fork.exec_end_ns = self._clock.now_ns()
+            if fork.state is ForkState.RELEASED:
+                return  # released while finishing: discarded below
+            # From here the idle fork belongs to the run: JASV commits it, or pruning (or the
+            # end of the run) discards it.
+            fork.state = ForkState.IDLE
+            self._idle.add(fork)
+        finally:
+            if fork.state is ForkState.IDLE:
+                fork.finish(ForkState.IDLE)
+            else:
+                fork.finish(ForkState.DISCARDED if fork.state is ForkState.RELEASED else ForkState.FAILED)
+                self.registry.remove(fork)
+                if sandbox is not None:
+                    # Why shielded: the fork must be released even when this task is being
+                    # cancelled, or its layers/processes would leak.
+                    with anyio.CancelScope(shield=True):
+                        await self._discard_sandbox(sandbox, fork.action)
+                    now = self._clock.now_ns()
+                    self._ledger.fork_discarded(now, fork.action.key, fork.tool_ns(now), speculative=fork.speculative)
+
+    def _capabilities_of(self, sandbox: Sandbox) -> SandboxCapabilities:
+        caps = self._fork_capabilities.get(type(sandbox))
+        if caps is None:
+            caps = self._fork_capabilities[type(sandbox)] = SandboxCapabilities.of(sandbox)
+        return caps
+
+    @contextmanager
+    def _verified_path(self) -> Iterator[None]:
+        """The verified path forks or commits the committed sandbox: no speculative fork
+        starts meanwhile."""
+        self._critical += 1
+        try:
+            yield
+        finally:
+            self._critical -= 1
+            if not self._critical:
+                self._critical_done.set()
+                self._critical_done = anyio.Event()
+
+    async def _fork_speculatively(self, fork: ForkEntry) -> Sandbox | None:
+        """Fork the committed sandbox for ``fork`` (None when it is no longer at the fork's
+        origin): one speculative fork at a time, after the verified path's fork or commit."""
+        async with self._gate:
+            while self._critical:
+                await self._critical_done.wait()
+            if fork.state is ForkState.RELEASED or self._sandbox.version != fork.origin:
+                return None
+            return await self._sandbox.fork()
+
+    async def _prioritize(self, fork: ForkEntry, *, foreground: bool) -> None:
+        """Run ``fork``'s commands at foreground or background priority, where its sandbox
+        can (:class:`aospec.protocols.PrioritizedSandbox`); a failure only costs speed."""
+        if not fork.capabilities.prioritized:
+            return
+        try:
+            await cast(PrioritizedSandbox, fork.sandbox).set_priority(foreground=foreground)
+        except Exception as exc:
+            self._failed("setting a fork's priority", exc)
+
+    # ------------------------------------------------------------------ the verified path
+
+    async def verify(self, action: Action, emitted_ns: int) -> ForkEntry | None:
+        """*Verify the action with JASV*: the fork that runs or ran ``action`` from the
+        committed version, if any (the one place where a fork is accepted). A fork is reused
+        only for the same action AND the same origin version; one still running is raised
+        to the foreground, since the step now waits on it (:meth:`wait`)."""
+        fork = self.registry.take(action, self._sandbox.version)
+        if fork is None:
+            return None
+        self._ledger.fork_reused(emitted_ns, action.key, routed=fork.routed)
+        if fork.running:
+            # Why: the step now waits on this fork; its command must not yield the CPU
+            # to speculative ones.
+            self._awaited.add(fork)
+            await self._prioritize(fork, foreground=True)
+        return fork
+
+    async def wait(self, fork: ForkEntry) -> ForkEntry | None:
+        """Wait until the fork JASV accepted has executed: itself, or None when it failed
+        (the step then runs as serial execution would)."""
+        await fork.wait_finished()
+        self._awaited.discard(fork)
+        return None if fork.state is ForkState.FAILED else fork
+
+    async def execute(self, action: Action, step: int) -> ForkEntry:
+        """*Execute*: run the emitted action (step ``step`` of the verified history) now, in
+        a fresh fork when speculation needs the committed sandbox kept idle (:meth:`commit`
+        commits it), else on the committed sandbox itself."""
+        clock = self._clock
+        fork = ForkEntry(action, offset=0, probability=1.0, launched_ns=clock.now_ns(), speculative=False)
+        if not self._use_forks:
+            origin = self._sandbox.version
+            fork.exec_start_ns = clock.now_ns()
+            try:
+                fork.observation = await self._sandbox.execute(action)
+            except Exception as exc:
+                # Without forks the step runs on the committed sandbox itself, as serial
+                # execution does: what a failed command left there stays.
+                try:
+                    moved = self._sandbox.version != origin
+                except Exception:
+                    moved = True
+                if moved:
+                    raise StateUnknownError(
+                        f"step {step} ({label(action)!r}) failed on the committed sandbox itself (no forks) after "
+                        f"changing it ({type(exc).__name__}: {exc}): the committed sandbox holds changes the "
+                        "verified history does not",
+                        step=step,
+                    ) from exc
+                raise
+            fork.exec_end_ns = clock.now_ns()
+            fork.finish(ForkState.IDLE)
+            return fork
+        with self._verified_path():
+            sandbox = await self._sandbox.fork()
+        try:
+            fork.exec_start_ns = clock.now_ns()
+            fork.observation = await sandbox.execute(action)
+            fork.exec_end_ns = clock.now_ns()
+        except BaseException as exc:
+            # Why shielded: a failed or cancelled step must still release its fork; a discard
+            # that fails too must not hide the step's own error.
+            with anyio.CancelScope(shield=True):
+                await self._discard_sandbox(sandbox, action, exc)
+            raise
+        fork.sandbox = sandbox
+        fork.capabilities = self._capabilities_of(sandbox)
+        fork.finish(ForkState.IDLE)
+        return fork
+
+    def cache_hit_ns(self, fork: ForkEntry) -> int | None:
+        """The tool time the result cache of the sandbox that executed ``fork`` (its own, or
+        the committed sandbox without forks) saved on that execution
+        (:class:`aospec.protocols.CachingSandbox`), or None: no hit, no such capability, or a
+        value that cannot be read (a cache hit only counts; it never decides anything)."""
+        sandbox, caps = (self._sandbox, self._caps) if fork.sandbox is None else (fork.sandbox, fork.capabilities)
+        if not caps.caching:
+            return None
+        try:
+            ns = cast(CachingSandbox, sandbox).last_cache_hit_ns
+            if ns is None or isinstance(ns, bool) or not isinstance(ns, numbers.Real) or not ns >= 0:
+                return None
+            return int(ns)
+        except Exception:
+            return None
+
+    async def commit(self, fork: ForkEntry, origin: str, step: int) -> BaseException | None:
+        """*Commit*: the fork's state becomes the committed sandbox's (the one place where a
+        fork is committed; ``step``: its index in the verified history).
+
+        When the backend raises, the fork is discarded and the committed sandbox's version
+        decides what happened: still ``origin`` (the commit did not happen, or the step
+        changed nothing): the error is raised and ``H`` stays as it is; the fork's version
+        (it happened before the error): the error is returned, for the caller to raise once
+        the step is in ``H``; anything else: the committed state is unknown
+        (StateUnknownError)."""
+        fork.state = ForkState.COMMITTED
+        if fork.sandbox is None:
+            return None  # it ran on the committed sandbox itself
+        sandbox = fork.sandbox
+        self._idle.discard(fork)
+        target: str | None = None
+        try:
+            target = sandbox.version
+            # Why: the fork ran the action from exactly the committed version (JASV, or a fresh
+            # fork just taken), so its state is what serial execution would give.
+            with self._verified_path():
+                await self._sandbox.commit(sandbox)
+        except BaseException as exc:
+            fork.state = ForkState.FAILED
+            with anyio.CancelScope(shield=True):
+                await self._discard_sandbox(sandbox, fork.action, exc)
+            try:
+                now_at = self._sandbox.version
+            except Exception as version_exc:
+                if not isinstance(exc, Exception):
+                    raise exc from None
+                raise StateUnknownError(
+                    f"the commit of step {step} ({label(fork.action)!r}) failed ({type(exc).__name__}: {exc}) and the "
+                    f"committed sandbox's version cannot be read ({type(version_exc).__name__}: {version_exc}): "
+                    "its state is unknown",
+                    step=step,
+                ) from exc
+            if now_at == origin:
+                raise
+            if target is not None and now_at == target:
+                # (also when cancelled: the step is in the committed state, so it goes into H)
+                self._ledger.fork_committed(self._clock.now_ns(), fork.action.key)
+                return exc
+            if not isinstance(exc, Exception):
+                raise
+            raise StateUnknownError(
+                f"the commit of step {step} ({label(fork.action)!r}) failed ({type(exc).__name__}: {exc}) and left the "
+                f"committed sandbox at version {now_at}, neither its version before ({origin}) nor the fork's "
+                f"({target}): its state is unknown",
+                step=step,
+            ) from exc
+        self._ledger.fork_committed(self._clock.now_ns(), fork.action.key)
+        return None
+
+    def prune(self) -> None:
+        """*Prune invalid forks*: those whose origin is not the committed version."""
+        # Why: versions never return to an earlier value, so a fork from another origin can
+        # never pass JASV again.
+        self.release(self.registry.stale(self._sandbox.version))
+
+    # ------------------------------------------------------------------ releasing forks
+
+    def release(self, forks: Sequence[ForkEntry]) -> None:
+        """Give up forks that can no longer be reused: a running one is stopped (its task
+        discards it), an idle one is discarded."""
+        idle = []
+        for fork in forks:
+            was_idle = fork.state is ForkState.IDLE
+            fork.state = ForkState.RELEASED
+            if was_idle:
+                idle.append(fork)
+            elif fork.task is not None:
+                fork.task.cancel()
+        if idle:
+            self._task_group.start_soon(self._discard_idle, idle)
+
+    async def _discard_idle(self, forks: Sequence[ForkEntry]) -> None:
+        # Why shielded: discarding must complete even if the run is being cancelled.
+        with anyio.CancelScope(shield=True):
+            for fork in forks:
+                if fork in self._idle:
+                    self._idle.discard(fork)
+                    await self._discard(fork)
+
+    async def _discard(self, fork: ForkEntry) -> None:
+        assert fork.sandbox is not None
+        await self._discard_sandbox(fork.sandbox, fork.action)
+        fork.state = ForkState.DISCARDED
+        now = self._clock.now_ns()
+        self._ledger.fork_discarded(now, fork.action.key, fork.tool_ns(now), speculative=fork.speculative)
+
+    async def _discard_sandbox(self, sandbox: Sandbox, action: Action, cause: BaseException | None = None) -> None:
+        """Discard a fork; a discard that raises is counted, never raised: the fork's state
+        is never committed, so it costs resources (the backend's session close releases
+        them), not results. With ``cause`` (the error being raised), it is noted there."""
+        try:
+            await sandbox.discard()
+        except Exception as exc:
+            self._failed(f"discard of the fork of {short(action.key)}", exc, warn=True)
+            if cause is not None:
+                note = f"aospec: discarding the fork of the failed step failed too: {type(exc).__name__}: {exc}"
+                cause.add_note(note)
+
+    async def close(self) -> None:
+        """Discard the idle forks the run still holds (called when the run ends, after its
+        task group is done)."""
+        if self._idle:
+            with anyio.CancelScope(shield=True):
+                for fork in list(self._idle):
+                    self._idle.discard(fork)
+                    await self._discard(fork)

@@ -9,11 +9,25 @@ so :meth:`Ledger.statistics` is O(1). Times are integer nanoseconds of the engin
 from __future__ import annotations
 
 import enum
+import logging
 from dataclasses import dataclass
 
-from aospec.errors import EngineError
+from aospec.errors import AospecError, EngineError
+from aospec.types import Action
 
-__all__ = ["EngineStatistics", "EventKind", "Ledger", "SpeculationEvent"]
+__all__ = ["EngineStatistics", "EventKind", "Ledger", "SpeculationEvent", "label", "short"]
+
+_log = logging.getLogger("aospec.engine")
+
+
+def short(text: str, n: int = 60) -> str:
+    """``text`` cut to ``n`` characters (``...`` marks a cut): an event's ``detail``."""
+    return text if len(text) <= n else text[: n - 3] + "..."
+
+
+def label(action: Action) -> str:
+    """An action in a message: its command (else its key), cut to 60 characters."""
+    return short(action.command if action.command is not None else action.key)
 
 
 class EventKind(enum.Enum):
@@ -181,6 +195,7 @@ class Ledger:
         "_tool_ns",
         "_wait_actor_ns",
         "_wait_tool_ns",
+        "_warned",
         "_wasted_decode_ns",
         "_wasted_tool_ns",
         "events",
@@ -200,6 +215,7 @@ class Ledger:
         self._decode_hidden_ns = self._tool_hidden_ns = self._overhead_ns = 0
         self._routes_fired = self._routed_launched = self._routed_reused = 0
         self._cache_hits = self._cache_saved_ns = 0
+        self._warned: set[str] = set()
 
     def _event(self, kind: EventKind, t_ns: int, detail: str, ns: int) -> None:
         if self.keep_events:
@@ -301,6 +317,20 @@ class Ledger:
     def failed(self, t_ns: int, detail: str) -> None:
         self._failures += 1
         self._event(EventKind.FAIL, t_ns, detail, 0)
+
+    def speculation_failed(self, t_ns: int, what: str, exc: BaseException, *, warn: bool = False) -> None:
+        """A speculative operation (``what``) failed with ``exc``: it only costs speed.
+        Counted (``speculative_failures``, a ``fail`` event); an error that is no
+        AospecError (a bug in a drafter, an actor or a backend) is also logged on the
+        ``aospec.engine`` logger, as is one with ``warn``."""
+        self.failed(t_ns, f"{what}: {type(exc).__name__}: {exc}")
+        if warn or not isinstance(exc, AospecError):
+            # Once per kind of failure and run at WARNING (a drafter that is broken fails on
+            # every call), the repeats at DEBUG.
+            key = f"{what.split(' {')[0]}: {type(exc).__name__}"
+            level = logging.DEBUG if key in self._warned else logging.WARNING
+            self._warned.add(key)
+            _log.log(level, "speculative %s failed (the run goes on without it): %s: %s", what, type(exc).__name__, exc)
 
     def statistics(self) -> EngineStatistics:
         """A frozen snapshot of the running totals."""

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import sys
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sized
 from contextlib import contextmanager
 from typing import TypeVar
 
@@ -45,8 +45,8 @@ def progress(*, disable: bool | None = None) -> Iterator[Progress]:
 
 def track(items: Iterable[T], description: str, total: int | None = None, *, disable: bool | None = None) -> Iterator[T]:
     """Iterate ``items`` with a progress bar."""
-    if total is None and hasattr(items, "__len__"):
-        total = len(items)  # type: ignore[arg-type]
+    if total is None and isinstance(items, Sized):
+        total = len(items)
     with progress(disable=disable) as bar:
         task = bar.add_task(description, total=total)
         for item in items:

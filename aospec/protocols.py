@@ -4,6 +4,13 @@ Each seam is small. Cancellation is not part of any seam: the engine cancels wor
 cancelling the anyio cancel scope around the awaited call, so every implementation must
 be cancel-safe (release what it holds when ``anyio.get_cancelled_exc_class()`` is raised).
 
+Some seams have optional capabilities (:class:`StreamingActor`, :class:`RoutedActionDrafter`,
+:class:`StreamingObservationDrafter`, :class:`PrioritizedSandbox`, :class:`CachingSandbox`,
+:class:`GroupedKernel`). The engine finds them once, by ``isinstance``, when a run starts
+(:class:`Capabilities`; a fork's when one of its class is first forked:
+:class:`SandboxCapabilities`), never by probing attributes as it goes. A sandbox that wraps
+another one says which of them it has by one rule: :class:`aospec.wrappers.SandboxWrapper`.
+
 In-package implementations for tests live in :mod:`aospec.testing`. Traces have no seam of
 their own: the importers are plain functions from a path to ``Trace`` objects
 (``replay.load_traces``), and everything that consumes traces takes a sequence of them.
@@ -11,6 +18,7 @@ their own: the importers are plain functions from a path to ``Trace`` objects
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol, Self, runtime_checkable
@@ -22,14 +30,18 @@ __all__ = [
     "ActionDrafter",
     "Actor",
     "CachingSandbox",
+    "Capabilities",
     "Clock",
+    "GroupedKernel",
     "Kernel",
     "ObservationCanonicalizer",
     "ObservationDraft",
     "ObservationDrafter",
     "PrioritizedSandbox",
+    "RouteEvent",
     "RoutedActionDrafter",
     "Sandbox",
+    "SandboxCapabilities",
     "StreamRouter",
     "StreamingActor",
     "StreamingObservationDrafter",
@@ -71,18 +83,36 @@ class StreamingActor(Protocol):
     async def decode_streaming(self, history: History, on_delta: Callable[[object], None]) -> Action: ...
 
 
+class RouteEvent(Protocol):
+    """What a :class:`StreamRouter` session's ``feed`` returns for each tool it names: the
+    ``tool``, the router's ``confidence`` in it, the ``position`` (deltas fed so far) and
+    the name of the ``router`` that fired."""
+
+    @property
+    def tool(self) -> str: ...
+
+    @property
+    def confidence(self) -> float: ...
+
+    @property
+    def position(self) -> int: ...
+
+    @property
+    def router(self) -> str: ...
+
+
 @runtime_checkable
 class StreamRouter(Protocol):
     """Names the tool the actor is about to call from its stream (e.g. ``aospec.specbox.routers``'
     routers and assemblies).
 
     ``session(history)`` returns a fresh per-decode object with ``feed(delta) ->
-    Sequence[event]`` (called synchronously for each delta, so it must be cheap); each event
-    has ``.tool: str``, ``.confidence: float``, ``.position: int`` (deltas fed so far) and
-    ``.router: str``. ``history`` is the history the decode starts from (the verified one, or
-    a provisional branch's), so a router may condition on the earlier steps (e.g. specbox's
-    prior gate on the previous tool); a router whose ``session`` takes no argument is
-    opened with ``session()``."""
+    Sequence[RouteEvent]`` (called synchronously for each delta, so it must be cheap); each
+    event has ``.tool: str``, ``.confidence: float``, ``.position: int`` (deltas fed so far)
+    and ``.router: str`` (:class:`RouteEvent`). ``history`` is the history the decode starts
+    from (the verified one, or a provisional branch's), so a router may condition on the
+    earlier steps (e.g. specbox's prior gate on the previous tool); a router whose
+    ``session`` takes no argument is opened with ``session()``."""
 
     def session(self, history: History) -> Any: ...
 
@@ -232,6 +262,16 @@ class Kernel(Protocol):
 
 
 @runtime_checkable
+class GroupedKernel(Protocol):
+    """An optional Kernel capability: ``K(a, b)`` is 1 when ``key(a) == key(b)`` and 0
+    otherwise (e.g. :class:`aospec.evd.PatternKernel`; ``command`` is the action's command,
+    when known), so EVD sums tool times per key instead of comparing a candidate with every
+    historical observation."""
+
+    def key(self, text: str, command: str | None = None) -> str: ...
+
+
+@runtime_checkable
 class ObservationCanonicalizer(Protocol):
     """Maps an observation to a canonical form with inconsequential fields (process ids,
     temp names, times) replaced; used only when the engine accepts drafts canonically
@@ -245,3 +285,77 @@ class Trainable(Protocol):
     """A drafter that learns from training traces before use (never from eval traces)."""
 
     def fit(self, traces: Sequence[Trace]) -> None: ...
+
+
+def _is(obj: object, protocol: type) -> bool:
+    """``isinstance(obj, protocol)``, False when the check itself raises (on Python 3.11
+    the check reads a property member, which may fail)."""
+    try:
+        return isinstance(obj, protocol)
+    except Exception:
+        return False
+
+
+@dataclass(frozen=True, slots=True)
+class SandboxCapabilities:
+    """The optional capabilities of one sandbox, found once: ``prioritized``
+    (:class:`PrioritizedSandbox`) and ``caching`` (:class:`CachingSandbox`). A sandbox whose
+    check raises has neither."""
+
+    prioritized: bool = False
+    caching: bool = False
+
+    @classmethod
+    def of(cls, sandbox: object) -> SandboxCapabilities:
+        return cls(prioritized=_is(sandbox, PrioritizedSandbox), caching=_is(sandbox, CachingSandbox))
+
+
+@dataclass(frozen=True, slots=True)
+class Capabilities:
+    """The optional capabilities of one engine run's seams, found once when the run starts
+    (:meth:`of`); the engine reads this record and never probes a seam again.
+
+    - ``streaming_actor``: the actor is a :class:`StreamingActor` (a router is used only then);
+    - ``router_takes_history``: the router's ``session`` takes the decode's history (else it
+      is opened with ``session()``);
+    - ``streaming_drafters``: per observation drafter, whether it is a
+      :class:`StreamingObservationDrafter` (then its ``draft_stream`` is used);
+    - ``routed_drafters``: the action drafters that are :class:`RoutedActionDrafter` s;
+    - ``sandbox``: the committed sandbox's. A fork's are found once per class of fork (when
+      the first is forked): a fork need not have its parent's (a pool hands out its inner
+      sandbox's forks).
+    """
+
+    streaming_actor: bool = False
+    router_takes_history: bool = False
+    streaming_drafters: tuple[bool, ...] = ()
+    routed_drafters: tuple[RoutedActionDrafter, ...] = ()
+    sandbox: SandboxCapabilities = SandboxCapabilities()
+
+    @classmethod
+    def of(
+        cls,
+        *,
+        actor: Actor,
+        sandbox: Sandbox,
+        observation_drafters: Sequence[ObservationDrafter] = (),
+        action_drafters: Sequence[ActionDrafter] = (),
+        router: StreamRouter | None = None,
+    ) -> Capabilities:
+        return cls(
+            streaming_actor=_is(actor, StreamingActor),
+            router_takes_history=router is not None and _takes_an_argument(router.session),
+            streaming_drafters=tuple(_is(d, StreamingObservationDrafter) for d in observation_drafters),
+            routed_drafters=tuple(d for d in action_drafters if _is(d, RoutedActionDrafter)),
+            sandbox=SandboxCapabilities.of(sandbox),
+        )
+
+
+def _takes_an_argument(method: Callable[..., Any]) -> bool:
+    """Whether ``method`` can be called with one positional argument (a router's
+    ``session(history)``, or an older ``session()`` that takes none)."""
+    try:
+        params = inspect.signature(method).parameters.values()
+    except (TypeError, ValueError):
+        return False
+    return any(p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD, p.VAR_POSITIONAL) for p in params)

@@ -1,9 +1,9 @@
 """One trajectory's engine state, and Algorithm 1 step by step.
 
-A :class:`Session` holds the state of one run (the verified history, the forks of the
-committed sandbox, the provisional continuations, the ledger) inside the task group that
-owns every speculative task of the run. :meth:`aospec.engine.Engine.run` drives it; so can
-a harness that owns its agent loop::
+A :class:`Session` holds the state of one run (the verified history, the branch tree of
+provisional continuations, the ledger) inside the task group that owns every speculative
+task of the run. :meth:`aospec.engine.Engine.run` drives it; so can a harness that owns
+its agent loop::
 
     async with engine.session(History(task)) as session:
         while not finished:
@@ -15,66 +15,52 @@ script P of the paper; docs/engine.md has the table), and the names used here:
 
 - ``H``: the verified history (:attr:`Session.history`); ``v``: the committed sandbox's
   version (``sandbox.version``).
-- ``B``: the branch that decodes the next action of ``H`` (a :class:`Branch` at level 0).
+- ``B``: the branch that decodes the next action of ``H`` (a :class:`aospec.branches.Branch`
+  at level 0).
 - ``P``: a branch's provisional continuations, one per drafted observation of its action
   (:attr:`Branch.continuations`); each is a :class:`Branch` one level deeper.
 - ``B'``: the continuation whose draft matched the real observation: it is adopted and
   becomes the next step's ``B`` (``_Run.successor``).
 - ``f``: one execution of an action in a copy-on-write fork of the committed sandbox
-  (:class:`aospec.forks.ForkEntry`); ``F``: the registry of live ones (``_Run.forks``).
+  (:class:`aospec.forks.ForkEntry`); ``F``: the registry of live ones, in
+  :class:`aospec.forks.Forks`, which runs the fork lifecycle (launch, JASV, commit,
+  release). :class:`aospec.drafting.Drafting` makes every drafter call (observations,
+  targets, routing).
 
 "Root" is not used: in runtime/ it names the committed sandbox, which is ``sandbox`` here.
 """
 
 from __future__ import annotations
 
-import enum
-import inspect
-import itertools
-import logging
-import numbers
 from collections.abc import Callable, Sequence
-from contextlib import aclosing
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, cast
 
-import anyio
-import anyio.lowlevel
-
+from aospec.branches import Branch, BranchState
+from aospec.drafting import MAX_DRAFTS_PER_CALL, Drafting
 from aospec.engine_config import EngineConfig
-from aospec.errors import AospecError, DrafterError, EngineError
-from aospec.evd import EVDSession, rank_drafts
-from aospec.forks import ForkEntry, ForkRegistry, ForkState
-from aospec.ledger import EngineStatistics, Ledger
+from aospec.errors import EngineError, FailedAfterCommitError, StateUnknownError
+from aospec.evd import EVDSession
+from aospec.forks import ForkEntry, Forks
+from aospec.ledger import EngineStatistics, Ledger, label, short
 from aospec.protocols import (
-    ActionDraft,
     ActionDrafter,
     Actor,
+    Capabilities,
     Clock,
     ObservationCanonicalizer,
     ObservationDraft,
     ObservationDrafter,
     Sandbox,
+    StreamingActor,
     StreamRouter,
 )
 from aospec.types import Action, History
 
 if TYPE_CHECKING:
-    from anyio import TaskHandle
     from anyio.abc import TaskGroup
 
 __all__ = ["MAX_DRAFTS_PER_CALL", "Branch", "BranchState", "Session"]
-
-_log = logging.getLogger("aospec.engine")
-
-#: Drafts the engine reads from one drafter call (or one streamed batch); the rest are
-#: dropped and the call counted as a speculative failure. Far above what any sane drafter
-#: returns (a few per source drafter): it only stops a runaway drafter from stalling the loop.
-MAX_DRAFTS_PER_CALL = 4096
-
-
-def _short(text: str, n: int = 60) -> str:
-    return text if len(text) <= n else text[: n - 3] + "..."
 
 
 def _overlap(a0: int, a1: int, b0: int, b1: int) -> int:
@@ -82,84 +68,10 @@ def _overlap(a0: int, a1: int, b0: int, b1: int) -> int:
     return max(0, min(a1, b1) - max(a0, b0))
 
 
-class BranchState(enum.Enum):
-    """The life of a :class:`Branch`.
-
-    ``DECODING`` -> ``DECODED`` (or ``FAILED``) -> ``DRAFTING`` -> ``DRAFTED``; the branch
-    being verified moves to ``SEALED`` when the real observation arrives before its
-    drafting is over; any branch whose history can no longer happen moves to ``CANCELLED``.
-    """
-
-    DECODING = "decoding"  # the actor decodes the next action from the branch's history
-    DECODED = "decoded"  # the action is known; no observation drafted for it yet
-    FAILED = "failed"  # the decode raised: no action
-    DRAFTING = "drafting"  # observation drafters run; continuations start as their drafts arrive
-    DRAFTED = "drafted"  # drafting is over: the continuations are final
-    SEALED = "sealed"  # the real observation came first: drafting stopped, no continuation will start
-    CANCELLED = "cancelled"  # its history never happened: decode, drafting and continuations stopped
-
-
-class Branch:
-    """A decode of the next action from ``history``.
-
-    ``level`` 0 decodes from the verified history (``B``); level ``k > 0`` from a history
-    that ends in ``k`` drafted observations (``draft`` is the last one, ``probability``
-    the product of their probabilities). ``continuations`` (``P``) maps the text of each
-    drafted observation of ``action`` to the branch started on it; it is empty until the
-    branch drafts. The decode runs from ``started_ns`` to ``decoded_ns``.
-    """
-
-    __slots__ = (
-        "_waiter",
-        "action",
-        "canonical_form",
-        "continuations",
-        "decode_task",
-        "decoded_ns",
-        "draft",
-        "draft_task",
-        "history",
-        "level",
-        "probability",
-        "started_ns",
-        "state",
-    )
-
-    def __init__(
-        self, history: History, level: int, draft: ObservationDraft | None, probability: float, started_ns: int
-    ) -> None:
-        self.history = history
-        self.level = level
-        self.draft = draft
-        self.probability = probability
-        self.started_ns = started_ns
-        self.decoded_ns = started_ns
-        self.state = BranchState.DECODING
-        self.action: Action | None = None
-        self.canonical_form: str | None = None
-        self.continuations: dict[str, Branch] = {}
-        self.decode_task: TaskHandle[None] | None = None
-        self.draft_task: TaskHandle[None] | None = None
-        self._waiter: anyio.Event | None = None
-
-    def end_decode(self) -> None:
-        """The decode is over (with or without an action): move on and wake waiters."""
-        if self.state is BranchState.DECODING:
-            self.state = BranchState.DECODED if self.action is not None else BranchState.FAILED
-        if self._waiter is not None:
-            self._waiter.set()
-
-    async def wait_decoded(self) -> None:
-        """Wait until the decode is over."""
-        if self.state is BranchState.DECODING:
-            if self._waiter is None:
-                self._waiter = anyio.Event()
-            await self._waiter.wait()
-
-
 @dataclass(eq=False, slots=True)
 class _Run:
-    """Everything one run holds; each field says the invariant the steps keep."""
+    """Everything one run holds beside its forks and drafting; each field says the
+    invariant the steps keep."""
 
     task_group: TaskGroup
     """Owns every speculative task of the run (decodes, drafting, target drafting, forks);
@@ -170,11 +82,6 @@ class _Run:
     """``H``: the verified history; it holds committed turns only."""
     boundary_ns: int
     """When ``H`` was verified (the last commit, or the start): a step's actor wait starts here."""
-    forks: ForkRegistry = field(default_factory=ForkRegistry)
-    """``F``: live speculative forks by (origin version, action key), each RUNNING or IDLE."""
-    idle: set[ForkEntry] = field(default_factory=set)
-    """Forks that executed and that no task owns (IDLE, or RELEASED from IDLE): the run
-    commits or discards each; empty once the run is closed."""
     successor: Branch | None = None
     """``B'``: the continuation adopted at the last commit; it decodes from exactly ``H``."""
     pending: Branch | None = None
@@ -182,13 +89,6 @@ class _Run:
     :meth:`Session.execute` committed it; None between steps."""
     emitted_ns: int = 0
     """When ``pending``'s action was emitted."""
-    targets: TaskHandle[None] | None = None
-    """The target-drafting task of the current boundary (cancelled at the next one)."""
-    inflight: tuple[str, str] | None = None
-    """``(v, a.key)`` while the committed step executes ``a`` from ``v``."""
-    awaited: set[ForkEntry] = field(default_factory=set)
-    """Speculative forks JASV accepted while they still ran: the step waits on them, so
-    they run at foreground priority (the others in the background)."""
 
 
 class Session:
@@ -212,45 +112,59 @@ class Session:
         ledger: Ledger,
         evd: EVDSession | None,
         history: History,
+        capabilities: Capabilities,
         router: StreamRouter | None = None,
         route_listeners: Sequence[Callable[[Any], None]] = (),
     ) -> None:
         self._actor = actor
         self._sandbox = sandbox
-        self._observation_drafters = tuple(observation_drafters)
-        self._action_drafters = tuple(action_drafters)
         self._config = config
         self._clock = clock
-        self._canon = canonicalizer
-        self._obs_on = config.branch_budget > 0 and bool(self._observation_drafters)
-        self._targets_on = config.fork_width > 0 and bool(self._action_drafters)
+        self._capabilities = capabilities
+        self._obs_on = config.branch_budget > 0 and bool(observation_drafters)
+        self._targets_on = config.fork_width > 0 and bool(action_drafters)
         self._provisional_targets_on = config.provisional_targets and self._obs_on
         self._use_forks = self._targets_on or self._provisional_targets_on
-        # Routing needs a streaming actor: decodes then report their stream to a fresh router
-        # session each. Without a router the actor is called exactly as before.
-        self._router = router if router is not None and hasattr(actor, "decode_streaming") else None
-        self._router_takes_history = self._router is not None and _takes_an_argument(self._router.session)
-        self._route_listeners = tuple(route_listeners)
-        self._routed_drafters = tuple(d for d in self._action_drafters if hasattr(d, "propose_routed"))
+        self._run = _Run(task_group, ledger, evd, history, clock.now_ns())
+
+        def failed(what: str, exc: BaseException, *, warn: bool = False) -> None:
+            ledger.speculation_failed(clock.now_ns(), what, exc, warn=warn)
+
+        self._speculation_failed = failed
+        common = {"config": config, "clock": clock, "ledger": ledger, "task_group": task_group, "failed": failed}
+        self._forks = Forks(sandbox, capabilities.sandbox, use_forks=self._use_forks, **common)
         # Routed targets are action drafting: off with fork_width 0 (then forks may be off
         # too, and nothing may fork the committed sandbox while the step runs on it).
-        self._routed_on = (
-            self._router is not None and self._targets_on and config.routed_width > 0 and bool(self._routed_drafters)
+        routed_on = (
+            router is not None
+            and capabilities.streaming_actor
+            and self._targets_on
+            and config.routed_width > 0
+            and bool(capabilities.routed_drafters)
         )
-        self._run = _Run(task_group, ledger, evd, history, clock.now_ns())
-        self._warned: set[str] = set()
-        # Speculative forks of the committed sandbox go one at a time, and none starts while
-        # the verified path forks or commits it: the backend serialises these calls, and a
-        # step's own fork or commit queued behind a burst of guesses' forks was most of a
-        # step's overhead in live runs.
-        self._fork_gate = anyio.Lock()
-        self._critical = 0
-        self._critical_done = anyio.Event()
+        self._drafting = Drafting(
+            observation_drafters=observation_drafters,
+            action_drafters=action_drafters,
+            capabilities=capabilities,
+            router=router,
+            route_listeners=route_listeners,
+            evd=evd,
+            canonicalizer=canonicalizer,
+            forks=self._forks,
+            routed_on=routed_on,
+            provisional_targets_on=self._provisional_targets_on,
+            **common,
+        )
 
     @property
     def history(self) -> History:
         """``H``: the verified history (committed steps only)."""
         return self._run.history
+
+    @property
+    def capabilities(self) -> Capabilities:
+        """The optional capabilities of this run's seams, found once when it started."""
+        return self._capabilities
 
     def statistics(self) -> EngineStatistics:
         """Frozen totals of this run so far."""
@@ -273,7 +187,7 @@ class Session:
         if history is not None and history is not run.history and history != run.history:
             self._restart(history)
         if self._targets_on:
-            self._speculate_actions(run.history)
+            self._drafting.speculate_actions(run.history)
         branch = await self._finish_actor()
         run.emitted_ns = self._clock.now_ns()
         run.pending = branch
@@ -286,8 +200,10 @@ class Session:
 
         A failure on this path (reading the committed version, forking it for the step,
         the step's own execution, its commit) is raised as itself, with a note naming the
-        step; ``H`` and the committed sandbox then still agree (docs/engine.md, Faults), and
-        calling ``execute(action)`` again retries the step."""
+        step, when ``H`` and the committed sandbox still agree (docs/engine.md, Faults):
+        calling ``execute(action)`` again retries the step. When they do not, it is raised
+        as :class:`~aospec.errors.FailedAfterCommitError` (the step is committed: ``H``
+        holds it) or :class:`~aospec.errors.StateUnknownError`, from the original error."""
         run = self._run
         branch = run.pending
         if branch is None or action != branch.action:
@@ -295,47 +211,40 @@ class Session:
         try:
             return await self._execute_step(branch, action)
         except Exception as exc:
-            self._note_failure(exc, action)
+            if not isinstance(exc, (FailedAfterCommitError, StateUnknownError)):
+                n = len(run.history)
+                exc.add_note(
+                    f"aospec: step {n} ({label(action)!r}) failed on the verified path; the verified history "
+                    f"holds {n} committed step(s) and the committed sandbox is at their state"
+                )
             raise
         finally:
-            run.inflight = None
+            self._forks.inflight = None
 
     async def _execute_step(self, branch: Branch, action: Action) -> str:
-        run = self._run
-        ledger = run.ledger
+        run, forks = self._run, self._forks
         emitted_ns = run.emitted_ns
         origin = self._sandbox.version
-        run.inflight = (origin, action.key)
+        forks.inflight = (origin, action.key)
 
-        fork = self._verify(action) if self._use_forks else None
+        fork = await forks.verify(action, emitted_ns) if self._use_forks else None
         if fork is not None:
-            ledger.fork_reused(emitted_ns, action.key, routed=fork.routed)
-            if fork.running:
-                # Why: the step now waits on this fork; its command must not yield the CPU
-                # to speculative ones.
-                run.awaited.add(fork)
-                if fork.sandbox is not None:
-                    await self._prioritize(fork.sandbox, foreground=True)
             if self._obs_on and fork.running and branch.state is BranchState.DECODED:
                 self._predict_observations(branch)
-            await fork.wait_finished()
-            run.awaited.discard(fork)
-            if fork.state is ForkState.FAILED:
-                fork = None
+            fork = await forks.wait(fork)
         if fork is None:
             if self._obs_on and branch.state is BranchState.DECODED:
                 self._predict_observations(branch)
-            fork = await self._execute(action)
+            fork = await forks.execute(action, len(run.history))
         observation = fork.observation
         assert observation is not None
         # Read before the commit consumes the fork: did the executing sandbox's result cache
         # serve this action (counted once the step is committed)?
-        cache_hit_ns = _cache_hit_ns(fork.sandbox if fork.sandbox is not None else self._sandbox)
+        cache_hit_ns = forks.cache_hit_ns(fork)
 
         self._seal(branch)
-        late_error = await self._commit(fork, origin)
-
         before = run.history
+        late_error = await forks.commit(fork, origin, len(before))
         try:
             self._after_commit(branch, action, fork, observation, emitted_ns, cache_hit_ns)
         except BaseException as exc:
@@ -344,12 +253,8 @@ class Session:
                 # continuation, the ledger), H must hold it, as the committed state does.
                 run.successor = None
                 run.history = before.extend(action, observation)
-            if isinstance(exc, Exception) and not getattr(exc, "_aospec_noted", False):
-                exc._aospec_noted = True  # type: ignore[attr-defined]
-                exc.add_note(
-                    f"aospec: step {len(before)} was committed, then this failed; the verified history holds it "
-                    f"({len(run.history)} steps in all) and the committed sandbox is at their state"
-                )
+            if isinstance(exc, Exception):
+                raise self._failed_after_commit(exc, action, "then this failed") from exc
             raise
         finally:
             run.pending = None
@@ -358,16 +263,19 @@ class Session:
             # step is in H as it is in the committed state; the error is raised all the same.
             if not isinstance(late_error, Exception):
                 raise late_error
-            late_error._aospec_noted = True  # type: ignore[attr-defined]
-            late_error.add_note(
-                f"aospec: the backend raised while committing step {ledger.step - 1} ({_short(action.key)!r}), "
-                f"but the commit took effect: the verified history holds that step ({len(run.history)} in all) "
-                "and the committed sandbox is at their state"
-            )
-            raise late_error
+            raise self._failed_after_commit(late_error, action, "but the backend's commit raised") from late_error
         if self._use_forks:
-            self._prune()
+            forks.prune()
         return observation
+
+    def _failed_after_commit(self, exc: Exception, action: Action, how: str) -> FailedAfterCommitError:
+        history = self._run.history
+        n = len(history) - 1
+        return FailedAfterCommitError(
+            f"step {n} ({label(action)!r}) was committed, {how}: {type(exc).__name__}: {exc}; the verified "
+            f"history holds the step ({len(history)} in all) and the committed sandbox is at their state",
+            step=n,
+        )
 
     def _after_commit(
         self,
@@ -411,21 +319,6 @@ class Session:
         successor = run.successor = self._adopt(branch, observation, now)
         run.history = successor.history if successor is not None else run.history.extend(action, observation)
 
-    def _note_failure(self, exc: BaseException, action: Action) -> None:
-        """Name the failed step on an error of the verified path (once)."""
-        if getattr(exc, "_aospec_noted", False):
-            return
-        try:
-            exc._aospec_noted = True  # type: ignore[attr-defined]
-        except AttributeError:  # pragma: no cover - exceptions without a __dict__
-            return
-        n = len(self._run.history)
-        what = action.command if action.command is not None else action.key
-        exc.add_note(
-            f"aospec: step {n} ({_short(what)!r}) failed on the verified path; the verified history "
-            f"holds {n} committed step(s) and the committed sandbox is at their state"
-        )
-
     # ------------------------------------------------------------------ Algorithm 1, line by line
 
     async def _finish_actor(self) -> Branch:
@@ -442,59 +335,6 @@ class Session:
             branch = Branch(run.history, 0, None, 1.0, self._clock.now_ns())
             await self._decode(branch)
         return branch
-
-    def _verify(self, action: Action) -> ForkEntry | None:
-        """*Verify the action with JASV*: the fork that runs or ran ``action`` from the
-        committed version, if any. A fork is reused only for the same action AND the same
-        origin version."""
-        return self._run.forks.take(action, self._sandbox.version)
-
-    async def _execute(self, action: Action) -> ForkEntry:
-        """*Execute*: run the emitted action now, in a fresh fork when speculation needs the
-        committed sandbox kept idle (:meth:`_commit` commits it), else on the committed
-        sandbox itself."""
-        clock = self._clock
-        fork = ForkEntry(action, offset=0, probability=1.0, launched_ns=clock.now_ns(), speculative=False)
-        if not self._use_forks:
-            origin = self._sandbox.version
-            fork.exec_start_ns = clock.now_ns()
-            try:
-                fork.observation = await self._sandbox.execute(action)
-            except Exception as exc:
-                # Without forks the step runs on the committed sandbox itself, as serial
-                # execution does: what a failed command left there stays.
-                try:
-                    moved = self._sandbox.version != origin
-                except Exception:
-                    moved = True
-                if moved:
-                    exc._aospec_noted = True  # type: ignore[attr-defined]
-                    exc.add_note(
-                        f"aospec: step {len(self._run.history)} failed on the committed sandbox itself (no forks) "
-                        "after changing it: the committed sandbox holds changes the verified history does not"
-                    )
-                raise
-            fork.exec_end_ns = clock.now_ns()
-            fork.finish(ForkState.IDLE)
-            return fork
-        self._enter_critical()
-        try:
-            sandbox = await self._sandbox.fork()
-        finally:
-            self._leave_critical()
-        try:
-            fork.exec_start_ns = clock.now_ns()
-            fork.observation = await sandbox.execute(action)
-            fork.exec_end_ns = clock.now_ns()
-        except BaseException as exc:
-            # Why shielded: a failed or cancelled step must still release its fork; a discard
-            # that fails too must not hide the step's own error.
-            with anyio.CancelScope(shield=True):
-                await self._discard_sandbox(sandbox, action, exc)
-            raise
-        fork.sandbox = sandbox
-        fork.finish(ForkState.IDLE)
-        return fork
 
     def _predict_observations(self, branch: Branch) -> None:
         """*Predict observations* of ``branch``'s action while it runs: drafting starts the
@@ -520,21 +360,8 @@ class Session:
         continuations = branch.continuations
         if not continuations:
             return None
-        keep = continuations.pop(observation, None)
-        canonical_hit = False
-        if keep is None and self._canon is not None:
-            try:
-                form: str | None = self._canon.canonical(observation)
-            except Exception as exc:
-                # Canonical acceptance only saves a decode: without it the step decodes afresh.
-                self._speculation_failed("canonicalising the observation", exc)
-                form = None
-            text = (
-                None if form is None else next((t for t, c in continuations.items() if c.canonical_form == form), None)
-            )
-            if text is not None:
-                keep = continuations.pop(text)
-                canonical_hit = True
+        text = self._drafting.accepted(observation, continuations)
+        keep = continuations.pop(text) if text is not None else None
         for other in continuations.values():
             # Why: a continuation on a draft that differs from the real observation
             # conditions on a history that never happened.
@@ -542,88 +369,29 @@ class Session:
         branch.continuations = {}
         if keep is None:
             return None
-        if canonical_hit:
-            self._run.ledger.draft_canonical_hit(now, _short(observation))
+        if text != observation:
+            self._run.ledger.draft_canonical_hit(now, short(observation))
             # Why: the actor must finally see the real observation. The continuation keeps
             # decoding on the draft's bytes (the opt-in approximation), but the committed
             # history, and every history drafted or decoded from here on, holds the real one.
             assert branch.action is not None
             self._rebase(keep, branch.history.extend(branch.action, observation))
         else:
-            self._run.ledger.draft_hit(now, _short(observation))
+            self._run.ledger.draft_hit(now, short(observation))
         self._promote(keep)
         return keep
 
-    async def _commit(self, fork: ForkEntry, origin: str) -> BaseException | None:
-        """*Commit*: the fork's state becomes the committed sandbox's.
-
-        When the backend raises, the fork is discarded and the committed sandbox's version
-        decides what happened: still ``origin`` (the commit did not happen, or the step
-        changed nothing): the error is raised and ``H`` stays as it is; the fork's version
-        (it happened before the error): the error is returned, for the caller to raise once
-        the step is in ``H``; anything else: the committed state is unknown (EngineError)."""
-        fork.state = ForkState.COMMITTED
-        if fork.sandbox is None:
-            return None  # it ran on the committed sandbox itself
-        sandbox = fork.sandbox
-        self._run.idle.discard(fork)
-        target: str | None = None
-        try:
-            target = sandbox.version
-            # Why: the fork ran the action from exactly the committed version (JASV, or a fresh
-            # fork just taken), so its state is what serial execution would give.
-            self._enter_critical()
-            try:
-                await self._sandbox.commit(sandbox)
-            finally:
-                self._leave_critical()
-        except BaseException as exc:
-            fork.state = ForkState.FAILED
-            with anyio.CancelScope(shield=True):
-                await self._discard_sandbox(sandbox, fork.action, exc)
-            try:
-                now_at = self._sandbox.version
-            except Exception as version_exc:
-                if not isinstance(exc, Exception):
-                    raise exc from None
-                raise EngineError(
-                    f"the commit of {_short(fork.action.key)!r} failed ({type(exc).__name__}: {exc}) and the "
-                    f"committed sandbox's version cannot be read ({type(version_exc).__name__}: {version_exc}): "
-                    "its state is unknown"
-                ) from exc
-            if now_at == origin:
-                raise
-            if target is not None and now_at == target:
-                # (also when cancelled: the step is in the committed state, so it goes into H)
-                self._run.ledger.fork_committed(self._clock.now_ns(), fork.action.key)
-                return exc
-            if not isinstance(exc, Exception):
-                raise
-            raise EngineError(
-                f"the commit of {_short(fork.action.key)!r} failed ({type(exc).__name__}: {exc}) and left the "
-                f"committed sandbox at version {now_at}, neither its version before ({origin}) nor the fork's "
-                f"({target}): its state is unknown"
-            ) from exc
-        self._run.ledger.fork_committed(self._clock.now_ns(), fork.action.key)
-        return None
-
-    def _prune(self) -> None:
-        """*Prune invalid forks*: those whose origin is not the committed version."""
-        # Why: versions never return to an earlier value, so a fork from another origin can
-        # never pass JASV again.
-        self._release(self._run.forks.stale(self._sandbox.version))
-
-    # ------------------------------------------------------------------ branches
+    # ------------------------------------------------------------------ the branch tree
 
     async def _decode(self, branch: Branch) -> Action | None:
         """Decode ``branch``'s action: the one timed path of both decodes (the verified
         one awaited here, provisional ones in their own task)."""
         try:
-            if self._router is None:
+            if self._drafting.router is None:
                 branch.action = await self._actor.decode(branch.history)
             else:
-                on_delta = self._route_feed(branch)
-                branch.action = await self._actor.decode_streaming(branch.history, on_delta)  # type: ignore[attr-defined]
+                on_delta = self._drafting.route_feed(branch)
+                branch.action = await cast(StreamingActor, self._actor).decode_streaming(branch.history, on_delta)
             branch.decoded_ns = self._clock.now_ns()
         finally:
             branch.end_decode()
@@ -643,9 +411,30 @@ class Session:
         action = branch.action
         assert action is not None
         if self._provisional_targets_on and not action.is_none:
-            self._launch_fork(action, branch.level, branch.probability)
+            self._forks.launch(action, branch.level, branch.probability)
         if branch.level < self._config.obs_depth:
             self._predict_observations(branch)
+
+    async def _draft(self, branch: Branch) -> None:
+        await self._drafting.observations(branch, lambda drafts: self._start_continuations(branch, drafts))
+        if branch.state is BranchState.DRAFTING:
+            branch.state = BranchState.DRAFTED
+
+    def _start_continuations(self, branch: Branch, drafts: Sequence[ObservationDraft]) -> None:
+        """Start a continuation on each of the best ``drafts`` (:meth:`Drafting.pick`)."""
+        if branch.state is not BranchState.DRAFTING:
+            return  # sealed or cancelled while these drafts were made
+        run, action = self._run, branch.action
+        assert action is not None
+        now = self._clock.now_ns()
+        for d, form in self._drafting.pick(drafts, branch.continuations):
+            child = Branch(
+                branch.history.extend(action, d.text), branch.level + 1, d, branch.probability * d.probability, now
+            )
+            child.canonical_form = form
+            child.decode_task = run.task_group.start_soon(self._decode_continuation, child)
+            branch.continuations[d.text] = child
+            run.ledger.draft_started(now, short(d.text))
 
     def _restart(self, history: History) -> None:
         """A harness gave another verified history: the continuation adopted for the old
@@ -683,499 +472,14 @@ class Session:
         if branch.draft_task is not None:
             branch.draft_task.cancel()
         decoded = (branch.decoded_ns if branch.action is not None else now) - branch.started_ns
-        self._run.ledger.draft_cancelled(now, _short(branch.draft.text) if branch.draft else "", decoded)
+        self._run.ledger.draft_cancelled(now, short(branch.draft.text) if branch.draft else "", decoded)
         for child in branch.continuations.values():
             self._cancel(child, now)
         branch.continuations = {}
 
-    # ------------------------------------------------------------------ observation drafting
-
-    async def _draft(self, branch: Branch) -> None:
-        n = max(self._config.draft_candidates, self._config.branch_budget)
-        drafters = self._observation_drafters
-        if len(drafters) == 1:
-            await self._draft_with(drafters[0], branch, n)
-        else:
-            # Independent drafters run side by side; each one's drafts start their
-            # continuations as soon as they are ready, so cheap ones never wait for slow ones.
-            async with anyio.create_task_group() as tg:
-                for drafter in drafters:
-                    tg.start_soon(self._draft_with, drafter, branch, n)
-        if branch.state is BranchState.DRAFTING:
-            branch.state = BranchState.DRAFTED
-
-    async def _draft_with(self, drafter: ObservationDrafter, branch: Branch, n: int) -> None:
-        """One drafter's candidates for ``branch``'s action, batch by batch when it streams;
-        a drafter failure only loses its (remaining) candidates, and invalid drafts are
-        dropped (both counted: :meth:`_speculation_failed`)."""
-        action = branch.action
-        assert action is not None
-        who = f"observation drafter {type(drafter).__name__}"
-        stream = getattr(drafter, "draft_stream", None)
-        if stream is None:
-            try:
-                drafts = self._valid_drafts(await drafter.draft(branch.history, action, n), ObservationDraft, who)
-                self._start_continuations(branch, drafts)
-            except Exception as exc:
-                self._speculation_failed(who, exc)
-            return
-        try:
-            batches = aiter(stream(branch.history, action, n))
-        except Exception as exc:
-            self._speculation_failed(who, exc)
-            return
-        async with aclosing(batches):  # type: ignore[type-var]
-            while True:
-                try:
-                    drafts = self._valid_drafts(await anext(batches), ObservationDraft, who)
-                    self._start_continuations(branch, drafts)
-                except StopAsyncIteration:
-                    return
-                except Exception as exc:
-                    # (ranking or canonicalising them failing too: speculation only)
-                    self._speculation_failed(who, exc)
-                    return
-
-    def _valid_drafts(self, drafts: object, kind: type, who: str) -> list:
-        """The well-formed drafts of one drafter call (``kind``: ObservationDraft or
-        ActionDraft); the malformed ones are dropped and the call counted as a failure. A
-        result that is no sequence of drafts raises DrafterError (the call is lost)."""
-        if isinstance(drafts, (str, bytes)) or not hasattr(drafts, "__iter__"):
-            raise DrafterError(f"returned {type(drafts).__name__}, not a sequence of {kind.__name__}")
-        items = list(itertools.islice(drafts, MAX_DRAFTS_PER_CALL + 1))  # type: ignore[call-overload]
-        problems: list[str] = []
-        if len(items) > MAX_DRAFTS_PER_CALL:
-            items = items[:MAX_DRAFTS_PER_CALL]
-            problems.append(f"more than {MAX_DRAFTS_PER_CALL} drafts (the rest dropped)")
-        good = []
-        for d in items:
-            problem = _draft_problem(d, kind)
-            if problem is None:
-                good.append(d)
-            else:
-                problems.append(problem)
-        if problems:
-            dropped = len(items) - len(good)
-            self._speculation_failed(
-                who, DrafterError(f"{dropped} malformed draft(s) dropped; first problem: {problems[0]}"), warn=True
-            )
-        return good
-
-    def _start_continuations(self, branch: Branch, drafts: Sequence[ObservationDraft]) -> None:
-        """Rank ``drafts`` (EVD by default) and start a continuation on each of the best,
-        within what is left of the branch budget; texts (or, under canonical acceptance,
-        canonical forms) already continued are skipped."""
-        if branch.state is not BranchState.DRAFTING:
-            return  # sealed or cancelled while these drafts were made
-        cfg, run, canon = self._config, self._run, self._canon
-        started = branch.continuations
-        room = cfg.branch_budget - len(started)
-        if room <= 0:
-            return
-        if started:
-            drafts = [d for d in drafts if d.text not in started]
-        budget = room if canon is None else len(drafts)
-        ranked = rank_drafts(drafts, cfg.rank, budget, run.evd, min_probability=cfg.min_draft_probability)
-        forms: list[str | None] = [None] * len(ranked)
-        if canon is not None:
-            # Drafts that are equal once canonicalised would be accepted for the same real
-            # observations: one continuation (the best ranked) stands for them all.
-            seen = {c.canonical_form for c in started.values()}
-            kept: list[tuple[ObservationDraft, str]] = []
-            for d in ranked:
-                form = canon.canonical(d.text)
-                if form not in seen:
-                    seen.add(form)
-                    kept.append((d, form))
-                    if len(kept) == room:
-                        break
-            ranked = [d for d, _ in kept]
-            forms = [f for _, f in kept]
-        action = branch.action
-        assert action is not None
-        now = self._clock.now_ns()
-        for d, form in zip(ranked, forms, strict=True):
-            child = Branch(
-                branch.history.extend(action, d.text), branch.level + 1, d, branch.probability * d.probability, now
-            )
-            child.canonical_form = form
-            child.decode_task = run.task_group.start_soon(self._decode_continuation, child)
-            started[d.text] = child
-            run.ledger.draft_started(now, _short(d.text))
-
-    # ------------------------------------------------------------------ routing (tool named mid-decode)
-
-    def _route_feed(self, branch: Branch) -> Callable[[object], None]:
-        """The ``on_delta`` callback of ``branch``'s decode: every delta into a fresh router
-        session, every router event into :meth:`_route`. Called synchronously by the actor
-        for each delta, so it does no more than that, and it never raises: a router that
-        fails is counted and not fed again during this decode."""
-        assert self._router is not None
-        try:
-            if self._router_takes_history:
-                router_session = self._router.session(branch.history)
-            else:
-                router_session = self._router.session()
-            feed = router_session.feed
-        except Exception as exc:
-            self._speculation_failed(f"router {type(self._router).__name__}", exc)
-            return _ignore_delta
-        drafted: set[str] = set()  # tools already sent to the routed drafters for this decode
-        broken = False
-
-        def on_delta(delta: object) -> None:
-            nonlocal broken
-            if broken or branch.state is BranchState.CANCELLED:
-                return
-            try:
-                events = feed(delta)
-                if events:
-                    for event in events:
-                        self._route(branch, event, drafted)
-            except Exception as exc:
-                broken = True
-                self._speculation_failed(f"router {type(self._router).__name__}", exc)
-
-        return on_delta
-
-    def _route(self, branch: Branch, event: Any, drafted: set[str]) -> None:
-        """One router event of ``branch``'s decode: into the ledger, to every route listener,
-        and (once per tool and decode) to the routed action drafters."""
-        tool = event.tool
-        if not isinstance(tool, str) or not tool:
-            raise DrafterError(f"router event names no tool: {event!r}")
-        run = self._run
-        now = self._clock.now_ns()
-        p = getattr(event, "confidence", None)
-        p = f"{p:.2f}" if isinstance(p, float) else p
-        detail = f"{tool} ({getattr(event, 'router', '?')}, p={p}, at {getattr(event, 'position', '?')})"
-        run.ledger.route_fired(now, _short(detail, 120))
-        for listener in self._route_listeners:
-            try:
-                listener(event)
-            except Exception as exc:
-                self._speculation_failed(
-                    f"route listener {getattr(listener, '__qualname__', type(listener).__name__)}", exc
-                )
-        if self._routed_on and tool not in drafted and (branch.level == 0 or self._provisional_targets_on):
-            # A provisional branch's action is launched early only under provisional_targets
-            # (as its decoded action would be): JASV keeps any fork safe, this only bounds work.
-            drafted.add(tool)
-            run.task_group.start_soon(self._draft_routed, branch, tool)
-
-    async def _draft_routed(self, branch: Branch, tool: str) -> None:
-        """The routed drafters' targets for the action ``branch`` is decoding (a router named
-        its ``tool``), launched into forks as offset-0 targets of ``branch``'s history."""
-        width = self._config.routed_width
-        proposals: list[ActionDraft] = []
-        drafters = self._routed_drafters
-        if len(drafters) == 1:
-            await self._propose_routed_with(drafters[0], branch.history, tool, proposals)
-        else:
-            async with anyio.create_task_group() as tg:
-                for drafter in drafters:
-                    tg.start_soon(self._propose_routed_with, drafter, branch.history, tool, proposals)
-        if branch.state is not BranchState.DECODING:
-            # Why: the action is emitted (a routed guess of it is useless now: JASV or the
-            # step's own execution has it), or the branch's history never happened. While
-            # it decodes, a level-0 branch is still at the boundary it was routed at.
-            return
-        proposals.sort(key=lambda d: -d.probability)
-        seen: set[str] = set()
-        launched = 0
-        for d in proposals:
-            if launched >= width:
-                break
-            if d.offset != 0 or d.action.is_none or d.action.key in seen:
-                continue
-            seen.add(d.action.key)
-            # offset 0 of the branch's history is offset ``level`` of the verified one
-            if self._launch_fork(d.action, branch.level, d.probability, routed=True):
-                launched += 1
-
-    async def _propose_routed_with(
-        self, drafter: ActionDrafter, history: History, tool: str, out: list[ActionDraft]
-    ) -> None:
-        """One routed drafter's targets into ``out``; a failure only loses its targets, and
-        malformed targets are dropped (both counted)."""
-        who = f"routed action drafter {type(drafter).__name__}"
-        try:
-            proposals = await drafter.propose_routed(history, tool, self._config.routed_width)  # type: ignore[attr-defined]
-            out.extend(self._valid_drafts(proposals, ActionDraft, who))
-        except Exception as exc:
-            self._speculation_failed(who, exc)
-
-    # ------------------------------------------------------------------ action speculation and forks
-
-    def _speculate_actions(self, history: History) -> None:
-        """Launch the action drafters' targets for this boundary into forks."""
-        run = self._run
-        if run.targets is not None:
-            # Why: targets drafted for the previous boundary are offsets from a history that
-            # is no longer the verified one.
-            run.targets.cancel()
-        run.targets = run.task_group.start_soon(self._draft_targets, history, run.ledger.step)
-
-    async def _draft_targets(self, history: History, step: int) -> None:
-        cfg, run = self._config, self._run
-        proposals: list[ActionDraft] = []
-        drafters = self._action_drafters
-        if len(drafters) == 1:
-            await self._propose_with(drafters[0], history, proposals)
-        else:
-            async with anyio.create_task_group() as tg:
-                for drafter in drafters:
-                    tg.start_soon(self._propose_with, drafter, history, proposals)
-        if run.ledger.step != step:
-            return  # the boundary passed while drafting: these offsets no longer apply
-        proposals.sort(key=lambda d: (-d.probability, d.offset))
-        seen: set[str] = set()
-        launched = 0
-        for d in proposals:
-            if launched >= cfg.fork_width:
-                break
-            if d.offset >= cfg.depth or d.action.is_none or d.action.key in seen:
-                continue
-            seen.add(d.action.key)
-            if self._launch_fork(d.action, d.offset, d.probability):
-                launched += 1
-
-    async def _propose_with(self, drafter: ActionDrafter, history: History, out: list[ActionDraft]) -> None:
-        """One action drafter's targets into ``out``; a failure only loses its targets, and
-        malformed targets are dropped (both counted)."""
-        who = f"action drafter {type(drafter).__name__}"
-        try:
-            proposals = await drafter.propose(history, self._config.fork_width, self._config.depth)
-            out.extend(self._valid_drafts(proposals, ActionDraft, who))
-        except Exception as exc:
-            self._speculation_failed(who, exc)
-
-    def _launch_fork(self, action: Action, offset: int, probability: float, *, routed: bool = False) -> bool:
-        """Start ``f``: ``action`` in a fork of the committed sandbox, registered at once
-        under the version it forks from (False when an equal one is live or running).
-        ``routed``: drafted once a router named the tool being decoded (counted apart)."""
-        run = self._run
-        try:
-            version = self._sandbox.version
-        except Exception as exc:
-            # Speculation only: the verified path reads the version too, and fails there.
-            self._speculation_failed("reading the committed version", exc)
-            return False
-        key = action.key
-        if run.forks.has(version, key) or run.inflight == (version, key):
-            # An equal fork is live, or the committed step is executing this very action
-            # from this very state already.
-            return False
-        excess = len(run.forks) + 1 - self._config.max_live_forks
-        if excess > 0:
-            # Why: live forks hold sandboxes; past the cap the oldest (drafted for the
-            # earliest boundary, so the least likely still to be emitted) make room.
-            self._release(run.forks.oldest(excess))
-        now = self._clock.now_ns()
-        fork = ForkEntry(action, offset=offset, probability=probability, launched_ns=now, speculative=True)
-        # Registered at once under the version it will fork from, so JASV finds it (and waits
-        # for it) even if the actor emits this action before the fork task has run.
-        fork.origin = version
-        fork.routed = routed
-        run.forks.add(fork)
-        run.ledger.fork_launched(now, key, routed=routed)
-        fork.task = run.task_group.start_soon(self._run_fork, fork)
-        return True
-
-    async def _run_fork(self, fork: ForkEntry) -> None:
-        """Fork the committed sandbox and run a speculative target in it. Any failure here
-        (forking, executing, reading the fork's version) only loses this fork's result:
-        JASV then runs the action as serial execution would."""
-        run = self._run
-        sandbox: Sandbox | None = None
-        try:
-            # Why: a fork released before its task ever ran must not fork at all.
-            await anyio.lowlevel.checkpoint_if_cancelled()
-            try:
-                sandbox = await self._speculative_fork(fork)
-                if sandbox is None:
-                    # released, or the committed state moved on first: it could never pass JASV
-                    run.ledger.fork_discarded(self._clock.now_ns(), fork.action.key, 0)
-                    return
-                fork.sandbox = sandbox
-                if fork.state is ForkState.RELEASED or sandbox.version != fork.origin:
-                    # Released before it started, or the committed state moved on between launch
-                    # and fork: this fork could never pass JASV under the version it is registered for.
-                    return
-                if fork not in run.awaited:
-                    # Why: a guess must never take CPU or IO from the command the agent waits on.
-                    await self._prioritize(sandbox, foreground=False)
-                    if fork in run.awaited:  # JASV accepted it meanwhile
-                        await self._prioritize(sandbox, foreground=True)
-                fork.exec_start_ns = self._clock.now_ns()
-                fork.observation = await sandbox.execute(fork.action)
-            except Exception as exc:
-                self._speculation_failed(f"fork {_short(fork.action.key)}", exc)
-                return
-            fork.exec_end_ns = self._clock.now_ns()
-            if fork.state is ForkState.RELEASED:
-                return  # released while finishing: discarded below
-            # From here the idle fork belongs to the run: JASV commits it, or pruning (or the
-            # end of the run) discards it.
-            fork.state = ForkState.IDLE
-            run.idle.add(fork)
-        finally:
-            if fork.state is ForkState.IDLE:
-                fork.finish(ForkState.IDLE)
-            else:
-                fork.finish(ForkState.DISCARDED if fork.state is ForkState.RELEASED else ForkState.FAILED)
-                run.forks.remove(fork)
-                if sandbox is not None:
-                    # Why shielded: the fork must be released even when this task is being
-                    # cancelled, or its layers/processes would leak.
-                    with anyio.CancelScope(shield=True):
-                        await self._discard_sandbox(sandbox, fork.action)
-                    now = self._clock.now_ns()
-                    run.ledger.fork_discarded(now, fork.action.key, fork.tool_ns(now), speculative=fork.speculative)
-
-    def _enter_critical(self) -> None:
-        self._critical += 1
-
-    def _leave_critical(self) -> None:
-        self._critical -= 1
-        if not self._critical:
-            self._critical_done.set()
-            self._critical_done = anyio.Event()
-
-    async def _speculative_fork(self, fork: ForkEntry) -> Sandbox | None:
-        """Fork the committed sandbox for ``fork`` (None when it is no longer at the fork's
-        origin): one speculative fork at a time, after the verified path's fork or commit."""
-        async with self._fork_gate:
-            while self._critical:
-                await self._critical_done.wait()
-            if fork.state is ForkState.RELEASED or self._sandbox.version != fork.origin:
-                return None
-            return await self._sandbox.fork()
-
-    async def _prioritize(self, sandbox: Sandbox, *, foreground: bool) -> None:
-        """Run ``sandbox``'s commands at foreground or background priority, where the
-        backend can (:class:`aospec.protocols.PrioritizedSandbox`); a failure only costs speed."""
-        setter = getattr(sandbox, "set_priority", None)
-        if setter is None:
-            return
-        try:
-            await setter(foreground=foreground)
-        except Exception as exc:
-            self._speculation_failed("setting a fork's priority", exc)
-
-    def _release(self, forks: Sequence[ForkEntry]) -> None:
-        """Give up forks that can no longer be reused: a running one is stopped (its task
-        discards it), an idle one is discarded."""
-        idle = []
-        for fork in forks:
-            was_idle = fork.state is ForkState.IDLE
-            fork.state = ForkState.RELEASED
-            if was_idle:
-                idle.append(fork)
-            elif fork.task is not None:
-                fork.task.cancel()
-        if idle:
-            self._run.task_group.start_soon(self._discard_idle, idle)
-
-    async def _discard_idle(self, forks: Sequence[ForkEntry]) -> None:
-        # Why shielded: discarding must complete even if the run is being cancelled.
-        with anyio.CancelScope(shield=True):
-            for fork in forks:
-                if fork in self._run.idle:
-                    self._run.idle.discard(fork)
-                    await self._discard(fork)
-
-    async def _discard(self, fork: ForkEntry) -> None:
-        assert fork.sandbox is not None
-        await self._discard_sandbox(fork.sandbox, fork.action)
-        fork.state = ForkState.DISCARDED
-        now = self._clock.now_ns()
-        self._run.ledger.fork_discarded(now, fork.action.key, fork.tool_ns(now), speculative=fork.speculative)
-
-    async def _discard_sandbox(self, sandbox: Sandbox, action: Action, cause: BaseException | None = None) -> None:
-        """Discard a fork; a discard that raises is counted, never raised: the fork's state
-        is never committed, so it costs resources (the backend's session close releases
-        them), not results. With ``cause`` (the error being raised), it is noted there."""
-        try:
-            await sandbox.discard()
-        except Exception as exc:
-            self._speculation_failed(f"discard of the fork of {_short(action.key)}", exc, warn=True)
-            if cause is not None:
-                note = f"aospec: discarding the fork of the failed step failed too: {type(exc).__name__}: {exc}"
-                cause.add_note(note)
-
-    def _speculation_failed(self, what: str, exc: BaseException, *, warn: bool = False) -> None:
-        """A speculative operation failed: it only costs speed. Counted in the ledger
-        (``speculative_failures``, a ``fail`` event); an error that is no AospecError (a bug
-        in a drafter, an actor or a backend) is also logged, as is one with ``warn``."""
-        self._run.ledger.failed(self._clock.now_ns(), f"{what}: {type(exc).__name__}: {exc}")
-        if warn or not isinstance(exc, AospecError):
-            # Once per kind of failure and run at WARNING (a drafter that is broken fails on
-            # every call), the repeats at DEBUG.
-            key = f"{what.split(' {')[0]}: {type(exc).__name__}"
-            level = logging.DEBUG if key in self._warned else logging.WARNING
-            self._warned.add(key)
-            _log.log(level, "speculative %s failed (the run goes on without it): %s: %s", what, type(exc).__name__, exc)
+    # ------------------------------------------------------------------ the end
 
     async def close(self) -> None:
         """Discard the idle forks the run still holds (called when the run ends, after its
         task group is done)."""
-        run = self._run
-        if run.idle:
-            with anyio.CancelScope(shield=True):
-                for fork in list(run.idle):
-                    run.idle.discard(fork)
-                    await self._discard(fork)
-
-
-def _ignore_delta(delta: object) -> None:
-    """The ``on_delta`` of a decode whose router could not open a session."""
-
-
-def _cache_hit_ns(sandbox: Sandbox) -> int | None:
-    """The tool time ``sandbox``'s result cache saved on its last ``execute``
-    (:class:`aospec.protocols.CachingSandbox`), or None: no hit, no such capability, or a
-    value that cannot be read (a cache hit only counts; it never decides anything)."""
-    try:
-        ns = getattr(sandbox, "last_cache_hit_ns", None)
-        if ns is None or isinstance(ns, bool) or not isinstance(ns, numbers.Real) or not ns >= 0:
-            return None
-        return int(ns)
-    except Exception:
-        return None
-
-
-def _takes_an_argument(method: Callable[..., Any]) -> bool:
-    """Whether ``method`` can be called with one positional argument (a router's
-    ``session(history)``, or an older ``session()`` that takes none)."""
-    try:
-        params = inspect.signature(method).parameters.values()
-    except (TypeError, ValueError):
-        return False
-    return any(p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD, p.VAR_POSITIONAL) for p in params)
-
-
-def _valid_probability(p: object) -> bool:
-    # numbers.Real: numpy scalars too; NaN fails both comparisons
-    return isinstance(p, numbers.Real) and not isinstance(p, bool) and 0.0 <= p <= 1.0
-
-
-def _draft_problem(d: object, kind: type) -> str | None:
-    """Why ``d`` is no well-formed draft of ``kind`` (None: it is one)."""
-    if not isinstance(d, kind):
-        return f"{type(d).__name__} is not {kind.__name__}"
-    if kind is ObservationDraft:
-        assert isinstance(d, ObservationDraft)
-        if not isinstance(d.text, str):
-            return f"text is {type(d.text).__name__}, not str"
-        if d.template is not None and not isinstance(d.template, str):
-            return f"template is {type(d.template).__name__}, not str"
-    else:
-        assert isinstance(d, ActionDraft)
-        if not isinstance(d.action, Action):
-            return f"action is {type(d.action).__name__}, not Action"
-        if not isinstance(d.offset, numbers.Integral) or isinstance(d.offset, bool) or d.offset < 0:
-            return f"offset {d.offset!r} is not an integer >= 0"
-    if not _valid_probability(d.probability):
-        return f"probability {d.probability!r} is not in [0, 1]"
-    return None
+        await self._forks.close()

@@ -40,6 +40,7 @@ import xxhash
 from aospec.errors import DrafterError, SandboxError
 from aospec.protocols import ActionDraft, ActionDrafter, Actor, ObservationDraft, ObservationDrafter, Sandbox
 from aospec.types import Action, History, Trace, canonical_json, version_hash
+from aospec.wrappers import SandboxWrapper
 
 __all__ = [
     "FAULT_KINDS",
@@ -531,28 +532,24 @@ class _FaultPlan:
         _raise(fault.kind, what, SandboxError)
 
 
-class FaultySandbox:
+class FaultySandbox(SandboxWrapper):
     """Any sandbox (and, through ``fork``, its forks) with the faults of a plan injected.
 
     Calls pass to ``inner`` unless a :class:`Fault` matches: ``error``/``unexpected``/``hang``
     strike before the inner call, ``late`` after it (the operation took effect, then
     SandboxError). ``injected`` lists (fault, call) of every fault injected so far, across
     the forks; ``hanging`` counts hung calls not yet cancelled (0 once a run is over: no
-    task left behind). Other attributes (``files``, ``live_forks``, ``root_path``, ...) are
-    the inner sandbox's.
+    task left behind). A :class:`aospec.wrappers.SandboxWrapper`: the inner sandbox's
+    optional capabilities (priority, a result cache) pass through, without faults, and so
+    do its other attributes (``files``, ``live_forks``, ``root_path``, ...).
     """
 
     def __init__(self, inner: Sandbox, faults: Sequence[Fault] = (), *, _plan: _FaultPlan | None = None) -> None:
-        self.inner = inner
+        super().__init__(inner)
         self._plan = _plan if _plan is not None else _FaultPlan(faults)
         self._on = "fork" if _plan is not None else "committed"
         self.origin = inner.version
         self.last_action: Action | None = None
-
-    def __getattr__(self, name: str) -> Any:
-        if name == "inner":
-            raise AttributeError(name)
-        return getattr(self.inner, name)
 
     @property
     def injected(self) -> list[tuple[Fault, FaultCall]]:

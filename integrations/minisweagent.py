@@ -71,6 +71,7 @@ from aospec.engine import Engine
 from aospec.errors import AospecError
 from aospec.ledger import EngineStatistics
 from aospec.types import Action, History
+from aospec.wrappers import SandboxWrapper
 
 __all__ = [
     "MULTI_ACTION_TOOL",
@@ -176,13 +177,14 @@ def action_of(message: Mapping[str, Any]) -> Action:
     return Action(MULTI_ACTION_TOOL, {"commands": commands})
 
 
-class _Sandbox:
+class _Sandbox(SandboxWrapper):
     """The engine's view of an environment's sandbox (and, through ``fork``, of its forks):
     ``execute`` runs a step's command(s) with the environment's cwd and timeout and answers
-    the encoded output dicts."""
+    the encoded output dicts. A :class:`aospec.wrappers.SandboxWrapper`: the runtime
+    sandbox's priority capability passes through (speculative forks run in the background)."""
 
     def __init__(self, inner: Any, env: AospecEnvironment) -> None:
-        self.inner = inner
+        super().__init__(inner)
         self.env = env
 
     @property
@@ -210,12 +212,6 @@ class _Sandbox:
 
     async def fork(self) -> _Sandbox:
         return _Sandbox(await self.inner.fork(), self.env)
-
-    async def commit(self, fork: _Sandbox) -> None:
-        await self.inner.commit(fork.inner)
-
-    async def discard(self) -> None:
-        await self.inner.discard()
 
 
 def _close(portal_cm: Any, sandbox_cm: Any) -> None:

@@ -38,8 +38,9 @@ from aospec.engine_config import EngineConfig
 from aospec.errors import AospecError
 from aospec.evd import EVDEstimator
 from aospec.ledger import EngineStatistics
-from aospec.protocols import Sandbox
+from aospec.protocols import CachingSandbox, Sandbox
 from aospec.types import Action, History, Trace
+from aospec.wrappers import SandboxWrapper
 
 __all__ = [
     "SUBMIT_MARKERS",
@@ -121,38 +122,23 @@ def serial_config() -> EngineConfig:
     return EngineConfig(branch_budget=0, fork_width=0, provisional_targets=False)
 
 
-#: The optional sandbox capabilities FormatErrorSandbox passes through when its inner
-#: sandbox has them (and only then, so that the engine's capability checks see the truth):
-#: the result cache's (aospec.protocols.CachingSandbox) and background priority
-#: (aospec.protocols.PrioritizedSandbox).
-_FORWARDED = frozenset({"last_cache_hit_ns", "cache_counts", "set_priority"})
-
-
-class FormatErrorSandbox:
+class FormatErrorSandbox(SandboxWrapper):
     """A sandbox (and, through ``fork``, each of its forks) whose answer to
     ``Action.none()`` (or to a tool call of another tool than ``bash``) is
     ``format_error``; everything else goes to ``inner``.
 
-    ``last_cache_hit_ns``, ``cache_counts`` and ``set_priority`` are the inner sandbox's
-    when it has them, else absent; ``last_cache_hit_ns`` is None after an answer given
-    here (nothing ran, and no cache served it)."""
+    A :class:`aospec.wrappers.SandboxWrapper`: the inner sandbox's result cache
+    (``last_cache_hit_ns``, ``cache_counts``) and priority (``set_priority``) pass through
+    when it has them, else they are absent; ``last_cache_hit_ns`` is None after an answer
+    given here (nothing ran, and no cache served it)."""
 
     def __init__(self, inner: Sandbox, format_error: str) -> None:
-        self.inner = inner
+        super().__init__(inner)
         self.format_error = format_error
         self._answered_here = False
 
-    @property
-    def version(self) -> str:
-        return self.inner.version
-
-    def __getattr__(self, name: str) -> Any:
-        if name not in _FORWARDED or "inner" not in self.__dict__:
-            raise AttributeError(name)
-        value = getattr(self.inner, name)  # AttributeError when the inner has no such capability
-        if name == "last_cache_hit_ns" and self._answered_here:
-            return None
-        return value
+    def _forwarded_cache_hit_ns(self) -> int | None:
+        return None if self._answered_here else super()._forwarded_cache_hit_ns()
 
     async def execute(self, action: Action) -> str:
         if action.is_none or action.command is None:
@@ -165,12 +151,6 @@ class FormatErrorSandbox:
 
     async def fork(self) -> FormatErrorSandbox:
         return FormatErrorSandbox(await self.inner.fork(), self.format_error)
-
-    async def commit(self, fork: FormatErrorSandbox) -> None:
-        await self.inner.commit(fork.inner)
-
-    async def discard(self) -> None:
-        await self.inner.discard()
 
 
 @dataclass(frozen=True, slots=True)
@@ -396,5 +376,4 @@ class Agent:
 
     def cache_counts(self) -> dict[str, int] | None:
         """The sandbox's result-cache counters (``aospec.specbox.cache.CachedSandbox``), or None."""
-        counts = getattr(self.sandbox, "cache_counts", None)
-        return counts() if callable(counts) else None
+        return self.sandbox.cache_counts() if isinstance(self.sandbox, CachingSandbox) else None

@@ -49,6 +49,7 @@ from aospec.errors import SandboxError
 from aospec.protocols import ObservationDraft, Sandbox
 from aospec.shell import ShellSyntaxError, extract_substitutions, simple_commands, tokens
 from aospec.types import Action, Effect, History, canonical_json
+from aospec.wrappers import SandboxWrapper
 
 __all__ = [
     "CachePolicy",
@@ -398,7 +399,7 @@ def _unit(action: Action) -> str:
     return action.key if action.tool == "bash" else f"tool:{action.tool}"
 
 
-class CachedSandbox:
+class CachedSandbox(SandboxWrapper):
     """A :class:`aospec.protocols.Sandbox` that serves deterministic actions from a
     :class:`ResultCache` (see module doc); everything else goes to ``inner``.
 
@@ -409,7 +410,10 @@ class CachedSandbox:
     sandboxes whose equal versions could still run differently (a different environment,
     working directory or tool set); versions already name the filesystem exactly.
 
-    Other attributes (``run``, ``aclose``, ...) are those of ``inner``.
+    A :class:`aospec.wrappers.SandboxWrapper` that implements
+    :class:`aospec.protocols.CachingSandbox` itself: the inner sandbox's priority capability
+    passes through when it has one, and its other attributes (``run``, ``aclose``, ...) are
+    readable here.
     """
 
     def __init__(
@@ -430,7 +434,7 @@ class CachedSandbox:
                 policy = CachePolicy(deterministic_tools=frozenset(deterministic or ()))
         elif deterministic is not None:
             raise ValueError("give either policy or deterministic, not both")
-        self.inner = inner
+        super().__init__(inner)
         self.cache = cache if cache is not None else ResultCache()
         self.policy = policy
         self.namespace = namespace
@@ -532,11 +536,6 @@ class CachedSandbox:
     async def discard(self) -> None:
         self._consumed = True
         await self.inner.discard()
-
-    def __getattr__(self, name: str) -> Any:
-        if name.startswith("__") or name == "inner":
-            raise AttributeError(name)
-        return getattr(self.inner, name)
 
 
 # ---------------------------------------------------------------------------------------

@@ -56,6 +56,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
+from aospec.errors import AospecError
+
 __all__ = [
     "INLINE_THRESHOLD",
     "SHM_DIR",
@@ -84,8 +86,9 @@ _MSG_MAX = 4096
 Backing = Literal["memfd", "shm"]
 
 
-class TransportError(Exception):
-    """A transport request failed."""
+class TransportError(AospecError):
+    """A transport request failed (an :class:`aospec.errors.AospecError`, so a command-line
+    run reports it in one line)."""
 
 
 class UnknownTokenError(TransportError, LookupError):

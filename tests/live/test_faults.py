@@ -34,7 +34,14 @@ from hypothesis import strategies as st
 
 from aospec.engine import Engine
 from aospec.engine_config import EngineConfig
-from aospec.errors import AospecError, DrafterError, EngineError, SandboxError
+from aospec.errors import (
+    AospecError,
+    DrafterError,
+    EngineError,
+    FailedAfterCommitError,
+    SandboxError,
+    StateUnknownError,
+)
 from aospec.ledger import EventKind
 from aospec.protocols import ActionDraft, ObservationDraft
 from aospec.session import MAX_DRAFTS_PER_CALL
@@ -686,14 +693,16 @@ def test_serial_execution_that_fails_ends_the_run_and_says_what_the_sandbox_hold
     step = (ref.states[k][0], ref.history.turns[k].action.key)
     fault = Fault("execute", kind, when=lambda c: c.action is not None and (c.origin, c.action.key) == step)
     out = run(backend, faults=[fault], obs=None, act=None, config=SERIAL)
-    assert type(out.error) is error_class(kind, SandboxError)
-    assert ref.prefix(out.history) == k
     changed = ref.states[k + 1][0] != ref.states[k][0]
-    if kind == "late" and changed:
+    diverged = kind == "late" and changed
+    assert type(out.error) is (StateUnknownError if diverged else error_class(kind, SandboxError))
+    assert ref.prefix(out.history) == k
+    if diverged:
         # the command ran, then the backend failed: its changes are in the committed
         # sandbox but not in the history, and the error says so
         assert out.state == ref.states[k + 1]
-        assert any("holds changes the verified history does not" in n for n in out.error.__notes__)  # type: ignore[union-attr]
+        assert "holds changes the verified history does not" in str(out.error)
+        assert type(out.error.__cause__) is SandboxError
     else:
         assert out.state == ref.states[k]
 
@@ -706,9 +715,13 @@ def test_a_commit_that_fails_ends_the_run_with_nothing_committed_lost(backend: s
     step = (ref.states[k][0], ref.history.turns[k].action.key)
     fault = Fault("commit", kind, when=lambda c: c.action is not None and (c.origin, c.action.key) == step)
     out = run(backend, faults=[fault])
-    got = assert_clean_failure(backend, out, error_class(kind, SandboxError))
-    # before: the commit did not happen, the step is not in H; late: it took effect, it is
+    # before: the commit did not happen, the step is not in H; late: it took effect, it is,
+    # and the error says so by its type (the backend's error is its cause)
+    got = assert_clean_failure(backend, out, FailedAfterCommitError if kind == "late" else error_class(kind, SandboxError))
     assert got == (k + 1 if kind == "late" else k)
+    if kind == "late":
+        assert isinstance(out.error, FailedAfterCommitError) and out.error.step == k
+        assert type(out.error.__cause__) is SandboxError
 
 
 @pytest.mark.parametrize("kind", ["error", "unexpected", "late"])

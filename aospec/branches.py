@@ -1,0 +1,97 @@
+"""The branches of a session's tree (Algorithm 1's ``B``, ``P`` and ``B'``).
+
+A :class:`Branch` is one decode of the next action from a history: the verified one (level
+0, ``B``), or one that ends in drafted observations (a provisional continuation, one of some
+branch's ``P``). :class:`aospec.session.Session` grows, adopts, promotes and cancels them;
+:class:`aospec.drafting.Drafting` drafts for them.
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import TYPE_CHECKING
+
+import anyio
+
+from aospec.protocols import ObservationDraft
+from aospec.types import Action, History
+
+if TYPE_CHECKING:
+    from anyio import TaskHandle
+
+__all__ = ["Branch", "BranchState"]
+
+
+class BranchState(enum.Enum):
+    """The life of a :class:`Branch`.
+
+    ``DECODING`` -> ``DECODED`` (or ``FAILED``) -> ``DRAFTING`` -> ``DRAFTED``; the branch
+    being verified moves to ``SEALED`` when the real observation arrives before its
+    drafting is over; any branch whose history can no longer happen moves to ``CANCELLED``.
+    """
+
+    DECODING = "decoding"  # the actor decodes the next action from the branch's history
+    DECODED = "decoded"  # the action is known; no observation drafted for it yet
+    FAILED = "failed"  # the decode raised: no action
+    DRAFTING = "drafting"  # observation drafters run; continuations start as their drafts arrive
+    DRAFTED = "drafted"  # drafting is over: the continuations are final
+    SEALED = "sealed"  # the real observation came first: drafting stopped, no continuation will start
+    CANCELLED = "cancelled"  # its history never happened: decode, drafting and continuations stopped
+
+
+class Branch:
+    """A decode of the next action from ``history``.
+
+    ``level`` 0 decodes from the verified history (``B``); level ``k > 0`` from a history
+    that ends in ``k`` drafted observations (``draft`` is the last one, ``probability``
+    the product of their probabilities). ``continuations`` (``P``) maps the text of each
+    drafted observation of ``action`` to the branch started on it; it is empty until the
+    branch drafts. The decode runs from ``started_ns`` to ``decoded_ns``.
+    """
+
+    __slots__ = (
+        "_waiter",
+        "action",
+        "canonical_form",
+        "continuations",
+        "decode_task",
+        "decoded_ns",
+        "draft",
+        "draft_task",
+        "history",
+        "level",
+        "probability",
+        "started_ns",
+        "state",
+    )
+
+    def __init__(
+        self, history: History, level: int, draft: ObservationDraft | None, probability: float, started_ns: int
+    ) -> None:
+        self.history = history
+        self.level = level
+        self.draft = draft
+        self.probability = probability
+        self.started_ns = started_ns
+        self.decoded_ns = started_ns
+        self.state = BranchState.DECODING
+        self.action: Action | None = None
+        self.canonical_form: str | None = None
+        self.continuations: dict[str, Branch] = {}
+        self.decode_task: TaskHandle[None] | None = None
+        self.draft_task: TaskHandle[None] | None = None
+        self._waiter: anyio.Event | None = None
+
+    def end_decode(self) -> None:
+        """The decode is over (with or without an action): move on and wake waiters."""
+        if self.state is BranchState.DECODING:
+            self.state = BranchState.DECODED if self.action is not None else BranchState.FAILED
+        if self._waiter is not None:
+            self._waiter.set()
+
+    async def wait_decoded(self) -> None:
+        """Wait until the decode is over."""
+        if self.state is BranchState.DECODING:
+            if self._waiter is None:
+                self._waiter = anyio.Event()
+            await self._waiter.wait()
