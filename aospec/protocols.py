@@ -5,8 +5,8 @@ cancelling the anyio cancel scope around the awaited call, so every implementati
 be cancel-safe (release what it holds when ``anyio.get_cancelled_exc_class()`` is raised).
 
 Some seams have optional capabilities (:class:`StreamingActor`, :class:`RoutedActionDrafter`,
-:class:`StreamingObservationDrafter`, :class:`PrioritizedSandbox`, :class:`CachingSandbox`,
-:class:`GroupedKernel`). The engine finds them once, by ``isinstance``, when a run starts
+:class:`StreamingObservationDrafter`, :class:`PrioritizedSandbox`, :class:`PausableSandbox`,
+:class:`MeteredSandbox`, :class:`CachingSandbox`, :class:`GroupedKernel`). The engine finds them once, by ``isinstance``, when a run starts
 (:class:`Capabilities`; a fork's when one of its class is first forked:
 :class:`SandboxCapabilities`), never by probing attributes as it goes. A sandbox that wraps
 another one says which of them it has by one rule: :class:`aospec.wrappers.SandboxWrapper`.
@@ -33,10 +33,14 @@ __all__ = [
     "Capabilities",
     "Clock",
     "GroupedKernel",
+    "HostMonitor",
+    "HostSnapshot",
     "Kernel",
+    "MeteredSandbox",
     "ObservationCanonicalizer",
     "ObservationDraft",
     "ObservationDrafter",
+    "PausableSandbox",
     "PrioritizedSandbox",
     "RouteEvent",
     "RoutedActionDrafter",
@@ -180,6 +184,75 @@ class PrioritizedSandbox(Protocol):
 
 
 @runtime_checkable
+class PausableSandbox(Protocol):
+    """An optional Sandbox capability: stop this sandbox's running command from taking any CPU.
+
+    ``pause()`` freezes every process of the command running in this sandbox (the cgroup
+    freezer on overlay, ``docker pause`` on Docker) and returns once they are frozen;
+    ``resume()`` thaws them. Both are idempotent and return at once when no command runs;
+    a command started while the sandbox is paused starts frozen. The time a command spends
+    paused does not count against its timeout (a paused guess must never time out where
+    serial execution would not: its result would differ). ``paused`` says which state the
+    sandbox is in. The engine pauses speculative forks while the command the agent waits
+    on is CPU-bound, and resumes a paused fork before the step waits on it."""
+
+    async def pause(self) -> None: ...
+
+    async def resume(self) -> None: ...
+
+    @property
+    def paused(self) -> bool: ...
+
+
+@runtime_checkable
+class MeteredSandbox(Protocol):
+    """An optional Sandbox capability: the CPU its commands use.
+
+    ``cpu_ns`` is the CPU time (user + system, ns) every command this sandbox has run has
+    used so far, the running one included (readable while it runs, e.g. from the command's
+    cgroup); a fork starts from 0. The engine samples it to learn what a guess costs and
+    whether the command the agent waits on is CPU-bound."""
+
+    @property
+    def cpu_ns(self) -> int: ...
+
+
+@dataclass(frozen=True, slots=True)
+class HostSnapshot:
+    """What the host has to spare right now, as a :class:`HostMonitor` reads it.
+
+    - ``cores``: CPUs this process may use (affinity and cgroup quota applied);
+    - ``busy_cores``: cores' worth of CPU in use by everything on the host (or in this
+      process's cgroup), averaged over the monitor's window;
+    - ``cpu_pressure``: the share of wall time some runnable task waited for a CPU
+      (``/proc/pressure/cpu`` "some", 0..1), None where PSI is missing;
+    - ``memory_pressure``: the same for memory stalls (``/proc/pressure/memory`` "some"),
+      None where PSI is missing;
+    - ``memory_available_bytes``: memory available to new work (MemAvailable, or the cgroup
+      limit's headroom).
+    """
+
+    cores: float
+    busy_cores: float
+    cpu_pressure: float | None = None
+    memory_pressure: float | None = None
+    memory_available_bytes: int | None = None
+
+    @property
+    def free_cores(self) -> float:
+        return max(0.0, self.cores - self.busy_cores)
+
+
+@runtime_checkable
+class HostMonitor(Protocol):
+    """Reads the host's load for the speculation controller: live, from /proc (PSI, CPU
+    and memory counters); in replay, from the simulated host (cores, background load and the
+    commands running in virtual time)."""
+
+    def snapshot(self) -> HostSnapshot: ...
+
+
+@runtime_checkable
 class CachingSandbox(Protocol):
     """An optional Sandbox capability (``aospec.specbox.cache.CachedSandbox`` and wrappers that
     forward it): ``last_cache_hit_ns`` is None when this sandbox's last ``execute`` ran the
@@ -299,15 +372,23 @@ def _is(obj: object, protocol: type) -> bool:
 @dataclass(frozen=True, slots=True)
 class SandboxCapabilities:
     """The optional capabilities of one sandbox, found once: ``prioritized``
-    (:class:`PrioritizedSandbox`) and ``caching`` (:class:`CachingSandbox`). A sandbox whose
-    check raises has neither."""
+    (:class:`PrioritizedSandbox`), ``pausable`` (:class:`PausableSandbox`), ``metered``
+    (:class:`MeteredSandbox`) and ``caching`` (:class:`CachingSandbox`). A sandbox whose
+    check raises has none of them."""
 
     prioritized: bool = False
     caching: bool = False
+    pausable: bool = False
+    metered: bool = False
 
     @classmethod
     def of(cls, sandbox: object) -> SandboxCapabilities:
-        return cls(prioritized=_is(sandbox, PrioritizedSandbox), caching=_is(sandbox, CachingSandbox))
+        return cls(
+            prioritized=_is(sandbox, PrioritizedSandbox),
+            caching=_is(sandbox, CachingSandbox),
+            pausable=_is(sandbox, PausableSandbox),
+            metered=_is(sandbox, MeteredSandbox),
+        )
 
 
 @dataclass(frozen=True, slots=True)

@@ -7,6 +7,7 @@ sandbox in everything else, by one rule:
 - the Sandbox methods it does not define are the inner sandbox's (``version``, ``execute``,
   ``commit`` of a fork's ``inner``, ``discard``); ``fork`` it defines, to wrap the child;
 - an optional capability (:data:`CAPABILITIES`: :class:`~aospec.protocols.PrioritizedSandbox`,
+  :class:`~aospec.protocols.PausableSandbox`, :class:`~aospec.protocols.MeteredSandbox`,
   :class:`~aospec.protocols.CachingSandbox`) is the inner sandbox's: a wrapper has it when
   its inner sandbox has it (forwarded) or when it implements it itself, and never
   otherwise. ``isinstance`` sees exactly that, on every Python version: each wrapper is
@@ -25,7 +26,14 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any, Self, cast
 
-from aospec.protocols import CachingSandbox, PrioritizedSandbox, Sandbox, SandboxCapabilities
+from aospec.protocols import (
+    CachingSandbox,
+    MeteredSandbox,
+    PausableSandbox,
+    PrioritizedSandbox,
+    Sandbox,
+    SandboxCapabilities,
+)
 from aospec.types import Action
 
 __all__ = ["CAPABILITIES", "SandboxWrapper"]
@@ -34,6 +42,8 @@ __all__ = ["CAPABILITIES", "SandboxWrapper"]
 #: protocol: their members.
 CAPABILITIES: dict[type, frozenset[str]] = {
     PrioritizedSandbox: frozenset({"set_priority"}),
+    PausableSandbox: frozenset({"pause", "resume", "paused"}),
+    MeteredSandbox: frozenset({"cpu_ns"}),
     CachingSandbox: frozenset({"last_cache_hit_ns", "cache_counts"}),
 }
 _MEMBERS = frozenset().union(*CAPABILITIES.values())
@@ -44,6 +54,28 @@ class _ForwardsPriority:
 
     async def set_priority(self, *, foreground: bool) -> None:
         await self.inner.set_priority(foreground=foreground)
+
+
+class _ForwardsPause:
+    inner: Any
+
+    async def pause(self) -> None:
+        await self.inner.pause()
+
+    async def resume(self) -> None:
+        await self.inner.resume()
+
+    @property
+    def paused(self) -> bool:
+        return bool(self.inner.paused)
+
+
+class _ForwardsCpu:
+    inner: Any
+
+    @property
+    def cpu_ns(self) -> int:
+        return int(self.inner.cpu_ns)
 
 
 class _ForwardsCache:
@@ -65,7 +97,16 @@ def _variant(cls: type, caps: SandboxCapabilities) -> type:
     """``cls`` with the forwarding mixin of each capability in ``caps`` (made once)."""
     variant = _VARIANTS.get((cls, caps))
     if variant is None:
-        mixins = [m for m, on in ((_ForwardsPriority, caps.prioritized), (_ForwardsCache, caps.caching)) if on]
+        mixins = [
+            m
+            for m, on in (
+                (_ForwardsPriority, caps.prioritized),
+                (_ForwardsPause, caps.pausable),
+                (_ForwardsCpu, caps.metered),
+                (_ForwardsCache, caps.caching),
+            )
+            if on
+        ]
         namespace = {"__module__": cls.__module__, "__qualname__": cls.__qualname__, "_wrapper_class": cls}
         variant = _VARIANTS[(cls, caps)] = type(cls.__name__, (cls, *mixins), namespace)
     return variant
@@ -81,7 +122,7 @@ class SandboxWrapper:
     def __new__(cls, inner: Sandbox, *args: Any, **kwargs: Any) -> Self:
         declared: type = cls.__dict__.get("_wrapper_class", cls)
         caps = SandboxCapabilities.of(inner)
-        return super().__new__(_variant(declared, caps) if caps.prioritized or caps.caching else declared)
+        return super().__new__(_variant(declared, caps) if caps != SandboxCapabilities() else declared)
 
     def __init__(self, inner: Sandbox) -> None:
         self.inner = inner
