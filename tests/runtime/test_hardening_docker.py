@@ -60,18 +60,21 @@ async def test_a_container_killed_under_a_command_is_a_sandbox_error(docker_back
         await sb.run("echo kept > /tmp/k")
         cid = sb.container_id
 
-        async def kill_soon() -> None:
-            await anyio.sleep(1.5)
+        started = sb._box.merged / "tmp" / "started"
+
+        async def kill_once_started() -> None:
+            while not started.exists():  # the command runs (a loaded host can take seconds)
+                await anyio.sleep(0.05)
             await anyio.to_thread.run_sync(lambda: subprocess.run(["docker", "kill", cid], capture_output=True))
 
         async with anyio.create_task_group() as tg:
-            tg.start_soon(kill_soon)
+            tg.start_soon(kill_once_started)
             with pytest.raises(SandboxError, match="died while running the command"):
-                await sb.run("echo started; sleep 20; echo done")
+                await sb.run("touch /tmp/started; sleep 300; echo done", timeout=600)
         version = sb.version
-        r = await sb.run("cat /tmp/k")
+        r = await sb.run("cat /tmp/k; rm /tmp/started")
         assert r.output == "kept\n" and r.returncode == 0
-        assert sb.version == version
+        assert sb.version != version  # the removal moved it: the restarted container is tracked
 
 
 async def test_capabilities_that_reach_the_kept_processes_are_refused(docker_backend: str) -> None:
