@@ -11,6 +11,8 @@
     ├── SandboxError                 a sandbox operation failed
     │   ├── SandboxUnavailableError  the backend cannot run here (privileges, overlayfs,
     │   │                            dockerd, base image) and says what to do
+    │   ├── FileTooLargeError        read_file(path, max_bytes=) refused a larger file
+    │   │                            (``path``, ``size``, ``limit``), before reading it
     │   ├── NodeLostError            the Ray node holding a sandbox session died (``node_id``)
     │   └── ClusterFullError         no Ray node had room for a session or fork in time
     ├── DrafterError                 a drafter backend failed or is misconfigured
@@ -52,6 +54,7 @@ __all__ = [
     "DrafterError",
     "EngineError",
     "FailedAfterCommitError",
+    "FileTooLargeError",
     "MissingDependencyError",
     "SandboxError",
     "SandboxUnavailableError",
@@ -137,6 +140,19 @@ class SandboxError(AospecError):
 
 class SandboxUnavailableError(SandboxError):
     """The sandbox backend cannot run on this host; the message says what to do."""
+
+
+class FileTooLargeError(SandboxError):
+    """A file read from a sandbox with a size limit is larger than the limit (found from
+    its ``fstat`` before any byte was read). ``path``, ``size`` and ``limit`` let a caller
+    word its own message."""
+
+    def __init__(self, path: str, size: int, limit: int) -> None:
+        self.path, self.size, self.limit = path, size, limit
+        super().__init__(f"{path} is {size} bytes, over the {limit}-byte limit")
+
+    def __reduce__(self) -> tuple[type[FileTooLargeError], tuple[str, int, int]]:
+        return type(self), (self.path, self.size, self.limit)  # picklable (Ray, processes)
 
 
 class DrafterError(AospecError):

@@ -36,6 +36,7 @@ from aospec.runtime.observation import (
 from aospec.runtime.versions import EMPTY_LAYER, Layer, UpperTracker, base_version, chain_version, hash_file, tree_layer
 
 from aospec._lazy import import_object
+from aospec.errors import ConfigError
 
 __all__ = [
     "BACKENDS",
@@ -89,4 +90,17 @@ def open_sandbox(
             {**{f: getattr(config, f) for f in config.__dataclass_fields__}, **overrides}
         )
     opener = import_object(config.backend, BACKENDS, "sandbox backend")
-    return opener(config)  # type: ignore[no-any-return]
+    if not callable(opener):
+        raise ConfigError(f"sandbox backend {config.backend!r} is not a callable opener (it is {type(opener).__name__})")
+    try:
+        session = opener(config)
+    except TypeError as exc:
+        raise ConfigError(f"sandbox backend {config.backend!r} cannot be called with a SandboxConfig: {exc}") from None
+    if not isinstance(session, AbstractAsyncContextManager):
+        # a dotted path to anything else (os:system ran with the configuration as its
+        # argument): not a sandbox
+        raise ConfigError(
+            f"sandbox backend {config.backend!r} returned {type(session).__name__}, not an async context manager: "
+            "a backend is a function of a SandboxConfig that `async with` opens (see BACKENDS)"
+        )
+    return session

@@ -10,6 +10,7 @@ import ctypes
 import ctypes.util
 import errno
 import os
+import re
 import stat
 import time
 from collections.abc import Callable, Iterator
@@ -18,6 +19,8 @@ from dataclasses import dataclass
 __all__ = [
     "OPAQUE_XATTR",
     "DirPath",
+    "LinkMap",
+    "clear_dir",
     "WalkedDir",
     "copy_entry",
     "copy_entry_at",
@@ -27,6 +30,7 @@ __all__ = [
     "make_private",
     "mount",
     "mounts_under",
+    "real_path",
     "open_dir_at",
     "open_in_root",
     "remount_readonly",
@@ -137,21 +141,37 @@ def _unescape_mountinfo(field: str) -> str:
     return "".join(out)
 
 
+_FD_LINK = re.compile(r"(/proc/(?:self|\d+)/fd/\d+)(/.*)?")
+
+
+def real_path(path: str) -> str:
+    """Where ``path`` is now: a ``/proc/PID/fd/N`` name is read off the descriptor (what
+    the kernel says it is, never re-resolved by name), any other path by realpath."""
+    m = _FD_LINK.fullmatch(path.rstrip("/"))
+    if m:
+        return os.readlink(m[1]) + (m[2] or "")
+    return os.path.realpath(path)
+
+
 def mounts_under(prefix: str) -> list[str]:
-    """Mount points at or below ``prefix`` (from /proc/self/mountinfo), deepest first."""
-    prefix = os.path.realpath(prefix).rstrip("/")
+    """Mount points at or below ``prefix`` (from /proc/self/mountinfo), deepest first,
+    named below ``prefix`` as given: a ``/proc/PID/fd/N`` prefix (a directory held by
+    descriptor) names them through the descriptor, so that unmounting them can never be
+    redirected by whoever renames a directory above it."""
+    given = prefix.rstrip("/")
+    real = real_path(prefix).rstrip("/")
     found = []
     with open("/proc/self/mountinfo", encoding="utf-8", errors="surrogateescape") as f:
         for line in f:
             point = _unescape_mountinfo(line.split(" ", 5)[4])
-            if point == prefix or point.startswith(prefix + "/"):
-                found.append(point)
+            if point == real or point.startswith(real + "/"):
+                found.append(given + point[len(real) :])
     return sorted(set(found), key=lambda p: (-p.count("/"), p))
 
 
 def unmount_all_under(prefix: str, *, keep: set[str] | frozenset[str] = frozenset()) -> list[str]:
     """Lazily unmount every mount at or below ``prefix`` except the mount points in
-    ``keep``; returns what was unmounted."""
+    ``keep`` (named as :func:`mounts_under` names them); returns what was unmounted."""
     done = []
     for _ in range(8):  # stacked mounts on one point need several passes
         points = [p for p in mounts_under(prefix) if p not in keep]
@@ -389,13 +409,49 @@ def _copy_nondir_at(sfd: int, name: bytes, dfd: int, st: os.stat_result, new: by
     return False
 
 
-def _copy_dir_contents(sfd: int, dfd: int, *, merge: bool = False) -> None:
+class LinkMap:
+    """The hard-linked inodes already copied into one destination tree (by ``(st_dev,
+    st_ino)`` of the source), so that the next name of one becomes a hard link to its
+    first copy instead of a second file. Names are relative to the tree's root
+    descriptor ``root_fd`` (any depth)."""
+
+    __slots__ = ("first", "root_fd")
+
+    def __init__(self, root_fd: int) -> None:
+        self.root_fd = root_fd
+        self.first: dict[tuple[int, int], bytes] = {}
+
+    def linked(self, st: os.stat_result, dir_fd: int, name: bytes) -> bool:
+        """Make ``name`` in ``dir_fd`` a link to the first copy of ``st``'s inode, if any."""
+        rel = self.first.get((st.st_dev, st.st_ino)) if st.st_nlink > 1 else None
+        if rel is None:
+            return False
+        parent, _, first = rel.rpartition(b"/")
+        pfd = open_dir_at(self.root_fd, parent)
+        try:
+            os.link(first, name, src_dir_fd=pfd, dst_dir_fd=dir_fd, follow_symlinks=False)
+        finally:
+            os.close(pfd)
+        return True
+
+    def note(self, st: os.stat_result, rel: bytes) -> None:
+        """``rel`` is now a copy of ``st``'s inode."""
+        if st.st_nlink > 1:
+            self.first.setdefault((st.st_dev, st.st_ino), rel)
+
+
+def _copy_dir_contents(
+    sfd: int, dfd: int, *, merge: bool = False, links: LinkMap | None = None, base: bytes = b""
+) -> None:
     """Copy everything inside directory ``sfd`` into directory ``dfd`` (whose own
     metadata is the caller's business), at any depth. With ``merge``, existing
-    directories are merged and any other existing entry is replaced."""
+    directories are merged and any other existing entry is replaced. Hard links inside
+    it stay links; with ``links`` (``dfd`` being ``base`` below its root) also to what
+    was copied into the same tree before."""
     dst = DirPath(dfd)
     times: list[tuple[int, int]] = []  # per open dst level below the root
-    links: dict[tuple[int, int], bytes] = {}  # hard-linked inode -> its first copy (rel)
+    if links is None:
+        links, base = LinkMap(dfd), b""
     try:
         for step in walk_tree(sfd):
             while dst.depth >= max(step.depth, 1):
@@ -423,18 +479,10 @@ def _copy_dir_contents(sfd: int, dfd: int, *, merge: bool = False) -> None:
                     os.mkdir(name, 0o700, dir_fd=dst.fd)
                     descend.append(entry)
                     continue
-                rel = step.rel + b"/" + name if step.rel else name
-                key = (st.st_dev, st.st_ino)
-                if st.st_nlink > 1 and key in links:
-                    first_parent, _, first = links[key].rpartition(b"/")
-                    pfd = open_dir_at(dfd, first_parent)
-                    try:
-                        os.link(first, name, src_dir_fd=pfd, dst_dir_fd=dst.fd, follow_symlinks=False)
-                    finally:
-                        os.close(pfd)
+                if links.linked(st, dst.fd, name):
                     continue
-                if _copy_nondir_at(step.fd, name, dst.fd, st) and st.st_nlink > 1:
-                    links[key] = rel
+                if _copy_nondir_at(step.fd, name, dst.fd, st):
+                    links.note(st, b"/".join(p for p in (base, step.rel, name) if p))
             step.entries[:] = descend
         while dst.depth:
             os.utime(dst.fd, ns=times.pop())
@@ -465,13 +513,20 @@ def copy_tree(src: str | bytes, dst: str | bytes, *, merge: bool = False) -> Non
         os.close(sfd)
 
 
-def copy_entry_at(sfd: int, name: bytes, dfd: int, new: bytes | None = None) -> None:
+def copy_entry_at(
+    sfd: int, name: bytes, dfd: int, new: bytes | None = None, *, links: LinkMap | None = None, rel: bytes = b""
+) -> None:
     """Copy the entry ``name`` of directory ``sfd`` (a directory with its whole tree) to
-    ``new`` (default: the same name) in directory ``dfd``, preserving what copy_tree does."""
+    ``new`` (default: the same name) in directory ``dfd``, preserving what copy_tree does.
+    With ``links`` (the copy being ``rel`` below its root), hard links to what was copied
+    into the same tree before stay links."""
     new = name if new is None else new
     st = os.stat(name, dir_fd=sfd, follow_symlinks=False)
     if not stat.S_ISDIR(st.st_mode):
-        _copy_nondir_at(sfd, name, dfd, st, new)
+        if links is not None and links.linked(st, dfd, new):
+            return
+        if _copy_nondir_at(sfd, name, dfd, st, new) and links is not None:
+            links.note(st, rel)
         return
     os.mkdir(new, 0o700, dir_fd=dfd)
     s = os.open(name, _DIR_FLAGS, dir_fd=sfd)
@@ -479,7 +534,7 @@ def copy_entry_at(sfd: int, name: bytes, dfd: int, new: bytes | None = None) -> 
         d = os.open(new, _DIR_FLAGS, dir_fd=dfd)
         try:
             _set_meta_fd(s, d, st)
-            _copy_dir_contents(s, d)
+            _copy_dir_contents(s, d, links=links, base=rel)
             os.utime(d, ns=(st.st_atime_ns, st.st_mtime_ns))
         finally:
             os.close(d)
@@ -536,8 +591,9 @@ def _retry_writable(op: Callable[[], object], fd: int, name: bytes | None = None
         op()
 
 
-def _clear_dir(root_fd: int) -> None:
-    """Remove everything inside the directory ``root_fd``, at any depth."""
+def clear_dir(root_fd: int) -> None:
+    """Remove everything inside the directory ``root_fd``, at any depth (never following
+    a symlink)."""
     path = DirPath(root_fd)
     try:
         todo: list[list[bytes]] = []
@@ -573,7 +629,7 @@ def remove_entry_at(dfd: int, name: bytes) -> None:
         return
     fd = os.open(name, _DIR_FLAGS, dir_fd=dfd)
     try:
-        _clear_dir(fd)
+        clear_dir(fd)
     finally:
         os.close(fd)
     os.rmdir(name, dir_fd=dfd)

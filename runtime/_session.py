@@ -7,6 +7,7 @@ from collections.abc import Mapping
 from typing import Any, Self
 
 import anyio
+from aospec.runtime._files import check_path
 from aospec.runtime._state import new_id
 from aospec.runtime.isolation import DEFAULT_PATH
 from aospec.runtime.observation import CommandResult, ObservationFormatter
@@ -57,6 +58,7 @@ class SandboxSession:
         self._check_open()
         cfg = self.store.config
         full_env = self._command_env(env)
+        _check_no_nul(command, full_env, cwd)
         async with self._lock:
             self._check_open()
             timeout_s = timeout if timeout is not None else cfg.timeout_s
@@ -144,3 +146,15 @@ class SandboxSession:
 
     async def __aexit__(self, *exc: object) -> None:
         await self.aclose()
+
+
+def _check_no_nul(command: str, env: Mapping[str, str], cwd: str | None) -> None:
+    """SandboxError when a command, environment entry or working directory holds a NUL
+    byte: no command line, environment or path can carry one (the kernel would cut it)."""
+    if "\0" in command:
+        raise SandboxError("the command contains a NUL byte, which no command line can carry")
+    for k, v in env.items():
+        if "\0" in k or "\0" in v or "=" in k:
+            raise SandboxError(f"environment variable {k!r}: a name or value with a NUL byte (or a name with '=')")
+    if cwd is not None:
+        check_path(cwd, "working directory")

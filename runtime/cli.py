@@ -133,6 +133,8 @@ def _exec(args: argparse.Namespace) -> int:
     import anyio
     from aospec.runtime import Bind, Limits, SandboxConfig, open_sandbox
 
+    from aospec.signals import interrupt_on_termination
+
     cmd = list(args.cmd)
     if cmd and cmd[0] == "--":
         cmd = cmd[1:]
@@ -183,7 +185,8 @@ def _exec(args: argparse.Namespace) -> int:
             result = await sb.run(command)
             return result, before, sb.version
 
-    result, before, after = anyio.run(main)
+    with interrupt_on_termination():  # SIGTERM/SIGHUP clean up as Ctrl-C does
+        result, before, after = anyio.run(main)
     if args.format == "json":
         print_json(
             {

@@ -11,7 +11,7 @@ from typing import Any
 from aospec.config import from_mapping
 from aospec.errors import ConfigError
 
-__all__ = ["DEFAULT_ENV", "Bind", "Limits", "SandboxConfig"]
+__all__ = ["BIND_UNSAFE_CAPS", "DEFAULT_ENV", "Bind", "Limits", "SandboxConfig", "cap_name"]
 
 GiB = 1 << 30
 MiB = 1 << 20
@@ -24,6 +24,19 @@ MiB = 1 << 20
 #: were edited, so serial and speculative runs of the same trajectory would end on
 #: different versions (measured: scripts/bench_live.py, docs/runtime.md).
 DEFAULT_ENV: Mapping[str, str] = MappingProxyType({"PYTHONDONTWRITEBYTECODE": "1"})
+
+
+#: Capabilities a sandbox with a writable bind may not keep: with them a command could
+#: still put privilege on the host through the bind, which the seccomp filter cannot
+#: see (file capabilities are an extended attribute: CAP_SETFCAP; CAP_FSETID keeps the
+#: set-ID bits of a file written to; CAP_SYS_ADMIN, or ALL of them).
+BIND_UNSAFE_CAPS = frozenset({"CAP_SETFCAP", "CAP_FSETID", "CAP_SYS_ADMIN", "ALL"})
+
+
+def cap_name(cap: str) -> str:
+    """``sys_admin``, ``SYS_ADMIN``, ``CAP_SYS_ADMIN`` -> ``CAP_SYS_ADMIN`` (``ALL`` stays)."""
+    upper = cap.strip().upper()
+    return upper if upper == "ALL" or upper.startswith("CAP_") else f"CAP_{upper}"
 
 
 @dataclass(frozen=True, slots=True)
@@ -149,6 +162,26 @@ class SandboxConfig:
             raise ValueError("seccomp must be default, none or the path of a JSON profile")
         if self.docker_fork not in ("auto", "commit", "copy-upper"):
             raise ValueError(f"docker_fork must be auto, commit or copy-upper, got {self.docker_fork!r}")
+        if self.writable_binds:
+            # what a command writes on a writable bind is on the host at once: the seccomp
+            # filter is what keeps set-ID bits and device nodes off it (docs/runtime.md)
+            unsafe = sorted({cap_name(c) for c in self.cap_add} & BIND_UNSAFE_CAPS)
+            if unsafe:
+                raise ValueError(
+                    f"cap_add {', '.join(unsafe)} with a writable bind would let a command put privileged files "
+                    "on the host (file capabilities, set-ID bits); drop it or make the binds read-only"
+                )
+            if self.seccomp == "none":
+                raise ValueError(
+                    "seccomp: none with a writable bind: the filter is what keeps set-ID bits and device nodes "
+                    "off the host; keep the filter or make the binds read-only"
+                )
+
+    @property
+    def writable_binds(self) -> bool:
+        """Whether any bind is writable (the sandbox then runs under the bind rules of
+        :func:`aospec.runtime.seccomp.bind_rules`)."""
+        return any(b.writable for b in self.binds)
 
     @classmethod
     def from_mapping(cls, data: Mapping[str, Any], *, where: str = "sandbox") -> SandboxConfig:

@@ -23,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import select
 import signal
 import tarfile
 import threading
@@ -38,17 +39,18 @@ from aospec.runtime._files import check_workdir, read_in_root, write_in_root
 from aospec.runtime._session import SandboxSession
 from aospec.runtime._state import (
     RecoveryReport,
+    StateDir,
     default_state_root,
-    lock_state_dir,
     new_id,
+    private_dir,
     store_identity,
     unregister_store,
     write_atomic,
 )
 from aospec.runtime.bases import BaseFS, open_base
-from aospec.runtime.config import SandboxConfig
+from aospec.runtime.config import SandboxConfig, cap_name
 from aospec.runtime.daemon import docker_client
-from aospec.runtime.isolation import check_binds, reached_file_size
+from aospec.runtime.isolation import check_binds, reached_file_size, scrub_binds
 from aospec.runtime.observation import (
     TIMEOUT_RETURNCODE,
     CommandResult,
@@ -57,14 +59,25 @@ from aospec.runtime.observation import (
     SandboxStatistics,
     get_formatter,
 )
+from aospec.runtime.seccomp import docker_profile
 from aospec.runtime.versions import UpperTracker
 
 from aospec._lazy import require
-from aospec.errors import SandboxError, SandboxUnavailableError
+from aospec.errors import ConfigError, SandboxError, SandboxUnavailableError
 
 __all__ = ["DockerSandbox", "ensure_base_image", "open_docker"]
 
 _IDLE = ["/bin/sleep", "2147483647"]
+#: who the container's init and idle process run as: a uid no file of a base is owned by
+#: (commands run as root, which without CAP_SYS_PTRACE may not ptrace, open the memory
+#: of, or, without CAP_KILL, signal another user's processes)
+KEPT_UID = 2147483646
+_KEPT_USER = f"{KEPT_UID}:{KEPT_UID}"
+#: capabilities that would let a command become the kept processes' user (CAP_SETUID;
+#: CAP_FOWNER: set-ID bits on a file it chowned to that user), ptrace them, or anything:
+#: refused for the docker backend
+DOCKER_UNSAFE_CAPS = frozenset({"CAP_SETUID", "CAP_FOWNER", "CAP_SYS_PTRACE", "CAP_SYS_ADMIN", "ALL"})
+_CTIME_SLACK_NS = 1_000_000_000  # ctime comes from a coarse clock (see scrub_binds)
 _LABEL_STORE = "aospec.store"
 _LABEL_BASE = "aospec.base_version"
 _HEAD_SCHEMA = 1
@@ -118,6 +131,7 @@ class _Box:
         self.lv = box_dir / "lv"
         self.lv_mounted = False
         self.keep: set[int] = set()
+        self.init_fd = -1  # pidfd of the container's init: readable once it exited
         self.cgroups: list[Path] = []
         data = store.client.api.inspect_container(container.id)["GraphDriver"]
         if data.get("Name") != "overlay2":
@@ -154,6 +168,13 @@ class _Box:
         if not state.get("Running"):
             raise SandboxError(f"container {self.container.id[:12]} did not start: {state.get('Error') or state}")
         init = int(state["Pid"])
+        if self.init_fd >= 0:
+            os.close(self.init_fd)
+            self.init_fd = -1
+        try:
+            self.init_fd = os.pidfd_open(init)
+        except ProcessLookupError:
+            raise SandboxError(f"container {self.container.id[:12]} stopped right after it started") from None
         self.keep = {init}
         deadline = time.monotonic() + 5
         while time.monotonic() < deadline:
@@ -166,6 +187,12 @@ class _Box:
 
     def running(self) -> bool:
         return bool(self.store.client.api.inspect_container(self.container.id)["State"].get("Running"))
+
+    def died(self) -> bool:
+        """Whether the container's init (the one :meth:`started` saw) has exited."""
+        if self.init_fd < 0:
+            return True
+        return bool(select.select([self.init_fd], [], [], 0)[0])
 
     def stray_pids(self) -> set[int]:
         pids: set[int] = set()
@@ -204,6 +231,9 @@ class _Box:
         return out
 
     def remove(self) -> None:
+        if self.init_fd >= 0:
+            os.close(self.init_fd)
+            self.init_fd = -1
         if self.lv_mounted:
             _fs.umount(str(self.lv), detach=True)
             self.lv_mounted = False
@@ -252,19 +282,23 @@ class DockerStore:
         self.image = ""
         self.recovery = RecoveryReport()
         self.live: dict[str, DockerSandbox] = {}
-        self._lock_fd = -1
+        self.dir = path  # the held directory's /proc/PID/fd/N name once open (StateDir.dir)
+        self._state: StateDir | None = None
         self.shell = "/bin/bash" if os.path.lexists(base.path / "bin/bash") else "/bin/sh"
         self.fork_method = "copy-upper" if config.docker_fork in ("auto", "copy-upper") else "commit"
+        # the container's seccomp profile: the overlay backend's filter (None: Docker's default)
+        self.seccomp = docker_profile(config.seccomp, network=config.network, writable_binds=config.writable_binds)
 
     def open(self) -> dict[str, Any] | None:
-        """Lock, recover; returns HEAD's content (None for a new store)."""
-        self.path.mkdir(parents=True, exist_ok=True)
-        self._lock_fd = lock_state_dir(self.path)
+        """Check, lock, recover; returns HEAD's content (None for a new store). A
+        directory that is neither new, empty nor a docker state is refused untouched."""
+        self._state = StateDir(self.path, backend="docker")
+        self.dir = self._state.dir
         try:
-            self.id = store_identity(self.path, ephemeral=self.ephemeral)
-            (self.path / "s").mkdir(exist_ok=True)
-            unmounted = _fs.unmount_all_under(str(self.path))
-            _fs.mount("tmpfs", str(self.path / "s"), "tmpfs", _fs.MS_NOSUID | _fs.MS_NODEV, "size=16m,mode=0700")
+            self.id = store_identity(self._state, ephemeral=self.ephemeral)
+            (self.dir / "s").mkdir(exist_ok=True)
+            unmounted = _fs.unmount_all_under(str(self.dir))
+            _fs.mount("tmpfs", str(self.dir / "s"), "tmpfs", _fs.MS_NOSUID | _fs.MS_NODEV, "size=16m,mode=0700")
             self.image = ensure_base_image(self.client, self.base)
             head = self._read_head()
             keep = head["container"] if head else None
@@ -276,14 +310,15 @@ class DockerStore:
             for img in self.client.images.list(filters={"label": f"{_LABEL_STORE}={self.id}"}):
                 with contextlib.suppress(Exception):
                     self.client.images.remove(img.id, force=True)
-            self.recovery = RecoveryReport(unmounted=tuple(unmounted), containers=tuple(removed))
+            shown = [str(self.path) + p[len(str(self.dir)) :] for p in unmounted]
+            self.recovery = RecoveryReport(unmounted=tuple(shown), containers=tuple(removed))
             return head
         except BaseException:
             self.close()
             raise
 
     def _read_head(self) -> dict[str, Any] | None:
-        head = self.path / "HEAD"
+        head = self.dir / "HEAD"
         if not head.exists():
             return None
         try:
@@ -292,7 +327,7 @@ class DockerStore:
             if missing:
                 raise KeyError(", ".join(missing))
         except (ValueError, KeyError, TypeError) as exc:
-            raise SandboxError(f"{head}: unreadable HEAD ({exc}); the state directory is damaged") from None
+            raise SandboxError(f"{self.path}/HEAD: unreadable HEAD ({exc}); the state directory is damaged") from None
         if data["base_version"] != self.base.version:
             raise SandboxError(
                 f"state directory {self.path} was created from a base with version {data['base_version']}, "
@@ -309,7 +344,7 @@ class DockerStore:
             "base_version": self.base.version,
             "upper": tracker.snapshot(),
         }
-        write_atomic(self.path / "HEAD", json.dumps(data).encode(), durable=self.config.durable)
+        write_atomic(self.dir / "HEAD", json.dumps(data).encode(), durable=self.config.durable)
 
     def create_box(self, image: str, *, image_owned: str | None = None, upper_from: _Box | None = None) -> _Box:
         """Create (and start) a container; with ``upper_from``, seed its upper with a copy
@@ -330,9 +365,16 @@ class DockerStore:
                 init=True,
                 hostname="sandbox",
                 network_mode="bridge" if cfg.network else "none",
+                # the init and the idle process run as KEPT_UID, every command as root: a
+                # command can neither ptrace nor signal them, so nothing of the sandbox's
+                # own can run between commands. Not no-new-privileges: with it, Docker
+                # 20.10 would give a root exec in a non-root container no capability at
+                # all (cap_add); the bounding set (cap_drop ALL + cap_add) caps every
+                # process anyway, and the filter below is the overlay backend's.
+                user=_KEPT_USER,
                 cap_drop=["ALL"],
                 cap_add=list(cfg.cap_add) or None,
-                security_opt=["no-new-privileges"],
+                security_opt=[f"seccomp={self.seccomp}"] if self.seccomp else None,
                 pids_limit=lim.pids,
                 mem_limit=lim.memory_bytes,
                 memswap_limit=lim.memory_bytes,
@@ -344,7 +386,7 @@ class DockerStore:
             )
         except Exception as exc:
             raise SandboxError(f"docker could not create a container: {exc}") from None
-        box_dir = self.path / "s" / sid
+        box_dir = self.dir / "s" / sid
         box_dir.mkdir()
         try:
             box = _Box(self, container, box_dir, image_owned)
@@ -362,15 +404,19 @@ class DockerStore:
     def close(self) -> None:
         with contextlib.suppress(Exception):
             self.client.close()
-        with contextlib.suppress(Exception):
-            _fs.unmount_all_under(str(self.path))
-        if self.ephemeral and self.path.exists():
-            _fs.remove_tree(self.path)
-        if self._lock_fd >= 0:
+        state = self._state
+        if state is None:
+            return
+        try:
+            with contextlib.suppress(Exception):
+                _fs.unmount_all_under(str(self.dir))
+            if self.ephemeral:
+                state.remove()
+        finally:
             if self.id:
                 unregister_store(self.id)
-            os.close(self._lock_fd)
-            self._lock_fd = -1
+            state.close()
+            self._state = None
 
 
 class DockerSandbox(SandboxSession):
@@ -475,6 +521,8 @@ class DockerSandbox(SandboxSession):
         timed_out = False
         done = anyio.Event()
         started = time.perf_counter()
+        since_ns = time.time_ns() - _CTIME_SLACK_NS
+        info: dict[str, Any] = {}
         try:
             exec_id = await anyio.to_thread.run_sync(
                 lambda: self.store.client.api.exec_create(
@@ -486,6 +534,7 @@ class DockerSandbox(SandboxSession):
                     stderr=True,
                     environment=env,
                     workdir=cwd,
+                    user="0:0",
                 )["Id"]
             )
 
@@ -494,6 +543,7 @@ class DockerSandbox(SandboxSession):
                 try:
                     await anyio.sleep(timeout_s)
                     timed_out = True
+                    out.freeze()  # what the kill below makes the shell print is not output
                 finally:
                     # on timeout *and* when cancelled: killing the command's
                     # processes is what makes the blocking reader below return
@@ -511,7 +561,17 @@ class DockerSandbox(SandboxSession):
         finally:
             with anyio.CancelScope(shield=True):
                 await anyio.to_thread.run_sync(box.kill_strays)
+                if cfg.writable_binds:
+                    await anyio.to_thread.run_sync(scrub_binds, cfg.binds, since_ns)
                 await self._after_change()
+        if box.died() or not info.get("Pid"):
+            # the container died under the command (or the exec never started): what the
+            # command printed and left is unknown, and the OCI runtime's error text is no
+            # observation of it. The next command starts the container again.
+            raise SandboxError(
+                f"container {box.container.id[:12]} died while running the command: no result "
+                f"(docker: exit code {rc}, {'the command never started' if not info.get('Pid') else 'init exited'})"
+            )
         after = await anyio.to_thread.run_sync(box.counters)
         hit = ["timeout"] if timed_out else []
         hit += [k for k, v in after.items() if v > before.get(k, 0)]
@@ -538,9 +598,11 @@ class DockerSandbox(SandboxSession):
 
     def _ensure_running(self) -> None:
         box = self._box
-        if not box.running():
-            # a command killed the idle process (kill -9 -1): the container stopped, its
-            # filesystem did not change; start it again
+        if box.died() or not box.running():
+            # the container stopped between commands (killed from outside, or by the
+            # command that already failed with a SandboxError): its filesystem, the upper
+            # directory, is kept; start it again. What differs is read by the next diff,
+            # so the version still names the state.
             box.container.start()
             box.started()
 
@@ -554,12 +616,13 @@ class DockerSandbox(SandboxSession):
     def _write_head(self) -> None:
         self.store.write_head(self._version, self._box.container.id, self._box.tracker)
 
-    async def read_file(self, path: str) -> bytes:
+    async def read_file(self, path: str, *, max_bytes: int | None = None) -> bytes:
+        """As :meth:`aospec.runtime.overlay.OverlaySandbox.read_file`."""
         self._check_open()
         async with self._lock:
             self._check_open()
             await anyio.to_thread.run_sync(self._ensure_running)
-            return await anyio.to_thread.run_sync(read_in_root, str(self._box.merged), path)
+            return await anyio.to_thread.run_sync(read_in_root, str(self._box.merged), path, max_bytes)
 
     async def write_file(self, path: str, data: bytes | str, *, mode: int = 0o644) -> None:
         self._check_open()
@@ -596,11 +659,17 @@ async def open_docker(config: SandboxConfig | None = None, **overrides: Any) -> 
     if os.geteuid() != 0:
         raise SandboxUnavailableError("the docker backend reads container layers on the host and needs root")
     check_binds(config.binds)  # the daemon would create a missing source on the host
+    unsafe = sorted({cap_name(c) for c in config.cap_add} & DOCKER_UNSAFE_CAPS)
+    if unsafe:
+        raise ConfigError(
+            f"cap_add {', '.join(unsafe)}: the docker backend cannot keep it (a command could then ptrace or "
+            "become the container's kept processes and run code between commands); drop it or use the overlay backend"
+        )
     client = await anyio.to_thread.run_sync(docker_client)
     base = await anyio.to_thread.run_sync(lambda: open_base(config.base))
     if config.state_dir is None:
         root = default_state_root()
-        root.mkdir(parents=True, exist_ok=True)
+        private_dir(root)
         path, ephemeral = root / f"d-{os.getpid()}-{new_id()}", True
     else:
         path, ephemeral = Path(config.state_dir).resolve(), False
@@ -636,8 +705,14 @@ def _open_root_box(store: DockerStore, head: dict[str, Any] | None) -> tuple[_Bo
             f"{store.path}/HEAD names container {head['container'][:12]}, which no longer exists; "
             "the committed state is lost (use a new state dir)"
         ) from None
+    user = (store.client.api.inspect_container(container.id).get("Config") or {}).get("User")
+    if user != _KEPT_USER:
+        raise SandboxError(
+            f"{store.path}: its container {container.id[:12]} runs its init as {user or 'root'}, not as {_KEPT_USER} "
+            "(made by an older aospec, whose commands could reach it between commands); use a new state dir"
+        )
     sid = new_id()
-    box_dir = store.path / "s" / sid
+    box_dir = store.dir / "s" / sid
     box_dir.mkdir()
     box = _Box(store, container, box_dir, None)
     if not box.running():

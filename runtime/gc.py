@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from aospec.runtime import _fs
-from aospec.runtime._state import default_state_root, state_dir_in_use, store_alive
+from aospec.runtime._state import STORE_REGISTRY, default_state_root, state_dir_in_use, store_alive
 from aospec.runtime.host import host_support
 from aospec.runtime.processes import MARKER_ENV, OWNER_ENV, live_owner_tokens, process_environments
 
@@ -31,6 +31,7 @@ class GcReport:
     cgroups: list[str] = field(default_factory=list)
     processes: list[int] = field(default_factory=list)
     containers: list[str] = field(default_factory=list)
+    registry: list[str] = field(default_factory=list)
     skipped_in_use: list[str] = field(default_factory=list)
 
     def to_json(self) -> dict[str, list[str]]:
@@ -40,6 +41,7 @@ class GcReport:
             "cgroups": self.cgroups,
             "processes": self.processes,
             "containers": self.containers,
+            "registry": self.registry,
             "skipped_in_use": self.skipped_in_use,
         }
 
@@ -50,6 +52,7 @@ def collect_garbage(state_root: Path | None = None, *, dry_run: bool = False, do
     report = GcReport()
     stale_ids: set[str] = set()
     live_ids: set[str] = set()
+    gone_dirs: set[str] = set()  # ephemeral state dirs this gc removes (or would, dry-run)
     if root.is_dir():
         for d in sorted(root.iterdir()):
             if not d.is_dir() or not (d / "lock").exists():
@@ -65,6 +68,7 @@ def collect_garbage(state_root: Path | None = None, *, dry_run: bool = False, do
             ephemeral = (d / "EPHEMERAL").exists()
             if ephemeral:
                 report.state_dirs.append(str(d))
+                gone_dirs.add(str(d))
             if dry_run:
                 continue
             _fs.unmount_all_under(str(d))
@@ -99,8 +103,27 @@ def collect_garbage(state_root: Path | None = None, *, dry_run: bool = False, do
                 if not dry_run:
                     cgroups.remove(cg.name)
     if docker:
-        report.containers += _gc_containers(live_ids, dry_run=dry_run)
+        report.containers += _gc_containers(live_ids, gone_dirs, dry_run=dry_run)
+    report.registry += _gc_registry(dry_run=dry_run)
     return report
+
+
+def _gc_registry(*, dry_run: bool) -> list[str]:
+    """Registry links of stores no live process holds (a session killed before it could
+    unregister), and temporary links of processes that are gone."""
+    removed = []
+    with contextlib.suppress(OSError):
+        for link in sorted(STORE_REGISTRY.iterdir()):
+            if link.name.startswith("."):
+                pid = link.name.rpartition(".")[2]
+                stale = not pid.isdigit() or not Path(f"/proc/{pid}").exists()
+            else:
+                stale = store_alive(link.name) is False
+            if stale:
+                removed.append(link.name)
+                if not dry_run:
+                    link.unlink(missing_ok=True)
+    return removed
 
 
 def _kill_orphans(live_ids: set[str], *, dry_run: bool) -> list[int]:
@@ -149,8 +172,10 @@ def _store_id_known(root: Path, store_id: str) -> bool:
     return False
 
 
-def _gc_containers(live_ids: set[str], *, dry_run: bool) -> list[str]:
-    """Containers of ephemeral stores whose owner is gone (persistent HEAD containers are kept)."""
+def _gc_containers(live_ids: set[str], gone_dirs: set[str], *, dry_run: bool) -> list[str]:
+    """Containers of ephemeral stores whose owner is gone (persistent HEAD containers are
+    kept); ``gone_dirs`` are the ephemeral state directories this gc removes (a dry run
+    leaves them, and must still count their containers)."""
     try:
         from aospec.runtime.daemon import docker_client
 
@@ -159,13 +184,15 @@ def _gc_containers(live_ids: set[str], *, dry_run: bool) -> list[str]:
         return []
     removed = []
     try:
-        _remove_stale_containers(client, live_ids, removed, dry_run=dry_run)
+        _remove_stale_containers(client, live_ids, gone_dirs, removed, dry_run=dry_run)
     finally:
         client.close()
     return removed
 
 
-def _remove_stale_containers(client: object, live_ids: set[str], removed: list[str], *, dry_run: bool) -> None:
+def _remove_stale_containers(
+    client: object, live_ids: set[str], gone_dirs: set[str], removed: list[str], *, dry_run: bool
+) -> None:
     for c in client.containers.list(all=True, filters={"label": "aospec.store"}):  # type: ignore[attr-defined]
         labels = c.labels or {}
         store_id = labels.get("aospec.store", "")
@@ -175,7 +202,7 @@ def _remove_stale_containers(client: object, live_ids: set[str], removed: list[s
         if state_dir.exists() and state_dir_in_use(state_dir):
             continue
         head = state_dir / "HEAD"
-        if head.exists() and c.id in head.read_text():
+        if str(state_dir) not in gone_dirs and head.exists() and c.id in head.read_text():
             continue  # the committed container of a persistent store
         removed.append(c.id[:12])
         if not dry_run:

@@ -16,6 +16,7 @@ kill the whole namespace: no process of the command survives it.
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import os
 import resource
@@ -29,6 +30,7 @@ from typing import TypeVar
 
 import anyio
 from anyio.lowlevel import RunVar
+from aospec.runtime import _fs
 from aospec.runtime.cgroups import CommandCgroup
 from aospec.runtime.config import Bind, Limits
 from aospec.runtime.host import host_support
@@ -47,6 +49,7 @@ __all__ = [
     "reached_file_size",
     "remove_bind_points",
     "run_bwrap",
+    "scrub_binds",
 ]
 
 DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
@@ -170,6 +173,95 @@ def remove_bind_points(root: str, points: Sequence[tuple[str, ...]]) -> None:
                 pass  # gone, or not empty: the command's own doing
         finally:
             os.close(fd)
+
+
+_SETID = stat.S_ISUID | stat.S_ISGID
+_CAPABILITY_XATTR = "security.capability"
+
+
+def scrub_binds(binds: Sequence[Bind], since_ns: int) -> list[str]:
+    """After a command (its processes gone): give what it created or changed on each
+    writable bind whose host source is not root's to the source's owner, and take from
+    it whatever could carry privilege (set-ID bits of non-directories, file
+    capabilities, device nodes; none can appear with the seccomp bind rules in place,
+    this is the second line). Entries whose inode did not change since ``since_ns`` are
+    left alone, and so is a bind owned by root (a root-owned file there is one root
+    could have made; the filter alone keeps privilege off it). Never follows a symlink
+    or crosses into another mount. Returns what was changed, for the record."""
+    fixed: list[str] = []
+    for b in binds:
+        if not b.writable:
+            continue
+        try:
+            top = os.lstat(b.source)
+        except OSError:
+            continue
+        if top.st_uid == 0:
+            continue
+        owner = (top.st_uid, top.st_gid)
+        if stat.S_ISDIR(top.st_mode):
+            fd = os.open(b.source, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+            try:
+                for step in _fs.walk_tree(fd):
+                    if step.depth and step.st.st_dev != top.st_dev:
+                        step.entries[:] = []  # a mount below the bind: not ours to touch
+                        continue
+                    for entry in step.entries:
+                        with contextlib.suppress(FileNotFoundError):
+                            st = entry.stat(follow_symlinks=False)
+                            if st.st_dev != top.st_dev:
+                                continue
+                            if st.st_ctime_ns >= since_ns:
+                                rel = os.path.join(os.fsdecode(step.rel), entry.name)
+                                if _scrub_entry(step.fd, os.fsencode(entry.name), st, owner):
+                                    fixed.append(os.path.join(b.source, rel))
+                    step.entries[:] = [e for e in step.entries if e.is_dir(follow_symlinks=False)]
+            finally:
+                os.close(fd)
+        elif top.st_ctime_ns >= since_ns:
+            parent, name = os.path.split(os.path.abspath(b.source))
+            pfd = os.open(parent, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+            try:
+                if _scrub_entry(pfd, os.fsencode(name), top, owner):
+                    fixed.append(b.source)
+            finally:
+                os.close(pfd)
+    return fixed
+
+
+def _scrub_entry(dir_fd: int, name: bytes, st: os.stat_result, owner: tuple[int, int]) -> bool:
+    """Fix one entry of a bind (see :func:`scrub_binds`); whether anything changed."""
+    if stat.S_ISCHR(st.st_mode) or stat.S_ISBLK(st.st_mode):
+        os.unlink(name, dir_fd=dir_fd)
+        return True
+    changed = False
+    if st.st_uid == 0 or st.st_gid == 0:
+        uid = owner[0] if st.st_uid == 0 else st.st_uid
+        gid = owner[1] if st.st_gid == 0 else st.st_gid
+        os.chown(name, uid, gid, dir_fd=dir_fd, follow_symlinks=False)  # clears set-ID bits and capabilities
+        changed = True
+    if stat.S_ISLNK(st.st_mode):
+        return changed
+    # chmod and xattrs through an O_PATH descriptor of the entry itself: a name could be
+    # swapped for a symlink in between, and neither call can refuse to follow one
+    fd = os.open(name, os.O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dir_fd)
+    try:
+        now = os.fstat(fd)
+        if (now.st_dev, now.st_ino) != (st.st_dev, st.st_ino):
+            return changed
+        proc = f"/proc/self/fd/{fd}"
+        if not stat.S_ISDIR(now.st_mode) and now.st_mode & _SETID:
+            os.chmod(proc, stat.S_IMODE(now.st_mode) & ~_SETID)
+            changed = True
+        try:
+            os.removexattr(proc, _CAPABILITY_XATTR)
+            changed = True
+        except OSError as exc:
+            if exc.errno not in (errno.ENODATA, errno.ENOTSUP, errno.EOPNOTSUPP):
+                raise
+    finally:
+        os.close(fd)
+    return changed
 
 
 def reached_file_size(upper: str, paths: Iterator[bytes], limit: int | None) -> bool:
@@ -476,6 +568,11 @@ async def run_bwrap(
         if scope.cancelled_caught:
             timed_out = True
             limits_hit.append("timeout")
+            # the output is what the command wrote before the timeout: take what the pipe
+            # holds, then stop collecting, then kill (a shell whose children die first
+            # reports them, "Killed", and that is the kill's text, not the command's)
+            _drain_ready(proc.stdout.fileno(), out)
+            out.freeze()
             _kill_tree(st.init_pidfd, st.cg)
             with anyio.move_on_after(10):
                 await _drain(proc.stdout.fileno(), out)
@@ -571,6 +668,18 @@ def _kill_tree(pidfd: int, cg: CommandCgroup | None) -> None:
         signal.pidfd_send_signal(pidfd, signal.SIGKILL)
     if cg is not None:
         cg.kill_all()
+
+
+def _drain_ready(fd: int, out: OutputBuffer) -> None:
+    """Read what a non-blocking pipe holds now, without waiting."""
+    while True:
+        try:
+            chunk = os.read(fd, 65536)
+        except BlockingIOError:
+            return
+        if not chunk:
+            return
+        out.add(chunk)
 
 
 async def _drain(fd: int, out: OutputBuffer) -> None:

@@ -140,8 +140,16 @@ class OutputBuffer:
         self.head = bytearray()
         self.tail = bytearray()
         self.dropped = 0
+        self.frozen = False
+
+    def freeze(self) -> None:
+        """Keep what was added so far and ignore what comes later: when a timeout strikes,
+        what the kill makes the command's shell print ("Killed") is not its output."""
+        self.frozen = True
 
     def add(self, chunk: bytes) -> None:
+        if self.frozen:
+            return
         room = self.cap - len(self.head)
         if room > 0:
             self.head += chunk[:room]

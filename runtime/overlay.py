@@ -12,6 +12,7 @@ parent's (and, for the committed root, HEAD's); discard unmounts and deletes.
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
@@ -34,6 +35,7 @@ from aospec.runtime.isolation import (
     reached_file_size,
     remove_bind_points,
     run_bwrap,
+    scrub_binds,
 )
 from aospec.runtime.observation import CommandResult, ObservationFormatter, SandboxStatistics, get_formatter
 from aospec.runtime.overlay_store import MOUNT_OPTS, OverlayStore, StateCheck, fd_names, verify_state_dir
@@ -51,6 +53,11 @@ __all__ = [
     "open_overlay",
     "verify_state_dir",
 ]
+
+
+#: ctime comes from a coarse clock (a tick behind): what changed up to this long before a
+#: command started is looked at again after it (scrub_binds), which costs nothing wrong
+_CTIME_SLACK_NS = 1_000_000_000
 
 
 @dataclass(slots=True)
@@ -84,14 +91,15 @@ class OverlaySandbox(SandboxSession):
     ) -> None:
         self._init_session(store, version=version, is_root=is_root, formatter=formatter, lineage=lineage)
         self._stack = stack
-        self._dir = store.path / "s" / self.sid
+        self._dir = store.dir / "s" / self.sid
         self._tmpfs = store.config.limits.disk_bytes is not None
-        self._rw = self._dir / "rw" if self._tmpfs else store.path / "u" / self.sid
+        self._rw = self._dir / "rw" if self._tmpfs else store.dir / "u" / self.sid
         self._upper = self._rw / "u"
         self._work = self._rw / "w"
         self._merged = self._dir / "m"
         self._lv: tuple[str, ...] | None = None  # the stack whose shared lower view we hold
         self._bind_points: list[tuple[str, ...]] = []
+        self._bind_since: int | None = None  # when the running command started (scrub_binds)
         self._mounted = False
         self._rw_mounted = False
         self.tracker = UpperTracker(self._upper, self._lower_view)
@@ -232,6 +240,7 @@ class OverlaySandbox(SandboxSession):
 
     def _prepare(self, cwd: str) -> None:
         check_binds(self.store.config.binds)
+        self._bind_since = time.time_ns() - _CTIME_SLACK_NS
         self._mount()
         check_workdir(str(self._merged), cwd)
         # bubblewrap creates missing bind mount points in the root; binds are not part
@@ -244,6 +253,9 @@ class OverlaySandbox(SandboxSession):
         if self._bind_points:
             remove_bind_points(str(self._merged), self._bind_points)
             self._bind_points = []
+        if self._bind_since is not None:
+            scrub_binds(self.store.config.binds, self._bind_since)
+            self._bind_since = None
         layer = self.tracker.diff()
         self._version = layer.apply_to(self._version)
         self.last_layer = layer
@@ -254,16 +266,19 @@ class OverlaySandbox(SandboxSession):
         if self.is_root:
             done["frozen"] = self._freeze_if_needed()
 
-    async def read_file(self, path: str) -> bytes:
-        """The content of ``path`` inside the sandbox (symlinks resolved inside it)."""
+    async def read_file(self, path: str, *, max_bytes: int | None = None) -> bytes:
+        """The content of the regular file ``path`` inside the sandbox (symlinks resolved
+        inside it). A FIFO, socket, device or directory is a SandboxError at once; with
+        ``max_bytes`` a larger file is a FileTooLargeError before anything is read."""
         self._check_open()
         async with self._lock:
             self._check_open()
             await anyio.to_thread.run_sync(self._mount)
-            return await anyio.to_thread.run_sync(read_in_root, str(self._merged), path)
+            return await anyio.to_thread.run_sync(read_in_root, str(self._merged), path, max_bytes)
 
     async def write_file(self, path: str, data: bytes | str, *, mode: int = 0o644) -> None:
-        """Write ``path`` inside the sandbox (parents must exist); the version moves on."""
+        """Write the regular file ``path`` inside the sandbox (parents must exist; anything
+        but a regular file there is a SandboxError); the version moves on."""
         self._check_open()
         raw = data.encode() if isinstance(data, str) else data
 
@@ -295,8 +310,9 @@ class OverlaySandbox(SandboxSession):
 
     @property
     def root_path(self) -> Path:
-        """The merged root on the host (mounted while the sandbox is in use)."""
-        return self._merged
+        """The merged root on the host (mounted while the sandbox is in use), named below
+        the state directory's path (aospec itself reaches it through the held descriptor)."""
+        return self.store.path / "s" / self.sid / "m"
 
     def statistics(self) -> SandboxStatistics:
         return SandboxStatistics(
@@ -469,7 +485,9 @@ async def open_overlay(config: SandboxConfig | None = None, **overrides: Any) ->
     config = (config or SandboxConfig()).replace(**overrides) if overrides else (config or SandboxConfig())
     check_host()
     check_binds(config.binds)
-    seccomp = await anyio.to_thread.run_sync(filter_program, config.seccomp)
+    seccomp = await anyio.to_thread.run_sync(
+        lambda: filter_program(config.seccomp, network=config.network, writable_binds=config.writable_binds)
+    )
     base = await anyio.to_thread.run_sync(lambda: open_base(config.base))
     if config.state_dir is None:
         root = default_state_root()

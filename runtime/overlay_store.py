@@ -53,9 +53,8 @@ from aospec.runtime._integrity import layer_digest
 from aospec.runtime._session import SandboxSession
 from aospec.runtime._state import (
     RecoveryReport,
-    lock_state_dir,
+    StateDir,
     new_id,
-    private_dir,
     store_identity,
     unregister_store,
     write_atomic,
@@ -89,7 +88,8 @@ class OverlayStore:
         self.ephemeral = ephemeral
         self.id = ""
         self.recovery = RecoveryReport()
-        self._lock_fd = -1
+        self.dir = path  # the held directory's /proc/PID/fd/N name once open (StateDir.dir)
+        self._state: StateDir | None = None
         # content digests of disk layers (aospec.runtime._integrity), kept in HEAD so that a
         # reopened persistent state is checked against what its version was made from
         self.digests: dict[str, str] = {}
@@ -112,29 +112,38 @@ class OverlayStore:
     # -- lifecycle -------------------------------------------------------------------------
 
     def open(self) -> None:
-        """Lock, recover and load (blocking)."""
-        private_dir(self.path)
-        self._lock_fd = lock_state_dir(self.path)
+        """Check, lock, recover and load (blocking). A directory that is neither new,
+        empty nor an overlay state is refused before anything in it changes."""
+        self._state = StateDir(self.path, backend="overlay")
+        self.dir = self._state.dir
         try:
-            self.id = store_identity(self.path, ephemeral=self.ephemeral)
+            self.id = store_identity(self._state, ephemeral=self.ephemeral)
             for d in ("l", "s", "u", "trash", "ml"):
-                (self.path / d).mkdir(exist_ok=True)
-            (self.path / "b").unlink(missing_ok=True)
-            os.symlink(self.base.path, self.path / "b")
+                try:
+                    (self.dir / d).mkdir(exist_ok=True)
+                except FileExistsError:
+                    raise SandboxError(f"{self.path}/{d} is not a directory; the state directory is damaged") from None
+            b = self.dir / "b"
+            if os.path.lexists(b) and not b.is_symlink():
+                raise SandboxError(
+                    f"{self.path}/b is not the symlink to the base aospec makes; the state directory is damaged"
+                )
+            b.unlink(missing_ok=True)
+            os.symlink(self.base.path, b)
             self._load_head()
             self.recovery = self._recover()
             if not self.ephemeral:
                 self.verify()
             # sandbox directories live on a tmpfs: creating and deleting them (and their
             # mount points) must not touch the disk
-            _fs.mount("tmpfs", str(self.path / "s"), "tmpfs", 0, "size=16m,mode=0700")
-            _fs.make_private(str(self.path / "s"))
+            _fs.mount("tmpfs", str(self.dir / "s"), "tmpfs", 0, "size=16m,mode=0700")
+            _fs.make_private(str(self.dir / "s"))
         except BaseException:
             self.close()
             raise
 
     def _load_head(self) -> None:
-        head = self.path / "HEAD"
+        head = self.dir / "HEAD"
         if not head.exists():
             self.write_head(self.base.version, ())
             return
@@ -149,7 +158,7 @@ class OverlayStore:
                 f"state directory {self.path} was created from a base with version {base_version}, "
                 f"not {self.base.version} ({self.base.path}); open it with the same base or use a new state dir"
             )
-        missing = [lid for lid in layers if not _is_memory(lid) and not (self.path / "l" / lid).is_dir()]
+        missing = [lid for lid in layers if not _is_memory(lid) and not (self.dir / "l" / lid).is_dir()]
         if missing:
             raise SandboxError(f"{head}: layers {missing} are missing; the state directory is damaged")
         self.head_version, self.head_layers = version, layers
@@ -157,7 +166,7 @@ class OverlayStore:
     def verify(self) -> None:
         """Check that HEAD's disk layers still hold what they held when HEAD named them
         (their content digests); raise SandboxError naming what differs and the fix."""
-        problems = _layer_problems(self.path, self.head_layers, self.digests, memory_ok=True)
+        problems = _layer_problems(self.dir, self.head_layers, self.digests, memory_ok=True)
         if problems:
             raise SandboxError(
                 f"state directory {self.path} no longer holds the state its version {self.head_version} names: "
@@ -167,13 +176,13 @@ class OverlayStore:
             )
 
     def _recover(self) -> RecoveryReport:
-        ml = str(self.path / "ml")
+        ml = str(self.dir / "ml")
         keep = {ml} | {f"{ml}/{lid}" for lid in self.head_layers if _is_memory(lid)}
-        sandboxes = [d.name for d in (self.path / "s").iterdir()] + [d.name for d in (self.path / "u").iterdir()]
+        sandboxes = [d.name for d in (self.dir / "s").iterdir()] + [d.name for d in (self.dir / "u").iterdir()]
         # a session killed while bwrap was setting up can leave its sandbox init blocked
         # forever (its parent died before releasing it): find them by their marker
         orphans = kill_marked(f"aospec-{self.id}-")
-        unmounted = _fs.unmount_all_under(str(self.path), keep=keep)
+        unmounted = _fs.unmount_all_under(str(self.dir), keep=keep)
         if ml not in _fs.mounts_under(ml):
             _fs.mount("tmpfs", ml, "tmpfs", 0, "size=4m,mode=0700")
             _fs.make_private(ml)
@@ -186,33 +195,38 @@ class OverlayStore:
             )
         for lid in self.head_layers:
             if _is_memory(lid):
-                self.mem_bytes[lid] = _tmpfs_used(self.path / "ml" / lid)
+                self.mem_bytes[lid] = _tmpfs_used(self.dir / "ml" / lid)
         cgs = self._reset_cgroups()
         layers = []
-        for d in (self.path / "ml").iterdir():
+        for d in (self.dir / "ml").iterdir():
             if d.name not in self.head_layers:
                 d.rmdir()
                 layers.append(d.name)
-        for d in (self.path / "s").iterdir():
+        for d in (self.dir / "s").iterdir():
             _fs.remove_tree(d)
-        for d in (self.path / "u").iterdir():
+        for d in (self.dir / "u").iterdir():
             self.trash(d)
-        for d in (self.path / "l").iterdir():
+        for d in (self.dir / "l").iterdir():
             if d.name not in self.head_layers:
                 self.trash(d)
                 layers.append(d.name)
-        for f in self.path.glob("*.tmp"):
-            f.unlink()
+        for name in ("HEAD.tmp", "ID.tmp"):  # only what aospec writes (write_atomic)
+            (self.dir / name).unlink(missing_ok=True)
         self.purge_trash()
+        unmounted = [self.shown(p) for p in unmounted]
         return RecoveryReport(tuple(unmounted), tuple(sandboxes), tuple(layers), tuple(cgs), processes=tuple(orphans))
+
+    def shown(self, path: str) -> str:
+        """``path`` below :attr:`dir` named below the state directory's own name."""
+        return str(self.path) + path[len(str(self.dir)) :] if path.startswith(str(self.dir)) else path
 
     def trash(self, path: Path) -> None:
         """Move ``path`` out of the way now; it is deleted by ``purge_trash`` (deleting on
         a disk can cost milliseconds per directory)."""
-        os.rename(path, self.path / "trash" / f"{path.name}-{new_id()}")
+        os.rename(path, self.dir / "trash" / f"{path.name}-{new_id()}")
 
     def purge_trash(self, *, above: int = 0) -> None:
-        entries = list((self.path / "trash").iterdir())
+        entries = list((self.dir / "trash").iterdir())
         if len(entries) > above:
             for d in entries:
                 _fs.remove_tree(d)
@@ -230,38 +244,43 @@ class OverlayStore:
 
     def close(self) -> None:
         """Detach every mount, drop the lock; delete everything when ephemeral."""
-        if self.path.exists():
-            _fs.unmount_all_under(str(self.path))
+        state = self._state
+        if state is None:
+            return
+        try:
+            _fs.unmount_all_under(str(self.dir))
             if self.ephemeral:
-                _fs.remove_tree(self.path)
+                state.remove()
             else:
-                for d in (self.path / "u").iterdir() if (self.path / "u").exists() else ():
+                for d in (self.dir / "u").iterdir() if (self.dir / "u").exists() else ():
                     self.trash(d)
-                for d in (self.path / "ml").iterdir() if (self.path / "ml").exists() else ():
+                for d in (self.dir / "ml").iterdir() if (self.dir / "ml").exists() else ():
                     d.rmdir()
                 self._gc_layers()
                 self.purge_trash()
-        if self.id:
-            _, cgroups = host_support()
-            if cgroups is not None:
-                cgroups.remove(self.cgroup)
-        if self._lock_fd >= 0:
-            if self.id:
-                unregister_store(self.id)
-            os.close(self._lock_fd)
-            self._lock_fd = -1
+        finally:
+            try:
+                if self.id:
+                    _, cgroups = host_support()
+                    if cgroups is not None:
+                        cgroups.remove(self.cgroup)
+            finally:
+                if self.id:
+                    unregister_store(self.id)
+                state.close()
+                self._state = None
 
     # -- layers ---------------------------------------------------------------------------------
 
     def layer_ids(self) -> list[str]:
         """Every layer present in the state directory (disk and memory), sorted."""
-        return sorted([d.name for d in (self.path / "l").iterdir()] + [d.name for d in (self.path / "ml").iterdir()])
+        return sorted([d.name for d in (self.dir / "l").iterdir()] + [d.name for d in (self.dir / "ml").iterdir()])
 
     def layer_dir(self, lid: str) -> Path:
-        return self.path / "ml" / lid / "u" if _is_memory(lid) else self.path / "l" / lid
+        return self.dir / "ml" / lid / "u" if _is_memory(lid) else self.dir / "l" / lid
 
     def lowerdir(self, stack: tuple[str, ...]) -> str:
-        return ":".join([*(str(self.layer_dir(lid)) for lid in stack), f"{self.path}/b"])
+        return ":".join([*(str(self.layer_dir(lid)) for lid in stack), f"{self.dir}/b"])
 
     def ref(self, stack: tuple[str, ...]) -> None:
         for lid in stack:
@@ -283,8 +302,8 @@ class OverlayStore:
     def delete_layers(self, lids: list[str]) -> None:
         for lid in lids:
             if _is_memory(lid):
-                _fs.umount(str(self.path / "ml" / lid), detach=True)
-                (self.path / "ml" / lid).rmdir()
+                _fs.umount(str(self.dir / "ml" / lid), detach=True)
+                (self.dir / "ml" / lid).rmdir()
                 self.mem_bytes.pop(lid, None)
             else:
                 self.trash(self.layer_dir(lid))
@@ -293,7 +312,7 @@ class OverlayStore:
 
     def _gc_layers(self) -> None:
         keep = set(self._refs) | set(self.head_layers)
-        for d in (self.path / "l").iterdir():
+        for d in (self.dir / "l").iterdir():
             if d.name not in keep:
                 self.trash(d)
 
@@ -306,7 +325,7 @@ class OverlayStore:
         if rename:
             os.rename(upper, self.layer_dir(lid))
         else:
-            tmp = self.path / "l" / f"{lid}.tmp"
+            tmp = self.dir / "l" / f"{lid}.tmp"
             _fs.copy_tree(upper, tmp)
             if self.config.durable:
                 _fs.sync_tree(tmp)
@@ -324,7 +343,7 @@ class OverlayStore:
         under ``ml/`` and make it read-only. O(1) in the size of the changes."""
         while True:
             lid = "m" + new_id()
-            target = self.path / "ml" / lid
+            target = self.dir / "ml" / lid
             try:
                 target.mkdir()
                 break
@@ -344,7 +363,7 @@ class OverlayStore:
             "base_version": self.base.version,
             "digests": {lid: self.digests[lid] for lid in layers if lid in self.digests},
         }
-        write_atomic(self.path / "HEAD", (json.dumps(data) + "\n").encode(), durable=self.config.durable)
+        write_atomic(self.dir / "HEAD", (json.dumps(data) + "\n").encode(), durable=self.config.durable)
         self.head_version, self.head_layers = version, layers
 
     def compaction_size(self, stack: tuple[str, ...]) -> tuple[int, bool]:
@@ -377,13 +396,13 @@ class OverlayStore:
         top = stack[:k]
         if memory:
             lid = "m" + new_id()
-            mnt = self.path / "ml" / lid
+            mnt = self.dir / "ml" / lid
             mnt.mkdir()
             _fs.mount("tmpfs", str(mnt), "tmpfs", 0, "mode=0700")
             target = mnt / "u"
         else:
             lid = new_id()
-            target = self.path / "l" / f"{lid}.tmp"
+            target = self.dir / "l" / f"{lid}.tmp"
         rest = stack[k:]
         try:
             _fs.copy_tree(self.layer_dir(top[-1]), target)
@@ -418,7 +437,7 @@ class OverlayStore:
         with self._views_lock:
             view = self._views.get(stack)
             if view is None:
-                path = self.path / "s" / f"lv-{new_id()}"
+                path = self.dir / "s" / f"lv-{new_id()}"
                 path.mkdir()
                 _fs.mount("overlay", str(path), "overlay", _fs.MS_RDONLY, f"lowerdir={self.lowerdir(stack)}")
                 view = self._views[stack] = [path, 0]
@@ -554,10 +573,10 @@ def verify_state_dir(path: str | os.PathLike[str]) -> StateCheck:
     head = state / "HEAD"
     if not head.is_file():
         raise SandboxError(f"{state} is not an overlay state directory (it has no HEAD)")
-    lock = lock_state_dir(state, wait_s=0.5)
+    held = StateDir(state, backend="overlay", wait_s=0.5)
     try:
         try:
-            data = json.loads(head.read_text())
+            data = json.loads((held.dir / "HEAD").read_text())
             version, layers = str(data["version"]), tuple(str(x) for x in data["layers"])
             base, want_base = Path(data["base"]), str(data["base_version"])
             digests = {str(k): str(v) for k, v in data.get("digests", {}).items()}
@@ -570,10 +589,10 @@ def verify_state_dir(path: str | os.PathLike[str]) -> StateCheck:
             got = base_version(tree_layer(base).digest)
             if got != want_base:
                 problems.append(f"its base {base} hashes to {got}, not to the base version {want_base} HEAD names")
-        problems += _layer_problems(state, layers, digests, memory_ok=False)
+        problems += _layer_problems(held.dir, layers, digests, memory_ok=False)
         return StateCheck(str(state), version, str(base), len(layers), tuple(problems))
     finally:
-        os.close(lock)
+        held.close()
 
 
 @contextlib.contextmanager
@@ -605,6 +624,7 @@ def _apply_layer(src: Path, dst: Path) -> None:
     sfd = os.open(src, _DIR)
     dfd = os.open(dst, _DIR)
     out = _fs.DirPath(dfd)
+    links = _fs.LinkMap(dfd)  # names of one inode in src stay one inode in dst
     times: list[tuple[int, int]] = []  # per open level of ``out`` below the root
     try:
         for step in _fs.walk_tree(sfd):
@@ -636,7 +656,7 @@ def _apply_layer(src: Path, dst: Path) -> None:
                     hid_lower = d_st is not None  # a whiteout or non-directory in the merged range
                     if d_st is not None:
                         _fs.remove_entry_at(out.fd, name)
-                    _fs.copy_entry_at(step.fd, name, out.fd)
+                    _fs.copy_entry_at(step.fd, name, out.fd, links=links, rel=_join(step.rel, name))
                     if hid_lower and not _fs.is_opaque(out.fd, name):
                         fd = os.open(name, _DIR, dir_fd=out.fd)
                         try:
@@ -646,7 +666,7 @@ def _apply_layer(src: Path, dst: Path) -> None:
                     continue
                 if d_st is not None:
                     _fs.remove_entry_at(out.fd, name)
-                _fs.copy_entry_at(step.fd, name, out.fd)
+                _fs.copy_entry_at(step.fd, name, out.fd, links=links, rel=_join(step.rel, name))
             step.entries[:] = descend
         while out.depth:
             os.utime(out.fd, ns=times.pop())
@@ -655,6 +675,10 @@ def _apply_layer(src: Path, dst: Path) -> None:
         out.close()
         os.close(dfd)
         os.close(sfd)
+
+
+def _join(rel: bytes, name: bytes) -> bytes:
+    return rel + b"/" + name if rel else name
 
 
 def _drop_dead_whiteouts(layer: Path, below: str) -> None:

@@ -349,8 +349,8 @@ class NodeHost:
             self._drop_closed()
             await self._freed()
 
-    async def read_file(self, handle: str, path: str) -> bytes:
-        return bytes(await self._get(handle).read_file(path))
+    async def read_file(self, handle: str, path: str, max_bytes: int | None = None) -> bytes:
+        return bytes(await self._get(handle).read_file(path, max_bytes=max_bytes))
 
     async def write_file(self, handle: str, path: str, data: bytes | str, mode: int) -> str:
         sb = self._get(handle)
@@ -506,9 +506,9 @@ class RaySandbox:
             with anyio.CancelScope(shield=True):
                 await self._session.call("discard", self._handle)
 
-    async def read_file(self, path: str) -> bytes:
+    async def read_file(self, path: str, *, max_bytes: int | None = None) -> bytes:
         self._check_open()
-        return bytes(await self._session.call("read_file", self._handle, path))
+        return bytes(await self._session.call("read_file", self._handle, path, max_bytes))
 
     async def write_file(self, path: str, data: bytes | str, *, mode: int = 0o644) -> None:
         self._check_open()

@@ -38,7 +38,16 @@ from typing import Any
 
 from aospec.errors import ConfigError, SandboxUnavailableError
 
-__all__ = ["BLOCKED", "default_profile", "filter_program", "seccomp_support"]
+__all__ = [
+    "BLOCKED",
+    "bind_rules",
+    "default_profile",
+    "docker_profile",
+    "filter_program",
+    "no_network_rules",
+    "sandbox_rules",
+    "seccomp_support",
+]
 
 # refused with EPERM (Docker's default profile without CAP_SYS_ADMIN, CAP_SYS_BOOT,
 # CAP_SYS_MODULE, CAP_SYS_PACCT, CAP_SYS_PTRACE, CAP_SYS_RAWIO, CAP_SYS_TIME,
@@ -85,6 +94,64 @@ _OPS = ("SCMP_CMP_NE", "SCMP_CMP_LT", "SCMP_CMP_LE", "SCMP_CMP_EQ", "SCMP_CMP_GE
 
 def _masked(value: int, mask: int) -> dict[str, Any]:
     return {"index": 0, "op": "SCMP_CMP_MASKED_EQ", "value": mask, "valueTwo": value}
+
+
+_SETID = (0o4000, 0o2000)  # S_ISUID, S_ISGID
+_IFMT, _IFCHR, _IFBLK = 0o170000, 0o020000, 0o060000
+# where each call takes the mode of the file it creates or changes (argument index)
+_MODE_ARG = {"chmod": 1, "fchmod": 1, "fchmodat": 2, "fchmodat2": 2, "creat": 1, "open": 2, "openat": 3}
+_MKNOD_MODE_ARG = {"mknod": 1, "mknodat": 2}
+_AF_VSOCK = 40
+
+
+def _masked_at(index: int, value: int, mask: int) -> dict[str, Any]:
+    return {"index": index, "op": "SCMP_CMP_MASKED_EQ", "value": mask, "valueTwo": value}
+
+
+def bind_rules() -> list[dict[str, Any]]:
+    """What a sandbox with a writable bind may not do, anywhere (a filter cannot tell a
+    bind from the sandbox's own files): give a file a set-user-ID or set-group-ID bit
+    (``chmod``, ``fchmod``, ``fchmodat``, ``fchmodat2``; ``open``, ``openat``, ``creat``
+    and ``mknod`` with such a mode) or make a device node (EPERM), or call ``openat2``,
+    whose mode a filter cannot read (ENOSYS: callers fall back to ``openat``). With the
+    capabilities that could still do it refused (:data:`aospec.runtime.config.BIND_UNSAFE_CAPS`),
+    nothing a command writes on a bind can carry privilege out to the host."""
+    eperm = {"action": "SCMP_ACT_ERRNO", "errnoRet": errno.EPERM}
+    rules = [
+        {"names": [name], **eperm, "args": [_masked_at(index, bit, bit)]}
+        for name, index in {**_MODE_ARG, **_MKNOD_MODE_ARG}.items()
+        for bit in _SETID
+    ]
+    rules += [
+        {"names": [name], **eperm, "args": [_masked_at(index, kind, _IFMT)]}
+        for name, index in _MKNOD_MODE_ARG.items()
+        for kind in (_IFCHR, _IFBLK)
+    ]
+    rules.append({"names": ["openat2"], "action": "SCMP_ACT_ERRNO", "errnoRet": errno.ENOSYS})
+    return rules
+
+
+def no_network_rules() -> list[dict[str, Any]]:
+    """What a sandbox without network may not do: create an ``AF_VSOCK`` socket
+    (EAFNOSUPPORT). vsock is not network-namespaced: on a virtual machine it reaches the
+    hypervisor and the host's services. (32-bit programs that create sockets through
+    ``socketcall``, whose arguments a filter cannot read, get EAFNOSUPPORT for every
+    family.)"""
+    return [
+        {
+            "names": ["socket"],
+            "action": "SCMP_ACT_ERRNO",
+            "errnoRet": errno.EAFNOSUPPORT,
+            "args": [{"index": 0, "op": "SCMP_CMP_EQ", "value": _AF_VSOCK}],
+        }
+    ]
+
+
+def sandbox_rules(*, network: bool, writable_binds: bool) -> list[dict[str, Any]]:
+    """The rules added to every profile (the default one, a file) for a sandbox's
+    configuration: :func:`no_network_rules` unless ``network``, :func:`bind_rules` with
+    ``writable_binds``."""
+    return ([] if network else no_network_rules()) + (bind_rules() if writable_binds else [])
 
 
 def default_profile() -> dict[str, Any]:
@@ -147,31 +214,53 @@ def seccomp_support() -> str:
     return f"available (libseccomp {version}, default filter {len(program) // 8} BPF instructions)"
 
 
-def filter_program(spec: str) -> bytes | None:
-    """The compiled BPF program of ``spec`` (``default``, ``none`` or a profile path);
-    None for ``none``. Raises ConfigError for a bad profile, SandboxUnavailableError
-    when libseccomp is missing."""
+def filter_program(spec: str, *, network: bool = False, writable_binds: bool = False) -> bytes | None:
+    """The compiled BPF program of ``spec`` (``default``, ``none`` or a profile path) with
+    the rules of :func:`sandbox_rules` added; None for ``none``. Raises ConfigError for a
+    bad profile (or one libseccomp cannot combine with those rules),
+    SandboxUnavailableError when libseccomp is missing."""
     if spec == "none":
         return None
     if spec == "default":
-        return _compiled("default", 0, 0)
+        return _compiled("default", 0, 0, network, writable_binds)
     path = Path(spec)
     try:
         st = path.stat()
     except OSError as exc:
         raise ConfigError(f"seccomp profile {spec}: {exc.strerror}") from None
-    return _compiled(str(path.resolve()), st.st_mtime_ns, st.st_size)
+    return _compiled(str(path.resolve()), st.st_mtime_ns, st.st_size, network, writable_binds)
 
 
-@functools.lru_cache(maxsize=16)
-def _compiled(spec: str, mtime_ns: int, size: int) -> bytes:
+def docker_profile(spec: str, *, network: bool, writable_binds: bool) -> str | None:
+    """The seccomp profile (JSON text) a Docker container of this configuration runs
+    under: the same filter as the overlay backend's (``default``, or the profile file,
+    with :func:`sandbox_rules`); None for ``none`` (Docker's own default profile). It is
+    compiled here once, so that a bad profile is the same ConfigError on both backends."""
+    if spec == "none":
+        return None
+    filter_program(spec, network=network, writable_binds=writable_binds)
+    profile = default_profile() if spec == "default" else json.loads(Path(spec).read_text())
+    extra = sandbox_rules(network=network, writable_binds=writable_binds)
+    profile = {**profile, "syscalls": [*profile.get("syscalls", []), *extra]}
+    if "architectures" not in profile:
+        native = os.uname().machine
+        profile["architectures"] = {
+            "x86_64": ["SCMP_ARCH_X86_64", "SCMP_ARCH_X86", "SCMP_ARCH_X32"],
+            "aarch64": ["SCMP_ARCH_AARCH64", "SCMP_ARCH_ARM"],
+        }.get(native, [])
+    return json.dumps(profile)
+
+
+@functools.lru_cache(maxsize=32)
+def _compiled(spec: str, mtime_ns: int, size: int, network: bool, writable_binds: bool) -> bytes:
+    extra = sandbox_rules(network=network, writable_binds=writable_binds)
     if spec == "default":
-        return _compile(default_profile(), where="the default seccomp profile")
+        return _compile(default_profile(), where="the default seccomp profile", extra=extra)
     try:
         profile = json.loads(Path(spec).read_text())
     except (OSError, ValueError) as exc:
         raise ConfigError(f"seccomp profile {spec}: not readable JSON ({exc})") from None
-    return _compile(profile, where=f"seccomp profile {spec}")
+    return _compile(profile, where=f"seccomp profile {spec}", extra=extra)
 
 
 def _action(lib: Any, rule: Mapping[str, Any], key: str, errno_key: str, where: str) -> int:
@@ -205,7 +294,10 @@ def _check_keys(obj: Any, allowed: set[str], where: str) -> None:
 _SECONDARY_ARCHES = {"X86_64": ("X86", "X32"), "AARCH64": ("ARM",)}
 
 
-def _compile(profile: Any, *, where: str) -> bytes:
+def _compile(profile: Any, *, where: str, extra: list[dict[str, Any]] | None = None) -> bytes:
+    """Compile ``profile`` and then aospec's own ``extra`` rules (which must all apply:
+    an unknown syscall among them, or a profile rule that conflicts with one, is an
+    error, never a silently missing rule)."""
     lib = _library()
     _check_keys(profile, {"defaultAction", "defaultErrnoRet", "architectures", "syscalls", "comment"}, where)
     default = _action(lib, profile, "defaultAction", "defaultErrnoRet", where)
@@ -227,8 +319,9 @@ def _compile(profile: Any, *, where: str) -> bytes:
     rules = profile.get("syscalls", [])
     if not isinstance(rules, list):
         raise ConfigError(f"{where}: syscalls must be a list")
-    for i, rule in enumerate(rules):
-        at = f"{where}: syscalls[{i}]"
+    own = len(rules)
+    for i, rule in enumerate([*rules, *(extra or [])]):
+        at = f"{where}: syscalls[{i}]" if i < own else f"{where}, with aospec's sandbox rule {rule['names']}"
         _check_keys(rule, {"names", "name", "action", "errnoRet", "args", "comment"}, at)
         action = _action(lib, rule, "action", "errnoRet", at)
         args = []
@@ -243,11 +336,17 @@ def _compile(profile: Any, *, where: str) -> bytes:
             raise ConfigError(f"{at}: names must be a list of syscall names")
         for name in names:
             if lib.resolve_syscall(lib.Arch.NATIVE, name) == -1:
+                if i >= own:
+                    raise SandboxUnavailableError(
+                        f"this libseccomp does not know the syscall {name!r}, which aospec's filter must cover: "
+                        "upgrade libseccomp2"
+                    )
                 continue  # a syscall this libseccomp does not know
             try:
                 flt.add_rule(action, name, *args)
             except OSError as exc:
-                raise ConfigError(f"{at}: libseccomp refused the rule for {name!r} ({exc.strerror})") from None
+                hint = "" if i < own else " (the profile allows it outright; leave it to the default action)"
+                raise ConfigError(f"{at}: libseccomp refused the rule for {name!r} ({exc.strerror}){hint}") from None
     with tempfile.TemporaryFile() as f:
         flt.export_bpf(f)
         f.seek(0)

@@ -17,6 +17,7 @@ The output helpers a verb needs (``add_format_option``, ``print_json``, ``print_
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
 from collections.abc import Iterable, Sequence
 from importlib.metadata import EntryPoint, entry_points
@@ -24,6 +25,7 @@ from importlib.metadata import EntryPoint, entry_points
 from aospec import __version__
 from aospec.cli._common import add_format_option, print_fields, print_json, print_records, print_table
 from aospec.errors import AospecError
+from aospec.signals import Terminated
 
 __all__ = [
     "COMMANDS_GROUP",
@@ -144,6 +146,9 @@ def main(argv: Sequence[str] | None = None, *, commands: Iterable[EntryPoint] | 
     except AospecError as exc:
         print(f"aospec: error: {exc}", file=sys.stderr)
         return 2
+    except Terminated as exc:
+        print(f"aospec: terminated by {signal.Signals(exc.signum).name}", file=sys.stderr)
+        return 128 + exc.signum
     except KeyboardInterrupt:
         print("aospec: interrupted", file=sys.stderr)
         return 130

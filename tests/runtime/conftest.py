@@ -4,6 +4,9 @@ backends this host can run (a backend that cannot run skips with the reason)."""
 from __future__ import annotations
 
 import os
+import shutil
+import subprocess
+import tempfile
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
@@ -13,6 +16,8 @@ from aospec.runtime._fs import mounts_under
 from aospec.runtime.host import host_support
 
 from aospec.errors import SandboxUnavailableError
+
+HERE = Path(__file__).resolve().parent
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -27,6 +32,25 @@ def runtime_dirs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str,
     mp.undo()
     leaked = mounts_under(str(state))
     assert not leaked, f"mounts leaked by the runtime tests: {leaked}"
+
+
+@pytest.fixture(scope="session")
+def probe_dir() -> Iterator[Path]:
+    """tests/runtime/setid_probe.c built static (any base runs it), in a directory every user
+    can reach (it is run on the host as nobody too)."""
+    gcc = shutil.which("gcc")
+    if gcc is None:
+        pytest.skip("gcc is not installed (apt-get install gcc libc6-dev; .ci/run installs them)")
+    d = Path(tempfile.mkdtemp(prefix="aospec-probe-", dir="/tmp"))
+    d.chmod(0o755)
+    proc = subprocess.run(
+        [gcc, "-static", "-O1", "-o", str(d / "setid_probe"), str(HERE / "setid_probe.c")], capture_output=True, text=True
+    )
+    if proc.returncode != 0:
+        shutil.rmtree(d)
+        pytest.skip(f"cannot build a static test program (apt-get install libc6-dev): {proc.stderr.strip()[-300:]}")
+    yield d
+    shutil.rmtree(d)
 
 
 @pytest.fixture

@@ -129,7 +129,7 @@ async def test_a_setuid_file_written_in_a_sandbox_gives_host_users_no_root(overl
         result = await sb.run("cp /bin/bash /tmp/sbash; chmod 4755 /tmp/sbash")
         assert result.returncode == 0, result.output
         # in the memory layer it froze into, and in the mounted root
-        in_layer = sb.store.layer_dir(sb.store.head_layers[0]) / "tmp/sbash"
+        in_layer = Path(sb.store.shown(str(sb.store.layer_dir(sb.store.head_layers[0])))) / "tmp/sbash"
         merged = sb.root_path / "tmp/sbash"
         await sb.run("true")  # (re)mounts the merged root
         for copy in (in_layer, merged):
@@ -154,7 +154,7 @@ async def test_a_setuid_file_written_in_a_sandbox_gives_host_users_no_root(overl
     state = open_state_root / "durable"
     async with open_sandbox(SandboxConfig(backend=overlay, durable=True, state_dir=str(state))) as sb:
         await sb.run("cp /bin/bash /tmp/sbash; chmod 4755 /tmp/sbash")
-        layer = sb.store.layer_dir(sb.store.head_layers[0])
+        layer = Path(sb.store.shown(str(sb.store.layer_dir(sb.store.head_layers[0]))))
     assert os.stat(layer / "tmp/sbash").st_mode & 0o4000
     denied = _as_nobody(str(layer / "tmp/sbash"), "-p", "-c", "id -u")
     assert denied.returncode != 0 and "Permission denied" in denied.stderr
