@@ -39,6 +39,8 @@ is that Beta(1, 1) posterior mean. Candidates found by several rules get the noi
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import posixpath
 import re
 from collections import defaultdict
@@ -48,10 +50,11 @@ from dataclasses import dataclass, field
 from aospec.drafters._shell import HistoryIndex, entities
 from aospec.drafters.trajectory import parse_observation, written_paths
 
+from aospec.effects import classify_action
 from aospec.errors import ConfigError
 from aospec.protocols import ActionDraft
 from aospec.shell import program_label
-from aospec.types import Action, History, Trace, Turn
+from aospec.types import Action, Effect, History, Trace, Turn
 
 __all__ = ["MovesActionDrafter"]
 
@@ -62,6 +65,7 @@ _SCRIPT_EXTS = frozenset(_DEFAULT_RUNNERS)
 _BUILD = re.compile(r"(?:^|&&\s*|;\s*)(?:gcc|g\+\+|cc|clang\+?\+?|rustc|go build)\b[^;&|]*?\s-o\s+(\S+)")
 _MAX_CHECKS = 4
 _MAX_FILES = 6
+_MAX_LOOKAHEAD = 4
 _VIEWERS = frozenset(("cat", "head", "tail", "less", "more", "wc", "nl", "grep"))
 _TIMEOUT = "timed out and has been killed"
 #: One entry of ``ls -l``: its type letter and its name (symlinks' targets cut off).
@@ -107,6 +111,31 @@ class _State:
     by_label: dict[str, list[Action]] = field(default_factory=lambda: defaultdict(list))
 
 
+@functools.lru_cache(maxsize=1 << 14)
+def _entities(command: str) -> tuple[str, ...]:
+    return tuple(entities(command))
+
+
+@functools.lru_cache(maxsize=1 << 14)
+def _bash(command: str) -> Action:
+    return Action.bash(command)
+
+
+def _copy(state: _State) -> _State:
+    """A copy of ``state`` that folding one more turn does not change ``state`` through."""
+    return dataclasses.replace(
+        state,
+        written=dict(state.written),
+        seen=dict(state.seen),
+        checks=list(state.checks),
+        failed=set(state.failed),
+        runners=dict(state.runners),
+        unread=dict(state.unread),
+        by_label=defaultdict(list, {k: list(v) for k, v in state.by_label.items()}),
+    )
+
+
+@functools.lru_cache(maxsize=1 << 14)
 def _ext(path: str) -> str:
     base = posixpath.basename(path)
     return base[base.rfind(".") :] if "." in base else ""
@@ -143,15 +172,16 @@ def _fold(state: _State, i: int, turn: Turn, label: Callable[[Action], str]) -> 
                 state.failed.discard(a.key)
             else:
                 state.failed.add(a.key)
-        for path in list(state.written) + list(state.seen):
-            if _ext(path) in _SCRIPT_EXTS:
+        named = _entities(cmd)
+        for path in named:
+            if _ext(path) in _SCRIPT_EXTS and (path in state.written or path in state.seen):
                 r = _runner_of(cmd, path)
                 if r is not None:
                     state.runners[_ext(path)] = r
-        written = tuple(written_paths(cmd))
+        written = written_paths(cmd)
         for p in written:
             state.written[p] = i
-        for p in entities(cmd):
+        for p in named:
             state.seen[p] = i
         state.last_written = written
         m = _BUILD.search(cmd.split("\n", 1)[0])
@@ -160,7 +190,7 @@ def _fold(state: _State, i: int, turn: Turn, label: Callable[[Action], str]) -> 
         for path, kind in state.listed:
             if kind == "-" and _ext(path) in _TEXT_EXTS and path not in state.seen:
                 state.unread[path] = i
-        for path in entities(cmd):
+        for path in named:
             state.unread.pop(path, None)
         lab = label(a)
         if not a.is_none:
@@ -223,34 +253,34 @@ class MovesActionDrafter:
         for rank, path in enumerate(scripts[: self.max_candidates]):
             runner = state.runners.get(_ext(path)) or self._runners.get(_ext(path))
             if runner is not None:
-                out.append(("run-written", rank, Action.bash(runner.format(path))))
+                out.append(("run-written", rank, _bash(runner.format(path))))
         if state.last_written:
             checks = sorted(state.checks[::-1], key=lambda c: c.key not in state.failed)
             for rank, c in enumerate(checks[: self.max_candidates]):
                 out.append(("check", rank, c))
         for rank, exe in enumerate(state.built):
-            out.append(("run-built", rank, Action.bash(exe if "/" in exe else f"./{exe}")))
+            out.append(("run-built", rank, _bash(exe if "/" in exe else f"./{exe}")))
         files = [p for p, kind in state.listed if kind == "-" and _ext(p) in _TEXT_EXTS]
         for rank, path in enumerate(files[: 2 * self.max_candidates]):
-            out.append(("explore-file", rank, Action.bash(f"cat {path}")))
+            out.append(("explore-file", rank, _bash(f"cat {path}")))
         older = sorted((p for p in state.unread if p not in files), key=lambda p: -state.unread[p])
         for rank, path in enumerate(older[: self.max_candidates]):
-            out.append(("explore-unread", rank, Action.bash(f"cat {path}")))
+            out.append(("explore-unread", rank, _bash(f"cat {path}")))
         shown = [p for p in state.last_written if _ext(p) in _TEXT_EXTS and _ext(p) not in _SCRIPT_EXTS]
         for rank, path in enumerate(shown[: self.max_candidates]):
-            out.append(("show-written", rank, Action.bash(f"cat {path}")))
+            out.append(("show-written", rank, _bash(f"cat {path}")))
         if state.task_paths:
             unseen = [p for p in state.task_paths if p not in state.seen]
             for rank, path in enumerate(unseen[: self.max_candidates]):
                 if _ext(path) in _TEXT_EXTS and _ext(path):
-                    out.append(("task-file", rank, Action.bash(f"cat {path}")))
+                    out.append(("task-file", rank, _bash(f"cat {path}")))
                 elif not _ext(path):
-                    out.append(("task-dir", rank, Action.bash(f"ls -la {path}")))
+                    out.append(("task-dir", rank, _bash(f"ls -la {path}")))
         dirs = [p for p, kind in state.listed if kind == "d"]
         for rank, path in enumerate(dirs[: self.max_candidates]):
             flags = f"ls {state.ls_flags} " if state.ls_flags else "ls "
-            out.append(("explore-dir", rank, Action.bash(f"{flags}{path}/")))
-            out.append(("explore-dir-bare", rank, Action.bash(f"{flags}{path}")))
+            out.append(("explore-dir", rank, _bash(f"{flags}{path}/")))
+            out.append(("explore-dir-bare", rank, _bash(f"{flags}{path}")))
         return out
 
     def _routed(self, state: _State, tool: str) -> list[tuple[str, int, Action]]:
@@ -265,9 +295,9 @@ class MovesActionDrafter:
             ext = _ext(path)
             runner = state.runners.get(ext) or self._runners.get(ext)
             if runner is not None and program_label(runner.format(path)) == tool:
-                action = Action.bash(runner.format(path))
+                action = _bash(runner.format(path))
             elif tool in _VIEWERS and ext not in ("", "/"):
-                action = Action.bash(f"{tool} {path}")
+                action = _bash(f"{tool} {path}")
             else:
                 continue
             if action.key not in seen_keys:
@@ -358,6 +388,21 @@ class MovesActionDrafter:
             return []
         state = self._state(history)
         out = self._merge([(a, self._p(r, k)) for r, k, a in self._moves(state)], 0)
+        frontier = [(state, d.action, d.probability) for d in sorted(out, key=lambda d: -d.probability)[:2]]
+        for offset in range(1, min(depth, _MAX_LOOKAHEAD + 1)):
+            # through read-only targets only (a target behind a write could never pass JASV):
+            # the moves after each of the two most likely, as if it had run
+            nxt: list[tuple[_State, Action, float]] = []
+            for before, a, p in frontier:
+                if a.command is None or classify_action(a) is not Effect.READ_ONLY:
+                    continue
+                after = _copy(before)
+                _fold(after, after.step, Turn(a, ""), self.label)
+                merged = self._merge([(b, p * self._p(r, k)) for r, k, b in self._moves(after)], offset)
+                nxt += [(after, d.action, d.probability) for d in merged]
+            nxt.sort(key=lambda x: -x[2])
+            out += [ActionDraft(b, offset, q) for _, b, q in nxt[:width]]
+            frontier = nxt[:2]
         if self.lookahead_writes and depth > 1 and state.checks:
             # after the next edit, the check commands again
             p_write = self._p_next_write
@@ -382,6 +427,7 @@ class MovesActionDrafter:
 _TASK_PATH = re.compile(r"(?<![\w./-])((?:/|\./)?[\w.-]+(?:/[\w.-]+)*/?)(?![\w/-])")
 
 
+@functools.lru_cache(maxsize=256)
 def _task_paths(task: str) -> tuple[str, ...]:
     """Absolute paths (``/app/agent.py``, ``/app/data/``) the task text names, in order."""
     out: dict[str, None] = {}

@@ -146,20 +146,24 @@ def _calibration(args: argparse.Namespace) -> int:
         return 0
     from rich.table import Table
 
-    table = Table(title="drafter calibration: predicted vs observed hit rate per bucket (cross-fit by task)")
-    for col in ("drafter", "bucket", "drafts", "predicted", "observed", "calibrated pred.", "calibrated obs."):
+    table = Table(
+        title="drafter calibration: predicted vs observed hit rate per bucket (cross-fit by task)",
+        caption="raw: the drafts whose own probability fell in the bucket; calibrated: those whose calibrated "
+        "probability (a calibration fit on the other folds) did",
+    )
+    for col in ("drafter", "bucket", "drafts", "predicted", "observed", "cal. drafts", "cal. predicted", "cal. observed"):
         table.add_column(col, justify="left" if col == "drafter" else "right")
+    raw_by = {(r.drafter, r.low): r for r in raw_rows}
     cal_by = {(r.drafter, r.low): r for r in cal_rows}
-    for r in raw_rows:
-        c = cal_by.get((r.drafter, r.low))
+    order = {name: k for k, name in enumerate(outcomes)}
+    for key in sorted(raw_by.keys() | cal_by.keys(), key=lambda k: (order.get(k[0], 0), k[1])):
+        r, c = raw_by.get(key), cal_by.get(key)
+        high = (r or c).high  # type: ignore[union-attr]
         table.add_row(
-            r.drafter,
-            f"{r.low:.1f}-{r.high:.1f}",
-            str(r.count),
-            f"{r.predicted:.3f}",
-            f"{r.observed:.3f}",
-            f"{c.predicted:.3f}" if c else "",
-            f"{c.observed:.3f}" if c else "",
+            key[0],
+            f"{key[1]:.1f}-{high:.1f}",
+            *([str(r.count), f"{r.predicted:.3f}", f"{r.observed:.3f}"] if r else ["", "", ""]),
+            *([str(c.count), f"{c.predicted:.3f}", f"{c.observed:.3f}"] if c else ["", "", ""]),
         )
     print_table(table)
     for name in outcomes:
