@@ -277,9 +277,11 @@ class _Run:
             if redir.fd == 0 and redir.op == "<":
                 t = self.text(redir.target)
                 if t is None:
-                    return _Result(1, err=f"sh: 1: cannot open {redir.target}: No such file\n")
+                    raise _Unknown  # the shell's own message: sh and bash word it differently
                 stdin = t
             elif redir.fd == 1 and redir.op in (">", ">>"):
+                if err_mode == "out":
+                    raise _Unknown  # `2>&1 > f`: stderr to the terminal, stdout to the file
                 if redir.target == "/dev/null":
                     out_null = True
                 else:
@@ -948,6 +950,9 @@ def _apply_effects(view: FileView, script: Script | None, action: Action, rc: in
         return
     run = _Run(view, apply=True)
     run.final_rc = rc
+    # the words of a script that expands ($X, globs, substitutions) are not what ran: it
+    # writes what it writes, with contents unknown
+    run.unknown_flow = not script.literal
     try:
         run.script(script, rc)
     except _Unknown:

@@ -64,6 +64,8 @@ def test_writes_are_followed_through_copies_moves_edits_and_redirections() -> No
     assert drafts(d, h, "test -d out && echo dir") == [ok("dir\n")]
     # a write and a read in the same command
     assert drafts(d, h, "printf 'x\\n' > n.txt && cat n.txt") == [ok("x\n")]
+    # a write whose words expand: what it wrote is unknown
+    assert drafts(d, history(("echo $HOME > home.txt", EMPTY)), "cat home.txt") == []
 
 
 def test_files_read_with_cat_are_known_afterwards() -> None:
