@@ -21,6 +21,7 @@ __all__ = [
 #: name -> "module:attr" of observation drafter classes.
 OBSERVATION_DRAFTERS: dict[str, str] = {
     "cache": "aospec.drafters.cache:ObservationCache",
+    "trajectory": "aospec.drafters.trajectory:TrajectoryDrafter",
     "patterns": "aospec.drafters.patterns:PatternDrafter",
     "lm": "aospec.drafters.lm:LMObservationDrafter",
 }
@@ -28,6 +29,7 @@ OBSERVATION_DRAFTERS: dict[str, str] = {
 #: name -> "module:attr" of action drafter classes.
 ACTION_DRAFTERS: dict[str, str] = {
     "history": "aospec.drafters.history:HistoryActionDrafter",
+    "moves": "aospec.drafters.moves:MovesActionDrafter",
     "lm": "aospec.drafters.lm:LMActionDrafter",
 }
 

@@ -21,6 +21,15 @@
   over traces; ``drafter_error`` the first such error.
 - ``state_model``: the state model every result was replayed under (replay/sandbox.py);
   results of different state models are never summarised together (ConfigError).
+- ``hidden_s_per_trace``: ``(hidden_tool_s + hidden_decode_s) / traces``, the time
+  speculation hid per trial (the paper's comparison of ranking rules).
+- The policy's drafters on the recorded history (:mod:`aospec.replay.accuracy`; computed
+  once per trace, so the same at every TPOT): ``obs_exact_by_length`` (exact-hit rate of
+  its observation drafts by call length, < 1 s, 1-10 s, 10-60 s, > 60 s, with
+  ``obs_calls_by_length`` the steps in each), ``action_accuracy_by_width`` (next action
+  within the top 1, 2, 4, 8, 16, 32 targets) and ``action_accuracy_by_distance`` (the
+  action 1..10 steps ahead within the top 8 at that offset); empty for policies without
+  such drafters.
 """
 
 from __future__ import annotations
@@ -72,9 +81,25 @@ class PolicySummary:
     drafter_error: str = ""
     overhead_s: float = 0.0
     state_model: str = "effects"
+    hidden_s_per_trace: float = 0.0
+    obs_calls_by_length: tuple[int, ...] = ()
+    obs_exact_by_length: tuple[float, ...] = ()
+    action_accuracy_by_width: tuple[float, ...] = ()
+    action_accuracy_by_distance: tuple[float, ...] = ()
 
     def to_json(self) -> dict[str, Any]:
-        return asdict(self)
+        out = asdict(self)
+        for k, v in out.items():
+            if isinstance(v, tuple):
+                out[k] = list(v)
+        return out
+
+
+def _rates(hits: Sequence[int], totals: Sequence[int]) -> tuple[float, ...]:
+    """hits / totals element-wise (NaN where a total is 0); () without counts."""
+    if not hits or not any(totals):
+        return ()
+    return tuple(h / t if t else float("nan") for h, t in zip(hits, totals, strict=True))
 
 
 def _q(values: Sequence[float], q: float) -> float:
@@ -85,7 +110,7 @@ class _Group:
     """What a summary needs of one (policy, TPOT)'s results: four numbers per trace (for
     the means, median and quantiles) and running integer sums; never the records."""
 
-    __slots__ = ("ceilings", "drafter_error", "lat", "savings", "ser", "sums", "traces")
+    __slots__ = ("ceilings", "counts", "drafter_error", "lat", "savings", "ser", "sums", "traces")
 
     _SUMMED = (
         "steps",
@@ -102,12 +127,21 @@ class _Group:
         "drafts_canonical_hit",
         "drafter_failures",
         "overhead_ns",
+        "action_steps",
+    )
+    _VECTORS = (
+        "obs_calls_by_length",
+        "obs_exact_by_length",
+        "action_hits_by_width",
+        "action_targets_by_distance",
+        "action_hits_by_distance",
     )
 
     def __init__(self) -> None:
         self.lat, self.ser, self.savings, self.ceilings = array("d"), array("d"), array("d"), array("d")
         self.traces = 0
         self.sums = dict.fromkeys(self._SUMMED, 0)
+        self.counts: dict[str, list[int]] = {k: [] for k in self._VECTORS}
         self.drafter_error = ""
 
     def add(self, r: TraceResult) -> None:
@@ -121,6 +155,14 @@ class _Group:
         sums = self.sums
         for k in self._SUMMED:
             sums[k] += getattr(r, k)
+        for k in self._VECTORS:
+            v = getattr(r, k)
+            acc = self.counts[k]
+            if v and not acc:
+                acc.extend([0] * len(v))
+            if v and len(v) == len(acc):
+                for j, x in enumerate(v):
+                    acc[j] += x
         if not self.drafter_error and r.drafter_error:
             self.drafter_error = r.drafter_error
 
@@ -158,6 +200,13 @@ class _Group:
             drafter_error=self.drafter_error,
             overhead_s=n["overhead_ns"] * 1e-9,
             state_model=state_model,
+            hidden_s_per_trace=(n["hidden_tool_ns"] + n["hidden_decode_ns"]) * 1e-9 / max(1, self.traces),
+            obs_calls_by_length=tuple(self.counts["obs_calls_by_length"]) if any(self.counts["obs_calls_by_length"]) else (),
+            obs_exact_by_length=_rates(self.counts["obs_exact_by_length"], self.counts["obs_calls_by_length"]),
+            action_accuracy_by_width=_rates(self.counts["action_hits_by_width"], [n["action_steps"]] * 6)
+            if n["action_steps"]
+            else (),
+            action_accuracy_by_distance=_rates(self.counts["action_hits_by_distance"], self.counts["action_targets_by_distance"]),
         )
 
 

@@ -126,12 +126,13 @@ BASE_POLICIES: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
     ),
     "spec-actions": ({"branch_budget": 0, "depth": 1, "provisional_targets": False}, {"action_drafter": "history"}),
     "spechop-cache": ({"fork_width": 0, "provisional_targets": False}, {"obs_drafter": "cache"}),
-    "aospec": ({}, {"obs_drafter": "patterns+cache", "action_drafter": "history"}),
-    "obs-only": ({"fork_width": 0, "provisional_targets": False}, {"obs_drafter": "patterns+cache"}),
-    "action-only": ({"branch_budget": 0, "provisional_targets": False}, {"action_drafter": "history"}),
+    "aospec": ({}, {"obs_drafter": "patterns+cache+trajectory", "action_drafter": "history+moves"}),
+    "obs-only": ({"fork_width": 0, "provisional_targets": False}, {"obs_drafter": "patterns+cache+trajectory"}),
+    "action-only": ({"branch_budget": 0, "provisional_targets": False}, {"action_drafter": "history+moves"}),
 }
 
-#: Policies of a default sweep.
+#: Policies of a default sweep (the two rank variants give the paper's comparison of
+#: ranking rules: time hidden per trial for EVD against likelihood and tool time).
 DEFAULT_POLICIES = (
     "serial",
     "oracle-action",
@@ -141,6 +142,8 @@ DEFAULT_POLICIES = (
     "aospec",
     "obs-only",
     "action-only",
+    "aospec:rank=likelihood",
+    "aospec:rank=tooltime",
 )
 
 #: name -> "module:attr" of zero-argument canonicaliser factories (``accept=canonical``).
@@ -257,7 +260,11 @@ class Policy:
             action_drafter="oracle" if self.config.action_names else "",
             router="",
         )
-        engine = dataclasses.replace(self.engine, depth=UNBOUNDED, fork_width=UNBOUNDED, max_live_forks=UNBOUNDED)
+        # The oracle drafts one observation with probability 1: every ranking rule continues
+        # it, so the rank does not change the ceiling (and rank variants share one).
+        engine = dataclasses.replace(
+            self.engine, depth=UNBOUNDED, fork_width=UNBOUNDED, max_live_forks=UNBOUNDED, rank="evd"
+        )
         return Policy(f"ceiling-of({self.name})", self.base, engine, cfg)
 
     @property
@@ -417,7 +424,7 @@ class DrafterFailures:
     def record(self, drafter: object, exc: AospecError) -> None:
         self.count += 1
         if not self.first:
-            self.first = f"{type(drafter).__name__}: {exc}"
+            self.first = f"{type(getattr(drafter, 'inner', drafter)).__name__}: {exc}"
 
 
 class ChargedObservationDrafter:
@@ -523,6 +530,77 @@ class ChargedRoutedActionDrafter(ChargedActionDrafter):
         return await self._charged(call)
 
 
+#: Calls a memoised drafter remembers (then it forgets them all and starts again).
+MEMO_SIZE = 8192
+
+
+class MemoizedObservationDrafter:
+    """``inner`` with its drafts remembered by (history, action, n).
+
+    A fitted drafter is a function of its arguments (the LM drafters seed by prompt), and
+    the replays of one trace under every policy and TPOT ask it about the same verified
+    histories: each is drafted once. ``inner`` is the drafter itself."""
+
+    __slots__ = ("_memo", "inner")
+
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+        self._memo: dict[tuple[Any, ...], Sequence[ObservationDraft]] = {}
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)  # the drafter's own attributes (label, options, ...)
+
+    async def draft(self, history: History, action: Action, n: int) -> Sequence[ObservationDraft]:
+        key = (history.task, history.turns, action, n)
+        found = self._memo.get(key)
+        if found is None:
+            found = tuple(await self.inner.draft(history, action, n))
+            if len(self._memo) >= MEMO_SIZE:
+                self._memo.clear()
+            self._memo[key] = found
+        return found
+
+
+class MemoizedActionDrafter:
+    """An action drafter with its targets remembered (as :class:`MemoizedObservationDrafter`)."""
+
+    __slots__ = ("_memo", "inner")
+
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+        self._memo: dict[tuple[Any, ...], Sequence[ActionDraft]] = {}
+
+    def __getattr__(self, name: str) -> Any:
+        if name == "propose_routed":
+            raise AttributeError(name)  # only MemoizedRoutedActionDrafter routes (memoised)
+        return getattr(self.inner, name)
+
+    async def _remember(self, key: tuple[Any, ...], call: Callable[[], Awaitable[Sequence[ActionDraft]]]) -> Sequence[ActionDraft]:
+        found = self._memo.get(key)
+        if found is None:
+            found = tuple(await call())
+            if len(self._memo) >= MEMO_SIZE:
+                self._memo.clear()
+            self._memo[key] = found
+        return found
+
+    async def propose(self, history: History, width: int, depth: int) -> Sequence[ActionDraft]:
+        return await self._remember(
+            ("p", history.task, history.turns, width, depth), lambda: self.inner.propose(history, width, depth)
+        )
+
+
+class MemoizedRoutedActionDrafter(MemoizedActionDrafter):
+    """:class:`MemoizedActionDrafter` of a drafter that has ``propose_routed``."""
+
+    __slots__ = ()
+
+    async def propose_routed(self, history: History, tool: str, width: int) -> Sequence[ActionDraft]:
+        return await self._remember(
+            ("r", history.task, history.turns, tool, width), lambda: self.inner.propose_routed(history, tool, width)
+        )
+
+
 class DrafterSet:
     """Drafters and EVD estimators built by name and fit on one fold's training traces.
 
@@ -563,6 +641,11 @@ class DrafterSet:
         fit = getattr(obj, "fit", None)
         if callable(fit) and kind != "EVD kernel":
             fit(self.train)
+        if kind == "observation drafter":
+            return MemoizedObservationDrafter(obj)
+        if kind == "action drafter":
+            routed = callable(getattr(obj, "propose_routed", None))
+            return (MemoizedRoutedActionDrafter if routed else MemoizedActionDrafter)(obj)
         return obj
 
     def observation(self, name: str) -> ObservationDrafter:

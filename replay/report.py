@@ -26,7 +26,9 @@ __all__ = [
     "PLOTS",
     "ResultsFile",
     "drafter_failure_note",
+    "drafter_sections",
     "markdown_summary",
+    "print_drafter_tables",
     "print_table",
     "read_results",
     "state_model_caption",
@@ -35,7 +37,14 @@ __all__ = [
 ]
 
 #: Files written by :func:`write_report` besides results.jsonl and summary.md.
-PLOTS = ("saving_vs_tpot.png", "latency_percentiles.png", "hidden_tool_time.png", "hit_rates.png", "waste.png")
+PLOTS = (
+    "saving_vs_tpot.png",
+    "latency_percentiles.png",
+    "hidden_tool_time.png",
+    "hit_rates.png",
+    "waste.png",
+    "drafter_accuracy.png",
+)
 
 
 def _pct(x: float) -> str:
@@ -139,6 +148,10 @@ def markdown_summary(summaries: Sequence[PolicySummary], meta: dict[str, Any]) -
                 f"| {s.policy} | {s.p50_s:.1f} | {s.p90_s:.1f} | {s.p95_s:.1f} | {s.p99_s:.1f} "
                 f"| {s.serial_p50_s:.1f} | {s.serial_p99_s:.1f} |"
             )
+    for title, header, rows, note in drafter_sections(summaries):
+        lines += ["", f"## {title}", "", "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+        lines += ["| " + " | ".join(r) + " |" for r in rows]
+        lines += ["", note]
     unknown = max((s.unknown_tool_steps for s in summaries), default=0)
     lines += [
         "",
@@ -156,6 +169,85 @@ def markdown_summary(summaries: Sequence[PolicySummary], meta: dict[str, Any]) -
     if note:
         lines[-1:-1] = [f"drafter fails: {note}."]
     return "\n".join(lines)
+
+
+def _rate(x: float, n: int | None = None) -> str:
+    if math.isnan(x):
+        return "-"
+    return f"{100 * x:.1f}%" + (f" ({n})" if n is not None else "")
+
+
+def drafter_sections(summaries: Sequence[PolicySummary]) -> list[tuple[str, list[str], list[list[str]], str]]:
+    """The paper's drafter figures as tables: (title, header, rows, note) for time hidden
+    per trial by policy and TPOT, observation exact hits by call length, and action
+    accuracy by width and by distance (the last three from the focus TPOT's summaries:
+    they do not depend on the TPOT). Tables without a row are left out."""
+    from aospec.replay.accuracy import CALL_BUCKET_LABELS, DISTANCES, WIDTHS
+
+    out = []
+    tpots = sorted({s.tpot_ms for s in summaries}, reverse=True)
+    by = {(s.policy, s.tpot_ms): s for s in summaries}
+    policies = list(dict.fromkeys(s.policy for s in summaries))
+    speculating = [p for p in policies if any(by[(p, t)].hidden_s_per_trace > 0 for t in tpots if (p, t) in by)]
+    if speculating:
+        rows = [[p, *[f"{by[(p, t)].hidden_s_per_trace:.1f}" if (p, t) in by else "" for t in tpots]] for p in speculating]
+        out.append((
+            "Time hidden per trial (s)",
+            ["policy", *[f"{t:g} ms" for t in tpots]],
+            rows,
+            "(hidden tool + hidden decode time) / trials: what speculation overlapped. Compare the ranking rules with "
+            "`--policies aospec,aospec:rank=likelihood,aospec:rank=tooltime` (EVD ranks by p(c) * T(c)).",
+        ))
+    focus = _focus_tpot(summaries)
+    at = [by[(p, focus)] for p in policies if (p, focus) in by]
+    obs = [s for s in at if s.obs_exact_by_length]
+    if obs:
+        rows = []
+        for s in obs:
+            calls = list(s.obs_calls_by_length)
+            hits = sum(r * n for r, n in zip(s.obs_exact_by_length, calls, strict=True) if not math.isnan(r))
+            total = sum(calls)
+            rows.append([s.policy, *[_rate(r, n) for r, n in zip(s.obs_exact_by_length, calls, strict=True)],
+                         _rate(hits / total if total else float("nan"), total)])
+        out.append((
+            "Observation exact hits by call length (drafters on the recorded history)",
+            ["policy", *CALL_BUCKET_LABELS, "all"],
+            rows,
+            "The recorded observation among the drafts the policy would continue (its branch budget, its ranking), "
+            "per recorded tool time; (n) steps in the bucket.",
+        ))
+    act = [s for s in at if s.action_accuracy_by_width]
+    if act:
+        out.append((
+            "Action accuracy by width (next action within the top w targets)",
+            ["policy", *[str(w) for w in WIDTHS]],
+            [[s.policy, *[_rate(x) for x in s.action_accuracy_by_width]] for s in act],
+            "At every boundary of the recorded history, the policy's action drafters' offset-0 targets, most "
+            "probable first.",
+        ))
+        out.append((
+            "Action accuracy by distance (the action d steps ahead within the top 8 at that offset)",
+            ["policy", *[str(d) for d in DISTANCES]],
+            [[s.policy, *[_rate(x) for x in s.action_accuracy_by_distance]] for s in act],
+            "Distance 1 is the next action. A target behind a step that writes passes JASV only if the state model "
+            "lets it (docs/replay.md, State models).",
+        ))
+    return out
+
+
+def print_drafter_tables(summaries: Sequence[PolicySummary]) -> None:
+    """:func:`drafter_sections` on stdout (rich tables that fit the terminal)."""
+    from rich.table import Table
+
+    from aospec.cli import print_table as print_fitted
+
+    for title, header, rows, note in drafter_sections(summaries):
+        table = Table(title=title, caption=note)
+        for h in header:
+            table.add_column(h, justify="left" if h == "policy" else "right")
+        for r in rows:
+            table.add_row(*r)
+        print_fitted(table, key_columns=1)
 
 
 def print_table(summaries: Sequence[PolicySummary]) -> None:
@@ -265,7 +357,42 @@ def _plots(summaries: Sequence[PolicySummary], out: Path) -> list[Path]:
         f"Wasted speculative work at {focus:g} ms/token",
         PLOTS[4],
     )
+    written.append(_accuracy_plot([s for s in at if s is not None], out / PLOTS[5]))
     return written
+
+
+def _accuracy_plot(at: Sequence[PolicySummary], path: Path) -> Path:
+    """Action accuracy vs width and distance, observation exact hits by call length."""
+    import matplotlib.pyplot as plt
+    from aospec.replay.accuracy import CALL_BUCKET_LABELS, DISTANCES, WIDTHS
+
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
+    act = [s for s in at if s.action_accuracy_by_width]
+    for s in act:
+        axes[0].plot(WIDTHS, [100 * x for x in s.action_accuracy_by_width], marker="o", ms=3, label=s.policy)
+        axes[1].plot(DISTANCES, [100 * x for x in s.action_accuracy_by_distance], marker="o", ms=3, label=s.policy)
+    axes[0].set_xscale("log", base=2)
+    axes[0].set_xlabel("width (targets)")
+    axes[0].set_ylabel("next-action accuracy (%)")
+    axes[1].set_xlabel("distance (steps ahead, top 8)")
+    axes[1].set_ylabel("action accuracy (%)")
+    obs = [s for s in at if s.obs_exact_by_length]
+    width = 0.8 / max(1, len(obs))
+    for k, s in enumerate(obs):
+        vals = [0.0 if math.isnan(x) else 100 * x for x in s.obs_exact_by_length]
+        axes[2].bar([i + k * width for i in range(len(CALL_BUCKET_LABELS))], vals, width, label=s.policy)
+    axes[2].set_xticks([i + width * (len(obs) - 1) / 2 for i in range(len(CALL_BUCKET_LABELS))], CALL_BUCKET_LABELS)
+    axes[2].set_ylabel("observation exact hits (%)")
+    axes[2].set_xlabel("recorded call length")
+    for ax, title in zip(axes, ("Action accuracy vs width", "Action accuracy vs distance", "Observation exact hits"), strict=True):
+        ax.set_title(title)
+        ax.grid(alpha=0.3)
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
 
 
 def write_report(
@@ -367,4 +494,6 @@ def read_results(path: str | Path) -> Iterator[TraceResult]:
         for line in f:
             if line.strip():
                 record = json.loads(line)
-                yield TraceResult(**{k: record[k] for k in _FIELDS if k in record})
+                yield TraceResult(
+                    **{k: tuple(record[k]) if isinstance(record[k], list) else record[k] for k in _FIELDS if k in record}
+                )

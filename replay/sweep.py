@@ -42,6 +42,7 @@ from typing import Any
 
 import anyio
 from aospec.replay._input import MAX_FILE_BYTES
+from aospec.replay.accuracy import action_accuracy, action_key, observation_accuracy, observation_key
 from aospec.replay.actor import ReplayActor, VirtualClock, estimate_tokens, ms_to_ns, seconds_to_ns
 from aospec.replay.executors import Executor, local_executor
 from aospec.replay.policies import DrafterFailures, DrafterSet, Policy, check_drafters
@@ -114,6 +115,12 @@ class TraceResult:
     routes_fired: int = 0
     routed_forks_launched: int = 0
     routed_forks_reused: int = 0
+    obs_calls_by_length: tuple[int, ...] = (0, 0, 0, 0)
+    obs_exact_by_length: tuple[int, ...] = (0, 0, 0, 0)
+    action_steps: int = 0
+    action_hits_by_width: tuple[int, ...] = ()
+    action_targets_by_distance: tuple[int, ...] = ()
+    action_hits_by_distance: tuple[int, ...] = ()
 
     @property
     def saving(self) -> float:
@@ -121,13 +128,17 @@ class TraceResult:
         return 1.0 - self.latency_ns / self.serial_ns if self.serial_ns else 0.0
 
     def to_json(self) -> dict[str, Any]:
-        out = {f: getattr(self, f) for f in self.__slots__}  # type: ignore[attr-defined]
+        out = {f: _plain(getattr(self, f)) for f in self.__slots__}  # type: ignore[attr-defined]
         out["saving"] = self.saving
         out["latency_s"] = self.latency_ns * 1e-9
         out["serial_s"] = self.serial_ns * 1e-9
         out["hidden_tool_s"] = self.hidden_tool_ns * 1e-9
         out["hidden_decode_s"] = self.hidden_decode_ns * 1e-9
         return out
+
+
+def _plain(value: Any) -> Any:
+    return list(value) if isinstance(value, tuple) else value
 
 
 async def _run_one(
@@ -303,7 +314,37 @@ def replay_trace(
         return out
 
     _seed_trio_scheduler(seed)
-    return anyio.run(main, backend="trio", backend_options={"clock": MockClock(autojump_threshold=0)})
+    results = anyio.run(main, backend="trio", backend_options={"clock": MockClock(autojump_threshold=0)})
+    accuracy = _accuracy(trace, policies, drafters, tpots_ms[0])
+    return [_with(r, **accuracy[r.policy]) for r in results]
+
+
+def _accuracy(trace: Trace, policies: Sequence[Policy], drafters: DrafterSet, tpot_ms: float) -> dict[str, dict[str, Any]]:
+    """The drafter counts of each policy on ``trace`` (aospec.replay.accuracy), computed once
+    per distinct observation and action key; a failure names the policy (and the first TPOT)."""
+    obs_counts: dict[Any, tuple[Any, ...]] = {}
+    action_counts: dict[Any, tuple[Any, ...]] = {}
+    out: dict[str, dict[str, Any]] = {}
+    for p in policies:
+        try:
+            ok, ak = observation_key(p), action_key(p)
+            if ok not in obs_counts:
+                obs_counts[ok] = observation_accuracy(trace, p, drafters)
+            if ak not in action_counts:
+                action_counts[ak] = action_accuracy(trace, p, drafters)
+        except Exception as exc:
+            _mark(exc, trace.id, p.name, tpot_ms)
+            raise
+        (calls, hits), (steps, widths, targets, dists) = obs_counts[ok], action_counts[ak]
+        out[p.name] = {
+            "obs_calls_by_length": calls,
+            "obs_exact_by_length": hits,
+            "action_steps": steps,
+            "action_hits_by_width": widths,
+            "action_targets_by_distance": targets,
+            "action_hits_by_distance": dists,
+        }
+    return out
 
 
 def check_tpots(tpots_ms: Sequence[float], prefill_ms_per_ktok: float = 0.0) -> None:

@@ -302,7 +302,13 @@ def _sweep(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from aospec.replay.metrics import summarize
-    from aospec.replay.report import ResultsFile, drafter_failure_note, read_results, write_summary
+    from aospec.replay.report import (
+        ResultsFile,
+        drafter_failure_note,
+        print_drafter_tables,
+        read_results,
+        write_summary,
+    )
     from aospec.replay.report import print_table as print_summary_table
 
     tpots = _floats(args.tpots, "--tpots")
@@ -321,6 +327,7 @@ def _sweep(args: argparse.Namespace) -> int:
         print_records((s.to_json() for s in summaries), args.format)
     else:
         print_summary_table(summaries)
+        print_drafter_tables(summaries)
         note = f"; {meta['invalid files skipped']} invalid trace files skipped" if args.skip_invalid else ""
         print(f"wrote {len(written)} files to {args.out}/ (summary.md, results.jsonl, plots){note}", file=sys.stderr)
     return 0

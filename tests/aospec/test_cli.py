@@ -60,6 +60,7 @@ def test_the_installed_verbs_come_from_entry_points_of_their_packages():
 
     verbs = {ep.name: ep.value for ep in command_entry_points()}
     assert verbs == {
+        "drafters": "aospec.replay.cli.drafters:register",
         "mcp": "aospec.integrations.mcp_server:register",
         "proxy": "aospec.integrations.proxy:register",
         "replay": "aospec.replay.cli.sweep:register_replay",
@@ -77,7 +78,9 @@ def test_every_installed_verb_loads_and_shows_help():
     proc = subprocess.run([sys.executable, "-m", "aospec", "--help"], capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
     assert "warning" not in proc.stderr.lower(), proc.stderr
-    for verb in ("mcp", "proxy", "replay", "routers", "run", "sandbox", "serve-trace", "sweep", "traces", "train"):
+    for verb in (
+        "drafters", "mcp", "proxy", "replay", "routers", "run", "sandbox", "serve-trace", "sweep", "traces", "train"
+    ):
         assert verb in proc.stdout
 
 

@@ -50,7 +50,7 @@ def _trace(raw, task: str, k: int) -> Trace:
     return Trace(id=f"{task}-{k}", task=task, harness="h", actor_model="m", source="hypothesis", steps=steps)
 
 
-POLICIES = parse_policies([*DEFAULT_POLICIES, "ceiling:depth=3", "aospec:obs_depth=2:depth=3", "aospec:rank=tooltime"])
+POLICIES = parse_policies([*DEFAULT_POLICIES, "ceiling:depth=3", "aospec:obs_depth=2:depth=3"])  # (rank ablations are defaults)
 
 
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])

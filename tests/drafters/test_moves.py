@@ -1,0 +1,127 @@
+"""MovesActionDrafter: the harness's recurring moves (write -> run, edit -> re-run the
+check, build -> run, list -> read) and routed completions from what the history names."""
+
+from __future__ import annotations
+
+import anyio
+from aospec.drafters.moves import MovesActionDrafter
+
+from aospec.streams import tool_label
+from aospec.types import Action, History, Step, Trace
+
+EMPTY = "<returncode>0</returncode>\n<output>\n</output>"
+FAIL = "<returncode>1</returncode>\n<output>\nAssertionError\n</output>"
+LISTING = (
+    "<returncode>0</returncode>\n<output>\ntotal 12\n"
+    "drwxr-xr-x 2 root root 4096 Mar 28 04:43 .\n"
+    "drwxr-xr-x 1 root root 4096 Aug  8 08:11 ..\n"
+    "-rw-r--r-- 1 root root  341 Aug  2 22:10 run.py\n"
+    "drwxr-xr-x 2 root root 4096 Aug  2 22:10 data\n"
+    "-rw-r--r-- 1 root root 9341 Aug  2 22:10 model.pth\n</output>"
+)
+
+
+def history(*turns: tuple[str, str], task: str = "task") -> History:
+    h = History(task)
+    for cmd, obs in turns:
+        h = h.extend(Action.bash(cmd), obs)
+    return h
+
+
+def targets(d: MovesActionDrafter, h: History, depth: int = 1) -> list[str]:
+    return [p.action.command or "" for p in anyio.run(d.propose, h, 32, depth) if p.offset == 0]
+
+
+def routed(d: MovesActionDrafter, h: History, tool: str) -> list[str]:
+    return [p.action.command or "" for p in anyio.run(d.propose_routed, h, tool, 8)]
+
+
+def test_a_written_script_is_run_the_way_this_trajectory_runs_scripts() -> None:
+    d = MovesActionDrafter()
+    h = history(("cat <<'EOF' > train.py\nprint(1)\nEOF", EMPTY))
+    assert targets(d, h)[0] == "python train.py"  # the default form
+    h2 = history(
+        ("cat <<'EOF' > a.py\nprint(1)\nEOF", EMPTY),
+        ("timeout 60 python3 a.py", EMPTY),
+        ("cat <<'EOF' > b.py\nprint(2)\nEOF", EMPTY),
+    )
+    assert targets(d, h2)[0] == "timeout 60 python3 b.py"
+
+
+def test_after_an_edit_the_failing_check_is_run_again() -> None:
+    d = MovesActionDrafter()
+    h = history(
+        ("cat <<'EOF' > lib.py\nx = 1\nEOF", EMPTY),
+        ("python test_lib.py", FAIL),
+        ("sed -i 's/x = 1/x = 2/' lib.py", EMPTY),
+    )
+    assert "python test_lib.py" in targets(d, h)
+
+
+def test_a_successful_build_is_followed_by_running_what_it_built() -> None:
+    d = MovesActionDrafter()
+    h = history(("gcc -o app main.c -lm", EMPTY))
+    assert "./app" in targets(d, h)
+    failed = history(("gcc -o app main.c -lm", FAIL))
+    assert "./app" not in targets(d, failed)
+
+
+def test_a_listing_is_followed_by_reading_its_text_files_and_listing_its_directories() -> None:
+    d = MovesActionDrafter()
+    h = history(("ls -la /app", LISTING))
+    got = targets(d, h)
+    assert "cat /app/run.py" in got and "ls -la /app/data/" in got
+    assert "cat /app/model.pth" not in got  # not a text file
+
+
+def test_files_the_task_names_are_read() -> None:
+    d = MovesActionDrafter()
+    h = history(task='Make sure that your agent is a class called "Agent" in the "/app/agent.py" file.')
+    assert targets(d, h) == ["cat /app/agent.py"]
+
+
+def test_nothing_is_proposed_without_a_move_to_make() -> None:
+    d = MovesActionDrafter()
+    assert targets(d, history(("echo hello", "<returncode>0</returncode>\n<output>\nhello\n</output>"))) == []
+    assert anyio.run(d.propose, History("t"), 0, 1) == []
+
+
+def test_routed_completions_name_the_files_the_history_wrote_or_read() -> None:
+    d = MovesActionDrafter(label=tool_label)
+    h = history(
+        ("cat <<'EOF' > solver.py\nprint(1)\nEOF", EMPTY),
+        ("cat notes.txt", "<returncode>0</returncode>\n<output>\nhi\n</output>"),
+        ("ls /tmp", EMPTY),
+    )
+    assert routed(d, h, "python") == ["python solver.py"]
+    assert {"cat notes.txt", "cat solver.py"} <= set(routed(d, h, "cat"))
+    assert routed(d, h, "ls") == ["ls /tmp"]  # an earlier command of that program
+
+
+def test_lookahead_through_the_next_edit_is_opt_in() -> None:
+    h = history(
+        ("cat <<'EOF' > lib.py\nx = 1\nEOF", EMPTY),
+        ("pytest -x", FAIL),
+        ("cat lib.py", "<returncode>0</returncode>\n<output>\nx = 1\n</output>"),
+    )
+    plain = anyio.run(MovesActionDrafter().propose, h, 32, 4)
+    assert all(p.offset == 0 for p in plain)
+    deep = anyio.run(MovesActionDrafter(lookahead_writes=True).propose, h, 32, 4)
+    assert {p.offset for p in deep if p.action.command == "pytest -x"} == {1, 2, 3}
+
+
+def _trace(task: str, pairs: list[tuple[str, str]]) -> Trace:
+    steps = tuple(Step(Action.bash(c), o, output_tokens=5, tool_duration_s=0.1) for c, o in pairs)
+    return Trace(task, task, "mini-swe-agent", "m", "s", steps)
+
+
+def test_fit_learns_how_often_each_move_is_taken_and_how_scripts_run() -> None:
+    write_run = [("cat <<'EOF' > x.py\nprint(1)\nEOF", EMPTY), ("python3 x.py", EMPTY)]
+    write_other = [("cat <<'EOF' > y.py\nprint(1)\nEOF", EMPTY), ("ls", EMPTY)]
+    d = MovesActionDrafter(prior=1.0)
+    d.fit([_trace("t1", write_run), _trace("t2", write_run), _trace("t3", write_other)])
+    assert d.rule_counts[("run-written", 0)] == (2, 3)
+    h = history(("cat <<'EOF' > z.py\nprint(1)\nEOF", EMPTY))
+    (first, *_) = anyio.run(d.propose, h, 32, 1)
+    assert first.action == Action.bash("python3 z.py")  # the training traces' form
+    assert abs(first.probability - d._p("run-written", 0)) < 1e-12 and 0.5 < first.probability < 0.7
