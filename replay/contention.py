@@ -30,7 +30,7 @@ slow a CPU-bound committed step by ``max(1, (L + 1) / C)`` (a command waiting a 
 its time by less); a command that waits all its time (``U = 0``) is never slowed. Whenever
 the set of running commands changes (one starts, ends, is paused, resumed or reprioritised)
 the host settles everyone's progress and CPU up to that instant and recomputes the shares,
-and every running command recomputes when it will finish. With enough cores for every
+and every command whose share changed recomputes when it will finish. With enough cores for every
 command (no contention) each takes exactly its recorded time, in integer nanoseconds.
 
 The host reads as a :class:`aospec.protocols.HostMonitor` (:meth:`SimulatedHost.snapshot`,
@@ -129,6 +129,8 @@ def shares(cores: float, threads: Sequence[tuple[float, float, float]]) -> list[
     ``lambda`` at which the cores used add up to ``cores`` (everyone 1 when they fit)."""
     if sum(n * v for n, v, _ in threads) <= cores:
         return [1.0] * len(threads)
+    if all(v >= 1.0 for _, v, _ in threads):
+        return _water_fill(cores, threads)
 
     def used(level: float) -> float:
         return sum(n * _consumption(v, min(1.0, w * level)) for n, v, w in threads)
@@ -144,12 +146,30 @@ def shares(cores: float, threads: Sequence[tuple[float, float, float]]) -> list[
     return [min(1.0, w * hi) for _, _, w in threads]
 
 
+def _water_fill(cores: float, threads: Sequence[tuple[float, float, float]]) -> list[float]:
+    """:func:`shares` when every thread always wants a CPU (``v = 1``), exactly: the
+    heaviest groups reach a whole core first; the rest share what is left by weight."""
+    out = [0.0] * len(threads)
+    left, weight = float(cores), sum(n * w for n, _, w in threads)
+    order = sorted(range(len(threads)), key=lambda i: -threads[i][2])
+    for k, i in enumerate(order):
+        n, _, w = threads[i]
+        if w * left < weight:  # below a whole core at this level: so is everyone lighter
+            for j in order[k:]:
+                out[j] = threads[j][2] * left / weight
+            break
+        out[i] = 1.0
+        left -= n
+        weight -= n * w
+    return out
+
+
 class HostedCommand:
     """One command on a :class:`SimulatedHost`: ``wall_ns`` of recorded time, ``cpu_ns`` of
     recorded CPU. ``cpu_used_ns`` is the CPU it has used so far (settled when read through
     :meth:`SimulatedHost.cpu_used_ns`)."""
 
-    __slots__ = ("cpu_used_ns", "left_ns", "paused", "rate", "threads", "use", "want", "weight")
+    __slots__ = ("cpu_used_ns", "left_ns", "paused", "rate", "threads", "use", "wake", "want", "weight")
 
     def __init__(self, wall_ns: int, cpu_ns: int, *, weight: float = 1.0, paused: bool = False) -> None:
         self.left_ns = float(wall_ns)
@@ -160,6 +180,7 @@ class HostedCommand:
         self.rate = 0.0  # recorded ns per virtual ns, now
         self.use = 0.0  # cores used now
         self.cpu_used_ns = 0.0 if wall_ns > 0 else float(cpu_ns)
+        self.wake: trio.Event | None = None  # set when its rate changes
 
 
 class SimulatedHost:
@@ -171,7 +192,6 @@ class SimulatedHost:
         self.clock = clock
         self._running: list[HostedCommand] = []
         self._settled_ns = 0
-        self._changed = trio.Event()
         self._background_use = 0.0
         self._pressure = 0.0
         self._allocate()
@@ -211,13 +231,13 @@ class SimulatedHost:
         self._allocate()
         try:
             while command.left_ns > _DONE_NS:
-                changed = self._changed
+                wake = command.wake = trio.Event()
                 deadline = math.inf
                 if command.rate > 0:
                     # (less a micro-nanosecond of float noise, so an exact finish stays exact)
                     deadline = self._settled_ns + max(0, math.ceil(command.left_ns / command.rate - 1e-6))
                 with trio.move_on_at(deadline):
-                    await changed.wait()
+                    await wake.wait()
                 self._settle()
         finally:
             self._settle()
@@ -249,18 +269,22 @@ class SimulatedHost:
         self._settled_ns = now
 
     def _allocate(self) -> None:
-        """Recompute every running command's share (after a change), and wake them all to
-        recompute when they finish."""
+        """Recompute every running command's share (after a change), and wake those whose
+        rate changed to recompute when they finish (the others' finish times stand)."""
         model = self.model
         active = [c for c in self._running if not c.paused and c.want > 0]
         groups = [(c.threads, c.want, c.weight) for c in active]
         if model.background_load:
             groups.append((float(model.background_load), 1.0, 1.0))
         got = shares(model.cores, groups) if groups else []
+        before = [c.rate for c in self._running]
         for c in self._running:
             c.rate, c.use = (0.0, 0.0) if c.paused else (1.0, 0.0)
         for c, s in zip(active, got, strict=False):
             c.rate, c.use = _rate(c.want, s), c.threads * _consumption(c.want, s)
+        for c, rate in zip(self._running, before, strict=True):
+            if c.rate != rate and c.wake is not None:
+                c.wake.set()
         self._background_use = model.background_load * got[-1] if model.background_load else 0.0
         # runnable threads: each wants a CPU v/s / (v/s + 1 - v) of its time while it gets s
         runnable = sum(
@@ -268,5 +292,3 @@ class SimulatedHost:
         )
         served = self._background_use + sum(c.use for c in active)
         self._pressure = max(0.0, 1.0 - served / runnable) if runnable > 0 else 0.0
-        self._changed.set()
-        self._changed = trio.Event()
