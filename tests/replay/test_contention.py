@@ -16,7 +16,7 @@ from aospec.replay.actor import VirtualClock
 from aospec.replay.contention import IDLE_WEIGHT, HostedCommand, HostModel, SimulatedHost, shares
 from aospec.replay.policies import DrafterSet, parse_policies
 from aospec.replay.sandbox import ContendedReplaySandbox, ReplaySandbox, ReplayWorld
-from aospec.replay.sweep import replay_together, replay_trace
+from aospec.replay.sweep import replay_together, replay_trace, run_sweep
 from trio.testing import MockClock
 
 from aospec.cli import main as cli_main
@@ -284,6 +284,15 @@ def test_a_contended_speculative_replay_stays_lossless_and_is_measured_against_s
         assert spec.serial_ns == serial.serial_ns == serial.latency_ns
         assert spec.tool_ns >= sum(round(s.tool_duration_s * S) for s in trace.steps)
         assert spec.ceiling_ns > 0
+
+
+def test_a_contended_sweep_is_the_same_on_every_worker_count(bundled) -> None:
+    policies = parse_policies("serial,aospec")
+    runs = [
+        run_sweep(bundled[:3], policies, tpots_ms=[10.0], jobs=jobs, host=HostModel(1, 1), check_ceilings=False)
+        for jobs in (1, 2)
+    ]
+    assert [r.to_json() for r in runs[0]] == [r.to_json() for r in runs[1]]
 
 
 def test_sessions_replayed_together_share_the_host() -> None:
