@@ -33,8 +33,9 @@ __all__ = [
     "version_hash",
 ]
 
-#: Version of the canonical trace schema (docs/trace-format.md).
-SCHEMA_VERSION = 1
+#: Version of the canonical trace schema (docs/trace-format.md). Schema 2 added
+#: ``tool_cpu_s``; a trace without it on any step is still written as schema 1.
+SCHEMA_VERSION = 2
 
 #: Tool name of a step whose reply held no tool call: the harness answered by itself
 #: (e.g. a format-error message), nothing ran in the environment.
@@ -205,6 +206,9 @@ class Step:
     the tool finished; then ``completed`` is False). ``state_changed`` is True/False when
     the recorder knew, None when unknown. ``version_before``/``version_after`` are exact
     filesystem version hashes, present only in traces recorded by aospec itself.
+    ``tool_cpu_s`` is the CPU time (user + system, all of the command's processes) the tool
+    used, None when unknown; it can exceed ``tool_duration_s`` (several cores). Replay's
+    contention model (docs/replay.md, "Contention") reads it.
     """
 
     action: Action
@@ -220,6 +224,7 @@ class Step:
     completed: bool = True
     started_at_s: float | None = None
     extra: Mapping[str, Any] = field(default_factory=lambda: MappingProxyType({}))
+    tool_cpu_s: float | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -31,14 +31,14 @@ import re
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 from aospec.engine import Engine
 from aospec.engine_config import EngineConfig
 from aospec.errors import AospecError
 from aospec.evd import EVDEstimator
 from aospec.ledger import EngineStatistics
-from aospec.protocols import CachingSandbox, Sandbox
+from aospec.protocols import CachingSandbox, MeteredSandbox, Sandbox
 from aospec.types import Action, History, Trace
 from aospec.wrappers import SandboxWrapper
 
@@ -130,12 +130,18 @@ class FormatErrorSandbox(SandboxWrapper):
     A :class:`aospec.wrappers.SandboxWrapper`: the inner sandbox's result cache
     (``last_cache_hit_ns``, ``cache_counts``) and priority (``set_priority``) pass through
     when it has them, else they are absent; ``last_cache_hit_ns`` is None after an answer
-    given here (nothing ran, and no cache served it)."""
+    given here (nothing ran, and no cache served it).
+
+    ``last_cpu_ns`` is the CPU time of the command whose result this sandbox holds last: its
+    own last ``execute``, or the committed fork's (its ``commit``); 0 after an answer given
+    here, None when the inner sandbox is not a :class:`aospec.protocols.MeteredSandbox`."""
 
     def __init__(self, inner: Sandbox, format_error: str) -> None:
         super().__init__(inner)
         self.format_error = format_error
         self._answered_here = False
+        self._metered = isinstance(self, MeteredSandbox)
+        self.last_cpu_ns: int | None = None
 
     def _forwarded_cache_hit_ns(self) -> int | None:
         return None if self._answered_here else super()._forwarded_cache_hit_ns()
@@ -145,12 +151,22 @@ class FormatErrorSandbox(SandboxWrapper):
             # No action, or a tool call of a tool other than bash (mini-swe-agent 2.x answers
             # an unknown tool with its format error too): nothing runs.
             self._answered_here = True
+            self.last_cpu_ns = 0 if self._metered else None
             return self.format_error
         self._answered_here = False
-        return await self.inner.execute(action)
+        if not self._metered:
+            return await self.inner.execute(action)
+        before = cast(MeteredSandbox, self.inner).cpu_ns
+        observation = await self.inner.execute(action)
+        self.last_cpu_ns = cast(MeteredSandbox, self.inner).cpu_ns - before
+        return observation
 
     async def fork(self) -> FormatErrorSandbox:
         return FormatErrorSandbox(await self.inner.fork(), self.format_error)
+
+    async def commit(self, fork: FormatErrorSandbox) -> None:
+        await super().commit(fork)
+        self.last_cpu_ns = fork.last_cpu_ns
 
 
 @dataclass(frozen=True, slots=True)
@@ -162,7 +178,9 @@ class StepRecord:
     nanoseconds of the engine's clock: ``boundary_ns`` (from the run's start) is when the
     agent asked for the action, ``wait_actor_ns``/``wait_tool_ns`` what the step waited for
     the actor and the tool, ``tool_ns`` the tool time of the committed execution,
-    ``tool_hidden_ns`` the part of it that ran while the actor decoded (a reused fork).
+    ``tool_hidden_ns`` the part of it that ran while the actor decoded (a reused fork);
+    ``tool_cpu_ns`` the CPU time that execution used (None when the sandbox does not meter
+    its commands: :class:`aospec.protocols.MeteredSandbox`).
     """
 
     index: int
@@ -178,6 +196,7 @@ class StepRecord:
     tool_hidden_ns: int
     fork_reused: bool
     draft_hit: bool
+    tool_cpu_ns: int | None = None
 
 
 @dataclass(frozen=True)
@@ -347,6 +366,7 @@ class Agent:
                     tool_hidden_ns=after.tool_hidden_ns - before.tool_hidden_ns,
                     fork_reused=after.forks_reused > before.forks_reused,
                     draft_hit=after.drafts_hit > before.drafts_hit,
+                    tool_cpu_ns=self.sandbox.last_cpu_ns,
                 )
                 steps.append(step)
                 if self.on_step is not None:

@@ -9,7 +9,8 @@ one. :meth:`TraceRecorder.finish` adds how the run ended to the header's ``meta`
 
 Per step: the action, the observation, the reply text, ``output_tokens`` from the
 endpoint's usage (``output_tokens_estimated`` when it sent none), the model latency, the
-tool duration, and the exact content versions of the committed sandbox before and after
+tool duration, its CPU time (``tool_cpu_s``, when the sandbox meters its commands:
+:class:`aospec.protocols.MeteredSandbox`; else null), and the exact content versions of the committed sandbox before and after
 the step (so ``state_changed`` is known exactly, and ``version_after[i] ==
 version_before[i + 1]``).
 """
@@ -68,6 +69,7 @@ def step_of(record: StepRecord) -> Step:
         output_tokens=tokens,
         output_tokens_estimated=estimated,
         tool_duration_s=_seconds(record.tool_ns),
+        tool_cpu_s=_seconds(record.tool_cpu_ns),
         model_latency_s=latency,
         state_changed=record.version_before != record.version_after,
         version_before=record.version_before,

@@ -1,9 +1,11 @@
 """Canonical trace JSONL (docs/trace-format.md) and loading traces of any supported format.
 
 A canonical file holds one or more traces. Each trace is a header record
-``{"type": "trace", "schema": 1, ...}`` followed by one ``{"type": "step", ...}`` record
-per step. ``write_jsonl`` always writes every field in a fixed order, so
-``write_jsonl(read_jsonl(p))`` reproduces a file written by ``write_jsonl`` byte for byte.
+``{"type": "trace", "schema": 2, ...}`` followed by one ``{"type": "step", ...}`` record
+per step. ``write_jsonl`` always writes every field of the trace's schema in a fixed order,
+so ``write_jsonl(read_jsonl(p))`` reproduces a file written by ``write_jsonl`` byte for byte.
+Schema 2 added the step field ``tool_cpu_s``; a trace none of whose steps has it is written
+(and read) as schema 1, exactly as before, so it stays readable by an older aospec.
 
 ``load_traces`` accepts files and directories of every supported format (canonical
 JSONL, tb1 step files, mini-swe-agent ``*.traj.json``, tau-bench trajectory JSON),
@@ -49,6 +51,9 @@ from aospec._files import new_file_mode
 from aospec.errors import TraceFormatError, TraceImportError
 from aospec.types import SCHEMA_VERSION, Action, Step, Trace
 
+#: The schemas this module reads; a trace is written as the oldest one that holds it.
+SCHEMAS = (1, 2)
+
 __all__ = [
     "FORMATS",
     "MAX_DURATION_S",
@@ -71,7 +76,7 @@ FORMATS = ("auto", "aospec", "tb1", "mini-swe-agent", "tau-bench")
 
 _HEADER_FIELDS = ("type", "schema", "id", "task", "harness", "actor_model", "source", "instruction", "meta")
 _HEADER_REQUIRED = frozenset(("type", "schema", "id", "task", "harness", "actor_model", "source"))
-_STEP_FIELDS = (
+_STEP_FIELDS_V1 = (
     "type",
     "action",
     "observation",
@@ -87,6 +92,8 @@ _STEP_FIELDS = (
     "started_at_s",
     "extra",
 )
+#: Schema 2: ``tool_cpu_s`` after ``tool_duration_s``.
+_STEP_FIELDS = (*_STEP_FIELDS_V1[:6], "tool_cpu_s", *_STEP_FIELDS_V1[6:])
 _STEP_REQUIRED = frozenset(("type", "action", "observation", "output_tokens"))
 
 
@@ -98,10 +105,15 @@ def _dumps(record: Mapping[str, Any]) -> str:
 # ---------------------------------------------------------------- writing
 
 
-def _header_record(trace: Trace) -> dict[str, Any]:
+def _schema_of(trace: Trace) -> int:
+    """The oldest schema that holds ``trace``: 2 when a step has ``tool_cpu_s``, else 1."""
+    return SCHEMA_VERSION if any(s.tool_cpu_s is not None for s in trace.steps) else 1
+
+
+def _header_record(trace: Trace, schema: int) -> dict[str, Any]:
     return {
         "type": "trace",
-        "schema": SCHEMA_VERSION,
+        "schema": schema,
         "id": trace.id,
         "task": trace.task,
         "harness": trace.harness,
@@ -116,14 +128,18 @@ def _float_or_none(value: float | None) -> float | None:
     return None if value is None else float(value)
 
 
-def _step_record(step: Step) -> dict[str, Any]:
-    return {
+def _step_record(step: Step, schema: int) -> dict[str, Any]:
+    record: dict[str, Any] = {
         "type": "step",
         "action": thaw_json(step.action.to_json()),
         "observation": step.observation,
         "output_tokens": step.output_tokens,
         "output_tokens_estimated": step.output_tokens_estimated,
         "tool_duration_s": _float_or_none(step.tool_duration_s),
+    }
+    if schema >= 2:
+        record["tool_cpu_s"] = _float_or_none(step.tool_cpu_s)
+    return record | {
         "model_latency_s": _float_or_none(step.model_latency_s),
         "state_changed": step.state_changed,
         "version_before": step.version_before,
@@ -139,8 +155,9 @@ def dump_jsonl(traces: Iterable[Trace]) -> str:
     """The canonical JSONL text of ``traces`` (what ``write_jsonl`` writes)."""
     lines: list[str] = []
     for trace in traces:
-        lines.append(_dumps(_header_record(trace)))
-        lines.extend(_dumps(_step_record(s)) for s in trace.steps)
+        schema = _schema_of(trace)
+        lines.append(_dumps(_header_record(trace, schema)))
+        lines.extend(_dumps(_step_record(s, schema)) for s in trace.steps)
     return "".join(line + "\n" for line in lines)
 
 
@@ -256,12 +273,14 @@ def _kind(v: Any) -> str:
     return type(v).__name__
 
 
-def _parse_header(f: _Fields) -> dict[str, Any]:
+def _parse_header(f: _Fields) -> tuple[int, dict[str, Any]]:
     f.check_keys(_HEADER_FIELDS, _HEADER_REQUIRED)
     schema = f.rec["schema"]
-    if schema != SCHEMA_VERSION or isinstance(schema, bool):
-        raise f.error("schema", f"unsupported schema {schema!r}; this aospec reads schema {SCHEMA_VERSION}")
-    return {
+    if schema not in SCHEMAS or isinstance(schema, bool):
+        raise f.error(
+            "schema", f"unsupported schema {schema!r}; this aospec reads schemas {', '.join(map(str, SCHEMAS))}"
+        )
+    return schema, {
         "id": f.str("id", nonempty=True),
         "task": f.str("task"),
         "harness": f.str("harness"),
@@ -272,8 +291,10 @@ def _parse_header(f: _Fields) -> dict[str, Any]:
     }
 
 
-def _parse_step(f: _Fields) -> Step:
-    f.check_keys(_STEP_FIELDS, _STEP_REQUIRED)
+def _parse_step(f: _Fields, schema: int) -> Step:
+    if schema < 2 and "tool_cpu_s" in f.rec:
+        raise f.error("tool_cpu_s", 'this field needs "schema": 2 in the trace header')
+    f.check_keys(_STEP_FIELDS if schema >= 2 else _STEP_FIELDS_V1, _STEP_REQUIRED)
     try:
         action = Action.from_json(f.rec["action"])
     except (ValueError, TypeError) as exc:
@@ -284,6 +305,7 @@ def _parse_step(f: _Fields) -> Step:
         output_tokens=f.int("output_tokens", maximum=MAX_OUTPUT_TOKENS),
         output_tokens_estimated=f.bool("output_tokens_estimated", False),  # type: ignore[arg-type]
         tool_duration_s=f.seconds("tool_duration_s"),
+        tool_cpu_s=f.seconds("tool_cpu_s"),
         model_latency_s=f.seconds("model_latency_s"),
         state_changed=f.bool("state_changed", None, optional=True),
         version_before=f.str("version_before", optional=True),
@@ -299,6 +321,7 @@ def parse_jsonl_text(text: str, path: str) -> list[Trace]:
     """Parse canonical JSONL ``text`` (``path`` only names it in errors)."""
     traces: list[Trace] = []
     header: dict[str, Any] | None = None
+    schema = SCHEMA_VERSION
     steps: list[Step] = []
     for lineno, line in enumerate(text.split("\n"), start=1):
         if not line.strip():
@@ -314,11 +337,11 @@ def parse_jsonl_text(text: str, path: str) -> list[Trace]:
         if kind == "trace":
             if header is not None:
                 traces.append(Trace(steps=tuple(steps), **header))
-            header, steps = _parse_header(f), []
+            (schema, header), steps = _parse_header(f), []
         elif kind == "step":
             if header is None:
                 raise f.error("type", "step record before any trace header")
-            steps.append(_parse_step(f))
+            steps.append(_parse_step(f, schema))
         else:
             raise f.error("type", f"expected 'trace' or 'step', got {kind!r}")
     if header is None:

@@ -31,6 +31,14 @@ returns a deterministic placeholder after a plausible time (the same action's re
 elsewhere in the trace, else the trace's median tool time) and moves to a version of its
 own, so it can never pass JASV for a recorded step (under every state model: what an
 unrecorded action does to the filesystem is unknown).
+
+A world given a :class:`aospec.replay.contention.SimulatedHost` (``--cores``) hands out
+:class:`ContendedReplaySandbox` es instead: each command runs on that host, sharing its
+cores with every other command and its background load (replay/contention.py), from the
+step's recorded CPU time (``Step.tool_cpu_s``, else the host model's assumption); those
+sandboxes are also pausable, metered and prioritised (:mod:`aospec.protocols`), so the
+engine's pausing and priorities have their effect in replay. Without a host nothing of this
+runs: a command takes exactly its recorded time.
 """
 
 from __future__ import annotations
@@ -40,6 +48,7 @@ import statistics
 from collections.abc import Mapping, Sequence
 
 from aospec.replay.actor import VirtualClock, seconds_to_ns
+from aospec.replay.contention import IDLE_WEIGHT, HostedCommand, SimulatedHost
 
 from aospec.effects import classify_action
 from aospec.errors import ConfigError, SandboxError
@@ -50,6 +59,7 @@ __all__ = [
     "STATE_MODELS",
     "STATE_MODEL_CHOICES",
     "STATE_MODEL_MEANING",
+    "ContendedReplaySandbox",
     "ReplaySandbox",
     "ReplayWorld",
     "recorded_versions_problem",
@@ -192,11 +202,18 @@ class ReplayWorld:
     0 and is listed in ``unknown_tool_steps``. ``state_model`` is one of
     :data:`STATE_MODEL_CHOICES` (``auto`` is resolved for this trace alone; the resolved
     model is ``self.state_model``).
+
+    ``host``: the simulated host its commands run on (None: each takes its recorded time);
+    then ``cpu_ns[i]`` is step ``i``'s CPU time, recorded or assumed (the host model's
+    ``unrecorded_cpu`` share of its tool time).
     """
 
-    def __init__(self, trace: Trace, clock: VirtualClock, state_model: str = "auto") -> None:
+    def __init__(
+        self, trace: Trace, clock: VirtualClock, state_model: str = "auto", host: SimulatedHost | None = None
+    ) -> None:
         self.trace = trace
         self.clock = clock
+        self.host = host
         if state_model == "auto":
             state_model, _ = resolve_state_model([trace], "auto")
         self.state_model = state_model
@@ -221,6 +238,23 @@ class ReplayWorld:
                 self._first_ns.setdefault(s.action.key, self.tool_ns[i])
         known = [self.tool_ns[i] for i in range(n) if i not in unknown]
         self._median_ns = int(statistics.median_low(known)) if known else 0
+        self.cpu_ns: list[int] = []
+        if host is not None:
+            self._cpu_index(host.model.unrecorded_cpu, unknown)
+
+    def _cpu_index(self, unrecorded: float, unknown: set[int]) -> None:
+        """Each step's CPU time, and what an off-record action uses: the same action's
+        recorded CPU, else the trace's CPU share of its median tool time."""
+        self._first_cpu_ns: dict[str, int] = {}
+        for i, s in enumerate(self.trace.steps):
+            tool = self.tool_ns[i]
+            cpu = seconds_to_ns(s.tool_cpu_s) if s.tool_cpu_s is not None else int(unrecorded * tool)
+            self.cpu_ns.append(cpu)
+            if i not in unknown:
+                self._first_cpu_ns.setdefault(s.action.key, cpu)
+        tool_total = sum(t for i, t in enumerate(self.tool_ns) if i not in unknown)
+        cpu_total = sum(c for i, c in enumerate(self.cpu_ns) if i not in unknown)
+        self._cpu_share = cpu_total / tool_total if tool_total else unrecorded
 
     def match(self, version: str, action: Action, position: int) -> int | None:
         """The first recorded step ``i >= position`` that ran ``action`` from ``version``."""
@@ -233,8 +267,16 @@ class ReplayWorld:
     def off_record_ns(self, action: Action) -> int:
         return self._first_ns.get(action.key, self._median_ns)
 
+    def off_record_cpu_ns(self, action: Action) -> int:
+        """The CPU time of an off-record action (only with a host)."""
+        found = self._first_cpu_ns.get(action.key)
+        return found if found is not None else int(self._cpu_share * self.off_record_ns(action))
+
     def sandbox(self) -> ReplaySandbox:
-        """The committed sandbox at the trace's initial version."""
+        """The committed sandbox at the trace's initial version (a
+        :class:`ContendedReplaySandbox` when the world has a host)."""
+        if self.host is not None:
+            return ContendedReplaySandbox(self, self.origin, 0)
         return ReplaySandbox(self, self.origin, 0)
 
 
@@ -286,3 +328,79 @@ class ReplaySandbox:
 
     async def discard(self) -> None:
         self._closed = True
+
+
+class ContendedReplaySandbox(ReplaySandbox):
+    """A replay sandbox whose commands run on its world's simulated host (``--cores``):
+    they share the host's cores (replay/contention.py) instead of taking their recorded time.
+
+    It is a :class:`aospec.protocols.PausableSandbox` (a paused sandbox's command takes no
+    CPU and makes no progress; a command started while paused starts frozen), a
+    :class:`aospec.protocols.MeteredSandbox` (``cpu_ns``: the CPU its commands used, the
+    running one's so far; a fork starts from 0) and a
+    :class:`aospec.protocols.PrioritizedSandbox` (background: :data:`IDLE_WEIGHT`, as the
+    runtime's SCHED_IDLE). Its forks are of its class and start in the foreground, unpaused."""
+
+    __slots__ = ("_command", "_cpu_done_ns", "_paused", "_weight")
+
+    def __init__(self, world: ReplayWorld, version: str, position: int) -> None:
+        super().__init__(world, version, position)
+        self._command: HostedCommand | None = None
+        self._cpu_done_ns = 0
+        self._paused = False
+        self._weight = 1.0
+
+    async def execute(self, action: Action) -> str:
+        if self._closed:
+            raise SandboxError("replay sandbox was discarded or committed")
+        w = self.world
+        host = w.host
+        assert host is not None
+        i = w.match(self._version, action, self._position)
+        if i is None:
+            wall, cpu = w.off_record_ns(action), w.off_record_cpu_ns(action)
+        else:
+            wall, cpu = w.tool_ns[i], w.cpu_ns[i]
+        command = self._command = HostedCommand(wall, cpu, weight=self._weight, paused=self._paused)
+        try:
+            await host.run(command)
+        finally:
+            self._command = None
+            self._cpu_done_ns += int(command.cpu_used_ns)
+        if i is None:
+            self._version = version_hash(self._version, "off-record", action.key)
+            return OFF_RECORD_PREFIX + action.key[:200]
+        self._version = w.version_after[i]
+        self._position = i + 1
+        return w.observations[i]
+
+    async def fork(self) -> ContendedReplaySandbox:
+        if self._closed:
+            raise SandboxError("replay sandbox was discarded or committed")
+        return ContendedReplaySandbox(self.world, self._version, self._position)
+
+    async def pause(self) -> None:
+        self._paused = True
+        if self._command is not None:
+            self.world.host.set_paused(self._command, True)  # type: ignore[union-attr]
+
+    async def resume(self) -> None:
+        self._paused = False
+        if self._command is not None:
+            self.world.host.set_paused(self._command, False)  # type: ignore[union-attr]
+
+    @property
+    def paused(self) -> bool:
+        return self._paused
+
+    async def set_priority(self, *, foreground: bool) -> None:
+        self._weight = 1.0 if foreground else IDLE_WEIGHT
+        if self._command is not None:
+            self.world.host.set_weight(self._command, self._weight)  # type: ignore[union-attr]
+
+    @property
+    def cpu_ns(self) -> int:
+        running = self._command
+        if running is None:
+            return self._cpu_done_ns
+        return self._cpu_done_ns + self.world.host.cpu_used_ns(running)  # type: ignore[union-attr]

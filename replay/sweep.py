@@ -14,6 +14,15 @@ every trace recorded its versions, else ``effects``: replay/sandbox.py) decides 
 recorded steps start from the same filesystem version, and so which forks JASV reuses;
 every result names it (``TraceResult.state_model``).
 
+With a host model (``host=``, ``--cores``: replay/contention.py) every run's commands
+share one simulated host of that many cores with its background load, so tool times
+stretch: then every committed step's tool time is at least ``T_i``, a policy that
+speculates nothing takes exactly ``sum(D_i) +`` its committed tool time, every result's
+``serial_ns`` is the serial policy's latency on the same host (replayed too), and the
+ceiling is reported but not enforced (a ceiling's forks take CPU too, so it is no bound
+under contention). :func:`replay_together` replays several traces at once on one host (N
+sessions of one machine).
+
 A broken invariant raises EngineError naming the trace and the policy. A drafting call
 that fails (an AospecError from a drafter) only loses its candidates; such calls are
 counted in ``TraceResult.drafter_failures`` (with the first error in ``drafter_error``).
@@ -34,6 +43,8 @@ them to results.jsonl); :func:`run_sweep` collects them.
 from __future__ import annotations
 
 import contextlib
+import functools
+import inspect
 import math
 import os
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -44,8 +55,9 @@ import anyio
 from aospec.replay._input import MAX_FILE_BYTES
 from aospec.replay.accuracy import action_accuracy, action_key, observation_accuracy, observation_key
 from aospec.replay.actor import ReplayActor, VirtualClock, estimate_tokens, ms_to_ns, seconds_to_ns
+from aospec.replay.contention import HostModel, SimulatedHost
 from aospec.replay.executors import Executor, local_executor
-from aospec.replay.policies import DrafterFailures, DrafterSet, Policy, check_drafters
+from aospec.replay.policies import DrafterFailures, DrafterSet, Policy, check_drafters, parse_policy
 from aospec.replay.sandbox import ReplayWorld, resolve_state_model
 
 from aospec.engine import Engine
@@ -61,6 +73,7 @@ __all__ = [
     "check_trajectory",
     "iter_sweep",
     "loading",
+    "replay_together",
     "replay_trace",
     "run_sweep",
 ]
@@ -141,6 +154,12 @@ def _plain(value: Any) -> Any:
     return list(value) if isinstance(value, tuple) else value
 
 
+@functools.cache
+def _engine_takes_host() -> bool:
+    """Whether this aospec's Engine takes ``host=`` (a HostMonitor for its controller)."""
+    return "host" in inspect.signature(Engine).parameters
+
+
 async def _run_one(
     trace: Trace,
     policy: Policy,
@@ -148,17 +167,20 @@ async def _run_one(
     drafters: DrafterSet,
     prefill_ns_per_token: int,
     state_model: str,
+    host: SimulatedHost | None = None,
 ) -> tuple[Any, ReplayActor, ReplayWorld, Engine, DrafterFailures]:
     clock = VirtualClock()
     canon = drafters.canonicalizer(policy.config.canonicalizer) if policy.engine.accept == "canonical" else None
     actor = ReplayActor(
         trace, tpot_ns=tpot_ns, clock=clock, prefill_ns_per_token=prefill_ns_per_token, canonicalizer=canon
     )
-    world = ReplayWorld(trace, clock, state_model)
+    world = ReplayWorld(trace, clock, state_model, host)
     failures = DrafterFailures()
     obs, act = drafters.charged(policy, clock, trace, actor, world, failures)
     evd = drafters.evd(policy.config.kernel) if obs and policy.engine.rank != "likelihood" else None
     router = drafters.router(policy.config.router) if policy.config.router_names else None
+    # The engine's controller reads the simulated host where this aospec's Engine takes one.
+    monitor = {"host": host.host_monitor} if host is not None and _engine_takes_host() else {}
     engine = Engine(
         actor,
         world.sandbox(),
@@ -170,6 +192,7 @@ async def _run_one(
         keep_events=False,
         canonicalizer=canon,
         router=router,
+        **monitor,
     )
     history = await engine.run(trace.history(0), steps=len(trace))
     return history, actor, world, engine, failures
@@ -210,13 +233,26 @@ def _check_and_record(
     decode_total = sum(actor.decode_ns)
     tool_total = sum(world.tool_ns)
     serial_ns = decode_total + tool_total
-    if st.decode_ns != decode_total or st.tool_ns != tool_total:
-        raise EngineError(
-            f"{where}: committed decode/tool time {st.decode_ns}/{st.tool_ns} ns differs from the "
-            f"recorded {decode_total}/{tool_total} ns"
-        )
-    if not policy.speculates and st.latency_ns != serial_ns:
-        raise EngineError(f"{where}: latency {st.latency_ns} ns != sum(D_i + T_i) = {serial_ns} ns")
+    if world.host is None:
+        if st.decode_ns != decode_total or st.tool_ns != tool_total:
+            raise EngineError(
+                f"{where}: committed decode/tool time {st.decode_ns}/{st.tool_ns} ns differs from the "
+                f"recorded {decode_total}/{tool_total} ns"
+            )
+        if not policy.speculates and st.latency_ns != serial_ns:
+            raise EngineError(f"{where}: latency {st.latency_ns} ns != sum(D_i + T_i) = {serial_ns} ns")
+    else:
+        # Contention only ever slows a command, and serial execution overlaps nothing.
+        if st.decode_ns != decode_total or st.tool_ns < tool_total:
+            raise EngineError(
+                f"{where}: committed decode/tool time {st.decode_ns}/{st.tool_ns} ns, recorded "
+                f"{decode_total}/{tool_total} ns: contention cannot make a command faster"
+            )
+        if not policy.speculates and st.latency_ns != decode_total + st.tool_ns:
+            raise EngineError(
+                f"{where}: serial latency {st.latency_ns} ns != sum(D_i) + its tool time = "
+                f"{decode_total + st.tool_ns} ns"
+            )
     return TraceResult(
         trace_id=trace.id,
         task=trace.task,
@@ -262,6 +298,7 @@ def replay_trace(
     check_ceilings: bool = True,
     seed: int = 0,
     state_model: str = "auto",
+    host: HostModel | None = None,
 ) -> list[TraceResult]:
     """Replay ``trace`` under every policy at every TPOT (one virtual-time event loop).
 
@@ -269,6 +306,8 @@ def replay_trace(
     ceiling's latency when ``check_ceilings`` (its ceiling replayed under the same
     ``state_model``: ``recorded``, ``effects``, ``blind``, or ``auto`` = ``recorded`` when
     the trace has its versions, else ``effects``). Results are deterministic for a ``seed``.
+    With ``host`` each run's commands share a simulated host of that model (one per run),
+    and ``serial_ns`` is the serial policy's latency on it (see the module docstring).
     """
     from trio.testing import MockClock
 
@@ -276,13 +315,16 @@ def replay_trace(
         raise ConfigError(f"trace {trace.id!r} has no steps")
     check_tpots(tpots_ms, prefill_ms_per_ktok)
     prefill_ns = ms_to_ns(prefill_ms_per_ktok) // 1000
-    check_virtual_time(trace, max(tpots_ms), prefill_ns)
+    check_virtual_time(trace, max(tpots_ms), prefill_ns, host.slowdown() if host is not None else 1.0)
     state_model, _ = resolve_state_model([trace], state_model)
     runs: dict[Any, Policy] = {}
     for p in policies:
         runs.setdefault(p.key, p)
         if check_ceilings:
             runs.setdefault(p.twin().key, p.twin())
+    serial = _serial_policy() if host is not None else None
+    if serial is not None:
+        runs.setdefault(serial.key, serial)
 
     async def main() -> list[TraceResult]:
         out: list[TraceResult] = []
@@ -291,8 +333,9 @@ def replay_trace(
             by_key: dict[Any, TraceResult] = {}
             for key, policy in runs.items():
                 try:
+                    sim = SimulatedHost(host, VirtualClock()) if host is not None else None
                     history, actor, world, engine, failures = await _run_one(
-                        trace, policy, tpot_ns, drafters, prefill_ns, state_model
+                        trace, policy, tpot_ns, drafters, prefill_ns, state_model, sim
                     )
                     by_key[key] = _check_and_record(trace, policy, tpot_ms, history, actor, world, engine, failures)
                 except Exception as exc:
@@ -300,13 +343,16 @@ def replay_trace(
                     raise
             for p in policies:
                 r = by_key[p.key]
+                if serial is not None:
+                    r = _with(r, serial_ns=by_key[serial.key].latency_ns)
                 if check_ceilings:
                     ceiling = by_key[p.twin().key]
-                    try:
-                        check_ceiling(trace.id, p.name, tpot_ms, r.latency_ns, ceiling.latency_ns)
-                    except EngineError as exc:
-                        _mark(exc, trace.id, p.name, tpot_ms)
-                        raise
+                    if host is None:
+                        try:
+                            check_ceiling(trace.id, p.name, tpot_ms, r.latency_ns, ceiling.latency_ns)
+                        except EngineError as exc:
+                            _mark(exc, trace.id, p.name, tpot_ms)
+                            raise
                     r = _with(r, policy=p.name, ceiling_ns=ceiling.latency_ns)
                 else:
                     r = _with(r, policy=p.name)
@@ -347,6 +393,75 @@ def _accuracy(trace: Trace, policies: Sequence[Policy], drafters: DrafterSet, tp
     return out
 
 
+def replay_together(
+    traces: Sequence[Trace],
+    policies: Sequence[Policy],
+    tpot_ms: float,
+    drafters: DrafterSet,
+    host: HostModel,
+    *,
+    prefill_ms_per_ktok: float = 0.0,
+    seed: int = 0,
+    state_model: str = "auto",
+) -> list[list[TraceResult]]:
+    """Replay ``traces`` as concurrent sessions of one host: per policy, every trace at once
+    (each its own engine, all starting at time 0) on one simulated host of ``host``'s model,
+    at ``tpot_ms``. Returns, per policy, one result per trace (in the order given); each
+    result's ``serial_ns`` is its trace's latency when every session runs serially on the
+    same host at once (the serial policy is replayed too), ``ceiling_ns`` is -1. Every
+    session is checked as :func:`replay_trace` checks a run (lossless, times)."""
+    from trio.testing import MockClock
+
+    if not traces:
+        raise ConfigError("no traces to replay together")
+    if any(not t.steps for t in traces):
+        raise ConfigError(f"trace {next(t.id for t in traces if not t.steps)!r} has no steps")
+    check_tpots([tpot_ms], prefill_ms_per_ktok)
+    prefill_ns = ms_to_ns(prefill_ms_per_ktok) // 1000
+    for t in traces:
+        check_virtual_time(t, tpot_ms, prefill_ns, host.slowdown(len(traces)))
+    state_model, _ = resolve_state_model(traces, state_model)
+    serial = _serial_policy()
+    runs = {serial.key: serial}
+    for p in policies:
+        runs.setdefault(p.key, p)
+    tpot_ns = ms_to_ns(tpot_ms)
+
+    async def together(policy: Policy) -> list[TraceResult]:
+        sim = SimulatedHost(host, VirtualClock())
+        out: list[TraceResult | None] = [None] * len(traces)
+
+        async def one(k: int) -> None:
+            trace = traces[k]
+            try:
+                done = await _run_one(trace, policy, tpot_ns, drafters, prefill_ns, state_model, sim)
+                out[k] = _check_and_record(trace, policy, tpot_ms, *done)
+            except Exception as exc:
+                _mark(exc, trace.id, policy.name, tpot_ms)
+                raise
+
+        try:
+            async with anyio.create_task_group() as tg:
+                for k in range(len(traces)):
+                    tg.start_soon(one, k)
+        except BaseExceptionGroup as group:
+            if len(group.exceptions) == 1:
+                raise group.exceptions[0] from None  # the one session that failed, as itself
+            raise
+        return [r for r in out if r is not None]
+
+    async def main() -> list[list[TraceResult]]:
+        by_key = {key: await together(p) for key, p in runs.items()}
+        serial_runs = by_key[serial.key]
+        return [
+            [_with(r, policy=p.name, serial_ns=s.latency_ns) for r, s in zip(by_key[p.key], serial_runs, strict=True)]
+            for p in policies
+        ]
+
+    _seed_trio_scheduler(seed)
+    return anyio.run(main, backend="trio", backend_options={"clock": MockClock(autojump_threshold=0)})
+
+
 def check_tpots(tpots_ms: Sequence[float], prefill_ms_per_ktok: float = 0.0) -> None:
     """ConfigError unless the TPOTs are positive, finite and distinct (a repeated TPOT would
     count every trace twice in its summary) and the prefill rate is finite and >= 0."""
@@ -362,15 +477,17 @@ def check_tpots(tpots_ms: Sequence[float], prefill_ms_per_ktok: float = 0.0) -> 
         raise ConfigError(f"prefill ms per 1k tokens must be finite and >= 0, got {prefill_ms_per_ktok!r}")
 
 
-def check_virtual_time(trace: Trace, tpot_ms: float, prefill_ns_per_token: int = 0) -> None:
+def check_virtual_time(trace: Trace, tpot_ms: float, prefill_ns_per_token: int = 0, slowdown: float = 1.0) -> None:
     """ConfigError if replaying ``trace`` serially at ``tpot_ms`` would take more than
-    MAX_VIRTUAL_NS (an over-estimate of the prefill model counts every text in full)."""
+    MAX_VIRTUAL_NS (an over-estimate of the prefill model counts every text in full);
+    ``slowdown``: the most contention can stretch its tool time
+    (:meth:`aospec.replay.contention.HostModel.slowdown`)."""
     tpot_ns = ms_to_ns(tpot_ms)
     total = 0
     for s in trace.steps:
         total += s.output_tokens * tpot_ns
         if s.tool_duration_s is not None:
-            total += seconds_to_ns(s.tool_duration_s)
+            total += math.ceil(seconds_to_ns(s.tool_duration_s) * slowdown)
         if prefill_ns_per_token:
             total += estimate_tokens(s.observation) * prefill_ns_per_token
     if prefill_ns_per_token:
@@ -380,6 +497,11 @@ def check_virtual_time(trace: Trace, tpot_ms: float, prefill_ns_per_token: int =
             f"trace {trace.id!r} would replay for {total / 8.64e13:,.0f} days of virtual time at {tpot_ms:g} ms/token; "
             f"replay is exact only up to {MAX_VIRTUAL_NS / 8.64e13:.0f} days: split the trace or fix its durations"
         )
+
+
+@functools.cache
+def _serial_policy() -> Policy:
+    return parse_policy("serial")
 
 
 def _seed_trio_scheduler(seed: int) -> None:
@@ -497,6 +619,7 @@ class SweepJob:
     prefill_ms_per_ktok: float = 0.0
     check_ceilings: bool = True
     state_model: str = "auto"
+    host: HostModel | None = None
     _folds: dict[str, DrafterSet] = field(default_factory=dict, repr=False)
 
     def fold(self, index: int) -> DrafterSet:
@@ -523,6 +646,7 @@ class SweepJob:
             prefill_ms_per_ktok=self.prefill_ms_per_ktok,
             check_ceilings=self.check_ceilings,
             state_model=self.state_model,
+            host=self.host,
         )
 
 
@@ -538,6 +662,7 @@ def iter_sweep(
     check_ceilings: bool = True,
     executor: Executor | None = None,
     state_model: str = "auto",
+    host: HostModel | None = None,
 ) -> Iterator[tuple[int, list[TraceResult]]]:
     """:func:`run_sweep` as a stream: yields ``(index, results)`` for each evaluation trace
     (its index in ``eval_traces``; its results ordered by TPOT, then policy) as soon as it
@@ -551,7 +676,8 @@ def iter_sweep(
     finished before it. Closing the generator early stops the executor's workers.
 
     Evaluation traces given as :class:`TraceRef` are read one at a time for the checks and
-    in the workers for their replays: the driver and the job hold no steps.
+    in the workers for their replays: the driver and the job hold no steps. ``host``: every
+    trace is replayed alone on a simulated host of that model (:func:`replay_trace`).
     """
     traces = list(eval_traces)
     if not traces:
@@ -567,7 +693,7 @@ def iter_sweep(
     check_tpots(tpots_ms, prefill_ms_per_ktok)
     prefill_ns = ms_to_ns(prefill_ms_per_ktok) // 1000
     for t in loading(traces):
-        check_virtual_time(t, max(tpots_ms), prefill_ns)
+        check_virtual_time(t, max(tpots_ms), prefill_ns, host.slowdown() if host is not None else 1.0)
     state_model, _ = resolve_state_model(loading(traces), state_model)
     check_drafters(policies, drafter_options)
     order = sorted(range(len(traces)), key=lambda i: (traces[i].task, traces[i].id))
@@ -580,6 +706,7 @@ def iter_sweep(
         prefill_ms_per_ktok,
         check_ceilings,
         state_model,
+        host,
     )
     if executor is None:
         executor = local_executor(min(jobs, len(traces), os.cpu_count() or 1))
@@ -609,6 +736,7 @@ def run_sweep(
     on_trace_done: Callable[[Trace], None] | None = None,
     executor: Executor | None = None,
     state_model: str = "auto",
+    host: HostModel | None = None,
 ) -> list[TraceResult]:
     """Replay every evaluation trace under every policy at every TPOT.
 
@@ -621,7 +749,8 @@ def run_sweep(
     drafters see only traces of other tasks; a set with a single task cannot be swept that
     way). The traces are replayed by ``executor`` (default: ``jobs`` local processes, in
     this process for one). Results are ordered by trace, then TPOT, then policy. Every
-    result is held in memory; :func:`iter_sweep` streams them instead.
+    result is held in memory; :func:`iter_sweep` streams them instead. ``host``: replay
+    each trace on a simulated host of that model (``--cores``; replay/contention.py).
     """
     traces = list(eval_traces)
     results: dict[int, list[TraceResult]] = {}
@@ -636,6 +765,7 @@ def run_sweep(
         check_ceilings=check_ceilings,
         executor=executor,
         state_model=state_model,
+        host=host,
     ):
         results[i] = trace_results
         if on_trace_done is not None:

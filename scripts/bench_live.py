@@ -10,8 +10,8 @@ bash agent (live/agent.py) runs it on overlay sandboxes, serially and speculativ
 ``aospec`` policy's drafters, fitted only on the training tasks' recorded runs), each from
 a fresh sandbox of the same base and project copy.
 
-Per TPOT (20, 10, 1 ms) it reports, over all tasks: serial and speculative wall time, the
-saving, tool time hidden, observation and action hit rates, wasted sandbox CPU-seconds
+Per TPOT (20, 10, 1 ms) and load condition it reports, over all tasks: serial and
+speculative wall time, the saving, tool time hidden, observation and action hit rates, wasted sandbox CPU-seconds
 (the speculative run's sandbox CPU minus the serial run's), the engine overhead on the
 critical path per step, peak RSS, and beside them the replay prediction
 (``--state-model recorded``) for the serial run's recorded trace and its error. Every
@@ -22,9 +22,21 @@ It also measures what bytecode caches do to action reuse: the Python tasks once 
 ``PYTHONDONTWRITEBYTECODE`` unset (steps whose version changes only by ``__pycache__``,
 whether serial and speculative versions still agree, action hits).
 
+Load conditions (issue 22): ``--compare --sessions 1,4,8`` runs each condition's N sessions
+at once on this host (session j of a batch runs task j mod 4), all serially, then all
+speculatively; ``--background-load 0,2`` runs each condition beside K CPU-bound processes
+(started before, always killed after); ``--repeats R`` repeats every condition,
+interleaved, and reports the median with min..max. Beside every live figure is the
+replay's prediction on a simulated host of this host's cores (``--cores``) and the
+condition's background load, from the quiet serial recordings (one session, no load, the
+same TPOT; each serial step records its CPU time), replaying the condition's sessions
+together (``aospec.replay.sweep.replay_together``), and its error; ``--plot`` draws the
+saving against TPOT, one line per condition.
+
 Usage:
   .venv/bin/python scripts/bench_live.py [--json] [--quick] [--plot live.png] [--out DIR]
-  .venv/bin/python scripts/bench_live.py --sessions 32 [--quick] [--json]   # concurrency
+  .venv/bin/python scripts/bench_live.py --compare --sessions 1,4,8 --background-load 0,2 --repeats 3 --json
+  .venv/bin/python scripts/bench_live.py --sessions 32 [--quick] [--json]   # concurrency, leaks
   .venv/bin/python scripts/bench_live.py --integrations [--quick] [--json]  # a row per integration
   .venv/bin/python scripts/bench_live.py --specbox [--quick] [--json]       # + a run with the SpecBox layer
 
@@ -50,14 +62,17 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import math
 import os
 import resource
 import shutil
+import signal
+import statistics
 import sys
 import tempfile
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -66,6 +81,7 @@ import anyio
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from aospec.runtime import Bind, SandboxConfig, default_state_root, open_sandbox
+from bench_live.load import background_load
 from bench_live.tasks import MEASURED, QUICK, TRAINING, Trajectory
 
 from aospec.types import Action, Step, Trace
@@ -154,6 +170,13 @@ class SandboxCpu:
         r = resource.getrusage(resource.RUSAGE_CHILDREN)
         return r.ru_utime + r.ru_stime
 
+    def exclude(self, pid: int) -> None:
+        """Count ``pid`` (and what it starts from now) no more: move it out of the group
+        (the ``--background-load`` processes are not sandbox CPU)."""
+        if self.group is not None:
+            with contextlib.suppress(OSError):
+                (self.group.parent / "cgroup.procs").write_text(str(pid))
+
     def close(self) -> None:
         if self.group is not None:
             try:
@@ -201,11 +224,16 @@ async def run_agent(
     specbox: Any = None,
     train: Sequence[Trace] = (),
     router: Any = None,
+    measure_cpu: bool = False,
+    tag: str = "",
 ) -> Run:
     """One run of ``traj`` in a fresh sandbox: the project copied to /work, then the agent;
     with ``specbox`` (aospec.live.specbox_layer.SpecBoxOptions) under that layer (its Markov
     drafter fitted on ``train``; ``router``: the one built for ``specbox.router`` once, by
-    the caller, else it is built here)."""
+    the caller, else it is built here). ``measure_cpu``: the run is alone on the host and
+    serial, so the sandbox CPU between two committed steps is the step's command's: it
+    becomes the recorded step's ``tool_cpu_s`` where the sandbox did not meter it (replay's
+    contention model reads it). ``tag`` ends the recorded trace's id."""
     from aospec.live.actors import OpenAIChatActor
     from aospec.live.agent import Agent
     from aospec.live.record import step_of
@@ -231,6 +259,13 @@ async def run_agent(
             OpenAIChatActor(base_url, "serve-trace") as actor,
             open_specbox(sb, box_options, train, router=router) as box,
         ):
+            marks: list[float] = []
+
+            def on_step(step: Any, _stats: Any) -> None:
+                if measure_cpu:
+                    marks.append(children_cpu_s())
+                box.observe(step.action)
+
             agent = Agent(
                 actor,
                 box.sandbox,
@@ -238,20 +273,27 @@ async def run_agent(
                 drafters=box.with_drafters(drafters) if drafters is not None else None,
                 step_limit=len(traj.steps) + 2,
                 router=box.router,
-                on_step=lambda step, _stats: box.observe(step.action),
+                on_step=on_step,
             )
             cpu0 = children_cpu_s()
+            marks.append(cpu0)
             result = await agent.run(traj.instruction)
             cpu = children_cpu_s() - cpu0
             box_summary = box.summary() if specbox is not None else None
     mode = ("specbox" if specbox is not None else "spec") if speculate else "serial"
+    steps = [step_of(s) for s in result.steps]
+    if measure_cpu:
+        steps = [
+            s if s.tool_cpu_s is not None else replace(s, tool_cpu_s=round(max(0.0, b - a), 6))
+            for s, a, b in zip(steps, marks, marks[1:], strict=False)
+        ]
     trace = Trace(
-        id=f"{traj.id}.{mode}.tpot{tpot_ms:g}{'.pyc' if bytecode else ''}",
+        id=f"{traj.id}.{mode}.tpot{tpot_ms:g}{'.pyc' if bytecode else ''}{tag}",
         task=traj.task,
         harness="aospec-run",
         actor_model="serve-trace",
         source="scripts/bench_live.py",
-        steps=tuple(step_of(s) for s in result.steps),
+        steps=tuple(steps),
         instruction=traj.instruction,
         meta={
             "tpot_ms": tpot_ms,
@@ -281,27 +323,32 @@ def divergence(serial: Run, spec: Run) -> str | None:
 
 
 def replay_prediction(
-    traces: Sequence[Trace], train: Sequence[Trace], tpot_ms: float, policy: str = "aospec"
-) -> tuple[int, int, str]:
-    """(serial ns, ``policy`` ns) the replay predicts for ``traces`` at ``tpot_ms``, and the
-    state model used."""
-    import inspect
+    batches: Sequence[Sequence[Trace]], drafters: Any, tpot_ms: float, policy: str = "aospec", host: Any = None
+) -> tuple[int, int]:
+    """(serial ns, ``policy`` ns) the replay predicts at ``tpot_ms`` for ``batches`` of
+    sessions (one batch after the other, the sessions of a batch at once, as the live
+    condition ran them), summed over every session, under ``--state-model recorded``.
+    Without ``host`` each trace is replayed alone and uncontended (the replay before
+    contention); with one (an ``aospec.replay.contention.HostModel``) each batch shares one
+    simulated host of that many cores and background processes."""
+    from aospec.replay.policies import parse_policies
+    from aospec.replay.sweep import replay_together, replay_trace
 
-    from aospec.replay.policies import DrafterSet, parse_policies
-    from aospec.replay.sweep import replay_trace
-
-    kw: dict[str, Any] = {"check_ceilings": False}
-    model = "default"
-    if "state_model" in inspect.signature(replay_trace).parameters:
-        kw["state_model"] = model = "recorded"
-    ds = DrafterSet(list(train))
+    policies = parse_policies(f"serial,{policy}")
+    name = policies[1].name
     serial = spec = 0
-    for t in traces:
-        res = replay_trace(t, parse_policies(f"serial,{policy}"), [tpot_ms], ds, **kw)
-        by = {r.policy: r for r in res}
-        serial += by["serial"].latency_ns
-        spec += by[policy].latency_ns
-    return serial, spec, model
+    for batch in batches:
+        if host is not None and len(batch) > 1:
+            s_res, p_res = replay_together(batch, policies, tpot_ms, drafters, host, state_model="recorded")
+            serial += sum(r.latency_ns for r in s_res)
+            spec += sum(r.latency_ns for r in p_res)
+            continue
+        for t in batch:
+            res = replay_trace(t, policies, [tpot_ms], drafters, check_ceilings=False, state_model="recorded", host=host)
+            by = {r.policy: r for r in res}
+            serial += by["serial"].latency_ns
+            spec += by[name].latency_ns
+    return serial, spec
 
 
 @dataclass
@@ -313,21 +360,28 @@ class TpotFigures:
     #: the speculative runs with the SpecBox layer (``--specbox``), one per task as in ``runs``
     box_runs: list[Run] = field(default_factory=list)
     box_diverged: list[str] = field(default_factory=list)
+    #: the condition: sessions at once, background processes beside them
+    sessions: int = 1
+    background_load: int = 0
+    #: per batch of ``sessions`` concurrent runs (all serial, then all speculative): the
+    #: trajectories' ids and the two batches' wall times (s)
+    batches: list[tuple[list[str], float, float]] = field(default_factory=list)
 
-    def figures(self, train: Sequence[Trace]) -> dict[str, Any]:
+    def figures(self) -> dict[str, Any]:
+        """The live figures of this repeat (the replay's prediction is added by
+        :func:`condition_row`)."""
         serial_wall = sum(s.result.wall_s for s, _ in self.runs)
         spec_wall = sum(p.result.wall_s for _, p in self.runs)
         steps = sum(len(p.result.steps) for _, p in self.runs)
         st = [p.result.statistics for _, p in self.runs]
         saving = 1 - spec_wall / serial_wall if serial_wall else 0.0
-        pred_serial_ns, pred_spec_ns, model = replay_prediction(
-            [s.trace for s, _ in self.runs], train, self.tpot_ms, self.policy
-        )
-        pred_saving = 1 - pred_spec_ns / pred_serial_ns if pred_serial_ns else 0.0
-        pred_spec_wall = serial_wall * (1 - pred_saving)
+        wasted_cpu = sum(p.cpu_s - s.cpu_s for s, p in self.runs)
+        serial_cpu = sum(s.cpu_s for s, _ in self.runs)
         return {
             "tpot_ms": self.tpot_ms,
             "policy": self.policy,
+            "sessions": self.sessions,
+            "background_load": self.background_load,
             "tasks": len(self.runs),
             "steps": steps,
             "serial_s": round(serial_wall, 3),
@@ -343,8 +397,14 @@ class TpotFigures:
             "action_hit_rate": round(sum(x.forks_reused for x in st) / steps, 4) if steps else 0.0,
             "forks_launched": sum(x.forks_launched for x in st),
             "forks_wasted": sum(x.forks_wasted for x in st),
-            "wasted_cpu_s": round(sum(p.cpu_s - s.cpu_s for s, p in self.runs), 3),
-            "serial_cpu_s": round(sum(s.cpu_s for s, _ in self.runs), 3),
+            "wasted_cpu_s": round(wasted_cpu, 3),
+            "serial_cpu_s": round(serial_cpu, 3),
+            # issue 22's efficiency figures: tool time hidden per wasted sandbox CPU-second,
+            # and the wasted sandbox CPU against the serial runs' own
+            "tool_hidden_per_wasted_cpu_s": round(sum(x.tool_time_hidden_s for x in st) / wasted_cpu, 3)
+            if wasted_cpu > 0
+            else None,
+            "wasted_cpu_per_serial_cpu": round(wasted_cpu / serial_cpu, 3) if serial_cpu > 0 else None,
             "cpu_source": children_cpu_s.source,
             "wasted_tool_s": round(sum(x.speculative_tool_time_wasted_s for x in st), 3),
             "overhead_ms_per_step": round(1000 * sum(x.overhead_s for x in st) / steps, 3) if steps else 0.0,
@@ -354,11 +414,8 @@ class TpotFigures:
             if steps
             else 0.0,
             "peak_rss_mb": round(peak_rss_mb(), 1),
-            "replay_state_model": model,
-            "replay_serial_s": round(pred_serial_ns * 1e-9, 3),
-            "predicted_saving": round(pred_saving, 4),
-            "predicted_speculative_s": round(pred_spec_wall, 3),
-            "prediction_error": round(abs(pred_spec_wall - spec_wall) / spec_wall, 4) if spec_wall else 0.0,
+            "serial_batches_s": round(sum(b[1] for b in self.batches), 3),
+            "speculative_batches_s": round(sum(b[2] for b in self.batches), 3),
             "lossless": not self.diverged and not self.box_diverged,
             "diverged": self.diverged,
             **self.specbox_figures(serial_wall),
@@ -423,6 +480,90 @@ class TpotFigures:
         }
 
 
+#: Figures of a condition with their minimum and maximum over repeats beside the median.
+SPREAD = ("serial_s", "speculative_s", "saving")
+
+
+def aggregate(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """One condition's figures over its repeats: the median of every number (of the
+    repeats that have one; with ``<key>_min``/``<key>_max`` for :data:`SPREAD`), the first
+    repeat's other values, lossless only when every repeat was (every repeat's divergences
+    listed)."""
+    out: dict[str, Any] = {}
+    for key, value in rows[0].items():
+        values = [r[key] for r in rows]
+        numbers = [v for v in values if isinstance(v, (int, float)) and not isinstance(v, bool)]
+        if not numbers or any(v is not None and v not in numbers for v in values):
+            out[key] = value  # not a number (None counts as missing beside numbers)
+            continue
+        median = statistics.median(numbers)
+        whole = all(isinstance(v, int) for v in numbers) and median == int(median)
+        out[key] = int(median) if whole else round(median, 4)
+    for key in SPREAD:
+        out[f"{key}_min"] = min(r[key] for r in rows)
+        out[f"{key}_max"] = max(r[key] for r in rows)
+    out["repeats"] = len(rows)
+    out["peak_rss_mb"] = max(r["peak_rss_mb"] for r in rows)
+    out["lossless"] = all(r["lossless"] for r in rows)
+    out["diverged"] = [d for r in rows for d in r["diverged"]]
+    return out
+
+
+def condition_row(
+    repeats: Sequence[TpotFigures], quiet: Sequence[dict[str, Trace]], drafters: Any, cores: float
+) -> dict[str, Any]:
+    """A condition's figures at one TPOT (:func:`aggregate` over its repeats) and beside
+    them the replay's prediction: the quiet serial recordings (one session, no background
+    load, the same TPOT; repeat ``r`` uses quiet repeat ``r``) replayed as the condition
+    ran them, on a simulated host of ``cores`` and the condition's background load
+    (``--cores``/``--background-load``), and once without contention (the replay as it was)."""
+    from aospec.replay.contention import HostModel
+
+    first = repeats[0]
+    host = HostModel(cores, first.background_load)
+    row = aggregate([f.figures() for f in repeats])
+    contended, plain, serial_ns = [], [], []
+    for r, fig in enumerate(repeats):
+        recorded = quiet[r % len(quiet)]
+        batches = [[recorded[i] for i in ids] for ids, _, _ in fig.batches]
+        ps, pp = replay_prediction(batches, drafters, fig.tpot_ms, fig.policy, host)
+        us, up = replay_prediction(batches, drafters, fig.tpot_ms, fig.policy)
+        contended.append(1 - pp / ps if ps else 0.0)
+        plain.append(1 - up / us if us else 0.0)
+        serial_ns.append(ps)
+    serial_wall, spec_wall = row["serial_s"], row["speculative_s"]
+    pred = statistics.median(contended)
+    pred_plain = statistics.median(plain)
+    pred_serial = statistics.median(serial_ns) * 1e-9
+
+    def error(predicted: float, live: float) -> float:
+        return round(abs(predicted - live) / live, 4) if live else 0.0
+
+    row.update(
+        {
+            "cores": cores,
+            "replay_host": host.describe(),
+            "replay_state_model": "recorded",
+            "replay_serial_s": round(pred_serial, 3),
+            "serial_prediction_error": error(pred_serial, serial_wall),
+            "predicted_saving": round(pred, 4),
+            "predicted_speculative_s": round(serial_wall * (1 - pred), 3),
+            "prediction_error": error(serial_wall * (1 - pred), spec_wall),
+            "predicted_saving_no_contention": round(pred_plain, 4),
+            "prediction_error_no_contention": error(serial_wall * (1 - pred_plain), spec_wall),
+        }
+    )
+    return row
+
+
+def recorded_by_task(fig: TpotFigures) -> dict[str, Trace]:
+    """The serial recordings of a repeat, by trajectory (the first session's of each)."""
+    out: dict[str, Trace] = {}
+    for serial, _ in fig.runs:
+        out.setdefault(serial.traj.id, serial.trace)
+    return out
+
+
 async def record_training(staged: dict[str, Path], base: str, trajs: Sequence[Trajectory]) -> list[Trace]:
     """The training tasks' runs, recorded (serial, no decode time): the drafters' data."""
     from aospec.live.serve_trace import serve_trace
@@ -438,6 +579,34 @@ async def record_training(staged: dict[str, Path], base: str, trajs: Sequence[Tr
     return out
 
 
+def session_batches(trajs: Sequence[Trajectory], sessions: int) -> list[list[Trajectory]]:
+    """The batches of ``sessions`` concurrent runs that cover every task once at least:
+    session ``j`` of batch ``b`` runs task ``(b * sessions + j) mod T`` (one task after the
+    other for one session; with more sessions than tasks, tasks run several times at once)."""
+    n = max(1, math.ceil(len(trajs) / sessions))
+    return [[trajs[(b * sessions + j) % len(trajs)] for j in range(sessions)] for b in range(n)]
+
+
+async def run_batch(batch: Sequence[Trajectory], base_url: str, staged: dict[str, Path], **kw: Any) -> tuple[list[Run], float]:
+    """The runs of ``batch`` at once; the batch's wall time. Each run's ``cpu_s`` is the
+    batch's sandbox CPU shared equally (one host: it cannot be told apart)."""
+    runs: list[Run | None] = [None] * len(batch)
+    tag = kw.pop("tag", "")
+
+    async def one(j: int) -> None:
+        runs[j] = await run_agent(batch[j], base_url, staged, tag=f"{tag}.s{j}", **kw)
+
+    cpu0, t0 = children_cpu_s(), time.monotonic()
+    async with anyio.create_task_group() as tg:
+        for j in range(len(batch)):
+            tg.start_soon(one, j)
+    wall, cpu = time.monotonic() - t0, children_cpu_s() - cpu0
+    done = [r for r in runs if r is not None]
+    for r in done:
+        r.cpu_s = cpu / len(done)
+    return done, wall
+
+
 async def measure_tpot(
     tpot_ms: float,
     trajs: Sequence[Trajectory],
@@ -450,41 +619,65 @@ async def measure_tpot(
     specbox: Any = None,
     train: Sequence[Trace] = (),
     router: Any = None,
+    sessions: int = 1,
+    background_load: int = 0,
+    tag: str = "",
+    serial_only: bool = False,
 ) -> TpotFigures:
+    """One repeat of a condition at ``tpot_ms``: per batch of ``sessions`` concurrent runs
+    (:func:`session_batches`), every run serially, then every run speculatively (and with
+    ``specbox`` once more with the layer, one session only), each speculative run checked
+    against its serial one. One session's serial runs record each step's CPU time.
+    ``serial_only``: the serial runs alone (a quiet reference for the replay)."""
     from aospec.live.serve_trace import serve_trace
 
-    fig = TpotFigures(tpot_ms, policy=policy)
+    fig = TpotFigures(tpot_ms, policy=policy, sessions=sessions, background_load=background_load)
     async with serve_trace([script_trace(t) for t in trajs], tpot_ms) as server:
-        for t in trajs:
+        for batch in session_batches(trajs, sessions):
             kw = {"tpot_ms": tpot_ms, "drafters": drafters, "base": base, "bytecode": bytecode}
-            serial = await run_agent(t, server.base_url, staged, speculate=False, **kw)
-            spec = await run_agent(t, server.base_url, staged, speculate=True, **kw)
-            why = divergence(serial, spec)
-            if why:
-                fig.diverged.append(f"{t.id}: {why}")
-            fig.runs.append((serial, spec))
-            st = spec.result.statistics
-            log(
-                f"  tpot {tpot_ms:g} ms{' (bytecode)' if bytecode else ''} {t.id}: serial {serial.result.wall_s:.2f} s, "
-                f"speculative {spec.result.wall_s:.2f} s, obs hits {st.drafts_hit}/{len(spec.result.steps)}, "
-                f"action hits {st.forks_reused}, {'lossless' if not why else 'DIVERGED: ' + why}"
-            )
-            if specbox is not None:
-                box = await run_agent(
-                    t, server.base_url, staged, speculate=True, specbox=specbox, train=train, router=router, **kw
+            if sessions == 1:
+                t0 = time.monotonic()
+                serials = [await run_agent(batch[0], server.base_url, staged, speculate=False, measure_cpu=True, tag=tag, **kw)]
+                serial_wall, t0 = time.monotonic() - t0, time.monotonic()
+                specs = [] if serial_only else [await run_agent(batch[0], server.base_url, staged, speculate=True, tag=tag, **kw)]
+                spec_wall = time.monotonic() - t0
+            else:
+                serials, serial_wall = await run_batch(batch, server.base_url, staged, speculate=False, tag=tag, **kw)
+                specs, spec_wall = ([], 0.0) if serial_only else await run_batch(
+                    batch, server.base_url, staged, speculate=True, tag=tag, **kw
                 )
-                why = divergence(serial, box)
+            fig.batches.append(([t.id for t in batch], serial_wall, spec_wall))
+            if serial_only:
+                fig.runs.extend((r, r) for r in serials)
+                continue
+            for t, serial, spec in zip(batch, serials, specs, strict=True):
+                why = divergence(serial, spec)
                 if why:
-                    fig.box_diverged.append(f"{t.id}: {why}")
-                fig.box_runs.append(box)
-                bs = box.result.statistics
+                    fig.diverged.append(f"{t.id}: {why}")
+                fig.runs.append((serial, spec))
+                st = spec.result.statistics
                 log(
-                    f"  tpot {tpot_ms:g} ms {t.id} with SpecBox: {box.result.wall_s:.2f} s, action hits "
-                    f"{bs.forks_reused} (routed {bs.routed_forks_reused}/"
-                    f"{bs.routed_forks_launched}), cache hits {bs.cache_hits}, "
-                    f"pool served {((box.specbox or {}).get('pool') or {}).get('served', 0)}, "
+                    f"  tpot {tpot_ms:g} ms{' (bytecode)' if bytecode else ''}{tag} {t.id}: serial "
+                    f"{serial.result.wall_s:.2f} s, speculative {spec.result.wall_s:.2f} s, obs hits "
+                    f"{st.drafts_hit}/{len(spec.result.steps)}, action hits {st.forks_reused}, "
                     f"{'lossless' if not why else 'DIVERGED: ' + why}"
                 )
+                if specbox is not None and sessions == 1:
+                    box = await run_agent(
+                        t, server.base_url, staged, speculate=True, specbox=specbox, train=train, router=router, tag=tag, **kw
+                    )
+                    why = divergence(serial, box)
+                    if why:
+                        fig.box_diverged.append(f"{t.id}: {why}")
+                    fig.box_runs.append(box)
+                    bs = box.result.statistics
+                    log(
+                        f"  tpot {tpot_ms:g} ms {t.id} with SpecBox: {box.result.wall_s:.2f} s, action hits "
+                        f"{bs.forks_reused} (routed {bs.routed_forks_reused}/"
+                        f"{bs.routed_forks_launched}), cache hits {bs.cache_hits}, "
+                        f"pool served {((box.specbox or {}).get('pool') or {}).get('served', 0)}, "
+                        f"{'lossless' if not why else 'DIVERGED: ' + why}"
+                    )
     return fig
 
 
@@ -603,31 +796,46 @@ async def concurrent_sessions(
     }
 
 
+def condition_label(row: dict[str, Any]) -> str:
+    n, k = row["sessions"], row["background_load"]
+    return f"{n} session{'s' if n != 1 else ''}, {k} background process{'es' if k != 1 else ''}"
+
+
 def plot(rows: Sequence[dict[str, Any]], path: str) -> None:
+    """Saving against TPOT, one line per load condition (sessions, background processes):
+    the live median with its min-max over repeats, and the replay's prediction dashed; beside
+    it the prediction's error."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, (ax, ax2) = plt.subplots(1, 2, figsize=(12, 4.5))
-    xs = range(len(rows))
-    labels = [f"{r['tpot_ms']:g} ms" for r in rows]
-    ax.bar([x - 0.27 for x in xs], [r["serial_s"] for r in rows], 0.27, label="serial")
-    ax.bar(list(xs), [r["speculative_s"] for r in rows], 0.27, label="speculative (live)")
-    ax.bar([x + 0.27 for x in xs], [r["predicted_speculative_s"] for r in rows], 0.27, label="speculative (replay)")
-    ax.set_xticks(list(xs), labels)
-    ax.set_xlabel("TPOT")
-    ax.set_ylabel("wall time, all tasks (s)")
-    ax.legend()
-    ax.set_title("live runs: serial vs speculative")
-    ax2.plot(labels, [100 * r["saving"] for r in rows], "o-", label="live saving")
-    ax2.plot(labels, [100 * r["predicted_saving"] for r in rows], "s--", label="replay prediction")
-    ax2.plot(labels, [100 * r["obs_hit_rate"] for r in rows], "^:", label="observation hits")
-    ax2.plot(labels, [100 * r["action_hit_rate"] for r in rows], "v:", label="action hits")
-    ax2.set_ylabel("%")
-    ax2.set_xlabel("TPOT")
-    ax2.legend()
-    ax2.set_title("saving and hit rates")
+    by: dict[str, list[dict[str, Any]]] = {}
+    for r in rows:
+        by.setdefault(condition_label(r), []).append(r)
+    for i, (label, rs) in enumerate(by.items()):
+        rs = sorted(rs, key=lambda r: r["tpot_ms"])
+        xs = [r["tpot_ms"] for r in rs]
+        color = f"C{i % 10}"
+        mid = [100 * r["saving"] for r in rs]
+        err = [
+            [100 * (r["saving"] - r.get("saving_min", r["saving"])) for r in rs],
+            [100 * (r.get("saving_max", r["saving"]) - r["saving"]) for r in rs],
+        ]
+        ax.errorbar(xs, mid, yerr=err, fmt="o-", color=color, capsize=3, label=f"{label}: live")
+        ax.plot(xs, [100 * r["predicted_saving"] for r in rs], "s--", color=color, alpha=0.7, label=f"{label}: replay")
+        ax2.plot(xs, [100 * r["prediction_error"] for r in rs], "o-", color=color, label=label)
+    ax.axhline(0, color="grey", lw=0.8)
+    ax.set_xlabel("TPOT (ms)")
+    ax.set_ylabel("saving vs serial (%)")
+    ax.set_title("saving against TPOT (median, min-max over repeats)")
+    ax.legend(fontsize=7)
+    ax2.axhline(10, color="grey", lw=0.8, ls=":")
+    ax2.set_xlabel("TPOT (ms)")
+    ax2.set_ylabel("replay prediction error (%)")
+    ax2.set_title("replay (--cores, --background-load) against live")
+    ax2.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 
@@ -635,9 +843,12 @@ def plot(rows: Sequence[dict[str, Any]], path: str) -> None:
 def print_table(rows: Sequence[dict[str, Any]]) -> None:
     cols = [
         ("TPOT", "tpot_ms", "{:g} ms"),
+        ("N", "sessions", "{:g}"),
+        ("K", "background_load", "{:g}"),
         ("serial", "serial_s", "{:.1f} s"),
         ("spec", "speculative_s", "{:.1f} s"),
         ("saving", "saving", "{:.1%}"),
+        ("min..max", "saving_range", "{}"),
         ("replay", "predicted_saving", "{:.1%}"),
         ("pred err", "prediction_error", "{:.1%}"),
         ("tool hidden", "tool_hidden_s", "{:.1f} s"),
@@ -648,6 +859,7 @@ def print_table(rows: Sequence[dict[str, Any]]) -> None:
         ("peak RSS", "peak_rss_mb", "{:.0f} MB"),
         ("lossless", "lossless", "{}"),
     ]
+    rows = [{**r, "saving_range": f"{r['saving_min']:.1%}..{r['saving_max']:.1%}"} for r in rows]
     cells = [[fmt.format(r[k]) for _, k, fmt in cols] for r in rows]
     widths = [max(len(h), *(len(c[i]) for c in cells)) for i, (h, _, _) in enumerate(cols)]
     print("  ".join(h.rjust(w) for (h, _, _), w in zip(cols, widths, strict=True)))
@@ -681,10 +893,42 @@ def print_specbox_table(rows: Sequence[dict[str, Any]]) -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--json", action="store_true", help="one JSON line per TPOT (then the bytecode and sessions lines)")
+    ap.add_argument(
+        "--json", action="store_true", help="one JSON line per TPOT and condition (then the bytecode and sessions lines)"
+    )
     ap.add_argument("--quick", action="store_true", help="two tasks (Python tests, C build): a few minutes")
     ap.add_argument(
-        "--sessions", type=int, default=0, metavar="N", help="run N concurrent speculative sessions instead"
+        "--sessions",
+        default=None,
+        metavar="N[,N...]",
+        help="with --compare: conditions of N concurrent sessions each (all serial against all speculative); "
+        "without it: run N concurrent speculative sessions instead and check them for leaks",
+    )
+    ap.add_argument(
+        "--compare",
+        action="store_true",
+        help="the TPOT table for every --sessions and --background-load condition (serial against speculative)",
+    )
+    ap.add_argument(
+        "--background-load",
+        default="0",
+        metavar="K[,K...]",
+        help="conditions with K CPU-bound processes beside the runs (default 0; started and always cleaned up)",
+    )
+    ap.add_argument(
+        "--repeats",
+        type=int,
+        default=1,
+        metavar="R",
+        help="repeats of every condition, interleaved (serial and speculative runs alternate); figures are "
+        "medians with min..max (default 1)",
+    )
+    ap.add_argument(
+        "--cores",
+        type=float,
+        default=None,
+        metavar="C",
+        help="the replay's simulated host for its prediction (default: the CPUs this process may use)",
     )
     ap.add_argument("--tpots", default=",".join(f"{t:g}" for t in TPOTS_MS), help="TPOTs in ms (default 20,10,1)")
     ap.add_argument("--tasks", default=None, help="comma-separated task names (default: all, or the quick subset)")
@@ -737,6 +981,20 @@ def main(argv: Sequence[str] | None = None) -> int:
         if not args.tasks:
             args.tasks = QUICK[0]
     tpots = [float(x) for x in args.tpots.split(",") if x]
+    try:
+        sessions = [int(x) for x in (args.sessions or "1").split(",") if x.strip()]
+        loads = [int(x) for x in args.background_load.split(",") if x.strip()]
+    except ValueError:
+        ap.error("--sessions and --background-load take comma-separated whole numbers")
+    if not sessions or min(sessions) < 1 or not loads or min(loads) < 0 or args.repeats < 1:
+        ap.error("--sessions must be >= 1, --background-load >= 0 and --repeats >= 1")
+    legacy_sessions = args.sessions is not None and not args.compare
+    if legacy_sessions and len(sessions) != 1:
+        ap.error("without --compare, --sessions takes one number (concurrent speculative sessions)")
+    cores = args.cores if args.cores is not None else float(len(os.sched_getaffinity(0)))
+    conditions = [(n, k) for k in dict.fromkeys(loads) for n in dict.fromkeys(sessions)]
+    # SIGTERM ends the benchmark as Ctrl-C does: background load and sandboxes are cleaned up
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     if "AOSPEC_STATE_ROOT" not in os.environ:  # a private one: the leak check counts only this run's
         os.environ["AOSPEC_STATE_ROOT"] = tempfile.mkdtemp(prefix="aospec-bench-live-", dir="/var/tmp")
     names = args.tasks.split(",") if args.tasks else (list(QUICK) if args.quick else [t.task for t in MEASURED])
@@ -776,10 +1034,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             router = build_router(specbox.router, train)  # fitted once, shared by every task and TPOT
             log(f"with the SpecBox layer: {specbox}")
         out_lines: list[dict[str, Any]] = []
-        if args.sessions:
-            log(f"{args.sessions} concurrent speculative sessions at TPOT {tpots[len(tpots) // 2]:g} ms ...")
+        if legacy_sessions:
+            log(f"{sessions[0]} concurrent speculative sessions at TPOT {tpots[len(tpots) // 2]:g} ms ...")
             res = anyio.run(
-                concurrent_sessions, args.sessions, trajs, staged, drafters, args.base, tpots[len(tpots) // 2]
+                concurrent_sessions, sessions[0], trajs, staged, drafters, args.base, tpots[len(tpots) // 2]
             )
             print(json.dumps(res) if args.json else json.dumps(res, indent=2))
             return 0 if res["ok"] else 1
@@ -818,28 +1076,59 @@ def main(argv: Sequence[str] | None = None) -> int:
             if not args.json:
                 print_integrations(irows)
             return 0 if all(r["identical"] for r in irows) else 1
-        rows, figs = [], {}
+        from aospec.replay.policies import DrafterSet
+
+        replay_drafters = DrafterSet(list(train))  # the replay's, fitted once on the same traces
+        rows: list[dict[str, Any]] = []
+        figs: dict[float, TpotFigures] = {}  # one session, no load, first repeat: the bytecode check's
+        recorded: list[TpotFigures] = []
         for tpot in tpots:
-            log(f"TPOT {tpot:g} ms ...")
-            figs[tpot] = anyio.run(
-                lambda tpot=tpot: measure_tpot(
-                    tpot,
-                    trajs,
-                    staged,
-                    drafters,
-                    args.base,
-                    policy=args.policy,
-                    specbox=specbox,
-                    train=train,
-                    router=router,
+            by_condition: dict[tuple[int, int], list[TpotFigures]] = {c: [] for c in conditions}
+            quiet_ref: TpotFigures | None = None
+            if (1, 0) not in by_condition:
+                log(f"TPOT {tpot:g} ms: quiet serial reference for the replay (one session, no background load) ...")
+                quiet_ref = anyio.run(
+                    lambda tpot=tpot: measure_tpot(
+                        tpot, trajs, staged, drafters, args.base, policy=args.policy, tag=".quiet", serial_only=True
+                    )
                 )
-            )
-            rows.append(figs[tpot].figures(train))
-            if args.json:
-                print(json.dumps(rows[-1]), flush=True)
+                recorded.append(quiet_ref)
+            for r in range(args.repeats):
+                for n, k in conditions:
+                    tag = "" if (n, k, r) == (1, 0, 0) else f".n{n}.k{k}.r{r}"
+                    log(f"TPOT {tpot:g} ms, {n} session(s), {k} background process(es), repeat {r + 1}/{args.repeats} ...")
+                    with background_load(k, exclude=children_cpu_s.exclude):
+                        fig = anyio.run(
+                            lambda tpot=tpot, n=n, k=k, tag=tag: measure_tpot(
+                                tpot,
+                                trajs,
+                                staged,
+                                drafters,
+                                args.base,
+                                policy=args.policy,
+                                specbox=specbox,
+                                train=train,
+                                router=router,
+                                sessions=n,
+                                background_load=k,
+                                tag=tag,
+                            )
+                        )
+                    by_condition[(n, k)].append(fig)
+                    recorded.append(fig)
+            if (1, 0) in by_condition:
+                figs[tpot] = by_condition[(1, 0)][0]
+                quiet = [recorded_by_task(f) for f in by_condition[(1, 0)]]
+            else:
+                assert quiet_ref is not None
+                quiet = [recorded_by_task(quiet_ref)]
+            for c in conditions:
+                rows.append(condition_row(by_condition[c], quiet, replay_drafters, cores))
+                if args.json:
+                    print(json.dumps(rows[-1]), flush=True)
         extra: dict[str, Any] = {}
         py = [t for t in trajs if t.project in ("inventory", "shipping", "sales")]
-        if not args.no_bytecode_check and py:
+        if not args.no_bytecode_check and py and figs:
             tpot = min(tpots)
             log(f"bytecode caches: the Python tasks again at TPOT {tpot:g} ms with PYTHONDONTWRITEBYTECODE unset ...")
             clean = TpotFigures(
@@ -860,9 +1149,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             out = Path(args.out)
             out.mkdir(parents=True, exist_ok=True)
             write_jsonl([t for t in train if t.source == "scripts/bench_live.py"], out / "training.jsonl")
+            runs = {id(r): r for f in recorded for s, p in f.runs for r in (s, p)}
             write_jsonl(
-                [r.trace for f in figs.values() for s, p in f.runs for r in (s, p)]
-                + [b.trace for f in figs.values() for b in f.box_runs],
+                [r.trace for r in runs.values()] + [b.trace for f in recorded for b in f.box_runs],
                 out / "live.jsonl",
             )
             (out / "figures.json").write_text(json.dumps({"tpots": rows, **extra}, indent=2) + "\n")

@@ -14,7 +14,7 @@ from aospec.replay.cli import add_input_limits, add_trace_inputs, load_trace_inp
 
 from aospec.cli import add_format_option, print_records, print_table
 
-__all__ = ["register_replay", "register_sweep", "slow_policy_note"]
+__all__ = ["host_model", "register_replay", "register_sweep", "slow_policy_note"]
 
 
 class _DefaultPolicies:
@@ -110,6 +110,30 @@ def _register(sub: argparse._SubParsersAction, name: str, helptext: str) -> None
         "have them), effects (the static effect classifier: conservative bracket), blind (no step changes the "
         "filesystem: upper bracket), auto (recorded when every trace has versions, else effects; the default)",
     )
+    p.add_argument(
+        "--cores",
+        type=float,
+        default=None,
+        metavar="C",
+        help="replay on a simulated host of C cores: every command (the committed step and each unpaused "
+        "speculative fork) shares them, from its recorded CPU time (docs/replay.md, 'Contention'); "
+        "default: no contention, each command takes its recorded time",
+    )
+    p.add_argument(
+        "--background-load",
+        type=int,
+        default=None,
+        metavar="L",
+        help="with --cores: L always-runnable CPU-bound processes beside the replay (default 0)",
+    )
+    p.add_argument(
+        "--unrecorded-cpu",
+        type=float,
+        default=None,
+        metavar="SHARE",
+        help="with --cores: the CPU time of a step that recorded none, as a share of its tool time "
+        "(0..1; default 1: CPU-bound)",
+    )
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     add_input_limits(p)
     add_format_option(p, records=True)
@@ -153,6 +177,26 @@ def _floats(text: str, what: str) -> list[float]:
     if repeated:
         raise ConfigError(f"{what}: {', '.join(f'{v:g}' for v in repeated)} listed twice (each value once)")
     return values
+
+
+def host_model(args: argparse.Namespace) -> Any:
+    """The :class:`aospec.replay.contention.HostModel` of ``--cores``/``--background-load``/
+    ``--unrecorded-cpu``, or None without ``--cores`` (ConfigError for the others alone)."""
+    from aospec.errors import ConfigError
+
+    if args.cores is None:
+        options = (("--background-load", args.background_load), ("--unrecorded-cpu", args.unrecorded_cpu))
+        given = [flag for flag, value in options if value is not None]
+        if given:
+            raise ConfigError(f"{given[0]} needs --cores C (the simulated host's cores)")
+        return None
+    from aospec.replay.contention import HostModel
+
+    return HostModel(
+        args.cores,
+        args.background_load if args.background_load is not None else 0,
+        args.unrecorded_cpu if args.unrecorded_cpu is not None else 1.0,
+    )
 
 
 def _load(args: argparse.Namespace) -> tuple[list[Any], list[Any] | None, str, int, dict[str, str]]:
@@ -248,6 +292,7 @@ def _run(
         raise ConfigError(f"--prefill-ms-per-ktok must be a finite number >= 0, got {args.prefill_ms_per_ktok:g}")
     if args.address is not None and args.executor != "ray":
         raise ConfigError("--address needs --executor ray")
+    host = host_model(args)
     policies = parse_policies(str(args.policies))
     options = _drafter_options(args.drafter_options)
     eval_traces, train, split, skipped, paths = _load(args)
@@ -271,6 +316,7 @@ def _run(
                 prefill_ms_per_ktok=args.prefill_ms_per_ktok,
                 executor=executor,
                 state_model=state_model,
+                host=host,
             )  # checks everything before the first trace runs
             if on_start is not None:
                 on_start()
@@ -293,6 +339,8 @@ def _run(
         "executor": executor_text,
         "wall time (s)": f"{time.perf_counter() - started:.1f}",
     }
+    if host is not None:
+        meta["host model"] = f"{host.describe()} (docs/replay.md, 'Contention'); saving is against serial on this host"
     if args.skip_invalid:
         meta["invalid files skipped"] = skipped
     return policies, meta
@@ -353,8 +401,9 @@ def _replay(args: argparse.Namespace) -> int:
         print_records((r.to_json() for r in results), args.format)
         return 0
     table = Table(
-        title=f"aospec replay at {args.tpot_ms:g} ms/token, state model {meta['state model'].split()[0]}: "
-        "latency in s (saving vs serial)"
+        title=f"aospec replay at {args.tpot_ms:g} ms/token, state model {meta['state model'].split()[0]}"
+        + (f", host {meta['host model'].split(';')[0]}" if "host model" in meta else "")
+        + ": latency in s (saving vs serial)"
     )
     table.add_column("trace")
     table.add_column("steps", justify="right")

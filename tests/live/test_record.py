@@ -137,3 +137,45 @@ def test_a_history_with_format_errors_records_them(tmp_path: Path) -> None:
     assert trace.steps[0].action.is_none and trace.steps[0].observation.startswith("Please always provide")
     assert trace.steps[0].tool_duration_s is not None and trace.steps[0].state_changed is False
     assert History("t").extend(trace.steps[0].action, trace.steps[0].observation).turns[0] == trace.history().turns[0]
+
+
+@pytest.mark.parametrize("speculate", [False, True])
+def test_a_metered_sandbox_records_each_steps_cpu_time(tmp_path: Path, speculate: bool) -> None:
+    """The contended replay sandbox is a real MeteredSandbox: a run on it records each
+    committed command's CPU time, serially and when the step ran in a fork."""
+    import anyio
+    from aospec.replay.actor import VirtualClock
+    from aospec.replay.contention import HostModel, SimulatedHost
+    from aospec.replay.sandbox import ReplayWorld
+    from trio.testing import MockClock
+
+    from aospec.types import Step, Trace
+
+    # Microseconds: the agent's engine reads trio's clock as seconds, replay's as nanoseconds,
+    # so its recorded tool times are 1e9 times the replayed ones; CPU comes from the sandbox.
+    cpu = [0.25e-6, 1.5e-6, 0.0]
+    steps = tuple(
+        Step(Action.bash(f"make {i}"), f"built {i}\n", 5, tool_duration_s=1e-6, tool_cpu_s=c) for i, c in enumerate(cpu)
+    )
+    trace = Trace(id="t", task="t", harness="h", actor_model="m", source="test", steps=steps)
+    rec = TraceRecorder(tmp_path / "r.jsonl", task="t", actor_model="m")
+
+    async def main() -> None:
+        clock = VirtualClock()
+        sandbox = ReplayWorld(trace, clock, host=SimulatedHost(HostModel(4), clock)).sandbox()
+        actor = ScriptedActor(lambda h: steps[len(h)].action if len(h) < len(steps) else Action.none())
+        await Agent(actor, sandbox, speculate=speculate, step_limit=4, on_step=rec.add).run("t")
+
+    anyio.run(main, backend="trio", backend_options={"clock": MockClock(autojump_threshold=0)})
+    (recorded,) = read_jsonl(tmp_path / "r.jsonl")
+    assert [s.tool_cpu_s for s in recorded.steps] == [*cpu, 0.0]  # the last: a format error, nothing ran
+
+
+def test_a_sandbox_that_does_not_meter_records_no_cpu_time(tmp_path: Path) -> None:
+    import anyio
+
+    rec = TraceRecorder(tmp_path / "r.jsonl", task="t", actor_model="m")
+    anyio.run(Agent(ScriptedActor(lambda h: Action.bash("ls")), InMemorySandbox(), step_limit=2, on_step=rec.add).run, "t")
+    (trace,) = read_jsonl(tmp_path / "r.jsonl")
+    assert [s.tool_cpu_s for s in trace.steps] == [None, None]
+    assert '"schema":1' in (tmp_path / "r.jsonl").read_text().splitlines()[0]  # as before schema 2

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+from dataclasses import replace
 from pathlib import Path
 from types import MappingProxyType
 
@@ -57,7 +58,23 @@ def test_several_traces_share_one_file_in_order(tmp_path: Path) -> None:
     assert back[2].meta["k"][1]["x"] is None
     lines = p.read_text().splitlines()
     assert len(lines) == 3 + 3 + 1
-    assert json.loads(lines[0])["type"] == "trace" and json.loads(lines[0])["schema"] == SCHEMA_VERSION
+    # no step has a CPU time: written as schema 1, exactly as before schema 2 existed
+    assert json.loads(lines[0])["type"] == "trace" and json.loads(lines[0])["schema"] == 1
+    assert "tool_cpu_s" not in json.loads(lines[1])
+
+
+def test_a_trace_with_cpu_times_is_schema_2_and_round_trips(tmp_path: Path) -> None:
+    base = _trace(steps=2)
+    steps = (replace(base.steps[0], tool_cpu_s=1.25), base.steps[1])
+    trace = replace(base, steps=steps)
+    p = write_jsonl([trace, _trace("other", 1)], tmp_path / "cpu.jsonl")
+    lines = [json.loads(x) for x in p.read_text().splitlines()]
+    assert [r["schema"] for r in lines if r["type"] == "trace"] == [SCHEMA_VERSION, 1]
+    assert list(lines[1])[5:7] == ["tool_duration_s", "tool_cpu_s"]
+    assert [lines[1]["tool_cpu_s"], lines[2]["tool_cpu_s"]] == [1.25, None]
+    back = read_jsonl(p)
+    assert back[0] == trace and [s.tool_cpu_s for s in back[0].steps] == [1.25, None]
+    assert dump_jsonl(back) == p.read_text()
 
 
 def test_header_and_step_field_order_is_fixed(tmp_path: Path) -> None:
@@ -104,6 +121,7 @@ _step = st.builds(
     output_tokens=st.integers(0, 10**6),
     output_tokens_estimated=st.booleans(),
     tool_duration_s=_seconds,
+    tool_cpu_s=_seconds,
     model_latency_s=_seconds,
     state_changed=st.none() | st.booleans(),
     version_before=st.none() | _text,
@@ -186,7 +204,10 @@ def test_minimal_records_use_documented_defaults(tmp_path: Path) -> None:
         ([GOOD_HEADER, {**GOOD_STEP, "extra": []}], 2, "extra"),
         ([GOOD_HEADER, {**GOOD_STEP, "action": {"tool": "bash", "argz": {}}}], 2, "action"),
         ([GOOD_HEADER, {**GOOD_STEP, "action": {"tool": "", "args": {}}}], 2, "action"),
-        ([{**GOOD_HEADER, "schema": 2}], 1, "schema"),
+        ([{**GOOD_HEADER, "schema": 3}], 1, "schema"),
+        ([GOOD_HEADER, {**GOOD_STEP, "tool_cpu_s": 1.0}], 2, "tool_cpu_s"),
+        ([{**GOOD_HEADER, "schema": 2}, {**GOOD_STEP, "tool_cpu_s": -1.0}], 2, "tool_cpu_s"),
+        ([{**GOOD_HEADER, "schema": 2}, {**GOOD_STEP, "tool_cpu_s": "1s"}], 2, "tool_cpu_s"),
         ([{**GOOD_HEADER, "id": ""}], 1, "id"),
         ([{**GOOD_HEADER, "meta": "x"}], 1, "meta"),
         ([GOOD_STEP], 1, "type"),

@@ -90,6 +90,31 @@ def test_concurrent_sessions_leave_nothing(tmp_path: Path) -> None:
     assert res["ok"] is True
 
 
+def test_load_conditions_with_repeats_and_the_replays_prediction(tmp_path: Path) -> None:
+    """--compare: two sessions at once beside one background process, two interleaved
+    repeats; the quiet serial reference records each step's CPU time for the replay."""
+    png = tmp_path / "load.png"
+    args = ["--tpots", "1", "--compare", "--sessions", "2", "--background-load", "1", "--repeats", "2"]
+    proc = _bench(*args, "--no-bytecode-check", "--plot", str(png), "--out", str(tmp_path / "o"), tmp_path=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (row,) = [json.loads(line) for line in proc.stdout.splitlines() if line.strip()]
+    assert (row["sessions"], row["background_load"], row["repeats"], row["tasks"]) == (2, 1, 2, 2)
+    assert row["lossless"] is True and row["diverged"] == []
+    for key in ("serial_s", "speculative_s", "saving"):
+        assert row[f"{key}_min"] <= row[key] <= row[f"{key}_max"], key
+    for key in ("predicted_saving", "prediction_error", "predicted_saving_no_contention", "replay_serial_s"):
+        assert isinstance(row[key], (int, float)), key
+    assert row["replay_host"].startswith(f"{row['cores']:g} core") and "1 background process;" in row["replay_host"]
+    assert png.stat().st_size > 1000
+    recorded = [json.loads(x) for x in (tmp_path / "o" / "live.jsonl").read_text().splitlines()]
+    ids = [r["id"] for r in recorded if r["type"] == "trace"]
+    assert len(ids) == len(set(ids)) == 1 + 2 * 2 * 2  # the quiet reference, 2 repeats x 2 sessions x 2 modes
+    quiet = ids.index("inventory-discount.a.serial.tpot1.quiet")
+    at = [i for i, r in enumerate(recorded) if r["type"] == "trace"]
+    steps = recorded[at[quiet] + 1 : at[quiet + 1] if quiet + 1 < len(at) else None]
+    assert steps and all(isinstance(s["tool_cpu_s"], float) for s in steps)
+
+
 def test_integration_rows_identical(tmp_path: Path) -> None:
     """One row per integration (mini-swe-agent, proxy, MCP), each reproducing its baseline."""
     proc = _bench("--tpots", "1", "--integrations", tmp_path=tmp_path)
