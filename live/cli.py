@@ -31,7 +31,12 @@ def register(subparsers: Any) -> None:
         'Example: aospec run "write hello.py and run it" --model http://127.0.0.1:8000/v1 --record run.jsonl',
     )
     p.add_argument("task", help="the task text")
-    p.add_argument("--model", required=True, help="an OpenAI-compatible API root (http(s)://...) or a local model path")
+    p.add_argument(
+        "--model",
+        required=True,
+        help="an OpenAI-compatible API root (http(s)://...), a model name (smollm2: run in this process) or a "
+        "local model path (a Hugging Face directory, a .gguf file, an aospec train output)",
+    )
     p.add_argument("--model-name", default=None, help="the model name sent to the endpoint (default: 'default')")
     p.add_argument(
         "--api-key-env", default=None, metavar="VAR", help="environment variable holding the API key (default OPENAI_API_KEY)"
@@ -140,8 +145,15 @@ def _check_args(args: argparse.Namespace) -> None:
     if args.record is not None and Path(args.record).is_dir():
         raise ConfigError(f"--record {args.record} is a directory; give a file name")
     is_url = args.model.startswith(("http://", "https://"))
-    if not is_url and not Path(args.model).exists():
-        raise ConfigError(f"--model {args.model}: neither an http(s) URL nor an existing local model path")
+    if not is_url:
+        from aospec.drafters.model import NAMED_MODELS, check_model_spec
+
+        if args.model not in NAMED_MODELS and not Path(args.model).exists():
+            raise ConfigError(
+                f"--model {args.model}: neither an http(s) URL, a model name ({', '.join(NAMED_MODELS)}) "
+                "nor an existing local model path"
+            )
+        check_model_spec(args.model)  # a named model's missing package: the commands that install it
     if args.api_key_env is not None and not os.environ.get(args.api_key_env):
         raise ConfigError(f"--api-key-env {args.api_key_env}: the variable is not set")
     if args.pool_depth is not None and args.pool_depth < 0:
