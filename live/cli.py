@@ -57,6 +57,18 @@ def register(subparsers: Any) -> None:
         metavar="DIR",
         help="traces to fit the drafters on (repeatable; files or directories)",
     )
+    p.add_argument(
+        "--policy",
+        default="aospec",
+        help="the drafters of a speculative run, as a replay policy (default aospec: patterns+cache observations, "
+        "history actions), e.g. aospec:obs_drafter=lm+patterns+cache with --drafter-options",
+    )
+    p.add_argument(
+        "--drafter-options",
+        default=None,
+        metavar="JSON",
+        help='options per drafter name, as aospec sweep takes them, e.g. \'{"lm": {"model": "out/smollm2-obs"}}\'',
+    )
     p.add_argument("--step-limit", type=int, default=50, help="most steps (default 50; 0: no limit)")
     p.add_argument("--system-template", default=None, metavar="FILE", help="system message template")
     p.add_argument("--instance-template", default=None, metavar="FILE", help="first user message template ({task})")
@@ -168,6 +180,13 @@ def _check_args(args: argparse.Namespace) -> None:
         raise ConfigError("--router trained is fitted on --train-traces: give them, or use --router parse")
     if args.markov and not args.train_traces:
         raise ConfigError("--markov is fitted on --train-traces: give them, or leave --markov out")
+    from aospec.replay.cli.sweep import _drafter_options
+    from aospec.replay.policies import check_drafter_names, parse_policy
+
+    args.drafter_options = _drafter_options(args.drafter_options)
+    check_drafter_names([parse_policy(args.policy)])
+    if not args.speculate and (args.policy != "aospec" or args.drafter_options):
+        raise ConfigError("--policy and --drafter-options choose drafters: a serial run (--no-speculate) drafts nothing")
 
 
 def _specbox_options(args: argparse.Namespace) -> Any:
@@ -295,7 +314,7 @@ async def _main(args: argparse.Namespace, actor: Any, train: list[Any], state: d
                         f"{report.differs_at}): decoding is not deterministic, so speculative runs may differ from "
                         "serial ones (use --temperature 0 and --seed, or a deterministic server)"
                     )
-        drafters = default_drafters(train) if args.speculate else None
+        drafters = default_drafters(train, args.policy, args.drafter_options) if args.speculate else None
         config = SandboxConfig(backend=args.sandbox, base=args.base, timeout_s=args.command_timeout)
         async with (
             open_sandbox(config) as raw_sandbox,

@@ -39,7 +39,10 @@ run uses. Each run is a short bash-agent task (seeded words and file names) run 
 drafters that know the serial run and propose its observations and next actions with the
 seed's odds next to wrong ones (so drafts hit and miss, forks are reused and discarded).
 Trajectories, final versions and filesystem snapshots must be equal; the summary adds the
-drafts hit and forks reused. ``--server-steps`` and ``--server-max-tokens`` size a run::
+drafts hit and forks reused. A run whose observations differed only in the times they show
+(``ls -la`` shows the sandbox's creation time) and whose replies then differed is counted as
+inconclusive, not as a divergence (:func:`_compare_server_runs`). ``--server-steps`` and
+``--server-max-tokens`` size a run::
 
     scripts/check_lossless.py --actor-server smollm2 --runs 200 --json > real-server.json
 
@@ -423,6 +426,41 @@ async def _server_run(
         await actor.aclose()
 
 
+def _compare_server_runs(serial: Any, spec: Any, serial_fs: Any, spec_fs: Any) -> tuple[str, list[str]]:
+    """(kind, problems) of a serial and a speculative agent run of one task.
+
+    A real model runs whatever it likes, and some commands show the clock (``ls -la`` lists
+    the sandbox root's creation time): two runs a minute apart see different bytes there,
+    speculation or not. So observations are compared exactly, and where they differ only in
+    times (the ``times`` canonicaliser) the run goes on being compared; if a later reply then
+    differs, the model may have read the clock: ``inconclusive``, not a divergence. Every
+    other difference is a ``divergence``: a reply that differs after identical histories,
+    an observation that differs beyond times, a final version or filesystem (neither
+    includes mtimes) that differs."""
+    from aospec.drafters.canonicalize import Canonicalizer
+    from aospec.runtime.lossless import diff_snapshots
+
+    canonical = Canonicalizer(("times",)).canonical
+    a, b = serial.history.turns, spec.history.turns
+    clock_at: int | None = None
+    for k in range(max(len(a), len(b))):
+        if k >= len(a) or k >= len(b) or a[k].action != b[k].action:
+            what = f"step {k}: {'the runs have different lengths' if k >= min(len(a), len(b)) else 'replies differ'}"
+            if clock_at is not None:
+                return "inconclusive", [f"{what} after observations that differed only in times at step {clock_at}"]
+            return "divergence", [f"{what} after identical histories ({len(a)} serial, {len(b)} speculative steps)"]
+        if a[k].observation != b[k].observation:
+            if canonical(a[k].observation) != canonical(b[k].observation):
+                return "divergence", [f"step {k}: observations differ beyond times"]
+            clock_at = k if clock_at is None else clock_at
+    problems = []
+    if serial.final_version != spec.final_version:
+        problems.append(f"final versions differ: {serial.final_version} vs {spec.final_version}")
+    if serial_fs != spec_fs:
+        problems.append("filesystems differ: " + "; ".join(diff_snapshots(serial_fs, spec_fs)))
+    return ("divergence" if problems else "ok"), problems
+
+
 def _check_server_seed(base_url: str, model: str, seed: int, steps: int, max_tokens: int) -> dict[str, Any]:
     """The serial and the speculative run of seed ``seed``, compared (one result dict)."""
     root = _private_state_root()
@@ -432,22 +470,12 @@ def _check_server_seed(base_url: str, model: str, seed: int, steps: int, max_tok
     async def main() -> dict[str, Any]:
         serial, serial_fs = await _server_run(base_url, model, task, steps, max_tokens, seed)
         spec, spec_fs = await _server_run(base_url, model, task, steps, max_tokens, seed, truth=serial.history)
-        problems = []
-        a = [(t.action.key, t.observation) for t in serial.history.turns]
-        b = [(t.action.key, t.observation) for t in spec.history.turns]
-        if a != b:
-            at = next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
-            problems.append(f"trajectories differ at step {at} ({len(a)} serial, {len(b)} speculative steps)")
-        if serial.final_version != spec.final_version:
-            problems.append(f"final versions differ: {serial.final_version} vs {spec.final_version}")
-        if serial_fs != spec_fs:
-            from aospec.runtime.lossless import diff_snapshots
-
-            problems.append("filesystems differ: " + "; ".join(diff_snapshots(serial_fs, spec_fs)))
+        kind, problems = _compare_server_runs(serial, spec, serial_fs, spec_fs)
         st = spec.statistics
         return {
-            "seed": seed, "config": "server", "task": task, "kind": "divergence" if problems else "ok",
-            "where": "speculative vs serial" if problems else "", "details": problems, "steps": len(a),
+            "seed": seed, "config": "server", "task": task, "kind": kind,
+            "where": "speculative vs serial" if problems else "", "details": problems,
+            "steps": len(serial.history.turns),
             "counts": {"drafts_hit": st.drafts_hit, "forks_reused": st.forks_reused,
                        "forks_launched": st.forks_launched},
             "serial_actions": [t.action.key for t in serial.history.turns],
@@ -486,20 +514,24 @@ def _run_server(args: argparse.Namespace) -> int:
                 totals["steps"] += r["steps"]
                 for k, v in r["counts"].items():
                     totals[k] += v
-                bad = [x for x in results if x["kind"] != "ok"]
+                bad = [x for x in results if x["kind"] in KINDS]
                 if r["kind"] != "ok":
                     print(f"\n{r['kind']}: seed {r['seed']} ({r['task']}): {'; '.join(r['details'])}", file=sys.stderr)
                 if sys.stderr.isatty() or len(results) % 10 == 0 or len(results) == args.runs:
-                    print(f"{len(results)}/{args.runs} runs  failures {len(bad)}  drafts hit {totals['drafts_hit']}  "
+                    clock = sum(x["kind"] == "inconclusive" for x in results)
+                    print(f"{len(results)}/{args.runs} runs  failures {len(bad)}  inconclusive {clock}  "
+                          f"drafts hit {totals['drafts_hit']}  "
                           f"forks reused {totals['forks_reused']}  {time.perf_counter() - started:.0f} s",
                           file=sys.stderr, flush=True)
     except AospecError as exc:
         print(f"check_lossless: {exc}", file=sys.stderr)
         return 2
-    failures = [r for r in results if r["kind"] != "ok"]
+    failures = [r for r in results if r["kind"] in KINDS]
     elapsed = time.perf_counter() - started
     doc = {
         "actor_server": args.actor_server, "runs": len(results), "seed": args.seed,
+        "ok": sum(r["kind"] == "ok" for r in results),
+        "inconclusive": sum(r["kind"] == "inconclusive" for r in results),
         "divergences": sum(r["kind"] == "divergence" for r in failures),
         "aborted": sum(r["kind"] == "aborted" for r in failures), "leaks": sum(r["kind"] == "leak" for r in failures),
         **totals, "elapsed_s": round(elapsed, 1),
@@ -509,7 +541,8 @@ def _run_server(args: argparse.Namespace) -> int:
         print(json.dumps(doc, indent=2))
     else:
         print(f"{doc['runs']} runs against transformers serve {args.actor_server}: {doc['divergences']} divergences, "
-              f"{doc['aborted']} aborted, {doc['leaks']} leaks; {totals['steps']} steps, drafts hit "
+              f"{doc['aborted']} aborted, {doc['leaks']} leaks, {doc['inconclusive']} inconclusive (the clock); "
+              f"{totals['steps']} steps, drafts hit "
               f"{totals['drafts_hit']}, forks reused {totals['forks_reused']} of {totals['forks_launched']}; "
               f"{elapsed:.0f} s")
     return 1 if failures else 0

@@ -230,7 +230,7 @@ def transformers_serve(
     cmd = [exe, "serve", directory, "--host", host, "--port", str(port), "--device", device, "--log-level", "warning"]
     with tempfile.TemporaryFile(mode="w+", prefix="aospec-serve-") as log:
         proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, env=env,
-                                start_new_session=True)
+                                start_new_session=True, preexec_fn=_die_with_parent)
         try:
             deadline = time.monotonic() + start_timeout_s
             while not _healthy(f"http://{host}:{port}/health"):
@@ -243,6 +243,16 @@ def transformers_serve(
             yield ServedModel(f"http://{host}:{port}/v1", directory, proc.pid)
         finally:
             _stop(proc)
+
+
+def _die_with_parent() -> None:
+    """In the server's process before it starts: SIGTERM it when this process dies, so a
+    parent killed without running its cleanup (SIGKILL, an unhandled SIGTERM) leaves no
+    server behind (Linux ``PR_SET_PDEATHSIG``; elsewhere nothing)."""
+    with suppress(OSError, AttributeError):
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
 
 
 def _stop(proc: subprocess.Popen[Any]) -> None:
