@@ -40,8 +40,8 @@ drafters that know the serial run and propose its observations and next actions 
 seed's odds next to wrong ones (so drafts hit and miss, forks are reused and discarded).
 Trajectories, final versions and filesystem snapshots must be equal; the summary adds the
 drafts hit and forks reused. A run whose observations differed only in the times they show
-(``ls -la`` shows the sandbox's creation time) and whose replies then differed is counted as
-inconclusive, not as a divergence (:func:`_compare_server_runs`). ``--server-steps`` and
+(``ls -la /`` shows the sandbox's creation time, and /proc's link count the host's process
+count) and whose replies then differed is counted as inconclusive, not as a divergence (:func:`_compare_server_runs`). ``--server-steps`` and
 ``--server-max-tokens`` size a run::
 
     scripts/check_lossless.py --actor-server smollm2 --runs 200 --json > real-server.json
@@ -55,6 +55,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import sys
 import tempfile
 import time
@@ -339,7 +340,7 @@ def _repro(args: argparse.Namespace) -> int:
 
 _SERVER_SYSTEM = (
     "You are a shell agent. Answer every task with one bash command in a fenced block, like this:\n"
-    "THOUGHT: list the files\n```bash\nls -la\n```"
+    "THOUGHT: write a note and show it\n```bash\necho hello > note.txt && cat note.txt\n```"
 )
 _SERVER_WORDS = ("apple", "river", "stone", "cloud", "maple", "ember", "delta", "quartz", "lumen", "orbit")
 
@@ -426,13 +427,17 @@ async def _server_run(
         await actor.aclose()
 
 
+_PROC_LINKS = re.compile(r"(?m)^(d[rwx-]{9}\s+)\d+(\s.*\sproc)$")
+
+
 def _compare_server_runs(serial: Any, spec: Any, serial_fs: Any, spec_fs: Any) -> tuple[str, list[str]]:
     """(kind, problems) of a serial and a speculative agent run of one task.
 
-    A real model runs whatever it likes, and some commands show the clock (``ls -la`` lists
-    the sandbox root's creation time): two runs a minute apart see different bytes there,
-    speculation or not. So observations are compared exactly, and where they differ only in
-    times (the ``times`` canonicaliser) the run goes on being compared; if a later reply then
+    A real model runs whatever it likes, and some commands show the host's clock or state
+    (``ls -la /`` lists the sandbox root's creation time and, as /proc's link count, the
+    host's process count): two runs a minute apart see different bytes there, speculation
+    or not. So observations are compared exactly, and where they differ only in those (the
+    ``times`` canonicaliser, /proc's link count) the run goes on being compared; if a later reply then
     differs, the model may have read the clock: ``inconclusive``, not a divergence. Every
     other difference is a ``divergence``: a reply that differs after identical histories,
     an observation that differs beyond times, a final version or filesystem (neither
@@ -440,7 +445,10 @@ def _compare_server_runs(serial: Any, spec: Any, serial_fs: Any, spec_fs: Any) -
     from aospec.drafters.canonicalize import Canonicalizer
     from aospec.runtime.lossless import diff_snapshots
 
-    canonical = Canonicalizer(("times",)).canonical
+    times = Canonicalizer(("times",)).canonical
+
+    def canonical(text: str) -> str:  # the times, and the link count of /proc (the host's process count)
+        return _PROC_LINKS.sub(r"\1<N>\2", times(text))
     a, b = serial.history.turns, spec.history.turns
     clock_at: int | None = None
     for k in range(max(len(a), len(b))):
