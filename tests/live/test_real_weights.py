@@ -97,6 +97,9 @@ def test_greedy_decoding_is_deterministic_and_its_log_probability_exact(smollm2:
     assert a == b and a.tokens == 8 and a.text
     (scored,) = backend.score(prompt, [a.text], finished=False)
     assert scored == pytest.approx(a.logprob, abs=1e-3)
+    backend.decode = "static"  # a Llama model takes the static cache's 4D mask as a tensor
+    (c,) = backend.complete_sync(prompt, n=1, max_new_tokens=8, mode="greedy")
+    assert c.token_ids == a.token_ids
 
 
 def test_the_lm_drafter_drafts_with_the_pretrained_model(smollm2: Path) -> None:
