@@ -219,15 +219,21 @@ def rank_candidates(
     kind: ExampleKind,
     description: str,
     priors: Sequence[FrequencyPrior],
+    log: Callable[[str], None] | None = None,
 ) -> list[list[list[tuple[str, float]]]]:
     """For each of ``priors`` and each example: the candidates (text, probability) the LM
-    drafter would propose from one set of samples (:func:`evaluate`), most probable first."""
+    drafter would propose from one set of samples (:func:`evaluate`), most probable first.
+    ``log`` gets a line every eighth example."""
     from aospec.drafters.lm import rank_observations
 
     from aospec.progress import track
 
     out: list[list[list[tuple[str, float]]]] = [[] for _ in priors]
-    for ex in track(examples, description):
+    started = time.perf_counter()
+    for k, ex in enumerate(track(examples, description)):
+        if log is not None and k and k % 8 == 0:
+            per = (time.perf_counter() - started) / k
+            log(f"{description}: {k}/{len(examples)} examples ({per:.1f} s each)")
         prompt = backend.render(ex.chat())
         comps = backend.complete_sync(prompt, n=samples, max_new_tokens=max_new_tokens, mode=mode)
         for ranked, prior in zip(out, priors, strict=True):
@@ -554,7 +560,7 @@ def _evaluate_model(
                                   max_context=config.prompt_tokens + config.target_tokens + 512)
     return rank_candidates(backend, examples, samples=config.eval_samples, mode=config.eval_mode,
                            max_new_tokens=config.target_tokens, kind=config.kind, description=description,
-                           priors=priors)
+                           priors=priors, log=log)
 
 
 def _bucket_table(
