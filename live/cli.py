@@ -180,13 +180,14 @@ def _check_args(args: argparse.Namespace) -> None:
         raise ConfigError("--router trained is fitted on --train-traces: give them, or use --router parse")
     if args.markov and not args.train_traces:
         raise ConfigError("--markov is fitted on --train-traces: give them, or leave --markov out")
-    from aospec.replay.cli.sweep import _drafter_options
-    from aospec.replay.policies import check_drafter_names, parse_policy
+    if args.policy != "aospec" or args.drafter_options:
+        if not args.speculate:
+            raise ConfigError("--policy and --drafter-options choose drafters: a serial run (--no-speculate) drafts nothing")
+        from aospec.replay.cli.sweep import _drafter_options
+        from aospec.replay.policies import check_drafter_names, parse_policy
 
-    args.drafter_options = _drafter_options(args.drafter_options)
-    check_drafter_names([parse_policy(args.policy)])
-    if not args.speculate and (args.policy != "aospec" or args.drafter_options):
-        raise ConfigError("--policy and --drafter-options choose drafters: a serial run (--no-speculate) drafts nothing")
+        args.drafter_options = _drafter_options(args.drafter_options)
+        check_drafter_names([parse_policy(args.policy)])
 
 
 def _specbox_options(args: argparse.Namespace) -> Any:
