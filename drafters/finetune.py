@@ -19,7 +19,7 @@ from aospec.drafters.examples import Example, expand_weights
 from aospec._lazy import require
 from aospec.errors import ConfigError
 
-__all__ = ["encode_example", "end_token", "fit_examples"]
+__all__ = ["bf16_autocast_helps", "encode_example", "end_token", "fit_examples"]
 
 
 def encode_example(example: Example, tokenizer: Any, end_token: str, target_tokens: int) -> tuple[list[int], list[int]]:
@@ -36,6 +36,18 @@ def encode_example(example: Example, tokenizer: Any, end_token: str, target_toke
 def end_token(tokenizer: Any) -> str:
     """The token appended to every target (the tokenizer's end of sequence)."""
     return tokenizer.eos_token or "<|im_end|>"
+
+
+def bf16_autocast_helps(device: str) -> bool:
+    """Whether bfloat16 autocast speeds training up on ``device``: on a GPU, and on a CPU
+    with native bfloat16 instructions (AVX512-BF16 or AMX; 2-3x faster than float32 for
+    SmolLM2-135M on one EPYC core), not on other CPUs, where bfloat16 is emulated."""
+    torch = require("torch", "train")
+    if device.startswith("cuda"):
+        return True
+    cpu = torch.cpu
+    checks = ("_is_avx512_bf16_supported", "_is_amx_tile_supported")
+    return any(bool(getattr(cpu, name, lambda: False)()) for name in checks)
 
 
 def _batches(pool: Sequence[int], batch_size: int, seed: int, step: int) -> list[int]:
@@ -84,12 +96,16 @@ def fit_examples(
     checkpoint_every: int = 0,
     description: str = "training",
     time_limit_s: float | None = None,
+    autocast: bool | None = None,
 ) -> list[tuple[int, float]]:
     """Train ``model`` in place on ``examples`` for optimisation steps ``start_step`` ..
     ``steps`` (or ``stop_after`` of them); returns (step, loss) pairs.
 
-    ``on_checkpoint(step, optimizer, scheduler)`` is called every ``checkpoint_every`` steps
-    and after the last step. ``time_limit_s`` ends training early (after a whole step).
+    ``on_step(step, loss, tokens)`` is called after every step (``tokens``: the step's
+    unpadded tokens). ``on_checkpoint(step, optimizer, scheduler)`` is called every
+    ``checkpoint_every`` steps and after the last step. ``time_limit_s`` ends training
+    early (after a whole step). ``autocast``: run forward passes in bfloat16 autocast
+    (weights and optimizer stay float32); None: on a CUDA device only.
     """
     torch = require("torch", "train")
     from aospec.progress import progress
@@ -97,6 +113,8 @@ def fit_examples(
     if not examples:
         raise ConfigError("no training examples (are the traces empty, or all in the eval split?)")
     device = next(model.parameters()).device
+    if autocast is None:
+        autocast = device.type == "cuda"
     end = end_token(tokenizer)
     encoded = [encode_example(e, tokenizer, end, target_tokens) for e in examples]
     pool = expand_weights(examples)
@@ -128,7 +146,7 @@ def fit_examples(
                 ids = torch.tensor([r[0] + [pad] * (width - len(r[0])) for r in rows], device=device)
                 labels = torch.tensor([r[1] + [-100] * (width - len(r[1])) for r in rows], device=device)
                 mask = torch.tensor([[1] * len(r[0]) + [0] * (width - len(r[0])) for r in rows], device=device)
-                with torch.autocast(device_type=device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
+                with torch.autocast(device_type=device.type, dtype=torch.bfloat16, enabled=autocast):
                     loss = _target_loss(model, ids, mask, labels)
                 opt.zero_grad(set_to_none=True)
                 loss.backward()
@@ -142,7 +160,7 @@ def fit_examples(
                 losses.append((step + 1, value))
                 bar.update(task, advance=1, description=f"{description} loss {value:.3f}")
                 if on_step is not None:
-                    on_step(step + 1, value)
+                    on_step(step + 1, value, int(mask.sum()))
                 out_of_time = deadline is not None and time.perf_counter() > deadline
                 if on_checkpoint is not None and (
                     (checkpoint_every and (step + 1) % checkpoint_every == 0) or step + 1 == last or out_of_time

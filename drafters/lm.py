@@ -27,6 +27,7 @@ from __future__ import annotations
 import math
 from collections import OrderedDict
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -45,7 +46,56 @@ from aospec.errors import ConfigError
 from aospec.protocols import ActionDraft, ObservationDraft
 from aospec.types import Action, History, Trace
 
-__all__ = ["LMActionDrafter", "LMObservationDrafter"]
+__all__ = ["Calibration", "LMActionDrafter", "LMObservationDrafter", "fit_calibration"]
+
+
+@dataclass(frozen=True, slots=True)
+class Calibration:
+    """A monotone map from a draft's probability (the model's sequence probability,
+    interpolated with the prior) to how often drafts of that probability were exactly
+    right on held-out examples: ``bins`` are (upper bound, hit rate, drafts) with
+    increasing bounds and non-decreasing rates (pool-adjacent-violators)."""
+
+    bins: tuple[tuple[float, float, int], ...] = ()
+
+    def __call__(self, p: float) -> float:
+        if not self.bins:
+            return p
+        for upper, rate, _ in self.bins:
+            if p <= upper:
+                return rate
+        return self.bins[-1][1]
+
+    def to_json(self) -> dict[str, Any]:
+        return {"bins": [list(b) for b in self.bins]}
+
+    @classmethod
+    def from_json(cls, data: Any) -> Calibration:
+        try:
+            bins = tuple((float(u), float(r), int(n)) for u, r, n in data["bins"])
+        except (TypeError, ValueError, KeyError) as exc:
+            raise ConfigError(f"calibration: expected {{'bins': [[upper, rate, count], ...]}}: {exc}") from None
+        if any(not 0.0 <= r <= 1.0 for _, r, _ in bins) or list(bins) != sorted(bins):
+            raise ConfigError("calibration: bounds must increase and rates lie in [0, 1]")
+        return cls(bins)
+
+
+def fit_calibration(pairs: Sequence[tuple[float, bool]], *, bins: int = 8, min_count: int = 5) -> Calibration:
+    """A :class:`Calibration` of (probability, was it right) pairs: equal-count bins of
+    the probabilities, then adjacent bins pooled until the hit rates never decrease."""
+    if len(pairs) < min_count:
+        return Calibration()
+    ordered = sorted(pairs)
+    size = max(min_count, -(-len(ordered) // bins))
+    blocks = [[ordered[i : i + size][-1][0], sum(h for _, h in ordered[i : i + size]), len(ordered[i : i + size])]
+              for i in range(0, len(ordered), size)]
+    pooled: list[list[float]] = []
+    for upper, hits, n in blocks:
+        pooled.append([upper, hits, n])
+        while len(pooled) > 1 and pooled[-2][1] / pooled[-2][2] > pooled[-1][1] / pooled[-1][2]:
+            u, h, m = pooled.pop()
+            pooled[-1] = [u, pooled[-1][1] + h, pooled[-1][2] + m]
+    return Calibration(tuple((u, h / m, int(m)) for u, h, m in pooled))
 
 
 class _LMDrafter:
@@ -68,6 +118,7 @@ class _LMDrafter:
         seed: int = 0,
         cache_size: int = 256,
         prior: bool = True,
+        calibrate: bool = True,
         **backend_options: Any,
     ) -> None:
         from aospec.drafters.model import is_shape, trained_meta
@@ -98,6 +149,8 @@ class _LMDrafter:
         self.cache_size = cache_size
         self.use_prior = prior
         self.prior = FrequencyPrior.from_json(meta["prior"]) if isinstance(meta.get("prior"), dict) else FrequencyPrior()
+        cal = meta.get("calibration")
+        self.calibration = Calibration.from_json(cal) if calibrate and isinstance(cal, dict) else Calibration()
         self.backend_options = dict(backend_options)
         self.backend_options.setdefault("model", model)
         if backend == "transformers":
@@ -133,14 +186,12 @@ class _LMDrafter:
                 )
         model = str(options.get("model", self.model_spec))
         if name == "transformers" and not self.shape:
-            from aospec.drafters.model import MODEL_META, SHAPES
+            from aospec.drafters.model import check_model_spec
 
-            path = Path(model).expanduser()
-            if not ((path / "config.json").is_file() or (path / MODEL_META).is_file()):
-                raise ConfigError(
-                    f"{type(self).__name__}: model {model!r} is neither a shape ({', '.join(SHAPES)}) "
-                    "nor a local model directory (one with config.json, or an aospec train output)"
-                )
+            try:
+                check_model_spec(model)  # a named model's missing package: MissingDependencyError as is
+            except ConfigError as exc:
+                raise ConfigError(f"{type(self).__name__}: {exc}") from None
             adapter = options.get("adapter")
             if adapter is not None and not (Path(str(adapter)) / "adapter_config.json").is_file():
                 raise ConfigError(f"{type(self).__name__}: adapter {adapter!r} holds no adapter_config.json")
@@ -235,6 +286,7 @@ class LMObservationDrafter(_LMDrafter):
         comps = await self._complete(self.prompt(history, action), max(n, self.samples))
         out = []
         for text, p, tokens in rank_observations(comps, self.prior if self.use_prior else FrequencyPrior()):
+            p = self.calibration(p)
             if p < self.min_probability:
                 continue
             out.append(ObservationDraft(text, p, None, tokens))

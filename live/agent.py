@@ -96,19 +96,23 @@ class Drafters:
     config: EngineConfig = field(default_factory=EngineConfig)
 
 
-def default_drafters(train: Sequence[Trace] = (), policy: str = "aospec") -> Drafters:
+def default_drafters(
+    train: Sequence[Trace] = (), policy: str = "aospec", options: Mapping[str, Mapping[str, Any]] | None = None
+) -> Drafters:
     """The drafters and engine configuration of the replay policy ``policy`` (default
     ``aospec``: the patterns and cache observation drafters, the history action drafter,
     EVD with the pattern kernel), fitted on ``train``; built by replay/policies.py's own
-    builder, so live runs and replays speculate alike. The history drafter gets the
-    routers' label rule (``aospec.specbox.routers.tool_label``) for ``propose_routed``."""
+    builder, so live runs and replays speculate alike (``options``: keyword options per
+    drafter name, as ``aospec sweep --drafter-options``, e.g. ``{"lm": {"model": "OUT"}}``).
+    The history drafter gets the routers' label rule (``aospec.specbox.routers.tool_label``)
+    for ``propose_routed``."""
     from aospec.replay.policies import DrafterSet, check_drafter_names, parse_policy
 
     p = parse_policy(policy)
     check_drafter_names([p])
     if "oracle" in p.config.obs_names or "oracle" in p.config.action_names:
         raise AospecError(f"policy {policy!r} uses the oracle drafter, which only exists in replay")
-    ds = DrafterSet(list(train))
+    ds = DrafterSet(list(train), options)
     obs = tuple(ds.observation(n) for n in p.config.obs_names) if p.engine.branch_budget > 0 else ()
     # routed_action: a drafter that takes a label rule (the history drafter, for
     # propose_routed) gets the routers' (tool_label)

@@ -31,7 +31,12 @@ def register(subparsers: Any) -> None:
         'Example: aospec run "write hello.py and run it" --model http://127.0.0.1:8000/v1 --record run.jsonl',
     )
     p.add_argument("task", help="the task text")
-    p.add_argument("--model", required=True, help="an OpenAI-compatible API root (http(s)://...) or a local model path")
+    p.add_argument(
+        "--model",
+        required=True,
+        help="an OpenAI-compatible API root (http(s)://...), a model name (smollm2: run in this process) or a "
+        "local model path (a Hugging Face directory, a .gguf file, an aospec train output)",
+    )
     p.add_argument("--model-name", default=None, help="the model name sent to the endpoint (default: 'default')")
     p.add_argument(
         "--api-key-env", default=None, metavar="VAR", help="environment variable holding the API key (default OPENAI_API_KEY)"
@@ -51,6 +56,18 @@ def register(subparsers: Any) -> None:
         default=[],
         metavar="DIR",
         help="traces to fit the drafters on (repeatable; files or directories)",
+    )
+    p.add_argument(
+        "--policy",
+        default="aospec",
+        help="the drafters of a speculative run, as a replay policy (default aospec: patterns+cache observations, "
+        "history actions), e.g. aospec:obs_drafter=lm+patterns+cache with --drafter-options",
+    )
+    p.add_argument(
+        "--drafter-options",
+        default=None,
+        metavar="JSON",
+        help='options per drafter name, as aospec sweep takes them, e.g. \'{"lm": {"model": "out/smollm2-obs"}}\'',
     )
     p.add_argument("--step-limit", type=int, default=50, help="most steps (default 50; 0: no limit)")
     p.add_argument("--system-template", default=None, metavar="FILE", help="system message template")
@@ -140,8 +157,15 @@ def _check_args(args: argparse.Namespace) -> None:
     if args.record is not None and Path(args.record).is_dir():
         raise ConfigError(f"--record {args.record} is a directory; give a file name")
     is_url = args.model.startswith(("http://", "https://"))
-    if not is_url and not Path(args.model).exists():
-        raise ConfigError(f"--model {args.model}: neither an http(s) URL nor an existing local model path")
+    if not is_url:
+        from aospec.drafters.model import NAMED_MODELS, check_model_spec
+
+        if args.model not in NAMED_MODELS and not Path(args.model).exists():
+            raise ConfigError(
+                f"--model {args.model}: neither an http(s) URL, a model name ({', '.join(NAMED_MODELS)}) "
+                "nor an existing local model path"
+            )
+        check_model_spec(args.model)  # a named model's missing package: the commands that install it
     if args.api_key_env is not None and not os.environ.get(args.api_key_env):
         raise ConfigError(f"--api-key-env {args.api_key_env}: the variable is not set")
     if args.pool_depth is not None and args.pool_depth < 0:
@@ -156,6 +180,14 @@ def _check_args(args: argparse.Namespace) -> None:
         raise ConfigError("--router trained is fitted on --train-traces: give them, or use --router parse")
     if args.markov and not args.train_traces:
         raise ConfigError("--markov is fitted on --train-traces: give them, or leave --markov out")
+    if args.policy != "aospec" or args.drafter_options:
+        if not args.speculate:
+            raise ConfigError("--policy and --drafter-options choose drafters: a serial run (--no-speculate) drafts nothing")
+        from aospec.replay.cli.sweep import _drafter_options
+        from aospec.replay.policies import check_drafter_names, parse_policy
+
+        args.drafter_options = _drafter_options(args.drafter_options)
+        check_drafter_names([parse_policy(args.policy)])
 
 
 def _specbox_options(args: argparse.Namespace) -> Any:
@@ -283,7 +315,7 @@ async def _main(args: argparse.Namespace, actor: Any, train: list[Any], state: d
                         f"{report.differs_at}): decoding is not deterministic, so speculative runs may differ from "
                         "serial ones (use --temperature 0 and --seed, or a deterministic server)"
                     )
-        drafters = default_drafters(train) if args.speculate else None
+        drafters = default_drafters(train, args.policy, args.drafter_options) if args.speculate else None
         config = SandboxConfig(backend=args.sandbox, base=args.base, timeout_s=args.command_timeout)
         async with (
             open_sandbox(config) as raw_sandbox,

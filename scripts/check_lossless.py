@@ -32,6 +32,20 @@ decode). The comparison is the same; the summary adds per configuration the comm
 hits (and all hits, forks' included), routes fired, routed forks launched and reused, pool
 forks served and the cache's violations and the engine's speculative failures.
 
+``--actor-server MODEL``: the actor is a real model server, ``transformers serve`` on
+MODEL (``smollm2``, the models extra; docs/actors.md), greedy, through the OpenAI actor a live
+run uses. Each run is a short bash-agent task (seeded words and file names) run by
+``aospec.live.agent.Agent`` on overlay sandboxes twice: serially, then speculatively with
+drafters that know the serial run and propose its observations and next actions with the
+seed's odds next to wrong ones (so drafts hit and miss, forks are reused and discarded).
+Trajectories, final versions and filesystem snapshots must be equal; the summary adds the
+drafts hit and forks reused. A run whose observations differed only in the times they show
+(``ls -la /`` shows the sandbox's creation time, and /proc's link count the host's process
+count) and whose replies then differed is counted as inconclusive, not as a divergence (:func:`_compare_server_runs`). ``--server-steps`` and
+``--server-max-tokens`` size a run::
+
+    scripts/check_lossless.py --actor-server smollm2 --runs 200 --json > real-server.json
+
 Exit status: 0 when every run passed, 1 when any diverged, aborted or leaked a mount, 2 on
 bad arguments.
 """
@@ -41,6 +55,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import sys
 import tempfile
 import time
@@ -321,6 +336,226 @@ def _repro(args: argparse.Namespace) -> int:
     return 1 if failed else 0
 
 
+# -- --actor-server: a real model server as the actor -------------------------------------------
+
+_SERVER_SYSTEM = (
+    "You are a shell agent. Answer every task with one bash command in a fenced block, like this:\n"
+    "THOUGHT: write a note and show it\n```bash\necho hello > note.txt && cat note.txt\n```"
+)
+_SERVER_WORDS = ("apple", "river", "stone", "cloud", "maple", "ember", "delta", "quartz", "lumen", "orbit")
+
+
+def _server_task(seed: int) -> str:
+    import random
+
+    rng = random.Random(seed)
+    name, word = f"{rng.choice(_SERVER_WORDS)}{seed}.txt", rng.choice(_SERVER_WORDS)
+    return rng.choice((
+        f"Create the file {name} holding the word {word}, then print it.",
+        f"Write {word} into {name} and count its lines.",
+        f"Make a directory {word}{seed}, put {name} in it, and list it.",
+        f"Print the number {seed} and the word {word}.",
+    ))
+
+
+def _truth_drafters(seed: int, truth: Any) -> Any:
+    """Drafters that know the serial run ``truth`` (a History): its observation with
+    probability 0.6 next to wrong ones, its next actions with probability 0.5 next to a
+    wrong one; pure functions of (seed, history, action)."""
+    import random
+
+    from aospec.live.agent import Drafters
+
+    from aospec.protocols import ActionDraft, ObservationDraft
+    from aospec.testing import ScriptedActionDrafter, ScriptedObservationDrafter
+    from aospec.types import Action
+
+    turns = truth.turns
+
+    def on_path(history: Any) -> int | None:
+        k = len(history)
+        return k if k <= len(turns) and tuple(history.turns) == tuple(turns[:k]) else None
+
+    def rng(*parts: object) -> random.Random:
+        return random.Random("\x1f".join(map(str, (seed, *parts))))
+
+    def observe(history: Any, action: Any) -> list[Any]:
+        k = on_path(history)
+        r = rng("obs", len(history), action.key)
+        drafts = [ObservationDraft("<returncode>0</returncode>\n<output>\n</output>", r.random())]
+        if k is not None and k < len(turns) and turns[k].action == action:
+            real = turns[k].observation
+            drafts.append(ObservationDraft(real + "\n", r.random()))  # almost right: must never be reused
+            if r.random() < 0.6:
+                drafts.append(ObservationDraft(real, r.random()))
+        r.shuffle(drafts)
+        return drafts
+
+    def propose(history: Any) -> list[Any]:
+        k = on_path(history)
+        r = rng("act", len(history))
+        drafts = [ActionDraft(Action.bash(f"echo wrong-{r.randrange(100)} > wrong.txt"), 0, r.random())]
+        if k is not None:
+            for offset in range(2):
+                if k + offset < len(turns) and r.random() < 0.5:
+                    drafts.append(ActionDraft(turns[k + offset].action, offset, r.random()))
+        return drafts
+
+    return Drafters((ScriptedObservationDrafter(observe),), (ScriptedActionDrafter(propose),))
+
+
+async def _server_run(
+    base_url: str, model: str, task: str, steps: int, max_tokens: int, seed: int, truth: Any = None
+) -> Any:
+    """One agent run on a fresh overlay sandbox: serial (``truth`` None) or speculative
+    with :func:`_truth_drafters`; returns (result, snapshot of the final filesystem)."""
+    from aospec.live.actors import OpenAIChatActor
+    from aospec.live.agent import Agent
+    from aospec.live.chat import ChatFormat
+    from aospec.runtime import SandboxConfig, open_sandbox
+    from aospec.runtime.lossless import snapshot_sandbox
+
+    actor = OpenAIChatActor(base_url, model, chat_format=ChatFormat(system_template=_SERVER_SYSTEM),
+                            sampling={"temperature": 0, "max_tokens": max_tokens}, timeout_s=300)
+    try:
+        async with open_sandbox(SandboxConfig(backend="overlay", timeout_s=10)) as sb:
+            drafters = None if truth is None else _truth_drafters(seed, truth)
+            agent = Agent(actor, sb, speculate=truth is not None, drafters=drafters, step_limit=steps)
+            result = await agent.run(task)
+            return result, await snapshot_sandbox(sb)
+    finally:
+        await actor.aclose()
+
+
+_PROC_LINKS = re.compile(r"(?m)^(d[rwx-]{9}\s+)\d+(\s.*\sproc)$")
+
+
+def _compare_server_runs(serial: Any, spec: Any, serial_fs: Any, spec_fs: Any) -> tuple[str, list[str]]:
+    """(kind, problems) of a serial and a speculative agent run of one task.
+
+    A real model runs whatever it likes, and some commands show the host's clock or state
+    (``ls -la /`` lists the sandbox root's creation time and, as /proc's link count, the
+    host's process count): two runs a minute apart see different bytes there, speculation
+    or not. So observations are compared exactly, and where they differ only in those (the
+    ``times`` canonicaliser, /proc's link count) the run goes on being compared; if a later reply then
+    differs, the model may have read the clock: ``inconclusive``, not a divergence. Every
+    other difference is a ``divergence``: a reply that differs after identical histories,
+    an observation that differs beyond times, a final version or filesystem (neither
+    includes mtimes) that differs."""
+    from aospec.drafters.canonicalize import Canonicalizer
+    from aospec.runtime.lossless import diff_snapshots
+
+    times = Canonicalizer(("times",)).canonical
+
+    def canonical(text: str) -> str:  # the times, and the link count of /proc (the host's process count)
+        return _PROC_LINKS.sub(r"\1<N>\2", times(text))
+    a, b = serial.history.turns, spec.history.turns
+    clock_at: int | None = None
+    for k in range(max(len(a), len(b))):
+        if k >= len(a) or k >= len(b) or a[k].action != b[k].action:
+            what = f"step {k}: {'the runs have different lengths' if k >= min(len(a), len(b)) else 'replies differ'}"
+            if clock_at is not None:
+                return "inconclusive", [f"{what} after observations that differed only in times at step {clock_at}"]
+            return "divergence", [f"{what} after identical histories ({len(a)} serial, {len(b)} speculative steps)"]
+        if a[k].observation != b[k].observation:
+            if canonical(a[k].observation) != canonical(b[k].observation):
+                return "divergence", [f"step {k}: observations differ beyond times"]
+            clock_at = k if clock_at is None else clock_at
+    problems = []
+    if serial.final_version != spec.final_version:
+        problems.append(f"final versions differ: {serial.final_version} vs {spec.final_version}")
+    if serial_fs != spec_fs:
+        problems.append("filesystems differ: " + "; ".join(diff_snapshots(serial_fs, spec_fs)))
+    return ("divergence" if problems else "ok"), problems
+
+
+def _check_server_seed(base_url: str, model: str, seed: int, steps: int, max_tokens: int) -> dict[str, Any]:
+    """The serial and the speculative run of seed ``seed``, compared (one result dict)."""
+    root = _private_state_root()
+    task = _server_task(seed)
+    started = time.perf_counter()
+
+    async def main() -> dict[str, Any]:
+        serial, serial_fs = await _server_run(base_url, model, task, steps, max_tokens, seed)
+        spec, spec_fs = await _server_run(base_url, model, task, steps, max_tokens, seed, truth=serial.history)
+        kind, problems = _compare_server_runs(serial, spec, serial_fs, spec_fs)
+        st = spec.statistics
+        return {
+            "seed": seed, "config": "server", "task": task, "kind": kind,
+            "where": "speculative vs serial" if problems else "", "details": problems,
+            "steps": len(serial.history.turns),
+            "counts": {"drafts_hit": st.drafts_hit, "forks_reused": st.forks_reused,
+                       "forks_launched": st.forks_launched},
+            "serial_actions": [t.action.key for t in serial.history.turns],
+        }
+
+    try:
+        result = anyio.run(main)
+    except Exception as exc:  # what the engine, the server or a sandbox raises is the finding
+        result = {"seed": seed, "config": "server", "task": task, "kind": "aborted", "where": "run",
+                  "details": [f"{type(exc).__name__}: {exc}"], "steps": 0, "counts": {}}
+    finally:
+        leaked = [str(p) for p in root.rglob("*") if os.path.ismount(p)]
+        _fs.unmount_all_under(str(root))
+        _fs.remove_tree(str(root))
+    if leaked and result["kind"] == "ok":
+        result.update(kind="leak", where="state root", details=[f"mounts left behind: {', '.join(leaked[:4])}"])
+    result["elapsed_s"] = round(time.perf_counter() - started, 3)
+    return result
+
+
+def _run_server(args: argparse.Namespace) -> int:
+    """``--actor-server``: ``args.runs`` seeds against one ``transformers serve``."""
+    from aospec.drafters.backends.server import transformers_serve
+
+    from aospec.errors import AospecError
+
+    started = time.perf_counter()
+    results: list[dict[str, Any]] = []
+    totals = {"drafts_hit": 0, "forks_reused": 0, "forks_launched": 0, "steps": 0}
+    try:
+        with transformers_serve(args.actor_server, threads=args.server_threads) as served:
+            for i in range(args.runs):
+                r = _check_server_seed(served.base_url, served.model, args.seed + i, args.server_steps,
+                                       args.server_max_tokens)
+                results.append(r)
+                totals["steps"] += r["steps"]
+                for k, v in r["counts"].items():
+                    totals[k] += v
+                bad = [x for x in results if x["kind"] in KINDS]
+                if r["kind"] != "ok":
+                    print(f"\n{r['kind']}: seed {r['seed']} ({r['task']}): {'; '.join(r['details'])}", file=sys.stderr)
+                if sys.stderr.isatty() or len(results) % 10 == 0 or len(results) == args.runs:
+                    clock = sum(x["kind"] == "inconclusive" for x in results)
+                    print(f"{len(results)}/{args.runs} runs  failures {len(bad)}  inconclusive {clock}  "
+                          f"drafts hit {totals['drafts_hit']}  "
+                          f"forks reused {totals['forks_reused']}  {time.perf_counter() - started:.0f} s",
+                          file=sys.stderr, flush=True)
+    except AospecError as exc:
+        print(f"check_lossless: {exc}", file=sys.stderr)
+        return 2
+    failures = [r for r in results if r["kind"] in KINDS]
+    elapsed = time.perf_counter() - started
+    doc = {
+        "actor_server": args.actor_server, "runs": len(results), "seed": args.seed,
+        "ok": sum(r["kind"] == "ok" for r in results),
+        "inconclusive": sum(r["kind"] == "inconclusive" for r in results),
+        "divergences": sum(r["kind"] == "divergence" for r in failures),
+        "aborted": sum(r["kind"] == "aborted" for r in failures), "leaks": sum(r["kind"] == "leak" for r in failures),
+        **totals, "elapsed_s": round(elapsed, 1),
+        "failures": [{k: r.get(k) for k in ("seed", "task", "kind", "where", "details")} for r in failures],
+    }
+    if args.json:
+        print(json.dumps(doc, indent=2))
+    else:
+        print(f"{doc['runs']} runs against transformers serve {args.actor_server}: {doc['divergences']} divergences, "
+              f"{doc['aborted']} aborted, {doc['leaks']} leaks, {doc['inconclusive']} inconclusive (the clock); "
+              f"{totals['steps']} steps, drafts hit "
+              f"{totals['drafts_hit']}, forks reused {totals['forks_reused']} of {totals['forks_launched']}; "
+              f"{elapsed:.0f} s")
+    return 1 if failures else 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter
@@ -340,7 +575,27 @@ def main(argv: Sequence[str] | None = None) -> int:
         action="store_true",
         help="speculative runs through the SpecBox layer (result cache over a fork pool, parse router)",
     )
+    parser.add_argument(
+        "--actor-server",
+        metavar="MODEL",
+        default=None,
+        help="the actor is transformers serve on MODEL (e.g. smollm2), greedy: real-server runs (see above)",
+    )
+    parser.add_argument("--server-steps", type=int, default=2, help="with --actor-server: agent steps per run")
+    parser.add_argument("--server-max-tokens", type=int, default=16, help="with --actor-server: tokens per reply")
+    parser.add_argument("--server-threads", type=int, default=1, help="with --actor-server: the server's threads")
     args = parser.parse_args(argv)
+    if args.actor_server is not None:
+        if args.repro or args.jobs != 1 or args.specbox:
+            parser.error("--actor-server runs alone: no --repro, --jobs or --specbox")
+        if args.server_steps < 1 or args.server_max_tokens < 1 or args.server_threads < 1:
+            parser.error("--server-steps, --server-max-tokens and --server-threads must be >= 1")
+        args.runs = 100 if args.runs is None else args.runs
+        if args.runs < 1 or args.seed < 0:
+            parser.error("--runs must be >= 1, --seed >= 0")
+        if os.geteuid() != 0:
+            parser.error("needs root (overlayfs mounts)")
+        return _run_server(args)
     if args.runs is None:
         args.runs = 1 if args.repro else 100
     if args.runs < 1 or args.jobs < 1 or args.seed < 0:

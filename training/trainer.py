@@ -21,14 +21,23 @@ import json
 import random
 import shutil
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
 from aospec.drafters.examples import Example, ExampleKind, build_examples
-from aospec.drafters.finetune import encode_example, end_token, fit_examples
-from aospec.drafters.model import MODEL_META, is_shape, load_model, make_portable, resolve_device, resolve_dtype
+from aospec.drafters.finetune import bf16_autocast_helps, encode_example, end_token, fit_examples
+from aospec.drafters.lm import fit_calibration
+from aospec.drafters.model import (
+    MODEL_META,
+    is_shape,
+    load_model,
+    make_portable,
+    resolve_device,
+    resolve_dtype,
+    resolve_model,
+)
 from aospec.drafters.prior import FrequencyPrior
 from aospec.drafters.prompts import ACTION_SEPARATOR, PromptBudget
 from aospec.training.dataset import split_by_task
@@ -37,7 +46,18 @@ from aospec._lazy import require
 from aospec.errors import ConfigError
 from aospec.types import Trace
 
-__all__ = ["TrainConfig", "TrainResult", "encode_example", "evaluate", "fit_examples", "train"]
+__all__ = [
+    "BUCKETS",
+    "TrainConfig",
+    "TrainResult",
+    "bucket_of",
+    "encode_example",
+    "evaluate",
+    "fit_examples",
+    "rank_candidates",
+    "top_k",
+    "train",
+]
 
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
@@ -78,6 +98,10 @@ class TrainConfig:
     seed: int = 0
     device: str = "auto"
     dtype: str = "auto"
+    threads: int | None = None
+    autocast: Literal["auto", "on", "off"] = "auto"
+    eval_frozen: bool | None = None
+    calibrate: bool = True
 
     def resolved_mode(self) -> str:
         if self.mode != "auto":
@@ -88,6 +112,13 @@ class TrainConfig:
         if self.lr is not None:
             return self.lr
         return 2e-3 if is_shape(self.base_model) else (2e-4 if self.resolved_mode() == "lora" else 2e-5)
+
+    def resolved_autocast(self, device: str) -> bool:
+        """bfloat16 autocast: ``on``/``off``, or ``auto``: on a GPU, and on a CPU with
+        native bfloat16 for a pretrained base (shape bases keep float32 on a CPU)."""
+        if self.autocast != "auto":
+            return self.autocast == "on"
+        return device.startswith("cuda") or (not is_shape(self.base_model) and bf16_autocast_helps(device))
 
     def budget(self) -> PromptBudget:
         return PromptBudget(
@@ -112,15 +143,19 @@ class TrainResult:
     baseline_top5: float | None = None
     model_top1: float | None = None
     model_top5: float | None = None
+    frozen_top1: float | None = None
+    frozen_top5: float | None = None
     final_loss: float | None = None
     evaluated: int = 0
     resumed_from: int | None = None
+    buckets: tuple[dict[str, Any], ...] = ()
     losses: tuple[tuple[int, float], ...] = field(default=(), repr=False)
 
     def summary(self) -> dict[str, Any]:
         d = asdict(self)
         d.pop("losses")
         d["eval_tasks"] = list(self.eval_tasks)
+        d["buckets"] = [dict(b) for b in self.buckets]
         return d
 
 
@@ -169,11 +204,12 @@ def evaluate(
     candidates the LM drafter would propose, i.e. its finished samples interpolated with
     the training set's frequency ``prior`` (none: the model's alone), most probable first.
     Returns (top1, top5, examples evaluated)."""
-    return _evaluate(backend, examples, samples=samples, mode=mode, max_new_tokens=max_new_tokens, kind=kind,
-                     description=description, priors=(prior or FrequencyPrior(),))[0]
+    (ranked,) = rank_candidates(backend, examples, samples=samples, mode=mode, max_new_tokens=max_new_tokens,
+                                kind=kind, description=description, priors=(prior or FrequencyPrior(),))
+    return (*top_k(ranked, examples, kind), len(examples)) if examples else (None, None, 0)
 
 
-def _evaluate(
+def rank_candidates(
     backend: Any,
     examples: Sequence[Example],
     *,
@@ -183,27 +219,52 @@ def _evaluate(
     kind: ExampleKind,
     description: str,
     priors: Sequence[FrequencyPrior],
-) -> list[tuple[float | None, float | None, int]]:
-    """:func:`evaluate` under each of ``priors`` from the same samples."""
+    log: Callable[[str], None] | None = None,
+) -> list[list[list[tuple[str, float]]]]:
+    """For each of ``priors`` and each example: the candidates (text, probability) the LM
+    drafter would propose from one set of samples (:func:`evaluate`), most probable first.
+    ``log`` gets a line every eighth example."""
     from aospec.drafters.lm import rank_observations
 
     from aospec.progress import track
 
-    if not examples:
-        return [(None, None, 0) for _ in priors]
-    hits = [[0, 0] for _ in priors]
-    for ex in track(examples, description):
+    out: list[list[list[tuple[str, float]]]] = [[] for _ in priors]
+    started = time.perf_counter()
+    for k, ex in enumerate(track(examples, description)):
+        if log is not None and k and k % 8 == 0:
+            per = (time.perf_counter() - started) / k
+            log(f"{description}: {k}/{len(examples)} examples ({per:.1f} s each)")
         prompt = backend.render(ex.chat())
         comps = backend.complete_sync(prompt, n=samples, max_new_tokens=max_new_tokens, mode=mode)
-        target = _first(ex.target, kind)
-        for hit, prior in zip(hits, priors, strict=True):
+        for ranked, prior in zip(out, priors, strict=True):
             if kind == "action":
-                texts = _first_actions(comps, prior)
+                ranked.append([(text, 1.0) for text in _first_actions(comps, prior)])
             else:
-                texts = [text for text, _, _ in rank_observations(comps, prior)]
-            hit[0] += bool(texts) and texts[0] == target
-            hit[1] += target in texts[:5]
-    return [(h1 / len(examples), h5 / len(examples), len(examples)) for h1, h5 in hits]
+                ranked.append([(text, p) for text, p, _ in rank_observations(comps, prior)])
+    return out
+
+
+def top_k(
+    ranked: Sequence[Sequence[tuple[str, float]]], examples: Sequence[Example], kind: ExampleKind = "observation"
+) -> tuple[float | None, float | None]:
+    """Top-1 and top-5 exact match of ranked candidates against the examples' targets."""
+    if not examples:
+        return None, None
+    targets = [_first(e.target, kind) for e in examples]
+    hits1 = sum(bool(r) and r[0][0] == t for r, t in zip(ranked, targets, strict=True))
+    hits5 = sum(t in [c for c, _ in r[:5]] for r, t in zip(ranked, targets, strict=True))
+    return hits1 / len(examples), hits5 / len(examples)
+
+
+#: Call-length buckets of the evaluation (the step's recorded tool time, seconds).
+BUCKETS: tuple[tuple[str, float, float], ...] = (("< 1 s", 0.0, 1.0), ("1-10 s", 1.0, 10.0), (">= 10 s", 10.0, float("inf")))
+
+
+def bucket_of(example: Example) -> str:
+    t = example.tool_time_s
+    if t is None:
+        return "unknown"
+    return next(name for name, lo, hi in BUCKETS if lo <= t < hi)
 
 
 def frequency_baseline(
@@ -218,6 +279,13 @@ def frequency_baseline(
     hits = [_first(e.target, kind) for e in evals]
     return (sum(bool(common) and t == common[0] for t in hits) / len(hits),
             sum(t in common for t in hits) / len(hits))
+
+
+def _baseline_ranked(train: Sequence[Example], evals: Sequence[Example], kind: ExampleKind) -> list[list[tuple[str, float]]]:
+    """The most-frequent baseline's candidates for each example: the training set's five
+    most frequent targets, in that order."""
+    prior = frequency_prior(train, kind=kind)
+    return [list(prior.top[:5]) for _ in evals]
 
 
 def _pick_eval(examples: Sequence[Example], limit: int, seed: int) -> list[Example]:
@@ -276,10 +344,19 @@ def _plot_losses(losses: Sequence[tuple[int, float]], path: Path) -> None:
     plt.close(fig)
 
 
-def train(config: TrainConfig, *, traces: Sequence[Trace] | None = None) -> TrainResult:
+def train(
+    config: TrainConfig, *, traces: Sequence[Trace] | None = None, log: Callable[[str], None] | None = None
+) -> TrainResult:
     """Run ``aospec train``: split by task, build examples, fine-tune with checkpoints,
-    export (PEFT adapter or full model), evaluate top-1/top-5 on the held-out tasks."""
+    export (PEFT adapter or full model), evaluate top-1/top-5 on the held-out tasks
+    (the drafts, the model alone, the most-frequent baseline and, for a pretrained base,
+    the frozen base model), overall and per call-length bucket. ``log`` gets a progress
+    line now and then (where no progress bar shows)."""
     torch = require("torch", "train", purpose="aospec train")
+    if config.threads is not None:
+        if config.threads < 1:
+            raise ConfigError(f"threads must be >= 1, got {config.threads}")
+        torch.set_num_threads(config.threads)
     started = time.perf_counter()
     out = Path(config.out)
     mode = config.resolved_mode()
@@ -307,7 +384,7 @@ def train(config: TrainConfig, *, traces: Sequence[Trace] | None = None) -> Trai
         if prev.get("config", {}).get("base_model") != config.base_model or prev.get("mode") != mode:
             raise ConfigError(f"--resume: {out} was trained from {prev.get('config', {}).get('base_model')!r} "
                               f"({prev.get('mode')}); pass the same --base-model and mode")
-        base_spec = str(out / "base") if shape else config.base_model
+        base_spec = str(out / "base") if shape else resolve_model(config.base_model)
         loaded = load_model(str(ckpt / "model") if mode == "full" else base_spec, device=device, dtype=torch.float32)
     else:
         texts = (t for tr in train_traces for s in tr.steps for t in (s.action.command or s.action.key, s.observation))
@@ -351,7 +428,7 @@ def train(config: TrainConfig, *, traces: Sequence[Trace] | None = None) -> Trai
     if shape:
         base_ref = str(base_dir.resolve()) if mode == "lora" else config.base_model
     else:
-        base_ref = str(Path(config.base_model).resolve())
+        base_ref = str(Path(resolve_model(config.base_model)).resolve())
     meta = {
         "format": 1,
         "kind": config.kind,
@@ -388,6 +465,25 @@ def train(config: TrainConfig, *, traces: Sequence[Trace] | None = None) -> Trai
         for old in _checkpoints(out)[: -config.keep_checkpoints]:
             shutil.rmtree(old, ignore_errors=True)
 
+    autocast = config.resolved_autocast(device)
+    clock = {"t": time.perf_counter(), "step": start, "tokens": 0}
+    every = max(1, min(10, config.steps // 20))
+
+    def on_step(step: int, loss: float, tokens: int) -> None:
+        clock["tokens"] += tokens
+        if log is None or (step % every and step != config.steps):
+            return
+        now = time.perf_counter()
+        per_step = (now - clock["t"]) / max(1, step - clock["step"])
+        rate = clock["tokens"] / max(1e-9, now - clock["t"])
+        left = per_step * (config.steps - step)
+        log(f"step {step}/{config.steps} loss {loss:.3f} ({per_step:.1f} s/step, {rate:.0f} tokens/s, "
+            f"{left / 60:.1f} min left at this rate{', bf16 autocast' if autocast else ''})")
+
+    if log is not None:
+        log(f"{len(train_ex)} training / {len(eval_ex)} held-out examples (held-out tasks: {', '.join(eval_tasks)}); "
+            f"{mode} fine-tune of {config.base_model} on {device}, {torch.get_num_threads()} threads"
+            + (f", at most {config.time_limit_s / 60:.0f} min" if config.time_limit_s else ""))
     losses: list[tuple[int, float]] = []
     if start < config.steps:
         losses = fit_examples(
@@ -395,7 +491,7 @@ def train(config: TrainConfig, *, traces: Sequence[Trace] | None = None) -> Trai
             warmup=config.warmup, weight_decay=config.weight_decay, grad_clip=config.grad_clip,
             target_tokens=config.target_tokens, seed=config.seed, start_step=start, stop_after=config.stop_after,
             optimizer_state=state, on_checkpoint=save_checkpoint, checkpoint_every=config.checkpoint_every,
-            time_limit_s=config.time_limit_s,
+            time_limit_s=config.time_limit_s, autocast=autocast, on_step=on_step,
         )
     done = losses[-1][0] if losses else start
     out_of_time = config.time_limit_s is not None and done < config.steps and (
@@ -407,8 +503,9 @@ def train(config: TrainConfig, *, traces: Sequence[Trace] | None = None) -> Trai
         previous = [tuple(x) for x in json.loads(metrics_path.read_text()).get("losses", []) if x[0] <= start]
     all_losses = [*previous, *losses]
 
-    top1 = top5 = base1 = base5 = model1 = model5 = None
+    top1 = top5 = base1 = base5 = model1 = model5 = frozen1 = frozen5 = None
     evaluated = 0
+    buckets: list[dict[str, Any]] = []
     if done >= config.steps or out_of_time:
         final = out / ("adapter" if mode == "lora" else "model")
         shutil.rmtree(final, ignore_errors=True)
@@ -418,28 +515,69 @@ def train(config: TrainConfig, *, traces: Sequence[Trace] | None = None) -> Trai
         else:
             tokenizer.save_pretrained(str(final))
             make_portable(final)
-        from aospec.drafters.backends.transformers import TransformersBackend
-
-        backend = TransformersBackend(str(out), device=device, dtype=str(dtype).removeprefix("torch."),
-                                      max_context=config.prompt_tokens + config.target_tokens + 512)
         picked = _pick_eval(eval_ex, config.eval_limit, config.seed)
-        (top1, top5, evaluated), (model1, model5, _) = _evaluate(
-            backend, picked, samples=config.eval_samples, mode=config.eval_mode, max_new_tokens=config.target_tokens,
-            kind=config.kind, description="evaluating", priors=(frequency_prior(train_ex, kind=config.kind), FrequencyPrior()),
-        )
-        base1, base5 = frequency_baseline(train_ex, picked, kind=config.kind)
+        prior = frequency_prior(train_ex, kind=config.kind)
+        ranked = _evaluate_model(config, str(out), device, dtype, picked, (prior, FrequencyPrior()), log, "evaluating")
+        systems = {"drafts": ranked[0], "model": ranked[1], "baseline": _baseline_ranked(train_ex, picked, config.kind)}
+        frozen = config.eval_frozen if config.eval_frozen is not None else not shape
+        if frozen and picked:
+            (systems["frozen"],) = _evaluate_model(config, base_ref, device, dtype, picked, (FrequencyPrior(),), log,
+                                                   "evaluating the frozen base")
+        (top1, top5), (model1, model5), (base1, base5) = (top_k(systems[k], picked, config.kind)
+                                                            for k in ("drafts", "model", "baseline"))
+        if "frozen" in systems:
+            frozen1, frozen5 = top_k(systems["frozen"], picked, config.kind)
+        evaluated = len(picked)
+        buckets = _bucket_table(systems, picked, config.kind)
+        if config.calibrate and config.kind == "observation":
+            pairs = [(p, text == e.target) for r, e in zip(ranked[0], picked, strict=True) for text, p in r[:8]]
+            meta["calibration"] = fit_calibration(pairs).to_json()
     seconds = time.perf_counter() - started
     result = TrainResult(
         examples=len(train_ex) + len(eval_ex), train_examples=len(train_ex), eval_examples=len(eval_ex),
         steps=done, eval_tasks=tuple(eval_tasks), top1=top1, top5=top5, seconds=round(seconds, 3), out=str(out),
-        baseline_top1=base1, baseline_top5=base5, model_top1=model1, model_top5=model5, final_loss=all_losses[-1][1] if all_losses else None, evaluated=evaluated,
-        resumed_from=start if ckpt is not None else None, losses=tuple(all_losses),
+        baseline_top1=base1, baseline_top5=base5, model_top1=model1, model_top5=model5, frozen_top1=frozen1,
+        frozen_top5=frozen5, final_loss=all_losses[-1][1] if all_losses else None, evaluated=evaluated,
+        resumed_from=start if ckpt is not None else None, buckets=tuple(buckets), losses=tuple(all_losses),
     )
     metrics_path.write_text(json.dumps({**result.summary(), "losses": [list(x) for x in all_losses]}, indent=1) + "\n")
     meta["metrics"] = result.summary()
     meta_path.write_text(json.dumps(meta, indent=2) + "\n")
     _plot_losses(all_losses, out / "loss.png")
     return result
+
+
+def _evaluate_model(
+    config: TrainConfig, spec: str, device: str, dtype: Any, examples: Sequence[Example],
+    priors: Sequence[FrequencyPrior], log: Callable[[str], None] | None, description: str,
+) -> list[list[list[tuple[str, float]]]]:
+    """:func:`rank_candidates` of the model ``spec`` (the trained output, or the frozen base)."""
+    from aospec.drafters.backends.transformers import TransformersBackend
+
+    if log is not None:
+        log(f"{description}: {len(examples)} held-out examples, {config.eval_samples} samples each")
+    backend = TransformersBackend(spec, device=device, dtype=str(dtype).removeprefix("torch."),
+                                  max_context=config.prompt_tokens + config.target_tokens + 512)
+    return rank_candidates(backend, examples, samples=config.eval_samples, mode=config.eval_mode,
+                           max_new_tokens=config.target_tokens, kind=config.kind, description=description,
+                           priors=priors, log=log)
+
+
+def _bucket_table(
+    systems: dict[str, list[list[tuple[str, float]]]], examples: Sequence[Example], kind: ExampleKind
+) -> list[dict[str, Any]]:
+    """Top-1/top-5 of each system per call-length bucket (:data:`BUCKETS`)."""
+    rows = []
+    for name in [b[0] for b in BUCKETS] + ["unknown"]:
+        idx = [i for i, e in enumerate(examples) if bucket_of(e) == name]
+        if not idx:
+            continue
+        row: dict[str, Any] = {"bucket": name, "examples": len(idx)}
+        for key, ranked in systems.items():
+            t1, t5 = top_k([ranked[i] for i in idx], [examples[i] for i in idx], kind)
+            row[f"{key}_top1"], row[f"{key}_top5"] = t1, t5
+        rows.append(row)
+    return rows
 
 
 def _fix_adapter_config(adapter: Path, base: str) -> None:

@@ -1,23 +1,45 @@
-"""A small OpenAI-compatible completions server over the transformers backend.
+"""OpenAI-compatible servers of local models.
 
+:class:`CompletionServer` is a small completions server over the transformers backend.
 It answers ``POST /v1/completions`` (prompt, n, max_tokens, temperature, logprobs, stop,
 seed) and ``GET /v1/models`` like vLLM's server does, which makes a trained drafter
 reachable from another process and gives the ``openai`` backend a real endpoint in tests.
 Run it with ``python -m aospec.drafters.backends.server --model OUT_DIR --port 8000``.
+
+:func:`transformers_serve` runs Hugging Face's own ``transformers serve`` (chat
+completions, streamed or not, the ``transformers[serving]`` extra of the ``models``
+extra) on a model spec resolved by :func:`aospec.drafters.model.resolve_model` (``smollm2``
+is converted once; the server cannot load the GGUF file itself), offline, on loopback:
+the real endpoint of the actor in tests and ``aospec models serve``.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
 import threading
 import time
-from collections.abc import Iterator
+import urllib.request
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager, suppress
+from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 from typing import Any
 
-__all__ = ["CompletionServer", "main"]
+from aospec.errors import ConfigError, MissingDependencyError
+
+__all__ = ["OFFLINE_ENV", "CompletionServer", "ServedModel", "main", "transformers_serve"]
+
+#: What keeps ``transformers serve`` offline: no hub look-ups, no update check.
+OFFLINE_ENV: Mapping[str, str] = {"HF_HUB_OFFLINE": "1", "HF_HUB_DISABLE_UPDATE_CHECK": "1", "TRANSFORMERS_OFFLINE": "1"}
 
 
 class CompletionServer:
@@ -140,6 +162,109 @@ class CompletionServer:
             httpd.shutdown()
             httpd.server_close()
             thread.join()
+
+
+@dataclass(frozen=True, slots=True)
+class ServedModel:
+    """A running ``transformers serve``: ``base_url`` (``http://127.0.0.1:P/v1``), the
+    ``model`` name its requests carry (the served directory), its process id."""
+
+    base_url: str
+    model: str
+    pid: int
+
+
+def _free_port(host: str) -> int:
+    with socket.socket() as sock:
+        sock.bind((host, 0))
+        return int(sock.getsockname()[1])
+
+
+def _healthy(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(url, timeout=2) as resp:
+            return resp.status == 200
+    except OSError:
+        return False
+
+
+@contextmanager
+def transformers_serve(
+    model: str,
+    *,
+    port: int = 0,
+    host: str = "127.0.0.1",
+    threads: int | None = 1,
+    device: str = "cpu",
+    start_timeout_s: float = 300.0,
+) -> Iterator[ServedModel]:
+    """Run ``transformers serve`` on ``model`` (a spec of :mod:`aospec.drafters.model`,
+    resolved and converted first) while the block runs; yields a :class:`ServedModel`.
+
+    The server runs offline (:data:`OFFLINE_ENV`) with ``threads`` CPU threads (None: its
+    default) and ``OMP_WAIT_POLICY=PASSIVE`` (idle OpenMP threads spinning on a busy host
+    made decoding many times slower), in its own process group, which is terminated (then
+    killed) when the block ends, also on an exception or a cancellation. ``port`` 0 picks a
+    free one. A server that exits or is not healthy within ``start_timeout_s`` raises
+    ConfigError with the end of its log. It has no API key: keep ``host`` on loopback."""
+    from aospec.drafters.model import is_shape, resolve_model
+
+    if is_shape(model):
+        raise ConfigError(f"transformers serve needs a model directory, not the shape {model!r}")
+    directory = resolve_model(model)
+    if not (Path(directory) / "config.json").is_file():
+        raise ConfigError(f"transformers serve: {directory} holds no config.json (a Hugging Face model directory)")
+    exe = shutil.which("transformers", path=str(Path(sys.executable).parent)) or shutil.which("transformers")
+    try:
+        import fastapi  # noqa: F401  (transformers serve needs it, and says so only once started)
+    except ImportError:
+        exe = None
+    if exe is None:
+        raise MissingDependencyError(
+            "transformers serve (transformers[serving]) is not installed; install it with: pip install 'aospec[models]'"
+        )
+    port = port or _free_port(host)
+    env = {**os.environ, **OFFLINE_ENV, "OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY", "PASSIVE")}
+    if threads is not None:
+        env["OMP_NUM_THREADS"] = str(threads)
+    cmd = [exe, "serve", directory, "--host", host, "--port", str(port), "--device", device, "--log-level", "warning"]
+    with tempfile.TemporaryFile(mode="w+", prefix="aospec-serve-") as log:
+        proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, env=env,
+                                start_new_session=True, preexec_fn=_die_with_parent)
+        try:
+            deadline = time.monotonic() + start_timeout_s
+            while not _healthy(f"http://{host}:{port}/health"):
+                if proc.poll() is not None or time.monotonic() > deadline:
+                    log.seek(0)
+                    tail = " | ".join(log.read().strip().splitlines()[-5:])
+                    state = f"exited with status {proc.returncode}" if proc.poll() is not None else "is not healthy"
+                    raise ConfigError(f"transformers serve {directory} {state} ({start_timeout_s:.0f} s): {tail}")
+                time.sleep(0.5)
+            yield ServedModel(f"http://{host}:{port}/v1", directory, proc.pid)
+        finally:
+            _stop(proc)
+
+
+def _die_with_parent() -> None:
+    """In the server's process before it starts: SIGTERM it when this process dies, so a
+    parent killed without running its cleanup (SIGKILL, an unhandled SIGTERM) leaves no
+    server behind (Linux ``PR_SET_PDEATHSIG``; elsewhere nothing)."""
+    with suppress(OSError, AttributeError):
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+
+
+def _stop(proc: subprocess.Popen[Any]) -> None:
+    """Terminate the server's process group, then kill it if it does not exit."""
+    for sig, wait_s in ((signal.SIGTERM, 15.0), (signal.SIGKILL, 5.0)):
+        with suppress(ProcessLookupError):
+            os.killpg(proc.pid, sig)
+        try:
+            proc.wait(timeout=wait_s)
+            return
+        except subprocess.TimeoutExpired:
+            continue
 
 
 def main(argv: list[str] | None = None) -> int:

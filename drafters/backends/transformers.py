@@ -191,10 +191,15 @@ class _StaticRunner:
                     self.step_fn()
             self.reset()
 
-    def _masks(self, allowed: Any) -> dict[str, Any]:
+    def _masks(self, allowed: Any) -> Any:
+        """The additive attention mask of ``allowed``: one per layer type for a model whose
+        config names its layer types (Qwen3: its forward takes that mapping), else the
+        4D mask itself (Llama: its forward takes only a tensor)."""
         torch = self.backend._torch
         zero = torch.zeros((), dtype=self.backend.dtype, device=self.backend.device)
         mask = torch.where(allowed, zero, torch.full_like(zero, self.min_value))
+        if getattr(self.backend._config, "layer_types", None) is None:
+            return mask
         return {kind: mask for kind in self.backend._layer_types}
 
     def _step(self) -> Any:

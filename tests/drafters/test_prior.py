@@ -82,3 +82,22 @@ def test_action_chains_merge_the_prior_at_offset_zero_only() -> None:
     assert by_key[(1, Action.bash("cat a"))] == 1.0
     assert sum(p for (d, _), p in by_key.items() if d == 0) <= 1 + 1e-9
     assert rank_action_chains(comps, width=10, depth=2) == rank_action_chains(comps, 10, 2, FrequencyPrior())
+
+
+def test_calibration_maps_probabilities_to_monotone_held_out_hit_rates() -> None:
+    from aospec.drafters.lm import Calibration, fit_calibration
+
+    # over-confident drafts: those at 0.9 are right half the time, those at 0.1 never
+    pairs = [(0.9, i % 2 == 0) for i in range(20)] + [(0.1, False)] * 20 + [(0.5, i % 4 == 0) for i in range(20)]
+    cal = fit_calibration(pairs, bins=3)
+    assert cal(0.1) == 0.0 and cal(0.5) == 0.25 and cal(0.9) == 0.5 and cal(1.0) == 0.5
+    rates = [rate for _, rate, _ in cal.bins]
+    assert rates == sorted(rates) and sum(n for _, _, n in cal.bins) == len(pairs)
+    # a rate that would fall is pooled with its neighbour: the map never reverses an order
+    dip = [(0.2, True)] * 10 + [(0.6, False)] * 10 + [(0.8, True)] * 10
+    pooled = fit_calibration(dip, bins=3)
+    assert [r for _, r, _ in pooled.bins] == sorted(r for _, r, _ in pooled.bins)
+    assert Calibration.from_json(cal.to_json()) == cal
+    assert fit_calibration([(0.5, True)]) == Calibration() and Calibration()(0.37) == 0.37  # too few: identity
+    with pytest.raises(ConfigError):
+        Calibration.from_json({"bins": [[0.5, 1.5, 3]]})

@@ -67,3 +67,15 @@ def test_train_reports_and_saves_the_prior_and_never_scores_below_it(tmp_path: P
     assert saved.examples == summary["train_examples"] and saved.top
     assert LMObservationDrafter(model=str(out), device="cpu").prior == saved
     assert LMObservationDrafter(model=str(out), device="cpu", prior=False).use_prior is False
+
+
+def test_top_k_and_call_length_buckets_score_ranked_candidates() -> None:
+    from aospec.training.trainer import bucket_of, top_k
+
+    examples = [Example("t", "t.1", i, (), target, tool) for i, (target, tool) in
+                enumerate([("a", 0.2), ("b", 3.0), ("c", 30.0), ("d", None)])]
+    ranked = [[("a", 0.9)], [("x", 0.5), ("b", 0.4)], [], [("x", 0.2), ("y", 0.1), ("z", 0.1), ("w", 0.1), ("v", 0.1),
+                                                          ("d", 0.1)]]
+    assert top_k(ranked, examples) == (1 / 4, 2 / 4)  # "d" is sixth: not in the top five
+    assert [bucket_of(e) for e in examples] == ["< 1 s", "1-10 s", ">= 10 s", "unknown"]
+    assert top_k([], []) == (None, None)

@@ -129,7 +129,8 @@ def test_a_base_model_that_does_not_exist_is_one_error_and_writes_nothing(tmp_pa
     code, _, err = run(capsys, "--base-model", str(missing), "--out", str(out), *FAST)
     assert code == 2
     assert err.strip().splitlines() == [
-        f"aospec: error: model '{missing}' is neither a shape (tiny, small, qwen3-0.6b) nor a local model directory"
+        f"aospec: error: model '{missing}' is neither a shape (tiny, small, qwen3-0.6b), a named model (smollm2), "
+        "a .gguf file nor a local model directory"
     ]
     assert not out.exists()
 
