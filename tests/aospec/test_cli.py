@@ -62,6 +62,7 @@ def test_the_installed_verbs_come_from_entry_points_of_their_packages():
     assert verbs == {
         "drafters": "aospec.replay.cli.drafters:register",
         "mcp": "aospec.integrations.mcp_server:register",
+        "models": "aospec.training.cli:register_models",
         "proxy": "aospec.integrations.proxy:register",
         "replay": "aospec.replay.cli.sweep:register_replay",
         "routers": "aospec.specbox.cli:register",
