@@ -1,0 +1,71 @@
+"""SIGTERM and SIGHUP stop a command the way Ctrl-C does, so they clean up the same way.
+
+A long-running command cleans up on SIGINT because Python turns it into an orderly
+unwinding: ``KeyboardInterrupt`` in plain code; under ``anyio.run`` (asyncio) the
+cancellation of the main task, then ``KeyboardInterrupt`` once everything has unwound;
+under trio its own delivery to the main task. Every ``finally``, ``with`` and ``async
+with`` runs: sandboxes unmount, forks are discarded, state directories and shared memory
+are freed. SIGTERM (``kill``, a service manager, ``timeout``) and SIGHUP (the terminal
+closed) kill the process outright by default, skipping all of it.
+
+Inside ``with interrupt_on_signals():`` they take the SIGINT path instead: each calls
+whatever handles SIGINT *at that moment* (asyncio's runner, trio, uvicorn's shutdown, or
+Python's default, which raises ``KeyboardInterrupt``), or raises ``KeyboardInterrupt``
+when SIGINT itself is ignored (a background job of a script). So the same code path runs,
+whatever the framework, and a second signal is a second Ctrl-C::
+
+    from aospec.signals import interrupt_on_signals
+
+    with interrupt_on_signals():
+        anyio.run(main)  # SIGTERM and SIGHUP now cancel main() as SIGINT does
+
+Only signals at their default disposition are taken over: one the parent ignores (``nohup``
+ignores SIGHUP) stays ignored, one a handler already owns stays with it. SIGINT itself is
+the exception: when it is ignored (what a non-interactive shell does to a command started
+with ``&``), the block gives it Python's default handler back, since SIGINT's path is the
+one every signal takes here and asyncio and trio set up their handling of it only over
+that default. The previous handlers come back when the block ends. Outside the main thread
+(where Python cannot set handlers) the block does nothing.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import signal
+import threading
+from collections.abc import Iterable, Iterator
+from types import FrameType
+
+__all__ = ["INTERRUPTING_SIGNALS", "interrupt_on_signals"]
+
+#: The signals :func:`interrupt_on_signals` takes over by default.
+INTERRUPTING_SIGNALS: tuple[signal.Signals, ...] = (signal.SIGTERM, signal.SIGHUP)
+
+
+def _as_sigint(signum: int, frame: FrameType | None) -> None:
+    handler = signal.getsignal(signal.SIGINT)
+    if callable(handler):
+        handler(signal.SIGINT, frame)
+    else:  # SIGINT at its C default or ignored by someone since: what Python's handler raises
+        raise KeyboardInterrupt
+
+
+@contextlib.contextmanager
+def interrupt_on_signals(signals: Iterable[int] = INTERRUPTING_SIGNALS) -> Iterator[None]:
+    """Within the block, each of ``signals`` (default SIGTERM and SIGHUP) does what SIGINT
+    does (module doc)."""
+    previous: dict[int, object] = {}
+    if threading.current_thread() is threading.main_thread():
+        if signal.getsignal(signal.SIGINT) in (signal.SIG_IGN, None):
+            # a background job of a non-interactive shell: SIGINT is the way out here, and
+            # asyncio's runner and trio take it over only from Python's default handler
+            previous[signal.SIGINT] = signal.signal(signal.SIGINT, signal.default_int_handler)
+        for sig in signals:
+            if signal.getsignal(sig) in (signal.SIG_DFL, None):
+                signal.signal(sig, _as_sigint)
+                previous[sig] = signal.SIG_DFL
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)  # type: ignore[arg-type]
