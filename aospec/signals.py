@@ -25,12 +25,15 @@ the exception: when it is ignored (what a non-interactive shell does to a comman
 with ``&``), the block gives it Python's default handler back, since SIGINT's path is the
 one every signal takes here and asyncio and trio set up their handling of it only over
 that default. The previous handlers come back when the block ends. Outside the main thread
-(where Python cannot set handlers) the block does nothing.
+(where Python cannot set handlers) the block does nothing. A process forked inside the block (a multiprocessing
+worker) starts with SIGTERM and SIGHUP at their defaults again, so ``terminate()`` still
+ends it; a worker that must clean up opens a block of its own.
 """
 
 from __future__ import annotations
 
 import contextlib
+import os
 import signal
 import threading
 from collections.abc import Iterable, Iterator
@@ -48,6 +51,18 @@ def _as_sigint(signum: int, frame: FrameType | None) -> None:
         handler(signal.SIGINT, frame)
     else:  # SIGINT at its C default or ignored by someone since: what Python's handler raises
         raise KeyboardInterrupt
+
+
+def _default_in_child() -> None:
+    """A forked child (a multiprocessing worker) starts with the signals at their defaults:
+    the takeover is its parent's (``Process.terminate()`` must still end a worker); a child
+    that cleans up on SIGTERM opens its own block."""
+    for sig in (*INTERRUPTING_SIGNALS, signal.SIGINT):
+        if signal.getsignal(sig) is _as_sigint:
+            signal.signal(sig, signal.SIG_DFL)
+
+
+os.register_at_fork(after_in_child=_default_in_child)
 
 
 @contextlib.contextmanager

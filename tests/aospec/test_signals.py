@@ -120,3 +120,27 @@ def test_the_previous_handlers_come_back_and_owned_signals_are_left_alone() -> N
         assert signal.getsignal(signal.SIGHUP) is mine
     finally:
         signal.signal(signal.SIGHUP, before)
+
+
+def test_a_forked_worker_starts_with_the_default_sigterm(tmp_path: Path) -> None:
+    """A multiprocessing worker forked inside the block must still die on terminate()."""
+    code = textwrap.dedent(
+        """
+        import multiprocessing, signal, time
+        from aospec.signals import interrupt_on_signals
+
+        def work():
+            assert signal.getsignal(signal.SIGTERM) == signal.SIG_DFL
+            time.sleep(600)
+
+        with interrupt_on_signals():
+            p = multiprocessing.get_context("fork").Process(target=work)
+            p.start()
+            time.sleep(0.5)
+            p.terminate()
+            p.join(60)
+            print(p.exitcode)
+        """
+    )
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.stdout.strip() == str(-signal.SIGTERM), r.stderr
