@@ -174,7 +174,12 @@ def _proxy_cmd(*args: str, env: dict[str, str] | None = None) -> subprocess.Pope
 )
 def test_bad_options_are_one_line(args: list[str], says: str) -> None:
     proc = _proxy_cmd(*args)
-    out, err = proc.communicate(timeout=120)
+    try:
+        out, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:  # it served instead of refusing
+            proc.kill()
+            proc.wait()
     assert proc.returncode == 2, (out, err)
     lines = [ln for ln in err.splitlines() if ln.strip() and not ln.startswith(("usage:", " "))]
     assert len(lines) == 1 and says in lines[0] and "Traceback" not in err, err

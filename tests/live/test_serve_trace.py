@@ -300,7 +300,12 @@ def test_a_token_is_required_when_given_and_off_loopback(bundled_traces) -> None
         (["--port", "0", "--max-body-mb", "0"], "--max-body-mb must be a finite number > 0"),
     ]:
         proc = _serve_trace(*args, env={"AOSPEC_TOKEN": ""})
-        _out, err = proc.communicate(timeout=60)
+        try:
+            _out, err = proc.communicate(timeout=60)
+        finally:
+            if proc.poll() is None:  # it served instead of refusing
+                proc.kill()
+                proc.wait()
         assert proc.returncode == 2 and says in err and "Traceback" not in err, err
     proc = _serve_trace("--port", "0", env={"AOSPEC_TOKEN": "st-token"})
     try:
