@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import functools
 import re
-import shlex
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
@@ -57,7 +56,12 @@ SUBSTITUTION = "__aospec_subst__"
 FD_MARK = "__aospec_fd__"
 _FD = re.compile(r"\d+(?=[<>])")
 _WORD_START = frozenset(" \t\r\n;&|()<>")
-_INTERESTING = re.compile(r"""[\\'"`$<>]|(?:^|(?<=[ \t\r\n;&|()<>]))\d""")
+#: What extract_substitutions copies as it is: no quote, substitution, redirection or
+#: file-descriptor number starts in it (escape pairs included, so a word of any length is
+#: one match, not a loop iteration per character).
+_PLAIN = re.compile(r"""(?:[^\\'"`$<>\d]++|\\[^\n]|\$(?![({])|(?<=[^ \t\r\n;&|()<>])\d++)*+""")
+_PAREN_PLAIN = re.compile(r"""(?:[^\\'"`()]++|\\.)*+""", re.DOTALL)
+_DOUBLE_PLAIN = re.compile(r"""(?:[^\\"`$]++|\\.|\$(?!\())*+""", re.DOTALL)
 
 
 def _match_paren(s: str, i: int) -> int:
@@ -65,6 +69,9 @@ def _match_paren(s: str, i: int) -> int:
     depth = 1
     n = len(s)
     while i < n:
+        i = _PAREN_PLAIN.match(s, i).end()  # type: ignore[union-attr]  # matches the empty string
+        if i >= n:
+            break
         c = s[i]
         if c == "\\":
             i += 2
@@ -89,20 +96,21 @@ def _match_paren(s: str, i: int) -> int:
 
 
 def _match_backtick(s: str, i: int) -> int:
-    j = i
-    while j < len(s):
-        if s[j] == "\\":
-            raise ShellSyntaxError("an escape inside backticks")  # its meaning depends on nesting; not modelled
-        if s[j] == "`":
-            return j
-        j += 1
-    raise ShellSyntaxError("unbalanced quotes or parentheses")
+    j = s.find("`", i)
+    if s.find("\\", i, j if j >= 0 else len(s)) >= 0:
+        raise ShellSyntaxError("an escape inside backticks")  # its meaning depends on nesting; not modelled
+    if j < 0:
+        raise ShellSyntaxError("unbalanced quotes or parentheses")
+    return j
 
 
 def _skip_double(s: str, i: int) -> int:
     """Index just after the double-quoted string whose opening quote is at ``s[i-1]``."""
     n = len(s)
     while i < n:
+        i = _DOUBLE_PLAIN.match(s, i).end()  # type: ignore[union-attr]  # matches the empty string
+        if i >= n:
+            break
         c = s[i]
         if c == "\\":
             i += 2
@@ -127,13 +135,12 @@ def extract_substitutions(s: str, subs: list[str]) -> str:
     n = len(s)
     in_double = False
     while i < n:
-        m = _INTERESTING.search(s, i)
-        if m is None:
-            out.append(s[i:])
-            break
-        if m.start() > i:
-            out.append(s[i : m.start()])
-            i = m.start()
+        j = _PLAIN.match(s, i).end()  # type: ignore[union-attr]  # matches the empty string
+        if j > i:
+            out.append(s[i:j])
+            i = j
+            if i >= n:
+                break
         c = s[i]
         if c == "\\":
             if s.startswith("\n", i + 1):
@@ -197,25 +204,90 @@ _PUNCT_SET = frozenset(_PUNCT)
 _SEPARATORS = frozenset(";&|()\n")
 
 
+_RAW_TOKEN = re.compile(r"[ \t\r]*(?:([();<>|&\n]+)|(['\"])|([^ \t\r();<>|&\n'\"][^ \t\r();<>|&\n]*))?")
+_DOUBLE_QUOTED = re.compile(r'"((?:[^"\\]++|\\.)*+)"', re.DOTALL)  # possessive: no backtracking
+_UNQUOTED = re.compile(r"(?:[^'\"\\]++|\\.)++", re.DOTALL)
+_ESCAPE = re.compile(r"\\(.)", re.DOTALL)
+_DOUBLE_ESCAPE = re.compile(r'\\(["\\])')
+
+
+def _raw_tokens(s: str) -> Iterator[str]:
+    """The tokens of the non-POSIX pass (blanks: space, tab, carriage return): a run of
+    operator characters ``();<>|&`` and newlines; a quoted string up to its closing quote
+    (nothing after it joins it); or a word up to a blank or an operator character (quotes
+    inside it kept as they are). This is the structure stdlib ``shlex.shlex(s, posix=False,
+    punctuation_chars=...)`` with ``whitespace_split`` gives, found by regular expressions:
+    shlex grows each token a character at a time, quadratic in a word's length."""
+    i, n = 0, len(s)
+    while i < n:
+        m = _RAW_TOKEN.match(s, i)
+        assert m is not None  # the pattern matches the empty string
+        if m.group(2) is not None:
+            j = s.find(m.group(2), m.end())
+            if j < 0:
+                raise ShellSyntaxError("No closing quotation")
+            yield s[m.start(2) : j + 1]
+            i = j + 1
+        elif m.group(1) is not None or m.group(3) is not None:
+            yield m.group(1) if m.group(1) is not None else m.group(3)
+            i = m.end()
+        else:
+            return  # only blanks were left
+
+
+def _unquote(word: str) -> str:
+    """A word as POSIX quoting reads it (what stdlib ``shlex.split(word, posix=True)`` gives,
+    joined): ``'...'`` literally, ``"..."`` with only ``\\"`` and ``\\\\`` unescaped, and
+    outside quotes a backslash escaping the next character. Linear in the word's length."""
+    out: list[str] = []
+    i, n = 0, len(word)
+    while i < n:
+        c = word[i]
+        if c == "'":
+            j = word.find("'", i + 1)
+            if j < 0:
+                raise ShellSyntaxError("No closing quotation")
+            out.append(word[i + 1 : j])
+            i = j + 1
+            continue
+        m = (_DOUBLE_QUOTED if c == '"' else _UNQUOTED).match(word, i)
+        if m is None:
+            raise ShellSyntaxError("No closing quotation" if c == '"' else "No escaped character")
+        out.append(_drop_escapes(m.group(1), double=True) if c == '"' else _drop_escapes(m.group(), double=False))
+        i = m.end()
+    return "".join(out)
+
+
+_MARK = "\uf8ff"  # a private-use character: stands for an escaped backslash meanwhile
+
+
+def _drop_escapes(text: str, *, double: bool) -> str:
+    """``text`` without its escaping backslashes: inside double quotes only those before
+    ``"`` or ``\\``, outside quotes all. Backslashes pair up left to right, as
+    ``str.replace`` replaces (a regular expression's template costs a Python call per
+    match)."""
+    if "\\" not in text:
+        return text
+    if _MARK in text:
+        return (_DOUBLE_ESCAPE if double else _ESCAPE).sub(lambda m: m.group(1), text)
+    text = text.replace("\\\\", _MARK)
+    text = text.replace('\\"', '"') if double else text.replace("\\", "")
+    return text.replace(_MARK, "\\")
+
+
 def tokens(s: str) -> Iterator[tuple[str, bool]]:
-    """(token, is_operator) pairs, lazily. Structure comes from a non-POSIX shlex pass, which
-    keeps quotes on words (so a quoted ``'|'`` stays a word) and never joins an unquoted
-    operator into a word; each word is then unquoted with a POSIX shlex pass. Raises
+    """(token, is_operator) pairs, lazily. Structure comes from a non-POSIX pass that keeps
+    quotes on words (so a quoted ``'|'`` stays a word) and never joins an unquoted operator
+    into a word; each word is then unquoted as POSIX quoting reads it (the two passes of
+    stdlib shlex, in linear time: :func:`_raw_tokens`, :func:`_unquote`). Raises
     ShellSyntaxError on unbalanced quotes or a dangling escape."""
-    lex = shlex.shlex(s, posix=False, punctuation_chars=_PUNCT)
-    lex.whitespace = " \t\r"
-    lex.whitespace_split = True
-    lex.commenters = ""
-    try:
-        for tok in lex:
-            if set(tok) <= _PUNCT_SET:
-                yield tok, True
-            elif "'" in tok or '"' in tok or "\\" in tok:
-                yield "".join(shlex.split(tok, comments=False, posix=True)), False
-            else:
-                yield tok, False
-    except ValueError as exc:
-        raise ShellSyntaxError(str(exc)) from None
+    for tok in _raw_tokens(s):
+        if tok[0] in _PUNCT_SET:
+            yield tok, True
+        elif "'" in tok or '"' in tok or "\\" in tok:
+            yield _unquote(tok), False
+        else:
+            yield tok, False
 
 
 @dataclass(slots=True)

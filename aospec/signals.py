@@ -1,71 +1,108 @@
-"""SIGTERM and SIGHUP handled as SIGINT is, for every long-running command.
+"""SIGTERM and SIGHUP stop a command the way Ctrl-C does, so they clean up the same way.
 
-Python answers SIGINT with a cancellation that runs every ``finally`` and ``async with``
-exit (inside ``anyio.run`` the main task is cancelled, then KeyboardInterrupt is raised),
-so sandboxes, mounts, cgroups and state directories are released. SIGTERM (systemd,
-``docker stop``, ``kill``) and SIGHUP (a closed terminal) would otherwise end the process
-at once and leak all of it. ::
+A long-running command cleans up on SIGINT because Python turns it into an orderly
+unwinding: ``KeyboardInterrupt`` in plain code; under ``anyio.run`` (asyncio) the
+cancellation of the main task, then ``KeyboardInterrupt`` once everything has unwound;
+under trio its own delivery to the main task. Every ``finally``, ``with`` and ``async
+with`` runs: sandboxes unmount, forks are discarded, state directories and shared memory
+are freed. SIGTERM (``kill``, a service manager, ``timeout``) and SIGHUP (the terminal
+closed) kill the process outright by default, skipping all of it.
 
-    from aospec.signals import interrupt_on_termination
+Inside ``with interrupt_on_signals():`` they take the SIGINT path instead: each calls
+whatever handles SIGINT *at that moment* (asyncio's runner, trio, uvicorn's shutdown, or
+Python's default, which raises ``KeyboardInterrupt``), or raises ``KeyboardInterrupt``
+when SIGINT itself is ignored (a background job of a script). So the same code path runs,
+whatever the framework, and a second signal is a second Ctrl-C::
 
-    with interrupt_on_termination():
-        anyio.run(main)        # SIGTERM/SIGHUP now do exactly what Ctrl-C does
+    from aospec.signals import interrupt_on_signals
 
-The KeyboardInterrupt that leaves the block after SIGTERM or SIGHUP is a
-:class:`Terminated` (a KeyboardInterrupt) naming the signal; ``aospec``'s command line
-exits with ``128 + signal`` for it (143 for SIGTERM), 130 for Ctrl-C.
+    with interrupt_on_signals():
+        anyio.run(main)  # SIGTERM and SIGHUP now cancel main() as SIGINT does
+
+Only signals at their default disposition are taken over: one the parent ignores (``nohup``
+ignores SIGHUP) stays ignored, one a handler already owns stays with it. SIGINT itself is
+the exception: when it is ignored (what a non-interactive shell does to a command started
+with ``&``), the block gives it Python's default handler back, since SIGINT's path is the
+one every signal takes here and asyncio and trio set up their handling of it only over
+that default. The previous handlers come back when the block ends. Outside the main thread
+(where Python cannot set handlers) the block does nothing. A process forked inside the block (a multiprocessing
+worker) starts with SIGTERM and SIGHUP at their defaults again, so ``terminate()`` still
+ends it; a worker that must clean up opens a block of its own.
+
+The ``KeyboardInterrupt`` that leaves the block after SIGTERM or SIGHUP carries the signal
+as its ``signum`` attribute (:func:`interrupting_signal` reads it; an uncaught one still ends
+a script as an interrupt does); ``aospec``'s command line exits with ``128 + signum`` for it
+(143 for SIGTERM), 130 for Ctrl-C.
 """
 
 from __future__ import annotations
 
 import contextlib
+import os
 import signal
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from types import FrameType
 
-__all__ = ["TERMINATION_SIGNALS", "Terminated", "interrupt_on_termination"]
+__all__ = ["INTERRUPTING_SIGNALS", "interrupt_on_signals", "interrupting_signal"]
 
-TERMINATION_SIGNALS = (signal.SIGTERM, signal.SIGHUP)
+#: The signals :func:`interrupt_on_signals` takes over by default.
+INTERRUPTING_SIGNALS: tuple[signal.Signals, ...] = (signal.SIGTERM, signal.SIGHUP)
 
 
-class Terminated(KeyboardInterrupt):
-    """The interruption a termination signal caused; ``signum`` is that signal."""
+def interrupting_signal(exc: KeyboardInterrupt) -> int:
+    """The signal behind ``exc``: the taken-over one it carries (``signum``), else SIGINT."""
+    signum = exc.__dict__.get("signum")
+    return signum if isinstance(signum, int) else int(signal.SIGINT)
 
-    def __init__(self, signum: int) -> None:
-        self.signum = signum
-        super().__init__(signal.Signals(signum).name)
+
+#: The taken-over signals received, newest last (main thread only, so no lock is needed).
+_received: list[int] = []
+
+
+def _as_sigint(signum: int, frame: FrameType | None) -> None:
+    _received.append(signum)
+    handler = signal.getsignal(signal.SIGINT)
+    if callable(handler):
+        handler(signal.SIGINT, frame)
+    else:  # SIGINT at its C default or ignored by someone since: what Python's handler raises
+        raise KeyboardInterrupt
+
+
+def _default_in_child() -> None:
+    """A forked child (a multiprocessing worker) starts with the signals at their defaults:
+    the takeover is its parent's (``Process.terminate()`` must still end a worker); a child
+    that cleans up on SIGTERM opens its own block."""
+    for sig in (*INTERRUPTING_SIGNALS, signal.SIGINT):
+        if signal.getsignal(sig) is _as_sigint:
+            signal.signal(sig, signal.SIG_DFL)
+
+
+os.register_at_fork(after_in_child=_default_in_child)
 
 
 @contextlib.contextmanager
-def interrupt_on_termination(signals: tuple[int, ...] = TERMINATION_SIGNALS) -> Iterator[None]:
-    """While the block runs, each of ``signals`` does what SIGINT does at that moment:
-    it calls the SIGINT handler in place then (asyncio's and trio's cancel the main task;
-    Python's default raises KeyboardInterrupt), or raises KeyboardInterrupt where SIGINT
-    has no Python handler (ignored by a parent, as for a background job). A
-    KeyboardInterrupt leaving the block after one of them is re-raised as
-    :class:`Terminated`. The previous handlers come back afterwards. Outside the main
-    thread (where no signal handler can be set) it does nothing."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    received: list[int] = []
-
-    def forward(signum: int, frame: FrameType | None) -> None:
-        received.append(signum)
-        handler = signal.getsignal(signal.SIGINT)
-        if callable(handler):
-            handler(signal.SIGINT, frame)
-        else:
-            raise KeyboardInterrupt
-
-    previous = {sig: signal.signal(sig, forward) for sig in signals}
+def interrupt_on_signals(signals: Iterable[int] = INTERRUPTING_SIGNALS) -> Iterator[None]:
+    """Within the block, each of ``signals`` (default SIGTERM and SIGHUP) does what SIGINT
+    does (module doc)."""
+    previous: dict[int, object] = {}
+    mark = len(_received)
+    if threading.current_thread() is threading.main_thread():
+        if signal.getsignal(signal.SIGINT) in (signal.SIG_IGN, None):
+            # a background job of a non-interactive shell: SIGINT is the way out here, and
+            # asyncio's runner and trio take it over only from Python's default handler
+            previous[signal.SIGINT] = signal.signal(signal.SIGINT, signal.default_int_handler)
+        for sig in signals:
+            if signal.getsignal(sig) in (signal.SIG_DFL, None):
+                signal.signal(sig, _as_sigint)
+                previous[sig] = signal.SIG_DFL
     try:
         yield
     except KeyboardInterrupt as exc:
-        if received and not isinstance(exc, Terminated):
-            raise Terminated(received[0]) from None
+        if len(_received) > mark and "signum" not in exc.__dict__:
+            exc.signum = _received[mark]  # type: ignore[attr-defined]
         raise
     finally:
+        del _received[mark:]
         for sig, handler in previous.items():
-            signal.signal(sig, signal.SIG_DFL if handler is None else handler)
+            signal.signal(sig, handler)  # type: ignore[arg-type]

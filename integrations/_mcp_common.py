@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import inspect
 import json
+import os
+import stat
 from collections import Counter, OrderedDict
 from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from pathlib import Path
@@ -189,10 +191,33 @@ class DrafterPredictor:
         return [d.action for d in drafts if d.offset == 0 and not d.action.is_none][: self.k]
 
 
+MAX_CONFIG_BYTES = 64 << 20
+
+
+def read_config_json(path: str | Path) -> Any:
+    """The JSON of a configuration file; ValueError naming it when it is not a regular file
+    (a FIFO would block the server's start forever), too large, or not JSON."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError as exc:
+        raise ValueError(f"{path}: {exc.strerror or exc}") from None
+    with os.fdopen(fd, "rb") as f:
+        st = os.fstat(f.fileno())
+        if not stat.S_ISREG(st.st_mode):
+            raise ValueError(f"{path}: not a regular file")
+        if st.st_size > MAX_CONFIG_BYTES:
+            raise ValueError(f"{path}: {st.st_size} bytes, over the {MAX_CONFIG_BYTES}-byte limit of a configuration")
+        data = f.read(MAX_CONFIG_BYTES + 1)
+    try:
+        return json.loads(data)
+    except (ValueError, RecursionError) as exc:
+        raise ValueError(f"{path}: not JSON ({exc})") from None
+
+
 def load_transitions(path: str | Path, k: int) -> TransitionPredictor:
     """A transition table from a JSON file: a list of ``{"after": ACTION, "next": [ACTION,
     ...]}`` where an ACTION is ``{"tool": NAME, "args": {...}}``."""
-    data = json.loads(Path(path).read_text())
+    data = read_config_json(path)
     if not isinstance(data, list):
         raise ValueError(f"{path}: a transition file is a JSON list of {{after, next}} objects")
     table: dict[str, list[Action]] = {}
@@ -227,7 +252,7 @@ def load_trust(path: str | Path) -> frozenset[str]:
     with NAME the tool's name as the proxy lists it. A tool is speculated only when its
     entry says ``readOnly: true`` AND ``openWorld: false`` (both explicit); the upstream's
     own annotations are never consulted for this. Unknown keys are an error."""
-    data = json.loads(Path(path).read_text())
+    data = read_config_json(path)
     if not isinstance(data, Mapping) or set(data) - {"tools"} or not isinstance(data.get("tools", {}), Mapping):
         raise ValueError(f'{path}: a trust file is {{"tools": {{NAME: {{"readOnly": ..., "openWorld": ...}}}}}}')
     trusted = set()

@@ -1,7 +1,8 @@
 """``aospec mcp --upstream ...``: a speculating proxy of other MCP servers.
 
 The proxy connects to each upstream as an MCP client (a command line run over stdio, or a
-streamable HTTP URL), forwards ``tools/list`` (tool names that occur in more than one
+streamable HTTP URL, sent ``Authorization: Bearer $AOSPEC_UPSTREAM_TOKEN`` when that is
+set: the token of an ``aospec mcp --http`` upstream), forwards ``tools/list`` (tool names that occur in more than one
 upstream are namespaced ``SERVER__tool``) and ``tools/call``.
 
 Speculation is limited to the tools a trusted configuration (``--trust FILE``, see
@@ -33,6 +34,7 @@ import anyio
 import mcp_types as types
 from aospec.integrations._mcp_common import ArrivalGate, Predictor, error_result, load_trust, propose, result_meta
 
+from aospec._http import UPSTREAM_TOKEN_ENV
 from aospec.types import Action
 
 __all__ = ["ProxyBackend", "Upstream", "connect_upstream", "open_proxy"]
@@ -52,7 +54,16 @@ async def connect_upstream(stack: contextlib.AsyncExitStack, spec: str, index: i
 
     try:
         if re.match(r"https?://", spec):
-            read, write = await stack.enter_async_context(streamable_http_client(spec))
+            token = os.environ.get(UPSTREAM_TOKEN_ENV, "").strip()
+            http = None
+            if token:  # an aospec mcp --http upstream (or any bearer-token server)
+                import httpx2  # the MCP SDK's HTTP client
+
+                client = httpx2.AsyncClient(
+                    headers={"Authorization": f"Bearer {token}"}, timeout=httpx2.Timeout(30.0, read=300.0)
+                )
+                http = await stack.enter_async_context(client)
+            read, write = await stack.enter_async_context(streamable_http_client(spec, http_client=http))
         else:
             argv = shlex.split(spec)
             if not argv:

@@ -127,7 +127,7 @@ class ActionWatcher:
         try:
             obj = json.loads(payload)
             choices = obj.get("choices") or ()
-        except (ValueError, AttributeError):
+        except (ValueError, AttributeError, RecursionError):
             return
         for choice in choices:
             if not isinstance(choice, dict) or choice.get("index", 0) != 0:
@@ -158,7 +158,7 @@ class ActionWatcher:
         try:
             obj = json.loads(b"".join(self._whole))
             msg = obj["choices"][0]["message"]
-        except (ValueError, KeyError, IndexError, TypeError):
+        except (ValueError, KeyError, IndexError, TypeError, RecursionError):
             return
         if isinstance(msg.get("content"), str):
             self._text = msg["content"]
@@ -184,11 +184,13 @@ async def watch(up: Any, stream: bool, command_tools: Sequence[str], emit: Any) 
 
 
 class Prefetcher:
-    """Posts actions to the MCP server's prefetch endpoint (fire and forget)."""
+    """Posts actions to the MCP server's prefetch endpoint (fire and forget), with the
+    server's ``token`` as a bearer token."""
 
-    def __init__(self, mcp_url: str, stats: Any) -> None:
+    def __init__(self, mcp_url: str, stats: Any, token: str | None = None) -> None:
         self.url = prefetch_url(mcp_url)
         self.stats = stats
+        self.headers = {"Authorization": f"Bearer {token}"} if token else {}
         self._tasks: set[asyncio.Task[None]] = set()
 
     def emit(self, client: Any, tool: str, arguments: dict[str, Any]) -> None:
@@ -199,7 +201,7 @@ class Prefetcher:
     async def _post(self, client: Any, tool: str, arguments: dict[str, Any]) -> None:
         self.stats.actions_prefetched += 1
         try:
-            r = await client.post(self.url, json={"name": tool, "arguments": arguments})
+            r = await client.post(self.url, json={"name": tool, "arguments": arguments}, headers=self.headers)
             if r.status_code != 200 or not r.json().get("launched"):
                 self.stats.prefetch_refused += 1
         except Exception:  # a lost prefetch is only a missed chance

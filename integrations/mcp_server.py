@@ -49,7 +49,12 @@ Prefetch (``aospec proxy --mcp``): over HTTP, ``POST /aospec/prefetch`` with
 sandbox now (queued at the gate like a call, so it forks the state every call received
 before it left) -- the call a model just emitted, before its harness sends it. It is an
 ordinary speculative call: served only under JASV, discarded when the version moves.
-It may displace a predicted call when ``--max-forks`` are live.
+It may displace a predicted call when ``--max-forks`` are live; at most
+:func:`prefetch_cap` of the live forks are prefetched ones (half of ``--max-forks``, at
+least one), and a new prefetch displaces the oldest one beyond that, so prefetches never
+pin the forks that prediction needs. The route is behind the same guard as ``/mcp``
+(Host, Origin, the token, the body limit: :mod:`aospec._http`) and takes only
+``application/json``.
 
 Proxy mode (``--upstream``): see ``integrations/_mcp_proxy.py``.
 """
@@ -58,8 +63,10 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import fcntl
+import math
+import os
 import posixpath
-import signal
 import socket
 import sys
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
@@ -68,7 +75,6 @@ from typing import Any
 
 import anyio
 import mcp_types as types
-from aospec.integrations._asgi import read_body
 from aospec.integrations._mcp_common import (
     ArrivalGate,
     Predictor,
@@ -82,8 +88,9 @@ from aospec.integrations._mcp_common import (
     text_result,
 )
 
+from aospec._http import HttpGuard, error_response, guarded, port_number, quiet_shutdown, resolve_token
 from aospec.effects import classify_command
-from aospec.errors import SandboxError
+from aospec.errors import ConfigError, SandboxError
 from aospec.types import Action, Effect
 
 __all__ = [
@@ -96,6 +103,7 @@ __all__ = [
     "ToolOutput",
     "artifact_result",
     "build_server",
+    "prefetch_cap",
     "register",
     "run_call",
 ]
@@ -104,6 +112,8 @@ MAX_READ_BYTES = 1 << 20  # read_file refuses larger files (use bash: head, sed 
 MAX_WRITE_BYTES = 1 << 20  # write_file/edit_file refuse larger contents
 MAX_COMMAND_CHARS = 1 << 16
 MAX_ARTIFACT_BYTES = 1 << 30  # export_file refuses larger files (--max-artifact-mb)
+MAX_HELD_BYTES = 2 << 30  # published artifacts held at once, at most (--max-held-mb)
+MAX_BODY_BYTES = 8 << 20  # an HTTP request body, at most (--max-body-mb): a 1 MiB write_file, JSON-escaped
 
 
 def _tool(name: str, description: str, props: dict[str, Any], ann: types.ToolAnnotations) -> types.Tool:
@@ -185,6 +195,8 @@ def check_args(tool: str, args: dict[str, Any], *, export: bool = False) -> None
     for k in props:
         if not isinstance(args[k], str):
             raise ToolArgumentError(f"{tool}: argument {k!r} must be a string")
+        if k in ("command", "path") and "\0" in args[k]:
+            raise ToolArgumentError(f"{tool}: argument {k!r} contains a NUL character, which no {k} can hold")
 
 
 def read_only(action: Action) -> bool:
@@ -337,6 +349,11 @@ class Stats:
         return dict(self.__dict__)
 
 
+def prefetch_cap(max_forks: int) -> int:
+    """How many of ``max_forks`` live forks prefetched calls may hold: half, at least one."""
+    return max(1, max_forks // 2) if max_forks > 0 else 0
+
+
 class SandboxToolServer:
     """The sandbox tools on one committed sandbox, with speculative forks (see module doc)."""
 
@@ -384,9 +401,11 @@ class SandboxToolServer:
             return out.result
         if action.tool != EXPORT_TOOL.name and len(out.payload) < self.artifacts.threshold:
             return out.result
+        from aospec.specbox.transport import ArtifactBudgetError
+
         try:  # one copy into a sealed memfd (up to the export cap): off the event loop
             ref = await anyio.to_thread.run_sync(self.artifacts.put, out.payload)
-        except OSError as exc:  # no memory for the memfd: the call failed, the server did not
+        except (OSError, ArtifactBudgetError) as exc:  # no memory or over --max-held-mb: the call failed
             return error_result(f"{action.tool}: cannot publish {len(out.payload)} bytes out of band: {exc}")
         return artifact_result(ref, out.result.meta)
 
@@ -431,19 +450,28 @@ class SandboxToolServer:
 
     async def prefetch(self, name: str, arguments: dict[str, Any] | None) -> bool:
         """Start ``name(arguments)`` in a fork of the committed sandbox (module doc);
-        False when it is not a valid call or no fork slot is free."""
+        False when it is not a valid call or no fork slot is free. At most
+        :func:`prefetch_cap` prefetched calls are live: the oldest makes room for a new one."""
         try:
             action = Action(name, arguments or {})
             check_args(action.tool, dict(action.args), export=self.artifacts is not None)
         except (ValueError, TypeError):
+            return False
+        cap = prefetch_cap(self.max_forks)
+        if cap == 0:
             return False
         async with self.gate:
             version = self.root.version
             key = (version, action.key)
             if key in self._specs:
                 return True
-            if len(self._specs) >= self.max_forks:
-                victim = next((k for k, s in self._specs.items() if not s.prefetched and not s.taken), None)
+            prefetched = [k for k, s in self._specs.items() if s.prefetched]
+            if len(prefetched) >= cap:
+                # the oldest prefetch makes room (dicts keep insertion order): prefetches
+                # never hold more than their share of the forks, however many arrive
+                await self._drop(self._specs.pop(prefetched[0]))
+            elif len(self._specs) >= self.max_forks:
+                victim = next((k for k, s in self._specs.items() if not s.prefetched), None)
                 if victim is None:
                     return False
                 await self._drop(self._specs.pop(victim))
@@ -542,29 +570,79 @@ def build_server(backend: Any, name: str = "aospec") -> Any:
     return Server(name, on_list_tools=on_list_tools, on_call_tool=on_call_tool)
 
 
+class _StdinLines(contextlib.AbstractContextManager["_StdinLines"]):
+    """The server's input, line by line, read without a worker thread (non-blocking reads
+    and ``anyio.wait_readable``): the SDK's reader blocks a thread in ``readline``, which a
+    cancellation (SIGTERM) must wait for until the client sends a line. While it is open,
+    fd 0 points at /dev/null, as with the SDK's reader, so that no child reads the wire."""
+
+    def __enter__(self) -> _StdinLines:
+        self.fd = fcntl.fcntl(0, fcntl.F_DUPFD_CLOEXEC, 3)
+        null = os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC)
+        os.dup2(null, 0)
+        os.close(null)
+        self._blocking = os.get_blocking(self.fd)
+        os.set_blocking(self.fd, False)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        os.set_blocking(self.fd, self._blocking)
+        os.dup2(self.fd, 0)
+        os.close(self.fd)
+
+    async def __aiter__(self) -> AsyncIterator[str]:
+        buf = bytearray()
+        searched = 0
+        while True:
+            nl = buf.find(b"\n", searched)
+            if nl >= 0:
+                line = bytes(buf[: nl + 1])
+                del buf[: nl + 1]
+                searched = 0
+                yield line.decode("utf-8", errors="replace")
+                continue
+            searched = len(buf)
+            try:
+                chunk = os.read(self.fd, 1 << 16)
+            except BlockingIOError:
+                await anyio.wait_readable(self.fd)
+                continue
+            if not chunk:
+                if buf:
+                    yield buf.decode("utf-8", errors="replace")
+                return
+            buf += chunk
+
+
 async def serve_stdio(server: Any) -> None:
+    """MCP over stdin/stdout until the input ends or the server is cancelled."""
     from mcp.server.stdio import stdio_server
 
-    async with stdio_server() as (read, write):
-        await server.run(read, write, server.create_initialization_options())
+    with _StdinLines() as lines:
+        async with stdio_server(stdin=lines) as (read, write):  # type: ignore[arg-type]
+            await server.run(read, write, server.create_initialization_options())
 
 
 def _with_prefetch(app: Any, prefetch: Callable[[str, dict[str, Any] | None], Awaitable[bool]]) -> Any:
-    """``app`` plus ``POST /aospec/prefetch`` (module doc)."""
+    """``app`` plus ``POST /aospec/prefetch`` (module doc); behind :func:`serve_http`'s guard."""
     import json
 
     async def wrapped(scope: Any, receive: Any, send: Any) -> None:
         if scope["type"] != "http" or scope["path"] != "/aospec/prefetch" or scope["method"] != "POST":
             await app(scope, receive, send)
             return
-        body = await read_body(receive)
-        if body is None:
+        ctype = next((v for k, v in scope["headers"] if k.lower() == b"content-type"), b"").decode("latin-1")
+        if ctype.split(";")[0].strip().lower() != "application/json":
+            await error_response(send, 415, "POST /aospec/prefetch takes application/json", "bad_content_type")
+            return
+        msg = await receive()  # the guard hands the whole body over in one message
+        if msg["type"] != "http.request":
             return
         try:
-            req = json.loads(body)
+            req = json.loads(msg.get("body", b""))
             name, args = req["name"], req.get("arguments")
             ok = isinstance(name, str) and (args is None or isinstance(args, dict))
-        except (ValueError, KeyError, TypeError):
+        except (ValueError, KeyError, TypeError, RecursionError):
             ok = False
         launched = ok and await prefetch(name, args)
         data = json.dumps({"launched": bool(launched)}).encode()
@@ -577,45 +655,72 @@ def _with_prefetch(app: Any, prefetch: Callable[[str, dict[str, Any] | None], Aw
     return wrapped
 
 
+def _security_settings(guard: HttpGuard) -> Any:
+    """The MCP SDK's own Host/Origin check of ``/mcp``, set as the guard's (which runs first)."""
+    from mcp.server.transport_security import TransportSecuritySettings
+
+    if guard.hosts is None:
+        return TransportSecuritySettings(enable_dns_rebinding_protection=False)
+    names = [f"[{h}]" if ":" in h else h for h in sorted(guard.hosts)]
+    return TransportSecuritySettings(
+        enable_dns_rebinding_protection=True,
+        allowed_hosts=[*names, *(f"{n}:*" for n in names)],
+        allowed_origins=[o for n in names for o in (f"http://{n}", f"http://{n}:*")],
+    )
+
+
 async def serve_http(
     server: Any,
     host: str,
     port: int,
-    stop: anyio.Event,
+    guard: HttpGuard,
     prefetch: Callable[[str, dict[str, Any] | None], Awaitable[bool]] | None = None,
 ) -> None:
     """Streamable HTTP at ``http://HOST:PORT/mcp`` (port 0: any free port; the URL is
-    printed on stderr as ``aospec mcp: listening on URL``) until ``stop`` is set; with
-    ``prefetch``, also ``POST /aospec/prefetch`` (module doc)."""
+    printed on stderr as ``aospec mcp: listening on URL``), every route behind ``guard``
+    (:mod:`aospec._http`), until cancelled; with ``prefetch``, also ``POST /aospec/prefetch``
+    (module doc). Cancelling it cancels the calls in flight (they run in the MCP session
+    manager's task group, which runs here, not in uvicorn's lifespan task) and closes
+    every connection."""
     import uvicorn
 
     class _Server(uvicorn.Server):
         @contextlib.contextmanager
-        def capture_signals(self) -> Iterator[None]:  # aospec handles SIGINT/SIGTERM itself
+        def capture_signals(self) -> Iterator[None]:  # signals cancel the whole server (aospec.signals)
             yield
 
-    app = server.streamable_http_app(host=host)
-    if prefetch is not None:
-        app = _with_prefetch(app, prefetch)
+    mcp_app = server.streamable_http_app(
+        host=host, transport_security=_security_settings(guard), max_request_body_size=guard.max_body
+    )
+    app = guarded(mcp_app if prefetch is None else _with_prefetch(mcp_app, prefetch), guard)
     sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind((host, port))
-    sock.listen(128)
-    sock.setblocking(False)
-    bound = sock.getsockname()[1]
-    userver = _Server(uvicorn.Config(app, log_level="warning", lifespan="on"))
-
-    async def stopper() -> None:
-        await stop.wait()
-        userver.should_exit = True
-
-    print(f"aospec mcp: listening on http://{host}:{bound}/mcp", file=sys.stderr, flush=True)
     try:
-        async with anyio.create_task_group() as tg:
-            tg.start_soon(stopper)
-            await userver.serve(sockets=[sock])
-            tg.cancel_scope.cancel()
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+        sock.listen(128)
+        sock.setblocking(False)
+    except OSError as exc:
+        sock.close()
+        raise ConfigError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
+    bound = sock.getsockname()[1]
+    userver = _Server(uvicorn.Config(app, log_level="warning", lifespan="off"))
+    shown = f"[{host}]" if ":" in host else host
+    print(f"aospec mcp: listening on http://{shown}:{bound}/mcp", file=sys.stderr, flush=True)
+    try:
+        async with mcp_app.router.lifespan_context(mcp_app):  # the session manager: its tasks run the calls
+            try:
+                await userver.serve(sockets=[sock])
+            finally:
+                # cancelled: take no new connection or request before the session manager
+                # goes (its exit cancels the calls in flight, which ends their responses)
+                for listener in userver.servers:
+                    listener.close()
+                for connection in list(userver.server_state.connections):
+                    connection.shutdown()
     finally:
+        quiet_shutdown()  # the requests whose calls were cancelled on the way out are no errors
+        for task in list(userver.server_state.tasks):
+            task.cancel()
         sock.close()
 
 
@@ -638,7 +743,14 @@ async def _sandbox_backend(args: argparse.Namespace) -> AsyncIterator[SandboxToo
 
             # closed on the way out whatever ends the server (EOF, a signal, an error): every
             # memfd is closed and the abstract socket goes with the listener
-            artifacts = stack.enter_context(ArtifactServer(threshold=args.artifact_threshold, backing="memfd"))
+            artifacts = stack.enter_context(
+                ArtifactServer(
+                    threshold=args.artifact_threshold,
+                    backing="memfd",
+                    max_bytes=int(args.max_held_mb * (1 << 20)),
+                    limit_flag="--max-held-mb",
+                )
+            )
         root = await stack.enter_async_context(open_sandbox(**overrides))
         tg = await stack.enter_async_context(anyio.create_task_group())
         backend = SandboxToolServer(
@@ -659,8 +771,8 @@ async def _sandbox_backend(args: argparse.Namespace) -> AsyncIterator[SandboxToo
             with anyio.CancelScope(shield=True):
                 await backend.aclose()
             tg.cancel_scope.cancel()
-    if args.stats:
-        print(f"aospec mcp: {backend.stats.as_dict()}", file=sys.stderr)
+            if args.stats:
+                print(f"aospec mcp: {backend.stats.as_dict()}", file=sys.stderr)
 
 
 def _text(result: types.CallToolResult) -> str:
@@ -683,70 +795,91 @@ def _predictor(args: argparse.Namespace, eligible: Callable[[Action], bool]) -> 
 
 
 async def _serve(args: argparse.Namespace) -> None:
+    """Serve until the input ends (stdio) or a signal cancels it (SIGINT, and SIGTERM and
+    SIGHUP through aospec.signals, which the ``aospec`` dispatcher sets for every verb)."""
     if args.upstream:
         from aospec.integrations._mcp_proxy import open_proxy
 
         opener: Any = open_proxy(args, _predictor)
     else:
         opener = _sandbox_backend(args)
-    async with opener as backend, anyio.create_task_group() as tg:
-        stop = anyio.Event()
-
-        async def on_signal() -> None:
-            with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
-                async for _ in signals:
-                    stop.set()  # HTTP: uvicorn shuts down gracefully
-                    if args.http is None:
-                        tg.cancel_scope.cancel()
-                    return
-
-        tg.start_soon(on_signal)
+    async with opener as backend:
         server = build_server(backend)
         if args.http is not None:
-            await serve_http(
-                server, args.host, args.http, stop, None if args.no_speculate else getattr(backend, "prefetch", None)
-            )
+            prefetch = None if args.no_speculate else getattr(backend, "prefetch", None)
+            await serve_http(server, args.host, args.http, args.guard, prefetch)
         else:
             await serve_stdio(server)
-        tg.cancel_scope.cancel()
 
 
-def _run(args: argparse.Namespace) -> int:
+def _positive(value: float | None) -> bool:
+    return value is not None and math.isfinite(value) and value > 0
+
+
+def _usage_error(args: argparse.Namespace) -> str | None:
+    """The first option that does not fit, as one line; None when all do."""
     if args.upstream and (args.state or args.backend != "overlay" or args.base != "busybox"):
-        print(
-            "aospec mcp: --state, --backend and --base apply to the sandbox tools, not to --upstream", file=sys.stderr
-        )
-        return 2
+        return "--state, --backend and --base apply to the sandbox tools, not to --upstream"
     artifact_opts = [
         flag
         for flag, given in (
             ("--max-artifact-mb", args.max_artifact_mb is not None),
             ("--artifact-threshold", args.artifact_threshold is not None),
             ("--artifact-ttl", args.artifact_ttl is not None),
+            ("--max-held-mb", args.max_held_mb is not None),
         )
         if given
     ]
     if args.artifacts and args.upstream:
-        print("aospec mcp: --artifacts applies to the sandbox tools, not to --upstream", file=sys.stderr)
-        return 2
+        return "--artifacts applies to the sandbox tools, not to --upstream"
     if artifact_opts and not args.artifacts:
-        print(f"aospec mcp: {', '.join(artifact_opts)}: only with --artifacts", file=sys.stderr)
-        return 2
+        return f"{', '.join(artifact_opts)}: only with --artifacts"
     args.max_artifact_mb = MAX_ARTIFACT_BYTES / (1 << 20) if args.max_artifact_mb is None else args.max_artifact_mb
     args.artifact_threshold = _inline_threshold() if args.artifact_threshold is None else args.artifact_threshold
     args.artifact_ttl = 300.0 if args.artifact_ttl is None else args.artifact_ttl
-    if args.max_artifact_mb <= 0 or args.artifact_threshold < 1 or args.artifact_ttl <= 0:
-        print(
-            "aospec mcp: --max-artifact-mb and --artifact-ttl must be > 0, --artifact-threshold >= 1", file=sys.stderr
-        )
+    args.max_held_mb = MAX_HELD_BYTES / (1 << 20) if args.max_held_mb is None else args.max_held_mb
+    if not (_positive(args.max_artifact_mb) and _positive(args.artifact_ttl) and _positive(args.max_held_mb)):
+        return "--max-artifact-mb, --max-held-mb and --artifact-ttl must be finite numbers > 0"
+    if args.artifact_threshold < 1:
+        return "--artifact-threshold must be >= 1"
+    if args.timeout is not None and not _positive(args.timeout):
+        return f"--timeout must be a finite number of seconds > 0, got {args.timeout:g}"
+    if args.max_forks < 0 or args.speculate < 0:
+        return "--max-forks and --speculate must be >= 0"
+    if not _positive(args.max_body_mb):
+        return "--max-body-mb must be a finite number > 0"
+    if args.http is None and args.token_file is not None:
+        return "--token-file: only with --http (stdio needs no token)"
+    return None
+
+
+def _run(args: argparse.Namespace) -> int:
+    problem = _usage_error(args)
+    if problem is not None:
+        print(f"aospec mcp: {problem}", file=sys.stderr)
         return 2
+    if args.http is not None:
+        try:
+            token, generated = resolve_token("aospec mcp", args.host, args.token_file)
+        except ConfigError as exc:
+            print(f"aospec mcp: {exc}".replace("aospec mcp: aospec mcp: ", "aospec mcp: "), file=sys.stderr)
+            return 2
+        args.guard = HttpGuard.for_bind(args.host, token, int(args.max_body_mb * (1 << 20)))
+        if generated:
+            print(
+                f"aospec mcp: token {token} (clients send 'Authorization: Bearer {token}'; "
+                "--token-file FILE or AOSPEC_TOKEN sets one)",
+                file=sys.stderr,
+                flush=True,
+            )
     if args.upstream and not args.trust and not args.no_speculate:
         print("aospec mcp: note: no --trust file, so no upstream tool is speculated", file=sys.stderr)
     try:
         anyio.run(_serve, args)
-    except KeyboardInterrupt:
-        return 130
-    except (OSError, ValueError, SandboxError, ConnectionError) as exc:
+    except KeyboardInterrupt:  # SIGINT, SIGTERM or SIGHUP: everything was cancelled and cleaned up
+        print("aospec mcp: stopped", file=sys.stderr)
+        return 0
+    except (OSError, ValueError, SandboxError, ConnectionError, ConfigError) as exc:
         print(f"aospec mcp: {exc}", file=sys.stderr)
         return 1
     except BaseExceptionGroup as group:  # a transport's task group wraps what failed
@@ -783,8 +916,27 @@ def register(subparsers: Any) -> None:
     )
     t = p.add_mutually_exclusive_group()
     t.add_argument("--stdio", action="store_true", help="serve on stdin/stdout (the default)")
-    t.add_argument("--http", type=int, metavar="PORT", help="serve streamable HTTP at http://HOST:PORT/mcp (0: any)")
-    p.add_argument("--host", default="127.0.0.1", help="address for --http (default 127.0.0.1)")
+    t.add_argument(
+        "--http", type=port_number, metavar="PORT", help="serve streamable HTTP at http://HOST:PORT/mcp (0: any)"
+    )
+    p.add_argument(
+        "--host",
+        default="127.0.0.1",
+        help="address for --http (default 127.0.0.1; any other than a loopback one needs --token-file or AOSPEC_TOKEN)",
+    )
+    p.add_argument(
+        "--token-file",
+        metavar="FILE",
+        help="with --http: the bearer token every request must carry (default: $AOSPEC_TOKEN, else a new one, "
+        "printed on stderr)",
+    )
+    p.add_argument(
+        "--max-body-mb",
+        type=float,
+        default=MAX_BODY_BYTES / (1 << 20),
+        metavar="MB",
+        help=f"with --http: the largest request body (default {MAX_BODY_BYTES >> 20})",
+    )
     p.add_argument("--backend", default="overlay", help="sandbox backend: overlay (default) or docker")
     p.add_argument("--base", default="busybox", help="sandbox base (default busybox)")
     p.add_argument("--state", metavar="DIR", help="a persistent sandbox state directory (kept on exit)")
@@ -832,6 +984,14 @@ def register(subparsers: Any) -> None:
         metavar="BYTES",
         help="with --artifacts: outputs of at least this many bytes go out of band; smaller exports travel "
         "inline in the ref, base64 (default 65536)",
+    )
+    p.add_argument(
+        "--max-held-mb",
+        type=float,
+        default=None,
+        metavar="MB",
+        help="with --artifacts: published results held at once, at most; the oldest untaken ones make room "
+        f"(default {MAX_HELD_BYTES >> 20})",
     )
     p.add_argument(
         "--artifact-ttl",

@@ -53,6 +53,7 @@ import asyncio
 import contextlib
 import json
 import math
+import os
 import socket
 import sys
 import time
@@ -61,10 +62,20 @@ from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from aospec.integrations._asgi import read_body
 from aospec.integrations._proxy_actions import Prefetcher, watch
 from aospec.live.chat import ChatFormat
 
+from aospec._http import (
+    TOKEN_HEADER,
+    UPSTREAM_TOKEN_ENV,
+    HttpGuard,
+    error_response,
+    guarded,
+    port_number,
+    quiet_shutdown,
+    resolve_token,
+    token_of,
+)
 from aospec.errors import ConfigError
 from aospec.protocols import ObservationDrafter
 from aospec.types import History, Turn, canonical_json, version_hash
@@ -83,8 +94,13 @@ KNOWN_FIELDS = frozenset(
 #: Request headers never forwarded (hop-by-hop, or recomputed).
 _DROP_REQUEST = frozenset(
     {"host", "content-length", "connection", "keep-alive", "transfer-encoding", "te", "upgrade",
-     "proxy-connection", "proxy-authorization"}
+     "proxy-connection", "proxy-authorization", TOKEN_HEADER}
 )  # fmt: skip
+#: A chat request nested deeper than this is pass-through: the proxy's own processing of a
+#: speculable request recurses over it (an iterative check, so any depth is safe to forward).
+MAX_SPECULABLE_DEPTH = 64
+#: The largest request body (``--max-body-mb``): a long conversation, images included.
+MAX_BODY_BYTES = 32 << 20
 #: Response headers never forwarded (hop-by-hop, or the proxy's server sets its own).
 _DROP_RESPONSE = frozenset({"connection", "keep-alive", "transfer-encoding", "date", "server"})
 #: Headers that differ between attempts of the same request (the openai SDK's retry
@@ -138,12 +154,27 @@ def _no_dupes(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
 
 
 def _strict_json(data: bytes) -> Any:
-    """The JSON value of ``data``; ValueError on bad JSON, duplicate keys or NaN."""
+    """The JSON value of ``data``; ValueError on bad JSON, duplicate keys, NaN, or nesting
+    deeper than the parser's recursion allows."""
 
     def bad_constant(name: str) -> Any:
         raise ValueError(f"non-finite number {name}")
 
-    return json.loads(data, object_pairs_hook=_no_dupes, parse_constant=bad_constant)
+    try:
+        return json.loads(data, object_pairs_hook=_no_dupes, parse_constant=bad_constant)
+    except RecursionError:
+        raise ValueError("nested too deeply") from None
+
+
+def _depth(value: Any) -> int:
+    """How deeply ``value`` nests lists and objects (iteratively: any depth is safe)."""
+    deepest, todo = 0, [(value, 1)]
+    while todo:
+        v, d = todo.pop()
+        if isinstance(v, dict | list):
+            deepest = max(deepest, d)
+            todo.extend((x, d + 1) for x in (v.values() if isinstance(v, dict) else v))
+    return deepest
 
 
 def _msg_digest(prev: str, message: Any) -> str:
@@ -162,7 +193,7 @@ def _digests(messages: Sequence[Any]) -> list[str]:
 
 def speculable(body: Any) -> bool:
     """Whether a chat request may be answered from a speculative one (module doc)."""
-    if not isinstance(body, dict) or not set(body) <= KNOWN_FIELDS:
+    if not isinstance(body, dict) or not set(body) <= KNOWN_FIELDS or _depth(body) > MAX_SPECULABLE_DEPTH:
         return False
     msgs = body.get("messages")
     if not isinstance(msgs, list) or not msgs or not all(isinstance(m, dict) for m in msgs):
@@ -184,6 +215,8 @@ def reply_message(body: bytes, stream: bool) -> dict[str, Any] | None:
     try:
         if not stream:
             obj = json.loads(body)
+            if _depth(obj) > MAX_SPECULABLE_DEPTH:
+                return None
             choices = obj.get("choices")
             if not isinstance(choices, list) or len(choices) != 1 or not isinstance(choices[0].get("message"), dict):
                 return None
@@ -201,6 +234,8 @@ def reply_message(body: bytes, stream: bool) -> dict[str, Any] | None:
                 done = True
                 break
             obj = json.loads(payload)
+            if _depth(obj) > MAX_SPECULABLE_DEPTH:
+                return None
             for choice in obj.get("choices") or ():
                 if choice.get("index", 0) != 0:
                     return None
@@ -232,7 +267,7 @@ def reply_message(body: bytes, stream: bool) -> dict[str, Any] | None:
                 for _, c in sorted(calls.items())
             ]
         return msg
-    except (ValueError, AttributeError, TypeError, UnicodeDecodeError):
+    except (ValueError, AttributeError, TypeError, UnicodeDecodeError, RecursionError):
         return None
 
 
@@ -452,7 +487,13 @@ def _match_headers(headers: Sequence[tuple[str, str]]) -> str:
 
 class SpeculatingProxy:
     """The ASGI app (module doc). ``drafters`` are aospec observation drafters (None: none,
-    pass-through only); at most ``max_speculative`` speculative requests are in flight."""
+    pass-through only); at most ``max_speculative`` speculative requests are in flight.
+
+    ``guard`` (:class:`aospec._http.HttpGuard`; default: a loopback server's Host/Origin
+    checks and :data:`MAX_BODY_BYTES`, no token) checks every request first. A token the
+    client sent for the proxy (``Authorization: Bearer`` or ``X-Aospec-Token``) is never
+    forwarded; ``upstream_token`` (``$AOSPEC_UPSTREAM_TOKEN`` for ``aospec proxy``) goes
+    upstream as ``Authorization: Bearer``. ``mcp_token`` is the ``--mcp`` server's token."""
 
     def __init__(
         self,
@@ -465,12 +506,27 @@ class SpeculatingProxy:
         max_remembered: int = 1024,
         mcp: str | None = None,
         command_tools: Sequence[str] = (),
+        guard: HttpGuard | None = None,
+        upstream_token: str | None = None,
+        mcp_token: str | None = None,
     ) -> None:
+        import httpx
+
         if not upstream.startswith(("http://", "https://")):
             raise ConfigError(f"proxy: --upstream must be an http(s) URL, got {upstream!r}")
         if max_speculative < 0:
             raise ConfigError("proxy: max_speculative must be >= 0")
+        try:
+            base = httpx.URL(upstream.rstrip("/"))
+        except httpx.InvalidURL as exc:
+            raise ConfigError(f"proxy: --upstream {upstream!r} is not a valid URL: {exc}") from None
+        if not base.host or base.query or base.fragment or base.userinfo:
+            raise ConfigError(f"proxy: --upstream must be scheme://host[:port][/path], got {upstream!r}")
+        self._base = base
+        self._base_path = base.raw_path.rstrip(b"/")
         self.upstream = upstream.rstrip("/")
+        self.guard = guard if guard is not None else HttpGuard.for_bind("127.0.0.1", None, MAX_BODY_BYTES)
+        self.upstream_token = upstream_token
         self.drafters = tuple(drafters or ())
         self.max_speculative = max_speculative
         self.timeout_s = timeout_s
@@ -489,10 +545,11 @@ class SpeculatingProxy:
         self._prefetcher: Prefetcher | None = None
         if mcp is not None:
             try:
-                self._prefetcher = Prefetcher(mcp, self.stats)
+                self._prefetcher = Prefetcher(mcp, self.stats, token=mcp_token)
             except ValueError as exc:
                 raise ConfigError(f"proxy: {exc}") from None
         self._watchers: set[asyncio.Task[None]] = set()
+        self._guarded = guarded(self._serve, self.guard)
 
     # -- plumbing --------------------------------------------------------------------------
 
@@ -523,9 +580,21 @@ class SpeculatingProxy:
             await self._client.aclose()
             self._client = None
 
-    def _url(self, path: str, query: bytes) -> str:
-        rest = path[3:] if path == "/v1" or path.startswith("/v1/") else path
-        return self.upstream + rest + (("?" + query.decode("latin-1")) if query else "")
+    def _url(self, raw_path: bytes, query: bytes) -> Any:
+        """The upstream URL of a request target: the upstream's scheme and host, its path
+        joined with the target's path (less a leading ``/v1``), the target's query. Built
+        from parts, never by concatenating the target onto the upstream (a target such as
+        ``@host:port/x`` would otherwise name another host); ValueError for a target that is
+        not a plain path (``*``, an absolute URL) or holds dot segments."""
+        from urllib.parse import unquote_to_bytes
+
+        if not raw_path.startswith(b"/") or raw_path.startswith(b"//"):
+            raise ValueError("the request target must be a path starting with one /")
+        segments = unquote_to_bytes(raw_path).split(b"/")
+        if b".." in segments or b"." in segments:
+            raise ValueError("the request path must not hold . or .. segments")
+        rest = raw_path[3:] if raw_path == b"/v1" or raw_path.startswith(b"/v1/") else raw_path
+        return self._base.copy_with(raw_path=self._base_path + rest + (b"?" + query if query else b""))
 
     def _start(self, method: str, url: str, headers: list[tuple[str, str]], body: bytes) -> _Upstream:
         up = _Upstream()
@@ -544,12 +613,17 @@ class SpeculatingProxy:
                     await self.aclose()
                     await send({"type": "lifespan.shutdown.complete"})
                     return
+        await self._guarded(scope, receive, send)
+
+    async def _serve(self, scope: Any, receive: Callable[[], Awaitable[Any]], send: Any) -> None:
+        """One request that passed the guard (its whole body is the first message)."""
         if scope["type"] != "http":
             return
         self.stats.requests += 1
-        body = await read_body(receive)
-        if body is None:
+        msg = await receive()
+        if msg["type"] != "http.request":
             return
+        body = msg.get("body", b"")
         method, path = scope["method"], scope["path"]
         if method == "GET" and path == "/aospec/stats":
             data = json.dumps(self.stats.to_json()).encode()
@@ -558,13 +632,21 @@ class SpeculatingProxy:
             )
             await send({"type": "http.response.body", "body": data})
             return
+        try:
+            url = self._url(scope.get("raw_path") or path.encode(), scope.get("query_string", b""))
+        except ValueError as exc:
+            await error_response(send, 400, f"aospec proxy: {exc}", "bad_target")
+            return
+        _, used = token_of(scope["headers"]) if self.guard.token is not None else (None, None)
         headers = [
             (k.decode("latin-1"), v.decode("latin-1"))
             for k, v in scope["headers"]
             if k.decode("latin-1").lower() not in _DROP_REQUEST
+            and not (used == "authorization" and k.lower() == b"authorization")  # the proxy's own token
         ]
-        raw_path = scope.get("raw_path")
-        url = self._url(raw_path.decode("latin-1") if raw_path else path, scope.get("query_string", b""))
+        if self.upstream_token is not None:
+            headers = [(k, v) for k, v in headers if k.lower() != "authorization"]
+            headers.append(("authorization", f"Bearer {self.upstream_token}"))
         if method == "POST" and path.endswith(_CHAT_PATHS):
             # chat replies are read by the proxy: ask for them uncompressed
             headers = [(k, v) for k, v in headers if k.lower() != "accept-encoding"] + [("accept-encoding", "identity")]
@@ -667,7 +749,8 @@ class SpeculatingProxy:
         except (ValueError, UnicodeDecodeError):
             body = None
         messages = body.get("messages") if isinstance(body, dict) else None
-        digests = _digests(messages) if isinstance(messages, list) else []
+        shallow = isinstance(messages, list) and _depth(body) <= MAX_SPECULABLE_DEPTH
+        digests = _digests(messages) if shallow else []  # type: ignore[arg-type]
         spec_ok = speculable(body)
         if not spec_ok:
             self.stats.passthrough += 1
@@ -898,12 +981,31 @@ def register(subparsers: Any) -> None:
         help="an OpenAI-compatible proxy that speculates tool observations (change only the harness's base URL)",
         description="Forward every request to --upstream unchanged; for deterministic chat completions, draft "
         "the harness's next request while it runs its tool and pre-issue it upstream, answering the real request "
-        "from it when they are equal. Harness base URL: http://HOST:PORT/v1. Stats: GET /aospec/stats. "
+        "from it when they are equal. Harness base URL: http://HOST:PORT/v1, its API key the proxy's token "
+        "(printed at start, or --token-file / AOSPEC_TOKEN). Stats: GET /aospec/stats. "
         "Example: aospec proxy --upstream http://127.0.0.1:8000/v1 --port 8001",
     )
     p.add_argument("--upstream", required=True, help="the upstream API root, e.g. http://127.0.0.1:8000/v1")
-    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
-    p.add_argument("--port", type=int, default=8001, help="port (default 8001; 0 picks a free one)")
+    p.add_argument(
+        "--host",
+        default="127.0.0.1",
+        help="address to listen on (default 127.0.0.1; any other than a loopback one needs --token-file or "
+        "AOSPEC_TOKEN)",
+    )
+    p.add_argument("--port", type=port_number, default=8001, help="port (default 8001; 0 picks a free one)")
+    p.add_argument(
+        "--token-file",
+        metavar="FILE",
+        help="the bearer token every request must carry (the harness's API key; default: $AOSPEC_TOKEN, else a "
+        "new one, printed at start); the upstream gets $AOSPEC_UPSTREAM_TOKEN instead, when set",
+    )
+    p.add_argument(
+        "--max-body-mb",
+        type=float,
+        default=MAX_BODY_BYTES / (1 << 20),
+        metavar="MB",
+        help=f"the largest request body (default {MAX_BODY_BYTES >> 20})",
+    )
     p.add_argument("--max-speculative", type=int, default=2, help="speculative upstream requests in flight (default 2)")
     p.add_argument("--train", nargs="*", default=[], help="traces to fit the drafters on (any format aospec reads)")
     p.add_argument("--bundled", action="store_true", help="fit the drafters on the bundled tb1 sample too")
@@ -913,6 +1015,11 @@ def register(subparsers: Any) -> None:
         metavar="URL",
         help="the `aospec mcp --http` server (http://HOST:PORT/mcp) that executes the harness's tools: start each "
         "action in a fork there as soon as the reply holds it",
+    )
+    p.add_argument(
+        "--mcp-token-file",
+        metavar="FILE",
+        help="the --mcp server's token (default: $AOSPEC_MCP_TOKEN, else $AOSPEC_TOKEN)",
     )
     p.add_argument(
         "--command-tool",
@@ -932,44 +1039,76 @@ def default_drafters(train: Sequence[Any] = ()) -> tuple[Any, ...]:
     return tuple(live_defaults(list(train)).observation)
 
 
-def _probe(upstream: str) -> None:
+def _probe(app: SpeculatingProxy) -> None:
     """Warn (not fail: it may start later) when the upstream does not answer now."""
     import httpx
 
+    headers = {"Authorization": f"Bearer {app.upstream_token}"} if app.upstream_token else {}
     try:
-        httpx.get(f"{upstream}/models", timeout=3.0)
+        httpx.get(app._url(b"/models", b""), headers=headers, timeout=3.0)
     except httpx.HTTPError as exc:
         print(
-            f"aospec proxy: warning: upstream {upstream} does not answer now ({type(exc).__name__}: {exc}); "
+            f"aospec proxy: warning: upstream {app.upstream} does not answer now ({type(exc).__name__}: {exc}); "
             "requests get a 502 until it does",
             file=sys.stderr,
             flush=True,
         )
 
 
+def _mcp_token(args: argparse.Namespace) -> str | None:
+    from aospec._http import read_token_file
+
+    if args.mcp_token_file is not None:
+        return read_token_file(args.mcp_token_file)
+    return os.environ.get("AOSPEC_MCP_TOKEN", "").strip() or os.environ.get("AOSPEC_TOKEN", "").strip() or None
+
+
 def _serve(args: argparse.Namespace) -> int:
     import uvicorn
     from aospec.live.serve_trace import _bind
 
+    if not (math.isfinite(args.max_body_mb) and args.max_body_mb > 0):
+        raise ConfigError("proxy: --max-body-mb must be a finite number > 0")
+    if args.max_speculative < 0:
+        raise ConfigError("proxy: --max-speculative must be >= 0")
+    token, generated = resolve_token("proxy", args.host, args.token_file)
+    mcp = None if args.no_speculate else args.mcp
+    mcp_token = _mcp_token(args) if mcp else None
+    if mcp and mcp_token is None:
+        raise ConfigError(
+            "proxy: --mcp needs that server's token: --mcp-token-file FILE or AOSPEC_MCP_TOKEN (or AOSPEC_TOKEN, "
+            "when the proxy and the server share one)"
+        )
+    app = proxy_app(
+        args.upstream,
+        drafters=(),
+        max_speculative=args.max_speculative,
+        mcp=mcp,
+        command_tools=args.command_tool,
+        guard=HttpGuard.for_bind(args.host, token, int(args.max_body_mb * (1 << 20))),
+        upstream_token=os.environ.get(UPSTREAM_TOKEN_ENV, "").strip() or None,
+        mcp_token=mcp_token,
+    )
     train: list[Any] = []
     if args.train or args.bundled:
         from aospec.replay import bundled_traces_path, load_traces
 
         train = load_traces([*args.train, *([str(bundled_traces_path())] if args.bundled else [])])
-    drafters = () if args.no_speculate else default_drafters(train)
-    mcp = None if args.no_speculate else args.mcp
-    app = proxy_app(
-        args.upstream,
-        drafters=drafters,
-        max_speculative=args.max_speculative,
-        mcp=mcp,
-        command_tools=args.command_tool,
-    )
-    _probe(app.upstream)
-    sock = _bind(args.host, args.port)
+    app.drafters = () if args.no_speculate else default_drafters(train)
+    _probe(app)
+    sock = _bind(args.host, args.port, "proxy")
     host = f"[{args.host}]" if ":" in args.host else args.host
+    if generated:
+        print(
+            f"aospec proxy: token {token} (the harness's API key: it sends 'Authorization: Bearer {token}'; "
+            "--token-file FILE or AOSPEC_TOKEN sets one)",
+            flush=True,
+        )
     print(f"aospec proxy at http://{host}:{sock.getsockname()[1]}/v1 -> {app.upstream}; Ctrl-C stops", flush=True)
+    # uvicorn stops gracefully on SIGINT and SIGTERM (SIGHUP too: aospec.signals turns it into
+    # SIGINT), waiting at most a second for requests in flight
     config = uvicorn.Config(app, log_level="warning", access_log=False, lifespan="on", timeout_graceful_shutdown=1)
+    quiet_shutdown()
     try:
         asyncio.run(uvicorn.Server(config).serve(sockets=[sock]))
     except KeyboardInterrupt:

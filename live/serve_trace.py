@@ -39,6 +39,7 @@ from typing import Any
 import anyio
 from aospec.live.chat import ChatFormat, estimate_tokens
 
+from aospec._http import GuardMiddleware, HttpGuard, port_number, quiet_shutdown, resolve_token
 from aospec.errors import ConfigError
 from aospec.types import Step, Trace, canonical_json
 
@@ -53,6 +54,8 @@ __all__ = [
 ]
 
 _FORMAT = ChatFormat()
+#: The largest request body (``--max-body-mb``).
+MAX_BODY_BYTES = 32 << 20
 
 
 def reply_text(step: Step) -> str:
@@ -220,6 +223,20 @@ class _Reply:
             self.stats.log.append((self.tid, self.index, "done"))
 
 
+def _request_problem(body: Any) -> str | None:
+    """What makes a chat request unservable, as one line; None when nothing does."""
+    if not isinstance(body, dict) or not isinstance(body.get("messages"), list):
+        return "the body must be a JSON object with a 'messages' list"
+    for key, kind, name in (("stream", bool, "true or false"), ("stream_options", dict, "an object")):
+        if body.get(key) is not None and not isinstance(body[key], kind):
+            return f"{key!r} must be {name}, got {_json_type(body[key])}"
+    return None
+
+
+def _json_type(value: Any) -> str:
+    return {dict: "an object", list: "an array", str: "a string", bool: "a boolean"}.get(type(value), "a number")
+
+
 def serve_trace_app(
     traces: Sequence[Trace],
     tpot_ms: float,
@@ -228,11 +245,15 @@ def serve_trace_app(
     trace_id: str | None = None,
     model: str = "serve-trace",
     chunk_ms: float = 5.0,
+    guard: HttpGuard | None = None,
 ) -> Any:
     """The ASGI app (starlette) that serves ``traces``; ``app.state.stats`` is its
     :class:`ServeStats`. ``chunk_ms`` groups tokens so a chunk spans at least that long
-    (one token per chunk when tpot >= chunk_ms)."""
+    (one token per chunk when tpot >= chunk_ms). ``guard`` checks every request first
+    (:mod:`aospec._http`; default: a loopback server's Host/Origin checks and
+    :data:`MAX_BODY_BYTES`, no token)."""
     from starlette.applications import Starlette
+    from starlette.middleware import Middleware
     from starlette.requests import Request
     from starlette.routing import Route
 
@@ -273,12 +294,13 @@ def serve_trace_app(
         stats.requests += 1
         try:
             body = await request.json()
-        except ValueError:
+        except (ValueError, RecursionError):  # RecursionError: nested deeper than the parser goes
             body = None
-        if not isinstance(body, dict) or not isinstance(body.get("messages"), list):
+        problem = _request_problem(body)
+        if problem is not None:
             stats.errors += 1
             stats.log.append((None, None, "400"))
-            return _error(400, "the body must be a JSON object with a 'messages' list")
+            return _error(400, f"serve-trace: {problem}")
         messages = [m for m in body["messages"] if isinstance(m, Mapping)]
         first_user = next((_text_of(m.get("content")) for m in messages if m.get("role") == "user"), "")
         trace = pick(first_user, request.headers.get("x-trace-id"))
@@ -345,6 +367,7 @@ def serve_trace_app(
     async def not_found(request: Request, exc: Exception) -> Any:
         return _error(404, f"serve-trace: no route {request.method} {request.url.path}", code="not_found")
 
+    guard = guard if guard is not None else HttpGuard.for_bind("127.0.0.1", None, MAX_BODY_BYTES)
     app = Starlette(
         routes=[
             Route("/v1/chat/completions", completions, methods=["POST"]),
@@ -352,6 +375,7 @@ def serve_trace_app(
             Route("/v1/models", models, methods=["GET"]),
             Route("/models", models, methods=["GET"]),
         ],
+        middleware=[Middleware(GuardMiddleware, guard=guard)],
     )
     app.add_exception_handler(404, not_found)
     app.state.stats = stats
@@ -380,15 +404,16 @@ class TraceServer:
         return getattr(self.app.state, "stats", None) if hasattr(self.app, "state") else None
 
 
-def _bind(host: str, port: int) -> socket.socket:
+def _bind(host: str, port: int, prog: str = "serve-trace") -> socket.socket:
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
         sock.bind((host, port))
-    except OSError as exc:
+    except (OSError, OverflowError) as exc:  # OverflowError: a port over 65535
         sock.close()
-        raise ConfigError(f"serve-trace: cannot listen on {host}:{port}: {exc.strerror or exc}") from None
+        reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else exc
+        raise ConfigError(f"{prog}: cannot listen on {host}:{port}: {reason}") from None
     sock.listen(512)
     sock.setblocking(False)
     return sock
@@ -476,9 +501,27 @@ def register(subparsers: Any) -> None:
     p.add_argument("--tpot-ms", type=float, required=True, help="milliseconds per output token")
     p.add_argument("--ttft-ms", type=float, default=0.0, help="milliseconds before the first token (default 0)")
     p.add_argument("--trace-id", default=None, help="serve this trace to every conversation")
-    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
-    p.add_argument("--port", type=int, default=8000, help="port (default 8000; 0 picks a free one)")
+    p.add_argument(
+        "--host",
+        default="127.0.0.1",
+        help="address to listen on (default 127.0.0.1; any other than a loopback one needs --token-file or "
+        "AOSPEC_TOKEN)",
+    )
+    p.add_argument("--port", type=port_number, default=8000, help="port (default 8000; 0 picks a free one)")
     p.add_argument("--model", default="serve-trace", help="the model name /v1/models lists (default serve-trace)")
+    p.add_argument(
+        "--token-file",
+        metavar="FILE",
+        help="a bearer token every request must carry (the client's API key; default: $AOSPEC_TOKEN, else none "
+        "on a loopback address)",
+    )
+    p.add_argument(
+        "--max-body-mb",
+        type=float,
+        default=MAX_BODY_BYTES / (1 << 20),
+        metavar="MB",
+        help=f"the largest request body (default {MAX_BODY_BYTES >> 20})",
+    )
     p.set_defaults(func=_serve)
 
 
@@ -488,8 +531,15 @@ def _serve(args: argparse.Namespace) -> int:
     paths = list(args.trace) + ([str(bundled_traces_path())] if args.bundled else [])
     if not paths:
         raise ConfigError("serve-trace: give TRACE paths or --bundled")
+    if not (math.isfinite(args.max_body_mb) and args.max_body_mb > 0):
+        raise ConfigError("serve-trace: --max-body-mb must be a finite number > 0")
+    # it serves recorded replies and runs nothing: a token is optional on loopback
+    token, _ = resolve_token("serve-trace", args.host, args.token_file, required=False)
     traces = load_traces(paths)
-    app = serve_trace_app(traces, args.tpot_ms, ttft_ms=args.ttft_ms, trace_id=args.trace_id, model=args.model)
+    guard = HttpGuard.for_bind(args.host, token, int(args.max_body_mb * (1 << 20)))
+    app = serve_trace_app(
+        traces, args.tpot_ms, ttft_ms=args.ttft_ms, trace_id=args.trace_id, model=args.model, guard=guard
+    )
     sock = _bind(args.host, args.port)
     host = f"[{args.host}]" if ":" in args.host else args.host
     print(
@@ -498,8 +548,10 @@ def _serve(args: argparse.Namespace) -> int:
         flush=True,
     )
     server = _uvicorn_server(app)
-    # uvicorn stops on SIGINT/SIGTERM and then raises the signal again for the handler it
-    # found: with these, that second raise is a no-op and the command exits 0.
+    quiet_shutdown()
+    # uvicorn stops on SIGINT/SIGTERM (and SIGHUP, which aospec.signals makes a SIGINT) and
+    # then raises the signal again for the handler it found: with these, that second raise
+    # is a no-op and the command exits 0.
     previous = {sig: signal.signal(sig, lambda *_: None) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
         asyncio.run(server.serve(sockets=[sock]))

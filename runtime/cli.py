@@ -133,7 +133,6 @@ def _exec(args: argparse.Namespace) -> int:
     import anyio
     from aospec.runtime import Bind, Limits, SandboxConfig, open_sandbox
 
-    from aospec.signals import interrupt_on_termination
 
     cmd = list(args.cmd)
     if cmd and cmd[0] == "--":
@@ -185,8 +184,9 @@ def _exec(args: argparse.Namespace) -> int:
             result = await sb.run(command)
             return result, before, sb.version
 
-    with interrupt_on_termination():  # SIGTERM/SIGHUP clean up as Ctrl-C does
-        result, before, after = anyio.run(main)
+    # SIGTERM and SIGHUP clean up as Ctrl-C does: the dispatcher runs every verb under
+    # aospec.signals.interrupt_on_signals()
+    result, before, after = anyio.run(main)
     if args.format == "json":
         print_json(
             {

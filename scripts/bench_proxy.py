@@ -65,12 +65,16 @@ from aospec.protocols import ObservationDraft
 from aospec.types import Action, History, Trace
 
 AOSPEC = str(Path(sys.executable).parent / "aospec")
+#: The servers' token (AOSPEC_TOKEN; the proxy passes it on as AOSPEC_UPSTREAM_TOKEN), the
+#: harness's API key.
+TOKEN = "bench-token"
+ENV = {**os.environ, "AOSPEC_TOKEN": TOKEN, "AOSPEC_UPSTREAM_TOKEN": TOKEN}
 
 
 @contextmanager
 def process(args: list[str]) -> Iterator[str]:
     """Run an aospec verb that prints its ``http://.../v1`` URL; yield the URL."""
-    proc = subprocess.Popen([AOSPEC, *args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc = subprocess.Popen([AOSPEC, *args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=ENV)
     try:
         url = None
         while url is None:
@@ -97,7 +101,7 @@ class OracleDrafter:
 
 
 def harness(base_url: str, trace: Trace, steps: int, max_tool_s: float) -> tuple[float, list[Any]]:
-    client = openai.OpenAI(base_url=base_url, api_key="sk-bench", max_retries=0)
+    client = openai.OpenAI(base_url=base_url, api_key=TOKEN, max_retries=0)
     messages: list[dict[str, Any]] = [
         {"role": "system", "content": "You are a shell agent."},
         {"role": "user", "content": trace.instruction or trace.task},
@@ -142,7 +146,7 @@ def mcp_server() -> Iterator[str]:
     """``aospec mcp --http 0`` on a fresh sandbox, its own predictor off; yields its URL."""
     with tempfile.TemporaryDirectory() as state:
         cmd = [AOSPEC, "mcp", "--http", "0", "--predict", "table", "--timeout", "600"]
-        env = {**os.environ, "AOSPEC_STATE_ROOT": state}
+        env = {**ENV, "AOSPEC_STATE_ROOT": state}
         proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env)
         try:
             url = None
@@ -159,14 +163,19 @@ def mcp_server() -> Iterator[str]:
 
 
 async def action_harness(base_url: str, mcp_url: str, trace: Trace) -> tuple[float, list[Any], list[Any]]:
+    import httpx2
     from aospec.live.chat import ChatFormat
     from mcp import ClientSession
     from mcp.client.streamable_http import streamable_http_client
 
-    client = openai.AsyncOpenAI(base_url=base_url, api_key="sk-bench", max_retries=0)
+    client = openai.AsyncOpenAI(base_url=base_url, api_key=TOKEN, max_retries=0)
     messages: list[dict[str, Any]] = [{"role": "user", "content": trace.instruction or trace.task}]
     seen, metas = [], []
-    async with streamable_http_client(mcp_url) as (read, write), ClientSession(read, write) as session:
+    async with (
+        httpx2.AsyncClient(headers={"Authorization": f"Bearer {TOKEN}"}, timeout=600) as http,
+        streamable_http_client(mcp_url, http_client=http) as (read, write),
+        ClientSession(read, write) as session,
+    ):
         await session.initialize()
         start = time.perf_counter()
         for _ in trace.steps:
@@ -201,7 +210,7 @@ def bench_actions(args: argparse.Namespace, chosen: list[Trace]) -> int:
                     with ExitStack() as stack:
                         up = stack.enter_context(serving(serve_trace_app([trace], tpot)))
                         mcp_url = stack.enter_context(mcp_server())
-                        proxy = proxy_app(up.base_url, mcp=mcp_url if name == "actions-on" else None)
+                        proxy = proxy_app(up.base_url, mcp=mcp_url if name == "actions-on" else None, mcp_token=TOKEN)
                         url = stack.enter_context(serving(proxy)).base_url
                         wall, seen, metas = asyncio.run(action_harness(url, mcp_url, trace))
                     got = (seen, metas[-1]["version"])
@@ -318,7 +327,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                     elif args.processes and drafters is not None:
                         import httpx
 
-                        st = httpx.get(stats_url).json()
+                        st = httpx.get(stats_url, headers={"Authorization": f"Bearer {TOKEN}"}).json()
                 if baseline is None:
                     baseline = seen
                 elif seen != baseline:

@@ -169,7 +169,9 @@ async def _mcp_server(extra: list[str], transport: str) -> Any:
         read, write = await stack.enter_async_context(stdio_client(params))
     else:
         err = stack.enter_context(tempfile.TemporaryFile())  # noqa: SIM115 (closed by the stack)
-        proc = subprocess.Popen([command, *argv, "--http", "0"], stdin=subprocess.DEVNULL, stderr=err)
+        token = "bench-token"  # the server's token (AOSPEC_TOKEN), sent by the client below
+        env = {**os.environ, "AOSPEC_TOKEN": token}
+        proc = subprocess.Popen([command, *argv, "--http", "0"], stdin=subprocess.DEVNULL, stderr=err, env=env)
         stack.callback(proc.wait, 120)
         stack.callback(proc.terminate)
         url = None
@@ -184,7 +186,12 @@ async def _mcp_server(extra: list[str], transport: str) -> Any:
             time.sleep(0.1)
         if url is None:
             raise RuntimeError("aospec mcp --http did not print its URL")
-        read, write = await stack.enter_async_context(streamable_http_client(url))
+        import httpx2
+
+        http = await stack.enter_async_context(
+            httpx2.AsyncClient(headers={"Authorization": f"Bearer {token}"}, timeout=600)
+        )
+        read, write = await stack.enter_async_context(streamable_http_client(url, http_client=http))
     session = await stack.enter_async_context(ClientSession(read, write))
     await session.initialize()
     return stack, session

@@ -47,19 +47,24 @@ count) and whose replies then differed is counted as inconclusive, not as a dive
     scripts/check_lossless.py --actor-server smollm2 --runs 200 --json > real-server.json
 
 Exit status: 0 when every run passed, 1 when any diverged, aborted or leaked a mount, 2 on
-bad arguments.
+bad arguments, 130 when interrupted: SIGINT, SIGTERM and SIGHUP (aospec.signals) stop the
+runs in progress, which unmount and remove their private state roots (under
+``$AOSPEC_LOSSLESS_TMPDIR``, default /var/tmp) as a finished run does.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import multiprocessing
 import os
 import re
+import signal
 import sys
 import tempfile
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Iterator, Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -78,6 +83,7 @@ from aospec.runtime.lossless import (
 )
 
 from aospec.protocols import Sandbox
+from aospec.signals import interrupt_on_signals
 
 KINDS = ("divergence", "aborted", "leak")  # failures; "inconclusive" runs are counted apart
 
@@ -124,17 +130,31 @@ def specbox_layer() -> LayerFactory:
     return layer
 
 
-def _private_state_root() -> Path:
-    root = Path(tempfile.mkdtemp(prefix="aospec-lossless-", dir="/var/tmp"))
-    os.environ["AOSPEC_STATE_ROOT"] = str(root)
-    return root
+@contextlib.contextmanager
+def _private_state_root() -> Iterator[Path]:
+    """A private AOSPEC_STATE_ROOT, unmounted and removed on the way out. The stopping
+    signals wait while it is made, so an interrupt cannot fall between its creation and
+    the ``try`` that removes it."""
+    parent = os.environ.get("AOSPEC_LOSSLESS_TMPDIR") or "/var/tmp"
+    stopping = {signal.SIGINT, signal.SIGTERM, signal.SIGHUP}
+    mask = signal.pthread_sigmask(signal.SIG_BLOCK, stopping)
+    root: Path | None = None
+    try:
+        root = Path(tempfile.mkdtemp(prefix="aospec-lossless-", dir=parent))
+        os.environ["AOSPEC_STATE_ROOT"] = str(root)
+        signal.pthread_sigmask(signal.SIG_SETMASK, mask)  # a pending signal interrupts from here on
+        yield root
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, mask)
+        if root is not None:
+            _fs.unmount_all_under(str(root))
+            _fs.remove_tree(str(root))
 
 
 def _check_seed(
     seed: int, configs: Sequence[str], minimise_failures: bool, specbox: bool = False
 ) -> list[dict[str, Any]]:
     """Every configuration of one seed (in a worker process); one result dict per run."""
-    root = _private_state_root()
     layer = specbox_layer() if specbox else None
 
     async def main() -> list[dict[str, Any]]:
@@ -156,11 +176,9 @@ def _check_seed(
             results.append(result)
         return results
 
-    try:
+    # a worker process: a SIGTERM to it cleans up too
+    with interrupt_on_signals(), _private_state_root() as root:
         return anyio.run(main)
-    finally:
-        _fs.unmount_all_under(str(root))
-        _fs.remove_tree(str(root))
 
 
 def _write_repro(out: Path, result: dict[str, Any], specbox: bool = False) -> Path:
@@ -260,17 +278,26 @@ def _run(args: argparse.Namespace, configs: list[str]) -> int:
         with ProcessPoolExecutor(max_workers=args.jobs) as pool:
             pending: set[Future[list[dict[str, Any]]]] = set()
             todo = iter(plan)
-            for seed, cfgs in todo:
-                pending.add(pool.submit(_check_seed, seed, cfgs, minimise_failures, args.specbox))
-                if len(pending) >= 2 * args.jobs:
-                    break
-            while pending:
-                finished, pending = wait(pending, return_when=FIRST_COMPLETED)
-                for fut in finished:
-                    take(fut.result())
-                    nxt = next(todo, None)
-                    if nxt is not None:
-                        pending.add(pool.submit(_check_seed, nxt[0], nxt[1], minimise_failures, args.specbox))
+            try:
+                for seed, cfgs in todo:
+                    pending.add(pool.submit(_check_seed, seed, cfgs, minimise_failures, args.specbox))
+                    if len(pending) >= 2 * args.jobs:
+                        break
+                while pending:
+                    finished, pending = wait(pending, return_when=FIRST_COMPLETED)
+                    for fut in finished:
+                        take(fut.result())
+                        nxt = next(todo, None)
+                        if nxt is not None:
+                            pending.add(pool.submit(_check_seed, nxt[0], nxt[1], minimise_failures, args.specbox))
+            except KeyboardInterrupt:
+                # seeds not started are dropped; the running ones are interrupted too (a
+                # worker cleans up its own root) and waited for as the pool closes
+                pool.shutdown(wait=False, cancel_futures=True)
+                for child in multiprocessing.active_children():
+                    with contextlib.suppress(ProcessLookupError):
+                        os.kill(child.pid, signal.SIGINT)  # type: ignore[arg-type]
+                raise
     progress(final=True)
     elapsed = time.perf_counter() - started
     if args.json:
@@ -316,16 +343,12 @@ def _repro(args: argparse.Namespace) -> int:
     except (ValueError, KeyError, TypeError, AttributeError) as exc:
         print(f"check_lossless: {path}: not a reproduction file ({type(exc).__name__}: {exc})", file=sys.stderr)
         return 2
-    root = _private_state_root()
+    with _private_state_root() as root:
 
-    async def main() -> list[Any]:
-        return [(await check_case(case, state_root=root, layer=layer))[0] for _ in range(args.runs)]
+        async def main() -> list[Any]:
+            return [(await check_case(case, state_root=root, layer=layer))[0] for _ in range(args.runs)]
 
-    try:
         outcomes = anyio.run(main)
-    finally:
-        _fs.unmount_all_under(str(root))
-        _fs.remove_tree(str(root))
     failed = [o for o in outcomes if o.kind in KINDS]
     if args.json:
         print(json.dumps({"runs": len(outcomes), "failed": len(failed), "outcomes": [o.to_json() for o in outcomes]}))
@@ -606,9 +629,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error(f"--configs: give distinct names among {', '.join(SANDBOX_CONFIGS)} (got {args.configs!r})")
     if os.geteuid() != 0:
         parser.error("needs root (overlayfs mounts)")
-    if args.repro:
-        return _repro(args)
-    return _run(args, configs)
+    try:
+        with interrupt_on_signals():  # SIGTERM and SIGHUP stop the runs as Ctrl-C does
+            return _repro(args) if args.repro else _run(args, configs)
+    except KeyboardInterrupt:
+        print("\ncheck_lossless: interrupted", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

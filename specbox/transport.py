@@ -30,6 +30,16 @@ one step (ownership moves to the consumer). On the last reference the server fre
 artifact (closes the memfd, or unlinks the segment). ``ArtifactServer.sweep(max_age_s)``
 drops token references nobody took in time.
 
+Limits, for a server other local users can reach (an abstract socket is open to every
+process in the network namespace): ``max_bytes`` bounds what the server holds at once
+(published artifacts and ones being filled); a new artifact that would pass it first frees
+the oldest ones only their token holds (published, never taken: the ones a sweep would
+free), and when that is not enough it is refused with :class:`ArtifactBudgetError` naming
+the limit. ``max_connections`` bounds the connections served at once (more wait in the
+listen backlog); the accept loop survives running out of descriptors or threads (it backs
+off and keeps accepting). Every request names the token of a live artifact, ``ping``
+included, so a process without one learns nothing.
+
 For comparison, :class:`JsonRpcServer`/:class:`JsonRpcClient` are a plain JSON-RPC 2.0
 baseline over a Unix socket (``Content-Length`` framing) moving the bytes as base64 in the
 reply, as tool servers usually do. ``scripts/bench_transport.py`` compares the two.
@@ -42,6 +52,7 @@ from __future__ import annotations
 
 import base64
 import contextlib
+import errno
 import fcntl
 import json
 import mmap
@@ -63,6 +74,7 @@ __all__ = [
     "SHM_DIR",
     "SHM_PREFIX",
     "Artifact",
+    "ArtifactBudgetError",
     "ArtifactClient",
     "ArtifactRef",
     "ArtifactServer",
@@ -97,6 +109,10 @@ class UnknownTokenError(TransportError, LookupError):
 
 class ProducerGoneError(TransportError, ConnectionError):
     """The producer's server cannot be reached (it exited or crashed)."""
+
+
+class ArtifactBudgetError(TransportError, MemoryError):
+    """A new artifact does not fit the server's ``max_bytes`` (the message names the limit)."""
 
 
 def _fmt_token(token: int) -> str:
@@ -190,6 +206,8 @@ class ServerStats:
     opened: int = 0
     freed: int = 0
     swept: int = 0
+    evicted: int = 0
+    refused: int = 0
     live: int = 0
     live_bytes: int = 0
 
@@ -204,11 +222,16 @@ class ArtifactWriter:
         self.token = server._new_token()
         self.backing = backing
         self.name: str | None = None
-        if backing == "memfd":
-            self.fd = os.memfd_create(f"aospec-{_fmt_token(self.token)}", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
-        else:
-            self.name = f"{SHM_PREFIX}{os.getpid()}-{_fmt_token(self.token)}"
-            self.fd = os.open(SHM_DIR / self.name, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+        server._reserve(size)  # ArtifactBudgetError when it does not fit
+        try:
+            if backing == "memfd":
+                self.fd = os.memfd_create(f"aospec-{_fmt_token(self.token)}", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+            else:
+                self.name = f"{SHM_PREFIX}{os.getpid()}-{_fmt_token(self.token)}"
+                self.fd = os.open(SHM_DIR / self.name, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+        except BaseException:
+            server._unreserve(size)
+            raise
         try:
             os.ftruncate(self.fd, size)
             self._mmap: mmap.mmap | None = mmap.mmap(self.fd, size) if size else None
@@ -219,6 +242,7 @@ class ArtifactWriter:
         self._done = False
 
     def _free(self) -> None:
+        self._server._unreserve(self.size)
         with contextlib.suppress(OSError):
             os.close(self.fd)
         if self.name is not None:
@@ -268,9 +292,11 @@ class ArtifactServer:
 
     ``address``: a filesystem path, or ``@name`` for a Linux abstract socket (the default,
     ``@aospec-transport-<pid>-<random>``: no file to clean up). ``threshold``: artifacts
-    smaller than this travel inline. ``backing``: ``"memfd"`` or ``"shm"``. Start it with
-    ``start()`` or ``with``; ``close()`` frees every artifact (consumers' mappings stay
-    valid) and ends every connection.
+    smaller than this travel inline. ``backing``: ``"memfd"`` or ``"shm"``. ``max_bytes``
+    (None: no limit), ``limit_flag`` (the option that raises it, named in the refusal) and
+    ``max_connections``: the limits of the module doc. Start it with ``start()`` or
+    ``with``; ``close()`` frees every artifact (consumers' mappings stay valid) and ends
+    every connection.
     """
 
     def __init__(
@@ -280,12 +306,21 @@ class ArtifactServer:
         threshold: int = INLINE_THRESHOLD,
         backing: Backing = "memfd",
         sweep: bool = True,
+        max_bytes: int | None = None,
+        limit_flag: str | None = None,
+        max_connections: int = 64,
     ) -> None:
         if backing not in ("memfd", "shm"):
             raise ValueError(f"unknown backing {backing!r}")
+        if max_connections < 1 or (max_bytes is not None and max_bytes < 0):
+            raise ValueError("max_connections must be >= 1 and max_bytes >= 0")
         self.address = address or f"@aospec-transport-{os.getpid()}-{secrets.token_hex(6)}"
         self.threshold = threshold
         self.backing: Backing = backing
+        self.max_bytes = max_bytes
+        self.limit_flag = limit_flag
+        self._pending_bytes = 0  # of writers not yet published
+        self._slots = threading.BoundedSemaphore(max_connections)
         self._lock = threading.Lock()
         self._entries: dict[int, _Entry] = {}
         self._stats = ServerStats()
@@ -371,6 +406,7 @@ class ArtifactServer:
     def _register(self, writer: ArtifactWriter) -> ArtifactRef:
         entry = _Entry(writer.token, writer.size, writer.backing, writer.fd, writer.name, created=time.monotonic())
         with self._lock:
+            self._pending_bytes -= writer.size  # now counted as a live entry
             self._entries[entry.token] = entry
             self._bump(published=1)
         return ArtifactRef(entry.size, entry.token, self.address)
@@ -446,25 +482,83 @@ class ArtifactServer:
         if self._closed:
             raise TransportError("the artifact server is closed")
 
+    def _reserve(self, size: int) -> None:
+        """Count ``size`` bytes against ``max_bytes`` for a writer, freeing the oldest
+        artifacts only their token holds to make room (module doc)."""
+        with self._lock:
+            if self.max_bytes is not None:
+                held = self._pending_bytes + sum(e.size for e in self._entries.values())
+                if held + size > self.max_bytes:
+                    for e in sorted(self._entries.values(), key=lambda e: e.created):
+                        if held + size <= self.max_bytes:
+                            break
+                        if e.leases == 0:
+                            held -= e.size
+                            e.token_refs = 0
+                            self._maybe_free(e)
+                            self._bump(evicted=1)
+                if held + size > self.max_bytes:
+                    self._bump(refused=1)
+                    raise ArtifactBudgetError(self._over_budget(size, held))
+            self._pending_bytes += size
+
+    def _over_budget(self, size: int, held: int) -> str:
+        raise_it = f" ({self.limit_flag} raises it)" if self.limit_flag else ""
+        if size > self.max_bytes:  # type: ignore[operator]
+            return f"{size} bytes are over the {self.max_bytes}-byte limit on held artifacts{raise_it}"
+        return (
+            f"{size} more bytes do not fit the {self.max_bytes}-byte limit on held artifacts: {held} bytes are "
+            f"held by consumers reading them{raise_it}"
+        )
+
+    def _unreserve(self, size: int) -> None:
+        with self._lock:
+            self._pending_bytes -= size
+
     # -- serving ------------------------------------------------------------------------
 
     def _accept(self) -> None:
         assert self._listener is not None
-        while True:
+        backoff = 0.0
+        while not self._closed:
+            if backoff:
+                time.sleep(backoff)  # out of descriptors or threads: let some go, then go on
+            if not self._slots.acquire(timeout=0.5):
+                continue  # max_connections served: the next waits in the listen backlog
             try:
                 conn, _ = self._listener.accept()
-            except OSError:
-                return
+            except OSError as exc:
+                self._slots.release()
+                if self._closed or exc.errno in (errno.EBADF, errno.EINVAL):
+                    return  # the listener was closed
+                backoff = min(1.0, backoff * 2 or 0.01)  # EMFILE, ENFILE, ENOBUFS, ENOMEM, ...
+                continue
             with self._lock:
                 if self._closed:
                     conn.close()
+                    self._slots.release()
                     return
                 self._conns.add(conn)
             t = threading.Thread(target=self._serve, args=(conn,), daemon=True)
-            t.start()
+            try:
+                t.start()
+            except RuntimeError:  # can't start a new thread
+                with self._lock:
+                    self._conns.discard(conn)
+                conn.close()
+                self._slots.release()
+                backoff = min(1.0, backoff * 2 or 0.01)
+                continue
+            backoff = 0.0
             self._threads = [x for x in self._threads if x.is_alive()] + [t]
 
     def _serve(self, conn: socket.socket) -> None:
+        try:
+            self._serve_requests(conn)
+        finally:
+            self._slots.release()
+
+    def _serve_requests(self, conn: socket.socket) -> None:
         leases: dict[int, int] = {}  # lease id -> token
         try:
             while True:
@@ -532,7 +626,9 @@ class ArtifactServer:
         if op == "release":
             self.release(req["token"])
             return {"ok": True}, None
-        if op == "ping":
+        if op == "ping":  # only for a holder of a live token: the pid tells others nothing
+            with self._lock:
+                self._get(_parse_token(req["token"]))
             return {"ok": True, "pid": os.getpid()}, None
         raise TransportError(f"unknown op {op!r}")
 
@@ -760,9 +856,9 @@ class ArtifactClient:
             return
         self._request({"op": "release", "token": _fmt_token(self._token(ref))})
 
-    def ping(self) -> int:
-        """The server process's pid."""
-        return int(self._request({"op": "ping"})[0]["pid"])
+    def ping(self, ref: ArtifactRef | int | str) -> int:
+        """The server process's pid; ``ref`` must be a live artifact's (its token)."""
+        return int(self._request({"op": "ping", "token": _fmt_token(self._token(ref))})[0]["pid"])
 
     def close(self) -> None:
         with self._lock:

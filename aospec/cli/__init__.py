@@ -10,6 +10,10 @@ The dispatcher imports nothing above the engine: running a verb loads only that 
 entry point; ``aospec --help`` loads them all. Handlers import heavy packages inside
 themselves, so help stays fast.
 
+Every verb runs inside :func:`aospec.signals.interrupt_on_signals`: SIGTERM and SIGHUP
+take SIGINT's path (``KeyboardInterrupt``, or the cancellation asyncio, trio or uvicorn
+start on SIGINT), so a verb that cleans up on Ctrl-C cleans up on ``kill`` too.
+
 The output helpers a verb needs (``add_format_option``, ``print_json``, ``print_records``,
 ``print_fields``, ``print_table``) are exported here.
 """
@@ -25,7 +29,7 @@ from importlib.metadata import EntryPoint, entry_points
 from aospec import __version__
 from aospec.cli._common import add_format_option, print_fields, print_json, print_records, print_table
 from aospec.errors import AospecError
-from aospec.signals import Terminated
+from aospec.signals import interrupt_on_signals, interrupting_signal
 
 __all__ = [
     "COMMANDS_GROUP",
@@ -142,16 +146,18 @@ def main(argv: Sequence[str] | None = None, *, commands: Iterable[EntryPoint] | 
         parser = build_parser(eps)
     args = parser.parse_args(argv)
     try:
-        return int(args.func(args) or 0)
+        with interrupt_on_signals():  # SIGTERM and SIGHUP clean up as Ctrl-C does (aospec.signals)
+            return int(args.func(args) or 0)
     except AospecError as exc:
         print(f"aospec: error: {exc}", file=sys.stderr)
         return 2
-    except Terminated as exc:
-        print(f"aospec: terminated by {signal.Signals(exc.signum).name}", file=sys.stderr)
-        return 128 + exc.signum
-    except KeyboardInterrupt:
-        print("aospec: interrupted", file=sys.stderr)
-        return 130
+    except KeyboardInterrupt as exc:
+        signum = interrupting_signal(exc)
+        if signum == signal.SIGINT:
+            print("aospec: interrupted", file=sys.stderr)
+        else:
+            print(f"aospec: terminated by {signal.Signals(signum).name}", file=sys.stderr)
+        return 128 + signum
     except BrokenPipeError:
         return 0
 

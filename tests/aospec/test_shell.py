@@ -103,3 +103,83 @@ def test_streamed_program_label_waits_until_nothing_can_change_it() -> None:
     assert streamed_program_label("cd /x", final=True) == "cd"
     for cmd in ("cd /x && make test", "cd /x", 'cd /x && python -c "open', "A=1 ls -la"):
         assert streamed_program_label(cmd, final=True) == program_label(cmd)
+
+
+def _shlex_tokens(s: str) -> list[tuple[str, bool]] | str:
+    """What :func:`tokens` gave when it was stdlib shlex's two passes (the reference)."""
+    import shlex
+
+    lex = shlex.shlex(s, posix=False, punctuation_chars="();<>|&\n")
+    lex.whitespace, lex.whitespace_split, lex.commenters = " \t\r", True, ""
+    out = []
+    try:
+        for tok in lex:
+            if set(tok) <= set("();<>|&\n"):
+                out.append((tok, True))
+            elif "'" in tok or '"' in tok or "\\" in tok:
+                out.append(("".join(shlex.split(tok, comments=False, posix=True)), False))
+            else:
+                out.append((tok, False))
+    except ValueError:
+        return "error"
+    return out
+
+
+def test_tokens_are_stdlib_shlexs_on_random_lines() -> None:
+    import random
+
+    rng = random.Random(20)
+    alphabet = list("ab \t\r\n'\"\\;|&<>()$#`{}=-x\uf8ff")
+    for _ in range(20000):
+        line = "".join(rng.choice(alphabet) for _ in range(rng.randint(0, 14)))
+        try:
+            got: list[tuple[str, bool]] | str = list(tokens(line))
+        except ShellSyntaxError:
+            got = "error"
+        assert got == _shlex_tokens(line), repr(line)
+
+
+def _python_lines(fn: object, *args: object) -> int:
+    """How many Python lines run during ``fn(*args)`` (a count of work, not a time)."""
+    import sys
+
+    count = 0
+
+    def tracer(frame: object, event: str, arg: object) -> object:
+        nonlocal count
+        if event == "line":
+            count += 1
+        return tracer
+
+    sys.settrace(tracer)
+    try:
+        fn(*args)  # type: ignore[operator]
+    finally:
+        sys.settrace(None)
+    return count
+
+
+@pytest.mark.parametrize(
+    "shape", ["{w}", "'{w}'", '"{w}"', "x={w}", "'{w}'\"{w}\"", '"a\\\\{w}\\$"', "$(echo {w})", '"$(echo "{w}")"', "{e}"]
+)
+def test_lexing_work_does_not_grow_with_a_words_length(shape: str) -> None:
+    """Issue 20: one 1 MiB word took 14 s (stdlib shlex grows a token a character at a time).
+    The lexer now takes a constant number of Python steps per token, the characters being
+    scanned by regular expressions and str methods (linear)."""
+    from aospec.effects import classify_command
+
+    def classify(n: int) -> int:
+        line = "cat " + shape.format(w="a" * n, e="a\\\\b" * (n // 3)) + " | wc -l"
+        return _python_lines(lambda: (classify_command.__wrapped__(line), program_label.__wrapped__(line)))
+
+    assert classify(1 << 16) == classify(1 << 10)
+
+
+def test_a_multi_mib_word_is_lexed_whole() -> None:
+    from aospec.effects import classify_command
+    from aospec.types import Effect
+
+    word = "a" * (8 << 20)
+    assert [t for t, _ in tokens(f"grep '{word}' f")] == ["grep", word, "f"]
+    assert classify_command(f"cat {word} | wc -l") is Effect.READ_ONLY
+    assert classify_command(f"echo {word} > f") is Effect.MAY_CHANGE

@@ -14,7 +14,7 @@ from typing import Any
 import anyio
 import pytest
 from aospec.specbox.mcp_env import McpEnv, artifact_ref_of
-from aospec.specbox.transport import INLINE_THRESHOLD, ArtifactClient, ArtifactRef
+from aospec.specbox.transport import INLINE_THRESHOLD, ArtifactClient, ArtifactRef, UnknownTokenError
 
 pytestmark = pytest.mark.anyio
 
@@ -144,6 +144,28 @@ async def test_an_export_over_the_cap_is_a_tool_error(mcp_state_root: Path, mcp_
             assert artifact.view == bytes(1 << 20)
 
 
+async def test_held_artifacts_are_bounded_by_max_held_mb(mcp_state_root: Path, mcp_connect: Any) -> None:
+    """Three exports of a 500 MB file held 1.5 GB of shared memory for the TTL (issue 20 #7):
+    the oldest untaken export makes room; when every held one is being read, the export
+    is a tool error naming the limit."""
+    env = {"AOSPEC_STATE_ROOT": str(mcp_state_root)}
+    async with mcp_connect([*SLOW_OK, "--artifacts", "--no-speculate", "--max-held-mb", "1.5"], env=env) as session:
+        await _call(session, "bash", {"command": "head -c 600000 /dev/zero > /tmp/z"})
+        refs = [artifact_ref_of(await _call(session, "export_file", {"path": "/tmp/z"})) for _ in range(3)]
+        stats = _artifact_stats(await _call(session, "bash", {"command": ":"}))
+        assert stats["live"] == 2 and stats["evicted"] == 1 and stats["live_bytes"] == 1_200_000
+        client = ArtifactClient(refs[2].address)  # type: ignore[union-attr]
+        with pytest.raises(UnknownTokenError):
+            client.open(refs[0])  # type: ignore[arg-type]  # the oldest went first
+        held = [client.open(r) for r in refs[1:]]  # type: ignore[arg-type]
+        r = await _call(session, "export_file", {"path": "/tmp/z"})
+        text = r.content[0].text
+        assert r.is_error and "1572864-byte limit on held artifacts" in text and "(--max-held-mb raises it)" in text
+        for artifact in held:
+            artifact.close()
+        client.close()
+
+
 async def test_speculated_results_are_served_and_leak_no_artifact(
     mcp_state_root: Path, mcp_connect: Any, tmp_path: Path
 ) -> None:
@@ -185,7 +207,7 @@ async def test_a_consumer_that_goes_away_frees_what_it_held(mcp_state_root: Path
         refs = [artifact_ref_of(await _call(session, "export_file", {"path": "/tmp/z"})) for _ in range(3)]
         assert all(isinstance(ref, ArtifactRef) for ref in refs)
         client = ArtifactClient(refs[0].address)
-        server_pid = client.ping()
+        server_pid = client.ping(refs[2])
         held = [client.take(refs[0]), client.open(refs[1])]  # taken; opened (token kept)
         assert (
             len(_memfds(server_pid)) == 3
@@ -229,7 +251,7 @@ def test_artifact_options_need_artifacts_and_the_help_says_why() -> None:
     for argv, message in [
         (["--max-artifact-mb", "8"], "--max-artifact-mb: only with --artifacts"),
         (["--artifacts", "--upstream", "true"], "--artifacts applies to the sandbox tools"),
-        (["--artifacts", "--artifact-threshold", "0"], "--artifact-threshold >= 1"),
+        (["--artifacts", "--artifact-threshold", "0"], "--artifact-threshold must be >= 1"),
     ]:
         p = subprocess.run([AOSPEC, "mcp", *argv], capture_output=True, text=True, stdin=subprocess.DEVNULL)
         assert p.returncode == 2 and message in p.stderr, p.stderr

@@ -92,7 +92,8 @@ async def test_colliding_tool_names_are_namespaced(mcp_connect: Any, tmp_path: P
 async def test_proxy_of_the_sandbox_server_over_http(mcp_state_root: Path, mcp_connect: Any, tmp_path: Path) -> None:
     """The proxy (stdio) in front of ``aospec mcp --http`` (streamable HTTP on loopback):
     read_file is trusted, bash is not; a write through bash is never answered stale."""
-    env = {"AOSPEC_STATE_ROOT": str(mcp_state_root)}
+    # the upstream's token (AOSPEC_TOKEN), which the proxy sends it (AOSPEC_UPSTREAM_TOKEN)
+    env = {"AOSPEC_STATE_ROOT": str(mcp_state_root), "AOSPEC_TOKEN": "upstream-token"}
     trust = _trust(tmp_path, {"read_file": RO_CLOSED})
     log = tmp_path / "upstream.log"
     with open(log, "wb") as err:
@@ -112,7 +113,8 @@ async def test_proxy_of_the_sandbox_server_over_http(mcp_state_root: Path, mcp_c
             assert up.poll() is None, log.read_text()
             await anyio.sleep(0.1)
         assert url
-        async with mcp_connect(["--upstream", url, "--trust", trust, "--predict", "repeat"]) as session:
+        proxy_env = {"AOSPEC_UPSTREAM_TOKEN": "upstream-token"}
+        async with mcp_connect(["--upstream", url, "--trust", trust, "--predict", "repeat"], env=proxy_env) as session:
             names = {t.name for t in (await session.list_tools()).tools}
             assert names == {"bash", "read_file", "write_file", "edit_file"}
             await _call(session, "bash", {"command": "echo 1 > /tmp/x"})

@@ -46,6 +46,8 @@ COMMANDS = [
 #: the fork started for it is stale and must not be served.
 INTERVENE = 6
 WRITE = f"echo intruder >> {W}/a"
+#: The MCP server's token (AOSPEC_TOKEN), which its clients and the proxy's prefetches send.
+TOKEN = "test-mcp-token"
 
 
 def _trace() -> Trace:
@@ -68,7 +70,7 @@ async def mcp_http(tmp_path: Path, state: Path, args: list[str]) -> AsyncIterato
             stdin=subprocess.DEVNULL,
             stdout=subprocess.DEVNULL,
             stderr=err,
-            env={**os.environ, "AOSPEC_STATE_ROOT": str(state)},
+            env={**os.environ, "AOSPEC_STATE_ROOT": str(state), "AOSPEC_TOKEN": TOKEN},
         )
     try:
         url = None
@@ -88,6 +90,7 @@ async def mcp_http(tmp_path: Path, state: Path, args: list[str]) -> AsyncIterato
 
 async def harness(base_url: str, mcp_url: str, *, tools: bool, stream: bool) -> tuple[list[Any], list[Any]]:
     """(what the harness saw: replies and tool results; the server's meta per action)."""
+    import httpx2
     from aospec.live.chat import ChatFormat
     from mcp import ClientSession
     from mcp.client.streamable_http import streamable_http_client
@@ -99,7 +102,11 @@ async def harness(base_url: str, mcp_url: str, *, tools: bool, stream: bool) -> 
         kw["tools"] = [{"type": "function", "function": {"name": "bash", "parameters": {"type": "object"}}}]
     seen: list[Any] = []
     metas: list[Any] = []
-    async with streamable_http_client(mcp_url) as (read, write), ClientSession(read, write) as session:
+    async with (
+        httpx2.AsyncClient(headers={"Authorization": f"Bearer {TOKEN}"}, timeout=300) as http,
+        streamable_http_client(mcp_url, http_client=http) as (read, write),
+        ClientSession(read, write) as session,
+    ):
         with anyio.fail_after(300):  # a hang guard, not a performance assertion
             await session.initialize()
         for i in range(len(COMMANDS)):
@@ -152,7 +159,7 @@ async def test_action_speculation_is_lossless_and_hits(
         plain = servers(proxy_app(up.base_url))
         base_seen, base_meta = await harness(plain.base_url, mcp_url, tools=tools, stream=stream)
     async with mcp_http(tmp_path, mcp_state_root, args) as mcp_url:
-        proxy = proxy_app(up.base_url, mcp=mcp_url)
+        proxy = proxy_app(up.base_url, mcp=mcp_url, mcp_token=TOKEN)
         px = servers(proxy)
         seen, metas = await harness(px.base_url, mcp_url, tools=tools, stream=stream)
     assert seen == base_seen

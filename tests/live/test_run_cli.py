@@ -185,7 +185,10 @@ def test_an_unreachable_endpoint_fails_the_run_with_one_line(overlay_state, caps
 
 
 @pytest.mark.root
-def test_ctrl_c_ends_cleanly_with_every_committed_step_recorded(overlay_state, serve_traces, tmp_path) -> None:
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM, signal.SIGHUP])
+def test_ctrl_c_ends_cleanly_with_every_committed_step_recorded(overlay_state, serve_traces, tmp_path, sig) -> None:
+    """SIGTERM and SIGHUP end a run exactly as Ctrl-C does (issue 20 #10: they killed it,
+    leaving its mounts and an unfinished recording)."""
     # Slow replies (about 1 s each), so the run is mid-step when it is interrupted.
     server = serve_traces([demo_trace()], tpot_ms=60.0)
     rec = tmp_path / "r.jsonl"
@@ -205,7 +208,7 @@ def test_ctrl_c_ends_cleanly_with_every_committed_step_recorded(overlay_state, s
                 break
             time.sleep(0.05)
         assert proc.poll() is None, proc.communicate()
-        proc.send_signal(signal.SIGINT)
+        proc.send_signal(sig)
         _out, err = proc.communicate(timeout=60)
     finally:
         if proc.poll() is None:

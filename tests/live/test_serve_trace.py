@@ -164,7 +164,7 @@ def _free(port: int) -> bool:
     return True
 
 
-@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT, signal.SIGHUP])
 def test_the_command_serves_and_stops_cleanly_on_a_signal(tmp_path: Path, bundled_traces, sig) -> None:
     aospec = Path(sys.executable).with_name("aospec")
     proc = subprocess.Popen(
@@ -239,3 +239,87 @@ def test_the_first_token_comes_alone_then_chunks_of_chunk_ms(serve_traces, bundl
     assert "".join(pieces) == reply_text(step)
     assert len(pieces) == 1 + -(-(step.output_tokens - 1) // 10)
     assert len(pieces[0]) == len(reply_text(step)) // step.output_tokens
+
+
+def _raw(base: str, body: bytes, headers: dict[str, str] | None = None) -> httpx.Response:
+    return httpx.post(
+        base + "/chat/completions", content=body, headers={"content-type": "application/json", **(headers or {})}
+    )
+
+
+def test_malformed_requests_are_one_400_not_a_500_with_a_traceback(trace_server, bundled_traces, capfd) -> None:
+    """Deep JSON and ``"stream_options": "yes"`` were a 500 and a traceback (issue 20)."""
+    base = trace_server.base_url
+    messages = _messages(bundled_traces[4], 1)
+    cases = {
+        "deep": b'{"messages": [], "x": ' + b"[" * 5000 + b"]" * 5000 + b"}",
+        "stream_options": json.dumps({"messages": messages, "stream": True, "stream_options": "yes"}).encode(),
+        "stream": json.dumps({"messages": messages, "stream": "yes"}).encode(),
+        "not utf-8": b'{"messages": ["\xff\xfe"]}',
+    }
+    for why, body in cases.items():
+        r = _raw(base, body)
+        assert r.status_code == 400, (why, r.text)
+        assert r.json()["error"]["message"].startswith("serve-trace: "), why
+    assert "stream_options' must be an object, got a string" in _raw(base, cases["stream_options"]).text
+    assert "Traceback" not in capfd.readouterr().err
+
+
+def test_host_origin_and_body_limits_are_checked(serve_traces, bundled_traces) -> None:
+    """Any Host and Origin were accepted (DNS rebinding), and any body size (issue 20)."""
+    from aospec._http import HttpGuard
+
+    server = serve_traces(bundled_traces, 0.0, guard=HttpGuard.for_bind("127.0.0.1", None, 4096))
+    base = server.base_url
+    body = json.dumps({"model": "m", "messages": _messages(bundled_traces[4], 1)}).encode()
+    assert _raw(base, body).status_code == 200
+    assert _raw(base, body, {"Host": "attacker.example"}).status_code == 421
+    assert _raw(base, body, {"Origin": "http://attacker.example"}).status_code == 403
+    assert _raw(base, body, {"Origin": f"http://localhost:{server.port}"}).status_code == 200
+    assert httpx.get(base + "/models", headers={"Host": "attacker.example"}).status_code == 421
+    big = httpx.post(base + "/chat/completions", content=(b" " * 1024 for _ in range(64)))  # streamed
+    assert big.status_code == 413 and "--max-body-mb" in big.json()["error"]["message"]
+    assert _raw(base, b" " * 5000).status_code == 413  # declared
+
+
+def _serve_trace(*args: str, env: dict[str, str] | None = None) -> subprocess.Popen[str]:
+    aospec = Path(sys.executable).with_name("aospec")
+    return subprocess.Popen(
+        [str(aospec), "serve-trace", "--bundled", "--tpot-ms", "0", *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
+    )
+
+
+def test_a_token_is_required_when_given_and_off_loopback(bundled_traces) -> None:
+    for args, says in [
+        (["--port", "99999"], "a port is 0 to 65535"),
+        (["--port", "0", "--host", "0.0.0.0"], "give it a token (--token-file FILE or AOSPEC_TOKEN)"),
+        (["--port", "0", "--max-body-mb", "0"], "--max-body-mb must be a finite number > 0"),
+    ]:
+        proc = _serve_trace(*args, env={"AOSPEC_TOKEN": ""})
+        try:
+            _out, err = proc.communicate(timeout=60)
+        finally:
+            if proc.poll() is None:  # it served instead of refusing
+                proc.kill()
+                proc.wait()
+        assert proc.returncode == 2 and says in err and "Traceback" not in err, err
+    proc = _serve_trace("--port", "0", env={"AOSPEC_TOKEN": "st-token"})
+    try:
+        base = proc.stdout.readline().split(" at ")[1].split()[0]  # type: ignore[union-attr]
+        messages = _messages(bundled_traces[4], 1)
+        with pytest.raises(openai.AuthenticationError):
+            openai.OpenAI(base_url=base, api_key="wrong", max_retries=0).chat.completions.create(
+                model="m", messages=messages
+            )
+        r = openai.OpenAI(base_url=base, api_key="st-token", max_retries=0).chat.completions.create(
+            model="m", messages=messages
+        )
+        assert r.choices[0].message.content == reply_text(bundled_traces[4].steps[1])
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.communicate(timeout=60)
+    assert proc.returncode == 0

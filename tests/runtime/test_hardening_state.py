@@ -216,14 +216,14 @@ def test_termination_signals_clean_up_as_sigint_does(overlay: str, tmp_path: Pat
 
 def test_the_helper_turns_a_termination_signal_into_an_interrupt() -> None:
     """The reusable helper alone: SIGTERM inside anyio.run cancels the main task (its
-    finally runs) and leaves as Terminated, which ``aospec`` exits 143 for."""
+    finally runs) and leaves as a KeyboardInterrupt naming SIGTERM, which ``aospec`` exits 143 for."""
     code = (
-        "import anyio, os, signal\nfrom aospec.signals import Terminated, interrupt_on_termination\n"
+        "import anyio, os, signal\nfrom aospec.signals import interrupt_on_signals, interrupting_signal\n"
         "async def main():\n"
         "    try:\n        os.kill(os.getpid(), signal.SIGTERM)\n        await anyio.sleep(30)\n"
         "    finally:\n        print('cleaned up', flush=True)\n"
-        "try:\n    with interrupt_on_termination():\n        anyio.run(main)\n"
-        "except Terminated as exc:\n    print('terminated', exc.signum == signal.SIGTERM)\n"
+        "try:\n    with interrupt_on_signals():\n        anyio.run(main)\n"
+        "except KeyboardInterrupt as exc:\n    print('terminated', interrupting_signal(exc) == signal.SIGTERM)\n"
         "print(signal.getsignal(signal.SIGTERM) is signal.SIG_DFL)\n"
     )
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)

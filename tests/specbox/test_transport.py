@@ -13,13 +13,16 @@ import signal
 import subprocess
 import sys
 import textwrap
+import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 from aospec.specbox.transport import (
     SHM_DIR,
     SHM_PREFIX,
+    ArtifactBudgetError,
     ArtifactClient,
     ArtifactRef,
     ArtifactServer,
@@ -50,12 +53,13 @@ def no_leaked_segments() -> Iterator[None]:
 class Producer:
     """``python -m aospec.specbox.transport`` in a child process."""
 
-    def __init__(self, *args: str) -> None:
+    def __init__(self, *args: str, preexec_fn: Any = None) -> None:
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "aospec.specbox.transport", *args],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             text=True,
+            preexec_fn=preexec_fn,
         )
         word, self.address, self.rpc_address, pid = self._line().split()
         assert word == "ready" and int(pid) == self.proc.pid
@@ -105,7 +109,7 @@ def test_a_token_round_trips_across_processes(backing: str) -> None:
         assert ref.token is not None and 0 <= ref.token < 1 << 64 and ref.size == 3 * MB + 5
         assert ArtifactRef.from_json(json.loads(json.dumps(ref.to_json()))) == ref  # travels in-band as JSON
         with ArtifactClient(ref.address) as client:  # type: ignore[arg-type]
-            assert client.ping() == producer.proc.pid
+            assert client.ping(ref) == producer.proc.pid
             with client.take(ref) as art:
                 assert art.view.readonly and art.view.nbytes == ref.size
                 assert art.view == _expected(ref.size, seed=3)
@@ -283,7 +287,7 @@ def test_a_writer_publishes_in_place_and_refuses_to_seal_under_a_live_view() -> 
 
 
 def test_bad_tokens_and_addresses_give_clear_errors() -> None:
-    with ArtifactServer() as server, ArtifactClient(server.address) as client:
+    with ArtifactServer(threshold=0) as server, ArtifactClient(server.address) as client:
         with pytest.raises(UnknownTokenError, match="no artifact with token 00000000000000ff"):
             client.open(0xFF)
         with pytest.raises(UnknownTokenError, match="malformed token"):
@@ -294,7 +298,7 @@ def test_bad_tokens_and_addresses_give_clear_errors() -> None:
             server.release(12345)
         with pytest.raises(TransportError, match="served at"):
             client.open(ArtifactRef(10, 1, "@elsewhere"))
-        assert client.ping() == os.getpid()  # the connection survives bad requests
+        assert client.ping(server.put(b"live")) == os.getpid()  # the connection survives bad requests
     with pytest.raises(ProducerGoneError):
         ArtifactClient("@aospec-no-such-server")
     with pytest.raises(ProducerGoneError):
@@ -348,3 +352,93 @@ def test_the_sweep_spares_live_producers_and_catches_reused_pids() -> None:
     finally:
         for path in (mine, reused):
             path.unlink(missing_ok=True)
+
+
+def test_ping_needs_a_live_token_so_the_pid_stays_private() -> None:
+    """``ping`` answered anyone on the abstract socket with the server's pid (issue 20)."""
+    with ArtifactServer(threshold=0) as server, ArtifactClient(server.address) as client:
+        ref = server.put(b"x" * 10)
+        assert client.ping(ref) == os.getpid()
+        server.release(ref)
+        for token in (ref.token, 0, "0" * 16):
+            with pytest.raises(UnknownTokenError):
+                client.ping(token)  # type: ignore[arg-type]
+        with pytest.raises(TransportError, match="bad request"):
+            client._request({"op": "ping"})
+
+
+def test_held_bytes_are_bounded_the_oldest_untaken_freed_first() -> None:
+    """Three exports of a 500 MB file held 1.5 GB of shared memory for the TTL (issue 20 #7)."""
+    with (
+        ArtifactServer(threshold=0, max_bytes=3 * MB, limit_flag="--max-held-mb") as server,
+        ArtifactClient(server.address) as client,
+    ):
+        refs = [server.put(bytes([i]) * MB) for i in range(3)]
+        assert server.stats.live_bytes == 3 * MB
+        fourth = server.put(b"d" * MB)  # the oldest, published and never taken, makes room
+        assert server.stats.evicted == 1 and server.stats.live_bytes == 3 * MB
+        with pytest.raises(UnknownTokenError):
+            client.open(refs[0])
+        held = [client.open(r) for r in (refs[1], refs[2], fourth)]  # consumers read them all
+        with pytest.raises(ArtifactBudgetError, match=r"3145728-byte limit on held artifacts.*--max-held-mb"):
+            server.put(b"e" * MB)
+        with pytest.raises(ArtifactBudgetError, match="over the 3145728-byte limit"):
+            server.allocate(4 * MB)
+        assert server.stats.refused == 2 and server.stats.live_bytes == 3 * MB
+        held[0].close()
+        server.release(refs[1])  # now nobody holds it: freed
+        assert server.put(b"f" * MB).size == MB  # the freed megabyte is free again
+        for art in held[1:]:
+            art.close()
+
+
+def test_connections_are_capped_and_the_next_waits_for_a_slot() -> None:
+    """One thread per connection, without a cap (issue 20)."""
+    with ArtifactServer(threshold=0, max_connections=2) as server:
+        ref = server.put(b"x" * 10)
+        first, second = ArtifactClient(server.address), ArtifactClient(server.address)
+        assert first.ping(ref) == second.ping(ref) == os.getpid()
+        third = ArtifactClient(server.address, timeout_s=1.0)  # connects into the listen backlog
+        with pytest.raises(ProducerGoneError):
+            third.ping(ref)  # not served while two connections are
+        third.close()
+        first.close()
+        with ArtifactClient(server.address, timeout_s=30.0) as fourth:
+            assert fourth.ping(ref) == os.getpid()  # a slot came free
+        second.close()
+
+
+def test_the_accept_loop_survives_running_out_of_descriptors() -> None:
+    """The first EMFILE ended the accept loop for good (issue 20)."""
+    import resource
+    import socket
+
+    def few_descriptors() -> None:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (48, 48))
+
+    producer = Producer("--threshold", "0", preexec_fn=few_descriptors)
+    try:
+        ref = producer.put(100)
+        flood = []
+        for _ in range(80):  # more than the producer has descriptors for
+            sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+            sock.connect("\0" + producer.address[1:])
+            flood.append(sock)
+        fds = Path(f"/proc/{producer.proc.pid}/fd")
+        deadline = time.monotonic() + 60
+        while len(os.listdir(fds)) < 47 and time.monotonic() < deadline:
+            time.sleep(0.05)  # until the producer has run out of descriptors
+        for sock in flood:
+            sock.close()
+        deadline = time.monotonic() + 120  # a hang guard: the closed ones drain from the backlog first
+        while True:
+            try:
+                client = ArtifactClient(producer.address, timeout_s=60.0)
+                break
+            except ProducerGoneError:  # the listen backlog is still full
+                assert time.monotonic() < deadline, "the server stopped accepting"
+                time.sleep(0.2)
+        with client:
+            assert client.ping(ref) == producer.proc.pid
+    finally:
+        producer.close()
