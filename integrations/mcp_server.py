@@ -90,7 +90,7 @@ from aospec.integrations._mcp_common import (
 
 from aospec._http import HttpGuard, error_response, guarded, port_number, quiet_shutdown, resolve_token
 from aospec.effects import classify_command
-from aospec.errors import ConfigError, SandboxError
+from aospec.errors import ConfigError, FileTooLargeError, SandboxError
 from aospec.types import Action, Effect
 
 __all__ = [
@@ -269,24 +269,21 @@ async def run_call(
                 )
             await sb.write_file(path, data)
             return ToolOutput(text_result(f"wrote {len(data)} bytes to {args['path']}"))
-        raw = await sb.read_file(path)
-        if action.tool == "export_file":
+        exporting = action.tool == "export_file"
+        if exporting:
             assert max_export_bytes is not None
-            if len(raw) > max_export_bytes:
-                return ToolOutput(
-                    error_result(
-                        f"export_file: {args['path']} is {len(raw)} bytes, over the {max_export_bytes}-byte limit "
-                        "(--max-artifact-mb)"
-                    )
-                )
-            return ToolOutput(text_result(f"exported {len(raw)} bytes of {args['path']}"), raw)
-        if len(raw) > MAX_READ_BYTES:
+        limit = max_export_bytes if exporting and max_export_bytes is not None else MAX_READ_BYTES
+        try:
+            # the size is checked on the open file before a byte is read (a sparse 2 GiB file
+            # is refused at once, not after reading it)
+            raw = await sb.read_file(path, max_bytes=limit)
+        except FileTooLargeError as exc:
+            fix = "(--max-artifact-mb)" if exporting else "(use bash: head, tail, sed -n)"
             return ToolOutput(
-                error_result(
-                    f"{action.tool}: {args['path']} is {len(raw)} bytes, over the {MAX_READ_BYTES}-byte limit "
-                    "(use bash: head, tail, sed -n)"
-                )
+                error_result(f"{action.tool}: {args['path']} is {exc.size} bytes, over the {limit}-byte limit {fix}")
             )
+        if exporting:
+            return ToolOutput(text_result(f"exported {len(raw)} bytes of {args['path']}"), raw)
         try:
             text = raw.decode()
         except UnicodeDecodeError:

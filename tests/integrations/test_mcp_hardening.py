@@ -170,6 +170,28 @@ async def test_a_nul_in_a_command_or_path_is_a_tool_error(mcp_state_root: Path, 
         assert not ok.is_error and ok.content[0].text == "fine\n"
 
 
+async def test_a_huge_sparse_file_is_refused_before_it_is_read(mcp_state_root: Path, mcp_connect: Any) -> None:
+    """read_file/edit_file/export_file of a 2 GiB sparse file read it all (4.2 GB of RSS, 16.7 s)
+    before answering "over the limit" (issue 20 #7): the size is now checked on the open file."""
+    args = [*SLOW_OK, "--no-speculate", "--artifacts", "--max-artifact-mb", "1"]
+    mark = uuid.uuid4().hex
+    async with mcp_connect(args, env={"AOSPEC_STATE_ROOT": str(mcp_state_root), "AOSPEC_TEST_MARK": mark}) as s:
+        made = await s.call_tool("bash", {"command": "truncate -s 2G /tmp/sparse && echo made"}, read_timeout_seconds=300)
+        assert not made.is_error and made.content[0].text == "made\n"
+        for tool, args_, fix in (
+            ("read_file", {"path": "/tmp/sparse"}, "(use bash: head, tail, sed -n)"),
+            ("edit_file", {"path": "/tmp/sparse", "old_str": "a", "new_str": "b"}, "(use bash: head, tail, sed -n)"),
+            ("export_file", {"path": "/tmp/sparse"}, "(--max-artifact-mb)"),
+        ):
+            r = await s.call_tool(tool, args_, read_timeout_seconds=300)
+            assert r.is_error, tool
+            assert f"/tmp/sparse is {2 << 30} bytes, over the" in r.content[0].text and fix in r.content[0].text, tool
+        # never read: the server's peak resident memory stayed far below the file's 2 GiB
+        status = Path(f"/proc/{_pid_with_mark(mark)}/status").read_text()
+        peak_kib = int(next(line for line in status.splitlines() if line.startswith("VmHWM:")).split()[1])
+        assert peak_kib < 1 << 20, f"the server's peak RSS was {peak_kib} KiB"
+
+
 def _pid_with_mark(mark: str) -> int:
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
