@@ -137,7 +137,10 @@ async def _run_one(
     drafters: DrafterSet,
     prefill_ns_per_token: int,
     state_model: str,
+    admission_model: Any = None,
 ) -> tuple[Any, ReplayActor, ReplayWorld, Engine, DrafterFailures]:
+    """One replay of ``trace`` under ``policy`` (``admission_model``: what the speculation
+    controller starts from, and learns into; a fresh one when None)."""
     clock = VirtualClock()
     canon = drafters.canonicalizer(policy.config.canonicalizer) if policy.engine.accept == "canonical" else None
     actor = ReplayActor(
@@ -159,6 +162,7 @@ async def _run_one(
         keep_events=False,
         canonicalizer=canon,
         router=router,
+        admission_model=admission_model,
     )
     history = await engine.run(trace.history(0), steps=len(trace))
     return history, actor, world, engine, failures
