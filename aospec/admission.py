@@ -128,8 +128,8 @@ FORK_MEMORY_BYTES = 64 << 20
 MEMORY_RESERVE_BYTES = 256 << 20
 MEMORY_PRESSURE = 0.10
 MEMORY_PRICE_S = 0.1
-#: Refused forks whose outcomes are still tracked (oldest forgotten first).
-MAX_SHADOWS = 1024
+#: Priced forks whose outcomes are still to come (beyond it the furthest are forgotten).
+MAX_PENDING = 4096
 #: Action keys whose last tool time is remembered.
 MAX_KEYS = 4096
 
@@ -627,7 +627,9 @@ class Admission:
         self._window: collections.deque[tuple[float, float]] = collections.deque(maxlen=max(1, config.guard_window))
         self.guarded = False
         self._since_probe = PROBE_EVERY
-        self._shadows: dict[tuple[str, str], Candidate] = {}
+        # forks priced (launched or refused) by their target step: (candidate, origin, key)
+        self._pending: dict[int, list[tuple[Candidate, str, str]]] = {}
+        self._pending_n = 0
 
     # ------------------------------------------------------------------ the host
 
@@ -795,42 +797,44 @@ class Admission:
     # ------------------------------------------------------------------ outcomes
 
     def outcome(self, decision: Decision | None, hit: bool) -> None:
-        """The outcome of a launched candidate: it was used (``hit``) or thrown away."""
-        if decision is None:
-            return
+        """The outcome of a branch (launched or refused: ``decision``): its draft was the
+        real observation (``hit``) or not. (Forks' outcomes: :meth:`resolve`.)"""
+        if decision is not None:
+            self._observe(decision.candidate, hit)
+
+    def _observe(self, candidate: Candidate, hit: bool) -> None:
         try:
-            self._hits.observe(decision.candidate, hit)
+            self._hits.observe(candidate, hit)
         except Exception as exc:
             self._failed("the hit model's observe", exc)
 
-    def refused_fork(self, origin: str, key: str, decision: Decision) -> None:
-        """Track a refused fork's outcome: would it have been used (:meth:`emitted_from`)?"""
-        shadows = self._shadows
-        shadows.pop((origin, key), None)
-        shadows[(origin, key)] = decision.candidate
-        if len(shadows) > MAX_SHADOWS:
-            shadows.pop(next(iter(shadows)))
+    def priced_fork(self, decision: Decision, origin: str, key: str, step: int) -> None:
+        """A fork of action ``key`` from version ``origin`` was priced while step ``step`` is
+        the next to commit: launched or refused, its outcome is learned at its target step
+        (``step + distance``, :meth:`resolve`)."""
+        target = step + decision.candidate.distance
+        self._pending.setdefault(target, []).append((decision.candidate, origin, key))
+        self._pending_n += 1
+        if self._pending_n > MAX_PENDING:
+            # a run whose steps never come (far lookahead): forget the furthest
+            far = max(self._pending)
+            self._pending_n -= len(self._pending.pop(far))
 
-    def launched_fork(self, origin: str, key: str) -> None:
-        """A fork of ``key`` from ``origin`` was launched: its outcome is its own now."""
-        self._shadows.pop((origin, key), None)
-
-    def emitted_from(self, version: str, key: str) -> None:
-        """The action ``key`` is executed from ``version``: a fork refused for it would have hit."""
-        c = self._shadows.pop((version, key), None)
-        if c is not None:
-            self.outcome(Decision(False, "price", c, 0.0, 0.0, 0.0), True)
-
-    def pruned(self, version: str) -> None:
-        """The committed version is ``version``: refused forks from any other could never
-        have been used."""
-        stale = [k for k in self._shadows if k[0] != version]
-        for k in stale:
-            c = self._shadows.pop(k)
-            self.outcome(Decision(False, "price", c, 0.0, 0.0, 0.0), False)
+    def resolve(self, step: int, version: str, key: str) -> None:
+        """Step ``step`` executes action ``key`` from ``version``: every fork priced for this
+        step (or an earlier one) would have hit iff it is that action from that version
+        (JASV), whether it was launched or refused."""
+        pending = self._pending
+        if not pending:
+            return
+        for target in [t for t in pending if t <= step]:
+            entries = pending.pop(target)
+            self._pending_n -= len(entries)
+            for c, origin, k in entries:
+                self._observe(c, origin == version and k == key)
 
     def wasted_fork(self, action: Action, tool_ns: int, cpu_ns: int | None) -> None:
-        """A speculative fork was thrown away after ``tool_ns`` (using ``cpu_ns``): its CPU,
+        """A speculative fork nobody used ran ``tool_ns`` more (using ``cpu_ns``): its CPU,
         at the host's price now, is the step's cost in the guard's window."""
         cpu_s = cpu_ns * 1e-9 if cpu_ns is not None else tool_ns * 1e-9 * self._costs.cpu_ratio(tool_label(action))
         if cpu_s > 0:

@@ -95,6 +95,7 @@ class ForkEntry:
         "_waiter",
         "action",
         "capabilities",
+        "charged",
         "cpu_mark",
         "cpu_ns",
         "cpu_rate",
@@ -102,6 +103,7 @@ class ForkEntry:
         "exec_end_ns",
         "exec_start_ns",
         "launched_ns",
+        "missed",
         "observation",
         "offset",
         "origin",
@@ -113,6 +115,7 @@ class ForkEntry:
         "sandbox",
         "speculative",
         "state",
+        "target_step",
         "task",
     )
 
@@ -135,6 +138,12 @@ class ForkEntry:
         self.task: TaskHandle[None] | None = None
         self.decision: Decision | None = None
         self.reused = False
+        #: the step it was launched for (steps committed at launch + its offset), and whether
+        #: that step's action turned out to be another
+        self.target_step = 0
+        self.missed = False
+        #: (tool ns, CPU ns) of it already charged into the controller's guard as waste
+        self.charged: tuple[int, int] = (0, 0)
         self.paused = False
         self.paused_at_ns = 0
         self.cpu_ns: int | None = None
@@ -320,10 +329,10 @@ class Forks:
         if self._pausing:
             self._drop_for_memory()
         decision = admission.fork(action, kind=kind, source=source, distance=offset, score=probability)
+        step = self._ledger.step
+        admission.priced_fork(decision, version, key, step)
         if not decision.launch:
-            admission.refused_fork(version, key, decision)
             return False
-        admission.launched_fork(version, key)
         excess = len(self.registry) + 1 - self._config.max_live_forks
         if excess > 0:
             # Why: live forks hold sandboxes; past the cap the oldest (drafted for the
@@ -336,6 +345,7 @@ class Forks:
         fork.origin = version
         fork.routed = routed
         fork.decision = decision
+        fork.target_step = step + offset
         self.registry.add(fork)
         self._ledger.fork_launched(now, key, routed=routed)
         fork.task = self._task_group.start_soon(self._run, fork)
@@ -397,17 +407,34 @@ class Forks:
                         await self._discard_sandbox(sandbox, fork.action)
                     now = self._clock.now_ns()
                     self._wasted(fork, now, cpu)
-                elif not fork.reused:
-                    self._admission.outcome(fork.decision, False)
 
     def _wasted(self, fork: ForkEntry, now: int, cpu_ns: int | None) -> None:
-        """``fork`` was thrown away: into the ledger and, for a guess nobody used, the
-        controller (its outcome, and its cost in the guard's window)."""
+        """``fork`` was thrown away: into the ledger and, for a guess nobody used, what it
+        ran since it was last charged into the controller's guard."""
         tool_ns = fork.tool_ns(now)
         self._ledger.fork_discarded(now, fork.action.key, tool_ns, speculative=fork.speculative, cpu_ns=cpu_ns)
         if fork.speculative and not fork.reused:
-            self._admission.outcome(fork.decision, False)
-            self._admission.wasted_fork(fork.action, tool_ns, cpu_ns)
+            self._charge(fork, tool_ns, cpu_ns)
+
+    def _charge(self, fork: ForkEntry, tool_ns: int, cpu_ns: int | None) -> None:
+        """Charge the guard with what ``fork`` (a guess nobody used) ran since it was last
+        charged: ``tool_ns`` and ``cpu_ns`` are its totals so far."""
+        dt = tool_ns - fork.charged[0]
+        dc = None if cpu_ns is None else max(0, cpu_ns - fork.charged[1])
+        if dt > 0 or dc:
+            fork.charged = (tool_ns, cpu_ns if cpu_ns is not None else fork.charged[1])
+            self._admission.wasted_fork(fork.action, max(0, dt), dc)
+
+    def _missed(self, step: int, now: int) -> None:
+        """Step ``step``'s action is known: a live guess for this step (or an earlier one)
+        that is not it missed; what every missed guess still running ran since the last
+        step is charged into the controller's guard (it may still be reused later: JASV
+        keeps forks of unchanged states)."""
+        for f in self.registry:
+            if not f.missed and f.target_step <= step:
+                f.missed = True
+            if f.missed and f.running and f.sandbox is not None:
+                self._charge(f, f.tool_ns(now), self._cpu_of(f.sandbox, f.capabilities))
 
     def _cpu_of(self, sandbox: Sandbox, caps: SandboxCapabilities) -> int | None:
         """The CPU ``sandbox``'s commands used so far (None: not metered, or unreadable)."""
@@ -576,13 +603,14 @@ class Forks:
         only for the same action AND the same origin version; one still running is raised
         to the foreground, since the step now waits on it (:meth:`wait`)."""
         version = self._sandbox.version
-        self._admission.emitted_from(version, action.key)
+        step = self._ledger.step
+        self._admission.resolve(step, version, action.key)
         fork = self.registry.take(action, version)
+        self._missed(step, emitted_ns)
         if fork is None:
             return None
         self._ledger.fork_reused(emitted_ns, action.key, routed=fork.routed)
         fork.reused = True
-        self._admission.outcome(fork.decision, True)
         if fork.running:
             # Why: the step now waits on this fork; its command must not yield the CPU
             # to speculative ones (a paused one is resumed: it is the step's execution now).
@@ -735,9 +763,7 @@ class Forks:
         """*Prune invalid forks*: those whose origin is not the committed version."""
         # Why: versions never return to an earlier value, so a fork from another origin can
         # never pass JASV again.
-        version = self._sandbox.version
-        self._admission.pruned(version)
-        self.release(self.registry.stale(version))
+        self.release(self.registry.stale(self._sandbox.version))
 
     # ------------------------------------------------------------------ releasing forks
 

@@ -476,7 +476,7 @@ class Session:
             t_hit = None
             if evd is not None:
                 try:
-                    t_hit = evd.tool_time(d)
+                    t_hit = evd.tool_time(d) or None  # 0: EVD knows nothing yet
                 except Exception as exc:
                     self._speculation_failed("EVD's tool time of a draft", exc)
             decision = admission.branch(action, source=source, level=branch.level + 1, score=d.probability, tool_if_hit_s=t_hit)
