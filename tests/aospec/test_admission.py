@@ -456,3 +456,29 @@ def test_a_paused_fork_the_agent_emits_is_resumed_and_reused(decode_s):
         assert order[:3] == [EventKind.PAUSE, EventKind.RESUME, EventKind.REUSE]
     else:
         assert order[:3] == [EventKind.PAUSE, EventKind.REUSE, EventKind.RESUME]
+
+
+def test_a_pool_prices_its_forks_through_the_same_controller(tmp_path):
+    # what aospec.specbox.pool would call: a fork warmed for a tool, priced at this host's
+    # price, counted with the run's decisions, its outcome learned, its budget slot held
+    budget = SpeculationBudget(1, directory=tmp_path, host_cores=8)
+
+    async def main():
+        engine = Engine(actor_of(LONG[:2]), InMemorySandbox({"a": "A\n"}), host=StaticHostMonitor(FULL), budget=budget)
+        async with engine.session(History("t")) as session:
+            admission = session.admission
+            cheap = admission.pool("pytest", probability=0.8, hide_s=2.0, cpu_s=0.5)
+            dear = admission.pool("pytest", probability=0.8, hide_s=2.0, cpu_s=20.0)
+            second = admission.pool("make", probability=0.9, hide_s=5.0, cpu_s=0.1)
+            assert cheap.launch and cheap.lease is not None
+            assert not dear.launch and dear.reason == "price"  # 20 CPU-s on a saturated host
+            assert not second.launch and second.reason == "budget"  # the only slot is held
+            admission.outcome(cheap, True)
+            cheap.lease.release()
+        return engine
+
+    engine = run_virtual(main)
+    stats = engine.statistics()
+    assert (stats.admitted, stats.refused_price, stats.refused_budget) == (1, 1, 1)
+    assert engine.admission_model.hits.outcomes(Candidate("pool", "pool", "pytest", 0, 0.8)) == (1.0, 1.0)
+    assert budget.held() == 0
