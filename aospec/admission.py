@@ -98,6 +98,12 @@ MODEL_FORMAT = "aospec-admission"
 _MODEL_VERSION = 1
 
 # Constants of the controller (documented in docs/engine.md, "The speculation controller").
+#: Before any outcome, a fork that missed its step is taken to hit later with this share
+#: of its score.
+LATE_PRIOR = 0.25
+#: A fork that missed its step and is not emitted within this many steps after it missed
+#: for good (what p(late hit) is learned over).
+LATE_STEPS = 4
 #: Upper edges of the raw-score bins p(hit) is learned in (the last bin is open).
 SCORE_EDGES = (0.05, 0.15, 0.3, 0.5, 0.75)
 #: Distances beyond this share one cell.
@@ -108,6 +114,9 @@ BACKOFF_STRENGTH = 4.0
 #: overhead (s), and the CPU a command uses per second of its tool time (1: a guess whose
 #: CPU is unknown is charged its whole tool time).
 PRIOR_TOOL_S, PRIOR_DECODE_S, PRIOR_OVERHEAD_S, PRIOR_CPU_RATIO = 1.0, 1.0, 0.0005, 1.0
+#: Before any step: the share of steps that change the filesystem; and the most steps a
+#: fork is expected to stay valid (a run where nothing changes the state).
+PRIOR_CHANGES, MAX_STEPS_VALID = 0.5, 20.0
 #: A command that has run past its expected tool time is expected to run on for this
 #: share of the time it has run.
 OVERRUN = 0.5
@@ -132,6 +141,12 @@ MEMORY_PRICE_S = 0.1
 MAX_PENDING = 4096
 #: Action keys whose last tool time is remembered.
 MAX_KEYS = 4096
+
+
+def _late(c: Candidate) -> Candidate:
+    """The candidate whose outcome is ``c``'s late hit: emitted after its step, still from
+    the version it was priced at (JASV keeps such forks valid)."""
+    return Candidate(f"{c.kind}/late", c.source, c.label, c.distance, c.score * LATE_PRIOR)
 
 
 def _bin(score: float) -> int:
@@ -339,6 +354,7 @@ class CostModel:
         self.decode = _Line()
         self.overhead_base = _Mean()
         self.overhead_launch = _Mean()
+        self.changes = _Mean()
         self._keys: collections.OrderedDict[str, float] = collections.OrderedDict()
 
     def tool_s(self, action: Action, label: str | None = None) -> float:
@@ -371,6 +387,11 @@ class CostModel:
         """A committed step took ``decode_s`` to decode ``action``."""
         self.decode.add(_length(action), decode_s)
 
+    def steps_valid(self) -> float:
+        """Steps a fork stays valid: until one changes the filesystem (1 / the share of
+        steps that do; at most MAX_STEPS_VALID)."""
+        return 1.0 / max(self.changes.get(PRIOR_CHANGES), 1.0 / MAX_STEPS_VALID)
+
     def overhead_s(self) -> float:
         """Critical-path overhead one launch adds (s)."""
         return self.overhead_launch.get(PRIOR_OVERHEAD_S)
@@ -399,6 +420,7 @@ class CostModel:
             "decode": self.decode.to_json(),
             "overhead_base": self.overhead_base.to_json(),
             "overhead_launch": self.overhead_launch.to_json(),
+            "changes": self.changes.to_json(),
         }
 
     @classmethod
@@ -411,7 +433,7 @@ class CostModel:
             if not isinstance(table, Mapping):
                 raise ConfigError(f"{where}.{name}: expected an object")
             setattr(model, name, {str(k): _Mean.from_json(v, f"{where}.{name}.{k}") for k, v in table.items()})
-        for name in ("tool_all", "cpu_all", "overhead_base", "overhead_launch"):
+        for name in ("tool_all", "cpu_all", "overhead_base", "overhead_launch", "changes"):
             if name in obj:
                 setattr(model, name, _Mean.from_json(obj[name], f"{where}.{name}"))
         if "decode" in obj:
@@ -630,6 +652,9 @@ class Admission:
         # forks priced (launched or refused) by their target step: (candidate, origin, key)
         self._pending: dict[int, list[tuple[Candidate, str, str]]] = {}
         self._pending_n = 0
+        # forks that missed their step but are still valid (same origin), by (origin, key):
+        # (their target step, candidate), the earliest first
+        self._late: dict[tuple[str, str], list[tuple[int, Candidate]]] = {}
 
     # ------------------------------------------------------------------ the host
 
@@ -667,12 +692,15 @@ class Admission:
             return
         self._costs.executed(action, tool_ns * 1e-9, None if cpu_ns is None else cpu_ns * 1e-9)
 
-    def committed(self, action: Action, *, decode_ns: int, hidden_ns: int, overhead_ns: int) -> None:
+    def committed(
+        self, action: Action, *, decode_ns: int, hidden_ns: int, overhead_ns: int, changed: bool = True
+    ) -> None:
         """A step that emitted ``action`` was committed: its decode time, the time
-        speculation hid on it (tool and decode) and its overhead; the guard moves on by one
-        step."""
+        speculation hid on it (tool and decode), its overhead, and whether it ``changed``
+        the filesystem; the guard moves on by one step."""
         costs = self._costs
         costs.decoded(action, decode_ns * 1e-9)
+        costs.changes.add(1.0 if changed else 0.0)
         overhead = overhead_ns * 1e-9
         spent = 0.0
         if self._launches == 0:
@@ -722,8 +750,13 @@ class Admission:
             # a continuation's action: emitted when the step in flight commits (if its draft
             # was right), then after the steps between
             window = self._remaining_s(now) + max(0, distance - 1) * (decode + step)
-        busy = min(tool, window + step)
-        return self._decide(c, hide_s=min(tool, window), cpu_s=costs.cpu_ratio(label) * busy, decode_s=0.0, fork=True)
+        # a wrong guess runs until a step changes the state (JASV prunes it then)
+        busy = min(tool, window + costs.steps_valid() * (decode + step))
+        # missed at its step, it may still be emitted later from the same state (JASV keeps
+        # it while it stays valid): within LATE_STEPS steps, it has run for up to as long
+        late = min(tool, window + min(costs.steps_valid(), LATE_STEPS) * (decode + step))
+        cpu = costs.cpu_ratio(label) * busy
+        return self._decide(c, hide_s=min(tool, window), cpu_s=cpu, decode_s=0.0, fork=True, late_hide_s=late)
 
     def branch(
         self, action: Action, *, source: str, level: int, score: float, tool_if_hit_s: float | None = None
@@ -755,7 +788,7 @@ class Admission:
         c = Candidate(POOL, source, label, 0, probability)
         return self._decide(c, hide_s=max(0.0, hide_s), cpu_s=max(0.0, cpu_s), decode_s=0.0, fork=True)
 
-    def _decide(self, c: Candidate, *, hide_s: float, cpu_s: float, decode_s: float, fork: bool) -> Decision:
+    def _p(self, c: Candidate) -> float:
         try:
             p = min(1.0, max(0.0, float(self._hits.p_hit(c))))
             if math.isnan(p):
@@ -763,14 +796,22 @@ class Admission:
         except Exception as exc:
             self._failed("the hit model's p(hit)", exc)
             p = min(1.0, max(0.0, c.score))
+        return p
+
+    def _decide(
+        self, c: Candidate, *, hide_s: float, cpu_s: float, decode_s: float, fork: bool, late_hide_s: float = 0.0
+    ) -> Decision:
+        p = self._p(c)
+        # a fork missed at its step that is emitted later (a late hit) hides ``late_hide_s``
+        late = (1.0 - p) * self._p(_late(c)) if late_hide_s > 0 else 0.0
         snap = self.snapshot() if self.on else None
         cfg = self._config
         memory_s = 0.0
         if fork and snap is not None and snap.memory_available_bytes:
             memory_s = MEMORY_PRICE_S * FORK_MEMORY_BYTES / snap.memory_available_bytes
         waste = cpu_s * cpu_price(cfg.cpu_price, snap) + decode_s * cfg.decode_price + memory_s
-        cost = (1.0 - p) * waste + self._costs.overhead_s()
-        benefit = p * hide_s
+        cost = (1.0 - p - late) * waste + self._costs.overhead_s()
+        benefit = p * hide_s + late * late_hide_s
         lease = None
         if not self.on:
             reason = "off"
@@ -778,10 +819,10 @@ class Admission:
             reason = "memory"
         elif benefit <= cost:
             reason = "price"
-        elif self.guarded and self._since_probe < PROBE_EVERY:
-            reason = "guard"
+        elif self.guarded and waste > 0 and self._since_probe < PROBE_EVERY:
+            reason = "guard"  # (a guess that costs nothing if wrong is not held back)
         else:
-            reason = "probe" if self.guarded else "admitted"
+            reason = "probe" if self.guarded and waste > 0 else "admitted"
             if fork and self.budget is not None:
                 lease = self.budget.try_acquire()
                 if lease is None:
@@ -823,7 +864,15 @@ class Admission:
     def resolve(self, step: int, version: str, key: str) -> None:
         """Step ``step`` executes action ``key`` from ``version``: every fork priced for this
         step (or an earlier one) would have hit iff it is that action from that version
-        (JASV), whether it was launched or refused."""
+        (JASV), whether it was launched or refused. One that missed its step may still hit
+        later, from the same version (a late hit, learned apart: :meth:`pruned`)."""
+        late = self._late
+        if late:
+            for _, c in late.pop((version, key), ()):
+                self._observe(_late(c), True)
+            for origin_key in [k for k, cs in late.items() if cs[0][0] < step - LATE_STEPS]:
+                for _, c in late.pop(origin_key):  # not emitted within LATE_STEPS steps: a miss
+                    self._observe(_late(c), False)
         pending = self._pending
         if not pending:
             return
@@ -831,7 +880,20 @@ class Admission:
             entries = pending.pop(target)
             self._pending_n -= len(entries)
             for c, origin, k in entries:
-                self._observe(c, origin == version and k == key)
+                hit = origin == version and k == key
+                self._observe(c, hit)
+                if not hit and origin == version:
+                    late.setdefault((origin, k), []).append((target, c))
+        if len(late) > MAX_PENDING:
+            late.pop(next(iter(late)))
+
+    def pruned(self, version: str) -> None:
+        """The committed version is ``version``: forks that missed their step from any
+        other version can never hit late."""
+        late = self._late
+        for origin_key in [k for k in late if k[0] != version]:
+            for _, c in late.pop(origin_key):
+                self._observe(_late(c), False)
 
     def wasted_fork(self, action: Action, tool_ns: int, cpu_ns: int | None) -> None:
         """A speculative fork nobody used ran ``tool_ns`` more (using ``cpu_ns``): its CPU,

@@ -763,7 +763,9 @@ class Forks:
         """*Prune invalid forks*: those whose origin is not the committed version."""
         # Why: versions never return to an earlier value, so a fork from another origin can
         # never pass JASV again.
-        self.release(self.registry.stale(self._sandbox.version))
+        version = self._sandbox.version
+        self._admission.pruned(version)
+        self.release(self.registry.stale(version))
 
     # ------------------------------------------------------------------ releasing forks
 

@@ -270,7 +270,11 @@ class Session:
         before = run.history
         late_error = await forks.commit(fork, origin, len(before))
         try:
-            self._after_commit(branch, action, fork, observation, emitted_ns, cache_hit_ns)
+            try:
+                changed = self._sandbox.version != origin
+            except Exception:
+                changed = True  # (the verified path reads it again below, and fails there)
+            self._after_commit(branch, action, fork, observation, emitted_ns, cache_hit_ns, changed=changed)
         except BaseException as exc:
             if run.history is before:
                 # Why: the step is committed; whatever failed after the commit (adopting a
@@ -309,9 +313,12 @@ class Session:
         observation: str,
         emitted_ns: int,
         cache_hit_ns: int | None = None,
+        *,
+        changed: bool = True,
     ) -> None:
         """The step is committed: its cache hit and times into the ledger, its tool time
-        into EVD, the matching continuation adopted, ``H`` extended."""
+        into EVD, the matching continuation adopted, ``H`` extended (``changed``: the step
+        changed the committed state, which the speculation controller learns)."""
         run, ledger = self._run, self._run.ledger
         now = self._clock.now_ns()
         if cache_hit_ns is not None:
@@ -340,6 +347,7 @@ class Session:
             decode_ns=decode_ns,
             hidden_ns=decode_ns - decode_waited + tool_ns - tool_waited,
             overhead_ns=wait_actor - decode_waited + wait_tool - tool_waited,
+            changed=changed,
         )
         self._admission.boundary(now)
         if run.evd is not None and not action.is_none:

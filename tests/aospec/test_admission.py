@@ -198,9 +198,10 @@ def test_a_guess_that_pays_is_launched_and_one_that_never_hits_is_priced_out():
     assert g.forks_reused == len(LONG) and g.refused == 0 and g.efficiency is None
     b, off = bad[2].statistics(), bad_off[2].statistics()
     assert off.forks_launched == len(LONG) and off.refused == 0 and off.admitted == len(LONG)
-    # the controller saw the confident drafter miss, and stopped paying for it
-    assert b.refused_price > len(LONG) // 2 and b.forks_launched < len(LONG) // 2
-    assert b.wasted_tool_ns < off.wasted_tool_ns / 3
+    # the controller saw the confident drafter miss (at its step, then for LATE_STEPS more
+    # steps: a fork of an unchanged state may still be emitted later), and stopped paying
+    assert b.refused_price >= len(LONG) // 2 and b.forks_launched <= len(LONG) // 2
+    assert b.wasted_tool_ns < off.wasted_tool_ns * 0.6
     assert b.wasted_cpu_ns == b.wasted_tool_ns  # nothing metered: the tool time stands in for CPU
 
 
