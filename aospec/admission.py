@@ -9,17 +9,23 @@ Each candidate gets
   what it can overlap (a boundary target: the decodes and steps until its action would be
   emitted; a provisional target: what is left of the step in flight; an observation branch:
   the next decode, bounded by what is left of the tool it drafts for);
-- an expected **cost**: ``(1 - p(hit)) * (CPU seconds it would waste * the host's price of a
-  CPU-second + decode seconds it would waste * decode_price + memory)`` plus its share of the
-  critical path's overhead (learned per launch from the committed steps' overhead).
+  A fork that misses its step may still be emitted later from the same state (JASV keeps
+  it valid): that *late hit*, within :data:`LATE_STEPS` steps, adds ``(1 - p(hit)) *
+  p(late) * what it has run by then``;
+- an expected **cost**: ``P(used by nobody) * (CPU seconds it would waste * the host's price
+  of a CPU-second + decode seconds it would waste * decode_price + memory)`` plus its share
+  of the critical path's overhead (learned per launch from the committed steps' overhead).
+  A wrong fork runs until a step changes the state (the share of steps that do is learned)
+  or its tool ends.
 
 It is launched only when the benefit exceeds the cost. ``p(hit)`` is calibrated, not a
 drafter's raw score: :class:`BetaHitModel` keeps Beta posteriors of the outcomes of
 candidates by kind x score bin x distance x tool label x drafter, each level backing off to
 the coarser one (so a new tool starts from what its kind and distance have shown). Every
-candidate's outcome is learned, also of the refused ones: a refused fork would have hit iff
-its action is later emitted from the version it was priced at (JASV), a refused branch iff
-its draft is the real observation, so gating never starves the model of outcomes. Costs are
+candidate's outcome is learned, also of the refused ones: a fork priced for step ``n``
+(launched or refused) hit iff step ``n``'s action is its action from the version it was
+priced at (JASV; late hits are learned apart), a branch iff its draft is the real
+observation, so gating never starves the model of outcomes. Costs are
 learned too (:class:`CostModel`): tool time per action and per tool label, CPU per tool
 second per label (from :class:`aospec.protocols.MeteredSandbox` samples, or recorded step
 CPU when fitted on traces), the decode time of a step and the overhead per launch. Both
