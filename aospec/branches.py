@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 
 import anyio
 
+from aospec.admission import Decision
 from aospec.protocols import ObservationDraft
 from aospec.types import Action, History
 
@@ -46,7 +47,10 @@ class Branch:
     that ends in ``k`` drafted observations (``draft`` is the last one, ``probability``
     the product of their probabilities). ``continuations`` (``P``) maps the text of each
     drafted observation of ``action`` to the branch started on it; it is empty until the
-    branch drafts. The decode runs from ``started_ns`` to ``decoded_ns``.
+    branch drafts. The decode runs from ``started_ns`` to ``decoded_ns``. ``decision`` is
+    the speculation controller's verdict that started it; ``refused`` maps the texts of
+    drafts of ``action`` the controller refused to theirs (their outcomes are learned when
+    the real observation arrives).
     """
 
     __slots__ = (
@@ -54,6 +58,7 @@ class Branch:
         "action",
         "canonical_form",
         "continuations",
+        "decision",
         "decode_task",
         "decoded_ns",
         "draft",
@@ -61,6 +66,7 @@ class Branch:
         "history",
         "level",
         "probability",
+        "refused",
         "started_ns",
         "state",
     )
@@ -80,6 +86,8 @@ class Branch:
         self.continuations: dict[str, Branch] = {}
         self.decode_task: TaskHandle[None] | None = None
         self.draft_task: TaskHandle[None] | None = None
+        self.decision: Decision | None = None
+        self.refused: dict[str, Decision] = {}
         self._waiter: anyio.Event | None = None
 
     def end_decode(self) -> None:

@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 import anyio
 
+from aospec.admission import ROUTED, TARGET
 from aospec.branches import Branch, BranchState
 from aospec.engine_config import EngineConfig
 from aospec.errors import DrafterError
@@ -111,9 +112,10 @@ class Drafting:
 
     # ------------------------------------------------------------------ the fan-out
 
-    async def _fan_out(self, sources: Sequence[Source], kind: type[D], take: Callable[[list[D]], None]) -> None:
+    async def _fan_out(self, sources: Sequence[Source], kind: type[D], take: Callable[[str, list[D]], None]) -> None:
         """Call every source, side by side when there are several, and pass each batch of
-        well-formed drafts to ``take`` as it arrives."""
+        well-formed drafts to ``take(source, drafts)`` as it arrives (``source``: the
+        drafter's name, what the speculation controller learns p(hit) by)."""
         if len(sources) == 1:
             await self._drain(*sources[0], kind, take)
         else:
@@ -122,7 +124,11 @@ class Drafting:
                     tg.start_soon(self._drain, who, batches, kind, take)
 
     async def _drain(
-        self, who: str, batches: Callable[[], AsyncIterator[object]], kind: type[D], take: Callable[[list[D]], None]
+        self,
+        who: str,
+        batches: Callable[[], AsyncIterator[object]],
+        kind: type[D],
+        take: Callable[[str, list[D]], None],
     ) -> None:
         """One drafter call: its batches, checked, into ``take``; a failure (of the drafter,
         or of ``take`` ranking or canonicalising them) only loses the rest of the call."""
@@ -134,7 +140,7 @@ class Drafting:
         async with aclosing(stream):  # type: ignore[type-var]
             while True:
                 try:
-                    take(self._valid(await anext(stream), kind, who))
+                    take(_source_name(who), self._valid(await anext(stream), kind, who))
                 except StopAsyncIteration:
                     return
                 except Exception as exc:
@@ -168,9 +174,9 @@ class Drafting:
 
     # ------------------------------------------------------------------ observations
 
-    async def observations(self, branch: Branch, take: Callable[[list[ObservationDraft]], None]) -> None:
+    async def observations(self, branch: Branch, take: Callable[[str, list[ObservationDraft]], None]) -> None:
         """*Predict observations*: every observation drafter's candidates for ``branch``'s
-        action, each batch into ``take`` as it is ready."""
+        action, each batch into ``take(source, drafts)`` as it is ready."""
         n = max(self._config.draft_candidates, self._config.branch_budget)
         sources = [_observation_source(d, streams, branch, n) for d, streams in self._observation_drafters]
         await self._fan_out(sources, ObservationDraft, take)
@@ -235,26 +241,30 @@ class Drafting:
             (f"action drafter {type(d).__name__}", _call(d.propose, history, cfg.fork_width, cfg.depth))
             for d in self._action_drafters
         ]
-        proposals: list[ActionDraft] = []
-        await self._fan_out(sources, ActionDraft, proposals.extend)
+        proposals: list[tuple[str, ActionDraft]] = []
+        await self._fan_out(sources, ActionDraft, lambda who, ds: proposals.extend((who, d) for d in ds))
         if self._ledger.step != step:
             return  # the boundary passed while drafting: these offsets no longer apply
-        self._launch_best([d for d in proposals if d.offset < cfg.depth], cfg.fork_width)
+        self._launch_best([(w, d) for w, d in proposals if d.offset < cfg.depth], cfg.fork_width)
 
-    def _launch_best(self, proposals: list[ActionDraft], width: int, *, level: int | None = None) -> None:
-        """Launch the ``width`` most likely distinct actions of ``proposals`` (ties: nearest
-        first) into forks, at their offsets, or at ``level`` for routed ones."""
-        proposals.sort(key=lambda d: (-d.probability, d.offset))
+    def _launch_best(self, proposals: list[tuple[str, ActionDraft]], width: int, *, level: int | None = None) -> None:
+        """Launch the ``width`` most likely distinct actions of ``proposals`` (drafter name,
+        draft; ties: nearest first) into forks, at their offsets, or at ``level`` for routed
+        ones. Each launch is priced first (:meth:`aospec.forks.Forks.launch`): a refused
+        one leaves room for the next."""
+        proposals.sort(key=lambda wd: (-wd[1].probability, wd[1].offset))
         seen: set[str] = set()
         launched = 0
-        for d in proposals:
+        routed = level is not None
+        kind = ROUTED if routed else TARGET
+        for who, d in proposals:
             if launched >= width:
                 break
             if d.action.is_none or d.action.key in seen:
                 continue
             seen.add(d.action.key)
-            routed = level is not None
-            if self._forks.launch(d.action, d.offset if level is None else level, d.probability, routed=routed):
+            at = d.offset if level is None else level
+            if self._forks.launch(d.action, at, d.probability, kind=kind, source=who, routed=routed):
                 launched += 1
 
     # ------------------------------------------------------------------ routing (tool named mid-decode)
@@ -320,15 +330,15 @@ class Drafting:
             (f"routed action drafter {type(d).__name__}", _call(d.propose_routed, branch.history, tool, width))
             for d in self._routed_drafters
         ]
-        proposals: list[ActionDraft] = []
-        await self._fan_out(sources, ActionDraft, proposals.extend)
+        proposals: list[tuple[str, ActionDraft]] = []
+        await self._fan_out(sources, ActionDraft, lambda who, ds: proposals.extend((who, d) for d in ds))
         if branch.state is not BranchState.DECODING:
             # Why: the action is emitted (a routed guess of it is useless now: JASV or the
             # step's own execution has it), or the branch's history never happened. While
             # it decodes, a level-0 branch is still at the boundary it was routed at.
             return
         # offset 0 of the branch's history is offset ``level`` of the verified one
-        self._launch_best([d for d in proposals if d.offset == 0], width, level=branch.level)
+        self._launch_best([(w, d) for w, d in proposals if d.offset == 0], width, level=branch.level)
 
 
 def _observation_source(drafter: ObservationDrafter, streams: bool, branch: Branch, n: int) -> Source:
@@ -349,6 +359,12 @@ def _call(method: Callable[..., Awaitable[object]], *args: object) -> Callable[[
 
 async def _once(result: Awaitable[object]) -> AsyncIterator[object]:
     yield await result
+
+
+def _source_name(who: str) -> str:
+    """A drafter's name for the speculation controller: its class name (``who`` is
+    "<kind> drafter <ClassName>")."""
+    return who.rsplit(" ", 1)[-1]
 
 
 def _ignore_delta(delta: object) -> None:

@@ -50,10 +50,11 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import anyio
 
+from aospec.admission import AdmissionModel
 from aospec.engine_config import EngineConfig
 from aospec.errors import ConfigError, EngineError
 from aospec.evd import EVDEstimator
@@ -63,6 +64,7 @@ from aospec.protocols import (
     Actor,
     Capabilities,
     Clock,
+    HostMonitor,
     ObservationCanonicalizer,
     ObservationDrafter,
     Sandbox,
@@ -70,6 +72,9 @@ from aospec.protocols import (
 )
 from aospec.session import Session
 from aospec.types import History, Turn
+
+if TYPE_CHECKING:
+    from aospec.host import SpeculationBudget
 
 __all__ = ["Engine", "LoopClock"]
 
@@ -107,6 +112,15 @@ class Engine:
     with action speculation on, turned into offset-0 targets by the action drafters that
     have ``propose_routed`` (at most ``config.routed_width`` per event). Without a router
     nothing of this runs (docs/engine.md, Routing).
+
+    The speculation controller (``config.admission``, docs/engine.md "The speculation
+    controller") prices every guess with ``admission_model`` (what it has learned, kept
+    across this Engine's runs: :attr:`admission_model`; a fresh
+    :class:`aospec.admission.AdmissionModel` when omitted) at the price ``host`` (an
+    :class:`aospec.protocols.HostMonitor`: ``aospec.host.ProcHostMonitor()`` live, replay's
+    simulated host in replay; None: a quiet host) charges now; ``budget`` is the host's
+    speculation budget (:class:`aospec.host.SpeculationBudget`, shared by every session of
+    the host; None: none).
     """
 
     def __init__(
@@ -123,6 +137,9 @@ class Engine:
         canonicalizer: ObservationCanonicalizer | None = None,
         router: StreamRouter | None = None,
         route_listeners: Sequence[Callable[[Any], None]] = (),
+        admission_model: AdmissionModel | None = None,
+        host: HostMonitor | None = None,
+        budget: SpeculationBudget | None = None,
     ) -> None:
         self.actor = actor
         self.sandbox = sandbox
@@ -149,6 +166,11 @@ class Engine:
         for listener in self.route_listeners:
             if not callable(listener):
                 raise ConfigError(f"engine: route listener {listener!r} is not callable")
+        if host is not None and not isinstance(host, HostMonitor):
+            raise ConfigError(f"engine: host {host!r} has no snapshot() method")
+        self.host = host
+        self.budget = budget
+        self.admission_model = admission_model if admission_model is not None else AdmissionModel()
         self._keep_events = keep_events
         self._ledger = Ledger(keep_events=keep_events)
         self._running = False
@@ -197,6 +219,9 @@ class Engine:
                     evd=self.evd.session(),
                     history=history,
                     capabilities=capabilities,
+                    admission_model=self.admission_model,
+                    host=self.host,
+                    budget=self.budget,
                 )
                 try:
                     yield session

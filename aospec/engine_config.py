@@ -8,6 +8,7 @@ of ``accept="canonical"``) are passed to :class:`aospec.engine.Engine`, never na
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -15,13 +16,17 @@ from typing import Any, Literal
 from aospec.config import from_mapping
 from aospec.errors import ConfigError
 
-__all__ = ["ACCEPTANCE", "RANKINGS", "EngineConfig", "engine_config"]
+__all__ = ["ACCEPTANCE", "ADMISSION", "RANKINGS", "EngineConfig", "engine_config"]
 
 #: How observation drafts are ranked before the branch budget is applied.
 RANKINGS = ("evd", "likelihood", "tooltime")
 
 #: When a drafted observation is accepted for the real one.
 ACCEPTANCE = ("exact", "canonical")
+
+#: Whether the speculation controller prices guesses (``on``) or every guess is launched as
+#: drafted (``off``).
+ADMISSION = ("on", "off")
 
 
 @dataclass(frozen=True, slots=True)
@@ -57,6 +62,16 @@ class EngineConfig:
       times). The committed history always holds the real observation; ``canonical`` is
       lossless only if the actor's next action does not depend on the canonicalised
       fields (docs/engine.md).
+    - ``admission``: ``on`` (default) prices every guess before launching it and launches it
+      only when its expected benefit exceeds its expected cost (``aospec.admission``,
+      docs/engine.md "The speculation controller"); ``off`` launches every guess the knobs
+      above allow, as before the controller existed.
+    - ``cpu_price``: seconds of latency one CPU-second of a guess is worth on a quiet host
+      (the host's load adds to it).
+    - ``decode_price``: seconds of latency one second of a wasted provisional decode costs
+      (the model endpoint's time; raise it for a model on this host).
+    - ``guard_window``: steps over which the no-regret guard compares the realised benefit
+      of speculation with its cost (0: no guard).
     """
 
     branch_budget: int = 5
@@ -70,9 +85,20 @@ class EngineConfig:
     min_draft_probability: float = 0.0
     accept: Literal["exact", "canonical"] = "exact"
     routed_width: int = 2
+    admission: Literal["on", "off"] = "on"
+    cpu_price: float = 0.2
+    decode_price: float = 0.0
+    guard_window: int = 16
 
     def __post_init__(self) -> None:
-        for name in ("branch_budget", "draft_candidates", "fork_width", "max_live_forks", "routed_width"):
+        for name in (
+            "branch_budget",
+            "draft_candidates",
+            "fork_width",
+            "max_live_forks",
+            "routed_width",
+            "guard_window",
+        ):
             if getattr(self, name) < 0:
                 raise ConfigError(f"engine: {name} must be >= 0, got {getattr(self, name)}")
         for name in ("obs_depth", "depth"):
@@ -82,6 +108,12 @@ class EngineConfig:
             raise ConfigError(f"engine: rank must be one of {', '.join(RANKINGS)}, got {self.rank!r}")
         if not 0.0 <= self.min_draft_probability <= 1.0:
             raise ConfigError(f"engine: min_draft_probability must be in [0, 1], got {self.min_draft_probability}")
+        if self.admission not in ADMISSION:
+            raise ConfigError(f"engine: admission must be one of {', '.join(ADMISSION)}, got {self.admission!r}")
+        for name in ("cpu_price", "decode_price"):
+            value = getattr(self, name)
+            if not (isinstance(value, (int, float)) and math.isfinite(value) and value >= 0):
+                raise ConfigError(f"engine: {name} must be a finite number >= 0, got {value!r}")
         if self.accept not in ACCEPTANCE:
             raise ConfigError(f"engine: accept must be one of {', '.join(ACCEPTANCE)}, got {self.accept!r}")
 

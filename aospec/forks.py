@@ -13,6 +13,14 @@ its own (one speculative ``fork()`` call at a time, behind the verified path's),
 forks' priority, verifies the emitted action against the registry (:meth:`Forks.verify`:
 JASV), executes the step when no fork has it (:meth:`Forks.execute`), commits the step's
 fork (:meth:`Forks.commit`, the one place), and releases and discards every other fork.
+
+Every launch is priced by the run's speculation controller (:class:`aospec.admission.Admission`)
+first, and every fork's outcome (reused, or thrown away with its tool time and CPU) is
+reported to it. While the command the agent waits on runs in a metered sandbox, it is
+sampled (:meth:`Forks._yield_loop`): when it is CPU-bound and the host has no room,
+speculative forks whose sandboxes can pause are paused (the lowest-value first), and
+resumed when it blocks or ends; a paused fork JASV accepts is resumed at once. Under memory
+pressure the lowest-value fork is dropped.
 """
 
 from __future__ import annotations
@@ -26,10 +34,19 @@ from typing import TYPE_CHECKING, cast
 import anyio
 import anyio.lowlevel
 
+from aospec.admission import SAMPLE_INTERVAL_S, TARGET, Admission, Decision, forks_to_run
 from aospec.engine_config import EngineConfig
 from aospec.errors import StateUnknownError
 from aospec.ledger import Ledger, label, short
-from aospec.protocols import CachingSandbox, Clock, PrioritizedSandbox, Sandbox, SandboxCapabilities
+from aospec.protocols import (
+    CachingSandbox,
+    Clock,
+    MeteredSandbox,
+    PausableSandbox,
+    PrioritizedSandbox,
+    Sandbox,
+    SandboxCapabilities,
+)
 from aospec.types import Action
 
 if TYPE_CHECKING:
@@ -68,24 +85,37 @@ class ForkEntry:
     ``state`` is its life (:class:`ForkState`); ``task`` the task that runs it (a
     speculative target), cancelled to stop it. ``speculative`` is False for the execution
     of the committed step itself. ``exec_start_ns``/``exec_end_ns`` bound its tool time.
-    ``capabilities`` are its sandbox's (found once per class of fork).
+    ``capabilities`` are its sandbox's (found once per class of fork). ``decision`` is the
+    controller's verdict that launched it (its ``lease`` a slot of the host's budget, held
+    while it runs); ``paused`` whether it is paused now; ``cpu_ns`` the CPU it used (a
+    metered sandbox's, read when it finished).
     """
 
     __slots__ = (
         "_waiter",
         "action",
         "capabilities",
+        "charged",
+        "cpu_mark",
+        "cpu_ns",
+        "cpu_rate",
+        "decision",
         "exec_end_ns",
         "exec_start_ns",
         "launched_ns",
+        "missed",
         "observation",
         "offset",
         "origin",
+        "paused",
+        "paused_at_ns",
         "probability",
+        "reused",
         "routed",
         "sandbox",
         "speculative",
         "state",
+        "target_step",
         "task",
     )
 
@@ -106,14 +136,36 @@ class ForkEntry:
         self.exec_end_ns: int | None = None
         self._waiter: anyio.Event | None = None
         self.task: TaskHandle[None] | None = None
+        self.decision: Decision | None = None
+        self.reused = False
+        #: the step it was launched for (steps committed at launch + its offset), and whether
+        #: that step's action turned out to be another
+        self.target_step = 0
+        self.missed = False
+        #: (tool ns, CPU ns) of it already charged into the controller's guard as waste
+        self.charged: tuple[int, int] = (0, 0)
+        self.paused = False
+        self.paused_at_ns = 0
+        self.cpu_ns: int | None = None
+        #: (cpu_ns, t_ns) of the last sample while it runs, and the cores it used since the one before
+        self.cpu_mark: tuple[int, int] | None = None
+        self.cpu_rate: float | None = None
 
     @property
     def running(self) -> bool:
         return self.state is ForkState.RUNNING
 
+    @property
+    def value_s(self) -> float:
+        """Expected benefit minus cost when it was launched (s; 0 without a decision)."""
+        return self.decision.value_s if self.decision is not None else 0.0
+
     def finish(self, state: ForkState) -> None:
-        """End the execution in ``state`` (IDLE, FAILED or DISCARDED) and wake waiters."""
+        """End the execution in ``state`` (IDLE, FAILED or DISCARDED), give back its budget
+        slot and wake waiters."""
         self.state = state
+        if self.decision is not None and self.decision.lease is not None:
+            self.decision.lease.release()
         if self._waiter is not None:
             self._waiter.set()
 
@@ -189,7 +241,8 @@ class Forks:
     ``use_forks``: speculation is on, so the committed sandbox is kept idle (it only forks
     and commits) and each step runs in a fork; else each step runs on the committed sandbox
     itself, as serial execution does. ``capabilities`` are the committed sandbox's;
-    ``failed(what, exc, warn=False)`` counts a speculative failure.
+    ``failed(what, exc, warn=False)`` counts a speculative failure; ``admission`` is the
+    run's speculation controller.
     """
 
     def __init__(
@@ -203,6 +256,7 @@ class Forks:
         ledger: Ledger,
         task_group: TaskGroup,
         failed: Failed,
+        admission: Admission,
     ) -> None:
         self._sandbox = sandbox
         self._caps = capabilities
@@ -232,14 +286,34 @@ class Forks:
         self._gate = anyio.Lock()
         self._critical = 0
         self._critical_done = anyio.Event()
+        self._admission = admission
+        # Pausing guesses for the command the agent waits on needs the controller on and
+        # that command's CPU: found per step (a class of fork whose pause failed is not
+        # paused again).
+        self._pausing = admission.on
+        self._unpausable: set[type] = set()
+        # Why one lock: a pause still in flight when JASV takes the fork must be over before
+        # the fork is resumed, or the step would wait on a frozen command.
+        self._pause_lock = anyio.Lock()
 
     # ------------------------------------------------------------------ speculative forks
 
-    def launch(self, action: Action, offset: int, probability: float, *, routed: bool = False) -> bool:
+    def launch(
+        self,
+        action: Action,
+        offset: int,
+        probability: float,
+        *,
+        kind: str = TARGET,
+        source: str = "",
+        routed: bool = False,
+    ) -> bool:
         """Start ``f``: ``action`` in a fork of the committed sandbox, registered at once
-        under the version it forks from (False when an equal one is live or running). The
-        one place where a speculative launch is decided. ``routed``: drafted once a router
-        named the tool being decoded (counted apart)."""
+        under the version it forks from (False when an equal one is live or running, or the
+        controller refuses it). The one place where a speculative launch is decided.
+        ``kind`` (``aospec.admission``: a boundary's TARGET, a PROVISIONAL continuation's
+        action, a ROUTED target) and ``source`` (the drafter) are what it is priced by;
+        ``routed``: drafted once a router named the tool being decoded (counted apart)."""
         try:
             version = self._sandbox.version
         except Exception as exc:
@@ -250,6 +324,14 @@ class Forks:
         if self.registry.has(version, key) or self.inflight == (version, key):
             # An equal fork is live, or the committed step is executing this very action
             # from this very state already.
+            return False
+        admission = self._admission
+        if self._pausing:
+            self._drop_for_memory()
+        decision = admission.fork(action, kind=kind, source=source, distance=offset, score=probability)
+        step = self._ledger.step
+        admission.priced_fork(decision, version, key, step)
+        if not decision.launch:
             return False
         excess = len(self.registry) + 1 - self._config.max_live_forks
         if excess > 0:
@@ -262,6 +344,8 @@ class Forks:
         # for it) even if the actor emits this action before the fork task has run.
         fork.origin = version
         fork.routed = routed
+        fork.decision = decision
+        fork.target_step = step + offset
         self.registry.add(fork)
         self._ledger.fork_launched(now, key, routed=routed)
         fork.task = self._task_group.start_soon(self._run, fork)
@@ -298,6 +382,8 @@ class Forks:
                 self._failed(f"fork {short(fork.action.key)}", exc)
                 return
             fork.exec_end_ns = self._clock.now_ns()
+            fork.cpu_ns = self._cpu_of(sandbox, fork.capabilities)
+            self._admission.executed(fork.action, fork.exec_end_ns - fork.exec_start_ns, fork.cpu_ns)
             if fork.state is ForkState.RELEASED:
                 return  # released while finishing: discarded below
             # From here the idle fork belongs to the run: JASV commits it, or pruning (or the
@@ -312,11 +398,55 @@ class Forks:
                 self.registry.remove(fork)
                 if sandbox is not None:
                     # Why shielded: the fork must be released even when this task is being
-                    # cancelled, or its layers/processes would leak.
+                    # cancelled, or its layers/processes would leak (a paused one is resumed
+                    # first, so that its processes can be killed).
                     with anyio.CancelScope(shield=True):
+                        if fork.paused:
+                            await self._resume(fork)
+                        cpu = fork.cpu_ns if fork.cpu_ns is not None else self._cpu_of(sandbox, fork.capabilities)
                         await self._discard_sandbox(sandbox, fork.action)
                     now = self._clock.now_ns()
-                    self._ledger.fork_discarded(now, fork.action.key, fork.tool_ns(now), speculative=fork.speculative)
+                    self._wasted(fork, now, cpu)
+
+    def _wasted(self, fork: ForkEntry, now: int, cpu_ns: int | None) -> None:
+        """``fork`` was thrown away: into the ledger and, for a guess nobody used, what it
+        ran since it was last charged into the controller's guard."""
+        tool_ns = fork.tool_ns(now)
+        self._ledger.fork_discarded(now, fork.action.key, tool_ns, speculative=fork.speculative, cpu_ns=cpu_ns)
+        if fork.speculative and not fork.reused:
+            self._charge(fork, tool_ns, cpu_ns)
+
+    def _charge(self, fork: ForkEntry, tool_ns: int, cpu_ns: int | None) -> None:
+        """Charge the guard with what ``fork`` (a guess nobody used) ran since it was last
+        charged: ``tool_ns`` and ``cpu_ns`` are its totals so far."""
+        dt = tool_ns - fork.charged[0]
+        dc = None if cpu_ns is None else max(0, cpu_ns - fork.charged[1])
+        if dt > 0 or dc:
+            fork.charged = (tool_ns, cpu_ns if cpu_ns is not None else fork.charged[1])
+            self._admission.wasted_fork(fork.action, max(0, dt), dc)
+
+    def _missed(self, step: int, now: int) -> None:
+        """Step ``step``'s action is known: a live guess for this step (or an earlier one)
+        that is not it missed; what every missed guess still running ran since the last
+        step is charged into the controller's guard (it may still be reused later: JASV
+        keeps forks of unchanged states)."""
+        for f in self.registry:
+            if not f.missed and f.target_step <= step:
+                f.missed = True
+            if f.missed and f.running and f.sandbox is not None:
+                self._charge(f, f.tool_ns(now), self._cpu_of(f.sandbox, f.capabilities))
+
+    def _cpu_of(self, sandbox: Sandbox, caps: SandboxCapabilities) -> int | None:
+        """The CPU ``sandbox``'s commands used so far (None: not metered, or unreadable)."""
+        if not caps.metered:
+            return None
+        try:
+            ns = cast(MeteredSandbox, sandbox).cpu_ns
+            if isinstance(ns, bool) or not isinstance(ns, numbers.Real) or not ns >= 0:
+                return None
+            return int(ns)
+        except Exception:
+            return None
 
     def _capabilities_of(self, sandbox: Sandbox) -> SandboxCapabilities:
         caps = self._fork_capabilities.get(type(sandbox))
@@ -357,6 +487,114 @@ class Forks:
         except Exception as exc:
             self._failed("setting a fork's priority", exc)
 
+    # ------------------------------------------------------------------ yielding to the critical path
+
+    def _watch(self, sandbox: Sandbox, caps: SandboxCapabilities) -> TaskHandle[None] | None:
+        """Sample the command the agent waits on (running in ``sandbox``) until the returned
+        task is cancelled; None when there is nothing to sample (not metered, or the
+        controller is off)."""
+        if not (self._pausing and caps.metered):
+            return None
+        return self._task_group.start_soon(self._yield_loop, sandbox, caps)
+
+    async def _yield_loop(self, sandbox: Sandbox, caps: SandboxCapabilities) -> None:
+        """Every SAMPLE_INTERVAL_S: the cores the command the agent waits on used since the
+        last sample decide which guesses run (:meth:`_yield_to`); memory pressure drops the
+        lowest-value fork. Paused forks are resumed when it ends."""
+        clock = self._clock
+        cpu0, t0 = self._cpu_of(sandbox, caps), clock.now_ns()
+        try:
+            while True:
+                await anyio.sleep(SAMPLE_INTERVAL_S)
+                cpu, now = self._cpu_of(sandbox, caps), clock.now_ns()
+                if cpu is not None and cpu0 is not None and now > t0:
+                    await self._yield_to((cpu - cpu0) / (now - t0))
+                cpu0, t0 = cpu, now
+                self._drop_for_memory()
+        finally:
+            # Why shielded: the command ended (or the run is over); a guess must not stay frozen.
+            with anyio.CancelScope(shield=True):
+                for fork in self.registry:
+                    if fork.paused:
+                        await self._resume(fork)
+
+    async def _yield_to(self, command_cores: float) -> None:
+        """Pause the speculative forks the host has no room for while the command the agent
+        waits on uses ``command_cores`` (:func:`aospec.admission.forks_to_run`; the
+        lowest-value first), resume the others."""
+        now = self._clock.now_ns()
+        forks: list[ForkEntry] = []
+        for f in self.registry:
+            if not (f.running and f.sandbox is not None and f.capabilities.pausable) or f in self._awaited:
+                continue
+            if type(f.sandbox) in self._unpausable:
+                continue
+            forks.append(f)
+            cpu = self._cpu_of(f.sandbox, f.capabilities)
+            if cpu is not None:
+                if f.cpu_mark is not None and not f.paused and now > f.cpu_mark[1]:
+                    f.cpu_rate = (cpu - f.cpu_mark[0]) / (now - f.cpu_mark[1])
+                f.cpu_mark = (cpu, now)
+        if not forks:
+            return
+        forks.sort(key=lambda f: -f.value_s)
+        # a fork whose CPU is unknown is taken to use a whole core
+        demands = [f.cpu_rate if f.cpu_rate is not None else 1.0 for f in forks]
+        running = sum(d for f, d in zip(forks, demands, strict=True) if not f.paused)
+        n = forks_to_run(command_cores, self._admission.snapshot(), demands, running)
+        for f in forks[:n]:
+            if f.paused:
+                await self._resume(f)
+        for f in forks[n:]:
+            if not f.paused:
+                await self._pause(f)
+
+    async def _pause(self, fork: ForkEntry) -> None:
+        async with self._pause_lock:
+            if fork.paused or not fork.running or fork.reused or fork in self._awaited:
+                return  # taken by JASV (or over) while the decision was made
+            fork.paused = True
+            fork.paused_at_ns = self._clock.now_ns()
+            try:
+                await cast(PausableSandbox, fork.sandbox).pause()
+            except Exception as exc:
+                # only costs speed: this class of fork is not paused again in this run
+                fork.paused = False
+                self._unpausable.add(type(fork.sandbox))
+                self._failed("pausing a speculative fork", exc, warn=True)
+                return
+            self._ledger.fork_paused(fork.paused_at_ns, fork.action.key)
+
+    async def _resume(self, fork: ForkEntry) -> None:
+        """Resume a paused fork; one that cannot be resumed is stopped (its task ends it as
+        FAILED, so a step waiting on it runs the action as serial execution would)."""
+        async with self._pause_lock:
+            if not fork.paused:
+                return
+            fork.paused = False
+            try:
+                await cast(PausableSandbox, fork.sandbox).resume()
+            except Exception as exc:
+                self._failed("resuming a paused fork", exc, warn=True)
+                self._unpausable.add(type(fork.sandbox))
+                if fork.task is not None and fork.running:
+                    fork.task.cancel()
+                return
+            now = self._clock.now_ns()
+            self._ledger.fork_resumed(now, fork.action.key, now - fork.paused_at_ns)
+
+    def _drop_for_memory(self) -> None:
+        """Under memory pressure, drop the lowest-value speculative fork."""
+        if not self._admission.memory_low():
+            return
+        victims = list(self.registry)
+        if not victims:
+            return
+        worst = min(victims, key=lambda f: f.value_s)
+        self.registry.remove(worst)
+        self._ledger.fork_dropped(self._clock.now_ns(), worst.action.key)
+        self.release([worst])
+
     # ------------------------------------------------------------------ the verified path
 
     async def verify(self, action: Action, emitted_ns: int) -> ForkEntry | None:
@@ -364,21 +602,33 @@ class Forks:
         committed version, if any (the one place where a fork is accepted). A fork is reused
         only for the same action AND the same origin version; one still running is raised
         to the foreground, since the step now waits on it (:meth:`wait`)."""
-        fork = self.registry.take(action, self._sandbox.version)
+        version = self._sandbox.version
+        step = self._ledger.step
+        self._admission.resolve(step, version, action.key)
+        fork = self.registry.take(action, version)
+        self._missed(step, emitted_ns)
         if fork is None:
             return None
         self._ledger.fork_reused(emitted_ns, action.key, routed=fork.routed)
+        fork.reused = True
         if fork.running:
             # Why: the step now waits on this fork; its command must not yield the CPU
-            # to speculative ones.
+            # to speculative ones (a paused one is resumed: it is the step's execution now).
             self._awaited.add(fork)
+            if fork.paused:
+                await self._resume(fork)
             await self._prioritize(fork, foreground=True)
         return fork
 
     async def wait(self, fork: ForkEntry) -> ForkEntry | None:
         """Wait until the fork JASV accepted has executed: itself, or None when it failed
         (the step then runs as serial execution would)."""
-        await fork.wait_finished()
+        watcher = self._watch(fork.sandbox, fork.capabilities) if fork.sandbox is not None else None
+        try:
+            await fork.wait_finished()
+        finally:
+            if watcher is not None:
+                watcher.cancel()
         self._awaited.discard(fork)
         return None if fork.state is ForkState.FAILED else fork
 
@@ -390,6 +640,7 @@ class Forks:
         fork = ForkEntry(action, offset=0, probability=1.0, launched_ns=clock.now_ns(), speculative=False)
         if not self._use_forks:
             origin = self._sandbox.version
+            cpu0 = self._cpu_of(self._sandbox, self._caps)
             fork.exec_start_ns = clock.now_ns()
             try:
                 fork.observation = await self._sandbox.execute(action)
@@ -409,10 +660,15 @@ class Forks:
                     ) from exc
                 raise
             fork.exec_end_ns = clock.now_ns()
+            cpu1 = self._cpu_of(self._sandbox, self._caps)
+            cpu = cpu1 - cpu0 if cpu0 is not None and cpu1 is not None and cpu1 >= cpu0 else None
+            self._admission.executed(action, fork.exec_end_ns - fork.exec_start_ns, cpu)
             fork.finish(ForkState.IDLE)
             return fork
         with self._verified_path():
             sandbox = await self._sandbox.fork()
+        caps = self._capabilities_of(sandbox)
+        watcher = self._watch(sandbox, caps)
         try:
             fork.exec_start_ns = clock.now_ns()
             fork.observation = await sandbox.execute(action)
@@ -423,8 +679,13 @@ class Forks:
             with anyio.CancelScope(shield=True):
                 await self._discard_sandbox(sandbox, action, exc)
             raise
+        finally:
+            if watcher is not None:
+                watcher.cancel()
         fork.sandbox = sandbox
-        fork.capabilities = self._capabilities_of(sandbox)
+        fork.capabilities = caps
+        fork.cpu_ns = self._cpu_of(sandbox, caps)
+        self._admission.executed(action, fork.exec_end_ns - fork.exec_start_ns, fork.cpu_ns)
         fork.finish(ForkState.IDLE)
         return fork
 
@@ -502,7 +763,9 @@ class Forks:
         """*Prune invalid forks*: those whose origin is not the committed version."""
         # Why: versions never return to an earlier value, so a fork from another origin can
         # never pass JASV again.
-        self.release(self.registry.stale(self._sandbox.version))
+        version = self._sandbox.version
+        self._admission.pruned(version)
+        self.release(self.registry.stale(version))
 
     # ------------------------------------------------------------------ releasing forks
 
@@ -532,8 +795,7 @@ class Forks:
         assert fork.sandbox is not None
         await self._discard_sandbox(fork.sandbox, fork.action)
         fork.state = ForkState.DISCARDED
-        now = self._clock.now_ns()
-        self._ledger.fork_discarded(now, fork.action.key, fork.tool_ns(now), speculative=fork.speculative)
+        self._wasted(fork, self._clock.now_ns(), fork.cpu_ns)
 
     async def _discard_sandbox(self, sandbox: Sandbox, action: Action, cause: BaseException | None = None) -> None:
         """Discard a fork; a discard that raises is counted, never raised: the fork's state

@@ -1,5 +1,6 @@
-"""The speculation ledger: every draft, fork, reuse, commit, discard, cancel, router event
-and cache hit is an event.
+"""The speculation ledger: every draft, fork, reuse, commit, discard, cancel, router event,
+cache hit, pause, resume and drop is an event; the speculation controller's decisions are
+counted.
 
 The engine appends :class:`SpeculationEvent` records as it works and keeps running totals,
 so :meth:`Ledger.statistics` is O(1). Times are integer nanoseconds of the engine's clock
@@ -45,6 +46,9 @@ class EventKind(enum.Enum):
     FAIL = "fail"  # a speculative operation failed and was dropped
     ROUTE = "route"  # a stream router named the tool of an action being decoded
     CACHE_HIT = "cache_hit"  # a committed step's result came from the sandbox's result cache (ns: time saved)
+    PAUSE = "pause"  # a speculative fork was paused: the command the agent waits on needs the CPU
+    RESUME = "resume"  # a paused fork was resumed (ns: how long it was paused)
+    DROP = "drop"  # a speculative fork was dropped under memory pressure (the lowest-value one)
 
 
 @dataclass(frozen=True, slots=True)
@@ -93,6 +97,21 @@ class EngineStatistics:
       ``forks_reused``);
     - ``cache_hits`` / ``cache_saved_ns``: committed steps whose executing sandbox served the
       action from its result cache, and the tool time those entries originally took.
+
+    The speculation controller (``aospec.admission``; docs/engine.md):
+
+    - ``wasted_cpu_ns``: CPU of the discarded speculative forks, measured where the fork's
+      sandbox is a :class:`aospec.protocols.MeteredSandbox`, else its tool time (wall) stands
+      in; :attr:`efficiency` is ``tool_hidden_ns / wasted_cpu_ns``;
+    - ``admitted``: candidates launched (forks and branches; with ``admission="off"``
+      every one); ``refused_price`` / ``refused_guard`` / ``refused_budget`` /
+      ``refused_memory``: refused because their cost exceeded their benefit, by the
+      no-regret guard, for want of a slot of the host's speculation budget, or under memory
+      pressure; ``probes``: candidates the guard let through; ``guarded_steps``: steps
+      committed while the guard held speculation back;
+    - ``forks_paused`` / ``paused_ns``: pauses of speculative forks while the command the
+      agent waited on was CPU-bound, and the time they spent paused; ``forks_dropped``:
+      forks dropped under memory pressure.
     """
 
     steps: int
@@ -120,6 +139,31 @@ class EngineStatistics:
     routed_forks_reused: int = 0
     cache_hits: int = 0
     cache_saved_ns: int = 0
+    wasted_cpu_ns: int = 0
+    admitted: int = 0
+    refused_price: int = 0
+    refused_guard: int = 0
+    refused_budget: int = 0
+    refused_memory: int = 0
+    probes: int = 0
+    guarded_steps: int = 0
+    forks_paused: int = 0
+    paused_ns: int = 0
+    forks_dropped: int = 0
+
+    @property
+    def refused(self) -> int:
+        """Candidates the controller refused, for any reason."""
+        return self.refused_price + self.refused_guard + self.refused_budget + self.refused_memory
+
+    @property
+    def efficiency(self) -> float | None:
+        """Tool seconds hidden per wasted CPU-second (None when nothing was wasted)."""
+        return self.tool_hidden_ns / self.wasted_cpu_ns if self.wasted_cpu_ns else None
+
+    @property
+    def wasted_cpu_s(self) -> float:
+        return self.wasted_cpu_ns * _S
 
     @property
     def latency_s(self) -> float:
@@ -167,6 +211,8 @@ class EngineStatistics:
 
 
 _S = 1e-9
+#: What the speculation controller's decisions are counted by (aospec.admission).
+_DECISIONS = ("admitted", "probe", "off", "price", "guard", "budget", "memory")
 
 
 class Ledger:
@@ -175,19 +221,24 @@ class Ledger:
     __slots__ = (
         "_cache_hits",
         "_cache_saved_ns",
+        "_decisions",
         "_decode_hidden_ns",
         "_decode_ns",
         "_drafts_cancelled",
         "_drafts_canonical_hit",
         "_drafts_hit",
         "_drafts_started",
+        "_dropped",
         "_executed",
         "_failures",
         "_forks_launched",
         "_forks_reused",
         "_forks_wasted",
+        "_guarded",
         "_latency_ns",
         "_overhead_ns",
+        "_paused",
+        "_paused_ns",
         "_routed_launched",
         "_routed_reused",
         "_routes_fired",
@@ -196,6 +247,7 @@ class Ledger:
         "_wait_actor_ns",
         "_wait_tool_ns",
         "_warned",
+        "_wasted_cpu_ns",
         "_wasted_decode_ns",
         "_wasted_tool_ns",
         "events",
@@ -215,6 +267,8 @@ class Ledger:
         self._decode_hidden_ns = self._tool_hidden_ns = self._overhead_ns = 0
         self._routes_fired = self._routed_launched = self._routed_reused = 0
         self._cache_hits = self._cache_saved_ns = 0
+        self._wasted_cpu_ns = self._guarded = self._paused = self._paused_ns = self._dropped = 0
+        self._decisions = dict.fromkeys(_DECISIONS, 0)
         self._warned: set[str] = set()
 
     def _event(self, kind: EventKind, t_ns: int, detail: str, ns: int) -> None:
@@ -308,11 +362,39 @@ class Ledger:
     def fork_committed(self, t_ns: int, detail: str) -> None:
         self._event(EventKind.COMMIT, t_ns, detail, 0)
 
-    def fork_discarded(self, t_ns: int, detail: str, tool_ns: int, *, speculative: bool = True) -> None:
+    def fork_discarded(
+        self, t_ns: int, detail: str, tool_ns: int, *, speculative: bool = True, cpu_ns: int | None = None
+    ) -> None:
+        """A fork was thrown away after ``tool_ns`` of tool time (``cpu_ns``: the CPU it
+        used, where its sandbox is metered; else its tool time counts as its CPU)."""
         if speculative:
             self._forks_wasted += 1
             self._wasted_tool_ns += tool_ns
+            self._wasted_cpu_ns += cpu_ns if cpu_ns is not None else tool_ns
         self._event(EventKind.DISCARD, t_ns, detail, tool_ns)
+
+    def decided(self, reason: str) -> None:
+        """The speculation controller decided on a candidate (``reason``: admitted, probe,
+        off, or why it was refused)."""
+        self._decisions[reason] += 1
+
+    def guarded_step(self) -> None:
+        """A step was committed while the no-regret guard held speculation back."""
+        self._guarded += 1
+
+    def fork_paused(self, t_ns: int, detail: str) -> None:
+        self._paused += 1
+        self._event(EventKind.PAUSE, t_ns, detail, 0)
+
+    def fork_resumed(self, t_ns: int, detail: str, paused_ns: int) -> None:
+        self._paused_ns += paused_ns
+        self._event(EventKind.RESUME, t_ns, detail, paused_ns)
+
+    def fork_dropped(self, t_ns: int, detail: str) -> None:
+        """The lowest-value fork was dropped under memory pressure (its discard is an event
+        of its own)."""
+        self._dropped += 1
+        self._event(EventKind.DROP, t_ns, detail, 0)
 
     def failed(self, t_ns: int, detail: str) -> None:
         self._failures += 1
@@ -334,6 +416,7 @@ class Ledger:
 
     def statistics(self) -> EngineStatistics:
         """A frozen snapshot of the running totals."""
+        d = self._decisions
         return EngineStatistics(
             steps=self.step,
             actions_executed=self._executed,
@@ -360,4 +443,15 @@ class Ledger:
             routed_forks_reused=self._routed_reused,
             cache_hits=self._cache_hits,
             cache_saved_ns=self._cache_saved_ns,
+            wasted_cpu_ns=self._wasted_cpu_ns,
+            admitted=d["admitted"] + d["probe"] + d["off"],
+            refused_price=d["price"],
+            refused_guard=d["guard"],
+            refused_budget=d["budget"],
+            refused_memory=d["memory"],
+            probes=d["probe"],
+            guarded_steps=self._guarded,
+            forks_paused=self._paused,
+            paused_ns=self._paused_ns,
+            forks_dropped=self._dropped,
         )

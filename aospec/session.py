@@ -36,6 +36,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, cast
 
+from aospec.admission import PROVISIONAL, Admission, AdmissionModel
 from aospec.branches import Branch, BranchState
 from aospec.drafting import MAX_DRAFTS_PER_CALL, Drafting
 from aospec.engine_config import EngineConfig
@@ -48,6 +49,7 @@ from aospec.protocols import (
     Actor,
     Capabilities,
     Clock,
+    HostMonitor,
     ObservationCanonicalizer,
     ObservationDraft,
     ObservationDrafter,
@@ -59,6 +61,8 @@ from aospec.types import Action, History
 
 if TYPE_CHECKING:
     from anyio.abc import TaskGroup
+
+    from aospec.host import SpeculationBudget
 
 __all__ = ["MAX_DRAFTS_PER_CALL", "Branch", "BranchState", "Session"]
 
@@ -115,6 +119,9 @@ class Session:
         capabilities: Capabilities,
         router: StreamRouter | None = None,
         route_listeners: Sequence[Callable[[Any], None]] = (),
+        admission_model: AdmissionModel | None = None,
+        host: HostMonitor | None = None,
+        budget: SpeculationBudget | None = None,
     ) -> None:
         self._actor = actor
         self._sandbox = sandbox
@@ -131,8 +138,18 @@ class Session:
             ledger.speculation_failed(clock.now_ns(), what, exc, warn=warn)
 
         self._speculation_failed = failed
+        self._admission = admission = Admission(
+            admission_model if admission_model is not None else AdmissionModel(),
+            config,
+            clock=clock,
+            ledger=ledger,
+            failed=failed,
+            host=host,
+            budget=budget,
+        )
+        admission.boundary(self._run.boundary_ns)
         common = {"config": config, "clock": clock, "ledger": ledger, "task_group": task_group, "failed": failed}
-        self._forks = Forks(sandbox, capabilities.sandbox, use_forks=self._use_forks, **common)
+        self._forks = Forks(sandbox, capabilities.sandbox, use_forks=self._use_forks, admission=admission, **common)
         # Routed targets are action drafting: off with fork_width 0 (then forks may be off
         # too, and nothing may fork the committed sandbox while the step runs on it).
         routed_on = (
@@ -160,6 +177,12 @@ class Session:
     def history(self) -> History:
         """``H``: the verified history (committed steps only)."""
         return self._run.history
+
+    @property
+    def admission(self) -> Admission:
+        """The run's speculation controller (a SpecBox pool prices its forks with
+        :meth:`aospec.admission.Admission.pool`)."""
+        return self._admission
 
     @property
     def capabilities(self) -> Capabilities:
@@ -192,6 +215,7 @@ class Session:
         run.emitted_ns = self._clock.now_ns()
         run.pending = branch
         assert branch.action is not None
+        self._admission.emitted(branch.action, run.emitted_ns)
         return branch.action
 
     async def execute(self, action: Action) -> str:
@@ -246,7 +270,11 @@ class Session:
         before = run.history
         late_error = await forks.commit(fork, origin, len(before))
         try:
-            self._after_commit(branch, action, fork, observation, emitted_ns, cache_hit_ns)
+            try:
+                changed = self._sandbox.version != origin
+            except Exception:
+                changed = True  # (the verified path reads it again below, and fails there)
+            self._after_commit(branch, action, fork, observation, emitted_ns, cache_hit_ns, changed=changed)
         except BaseException as exc:
             if run.history is before:
                 # Why: the step is committed; whatever failed after the commit (adopting a
@@ -285,9 +313,12 @@ class Session:
         observation: str,
         emitted_ns: int,
         cache_hit_ns: int | None = None,
+        *,
+        changed: bool = True,
     ) -> None:
         """The step is committed: its cache hit and times into the ledger, its tool time
-        into EVD, the matching continuation adopted, ``H`` extended."""
+        into EVD, the matching continuation adopted, ``H`` extended (``changed``: the step
+        changed the committed state, which the speculation controller learns)."""
         run, ledger = self._run, self._run.ledger
         now = self._clock.now_ns()
         if cache_hit_ns is not None:
@@ -297,17 +328,28 @@ class Session:
         if fork.exec_start_ns is not None:
             end = fork.exec_end_ns if fork.exec_end_ns is not None else now
             tool_waited = _overlap(emitted_ns, now, fork.exec_start_ns, end)
+        decode_ns = branch.decoded_ns - branch.started_ns
+        decode_waited = _overlap(run.boundary_ns, emitted_ns, branch.started_ns, branch.decoded_ns)
+        wait_actor, wait_tool = emitted_ns - run.boundary_ns, now - emitted_ns
         ledger.committed_step(
             now,
             action.key,
-            wait_actor_ns=emitted_ns - run.boundary_ns,
-            wait_tool_ns=now - emitted_ns,
-            decode_ns=branch.decoded_ns - branch.started_ns,
+            wait_actor_ns=wait_actor,
+            wait_tool_ns=wait_tool,
+            decode_ns=decode_ns,
             tool_ns=tool_ns,
-            decode_waited_ns=_overlap(run.boundary_ns, emitted_ns, branch.started_ns, branch.decoded_ns),
+            decode_waited_ns=decode_waited,
             tool_waited_ns=tool_waited,
             executed=not action.is_none,
         )
+        self._admission.committed(
+            action,
+            decode_ns=decode_ns,
+            hidden_ns=decode_ns - decode_waited + tool_ns - tool_waited,
+            overhead_ns=wait_actor - decode_waited + wait_tool - tool_waited,
+            changed=changed,
+        )
+        self._admission.boundary(now)
         if run.evd is not None and not action.is_none:
             try:
                 run.evd.observe(action, observation, tool_ns * 1e-9)
@@ -358,11 +400,19 @@ class Session:
         ``observation`` (byte for byte, else, under canonical acceptance, once
         canonicalised); cancel the rest of ``P``."""
         continuations = branch.continuations
+        admission = self._admission
+        for refused_text, decision in branch.refused.items():
+            # what a refused branch would have done: learned all the same
+            admission.outcome(decision, refused_text == observation)
+        branch.refused = {}
         if not continuations:
             return None
         text = self._drafting.accepted(observation, continuations)
         keep = continuations.pop(text) if text is not None else None
+        if keep is not None:
+            admission.outcome(keep.decision, True)
         for other in continuations.values():
+            admission.outcome(other.decision, False)
             # Why: a continuation on a draft that differs from the real observation
             # conditions on a history that never happened.
             self._cancel(other, now)
@@ -411,27 +461,41 @@ class Session:
         action = branch.action
         assert action is not None
         if self._provisional_targets_on and not action.is_none:
-            self._forks.launch(action, branch.level, branch.probability)
+            self._forks.launch(action, branch.level, branch.probability, kind=PROVISIONAL, source="continuation")
         if branch.level < self._config.obs_depth:
             self._predict_observations(branch)
 
     async def _draft(self, branch: Branch) -> None:
-        await self._drafting.observations(branch, lambda drafts: self._start_continuations(branch, drafts))
+        await self._drafting.observations(branch, lambda who, drafts: self._start_continuations(branch, drafts, who))
         if branch.state is BranchState.DRAFTING:
             branch.state = BranchState.DRAFTED
 
-    def _start_continuations(self, branch: Branch, drafts: Sequence[ObservationDraft]) -> None:
-        """Start a continuation on each of the best ``drafts`` (:meth:`Drafting.pick`)."""
+    def _start_continuations(self, branch: Branch, drafts: Sequence[ObservationDraft], source: str = "") -> None:
+        """Start a continuation on each of the best ``drafts`` (:meth:`Drafting.pick`) that
+        the speculation controller admits (the branch start point: each is priced first)."""
         if branch.state is not BranchState.DRAFTING:
             return  # sealed or cancelled while these drafts were made
         run, action = self._run, branch.action
         assert action is not None
         now = self._clock.now_ns()
+        admission = self._admission
+        evd = run.evd
         for d, form in self._drafting.pick(drafts, branch.continuations):
+            t_hit = None
+            if evd is not None:
+                try:
+                    t_hit = evd.tool_time(d) or None  # 0: EVD knows nothing yet
+                except Exception as exc:
+                    self._speculation_failed("EVD's tool time of a draft", exc)
+            decision = admission.branch(action, source=source, level=branch.level + 1, score=d.probability, tool_if_hit_s=t_hit)
+            if not decision.launch:
+                branch.refused[d.text] = decision
+                continue
             child = Branch(
                 branch.history.extend(action, d.text), branch.level + 1, d, branch.probability * d.probability, now
             )
             child.canonical_form = form
+            child.decision = decision
             child.decode_task = run.task_group.start_soon(self._decode_continuation, child)
             branch.continuations[d.text] = child
             run.ledger.draft_started(now, short(d.text))
@@ -473,6 +537,7 @@ class Session:
             branch.draft_task.cancel()
         decoded = (branch.decoded_ns if branch.action is not None else now) - branch.started_ns
         self._run.ledger.draft_cancelled(now, short(branch.draft.text) if branch.draft else "", decoded)
+        self._admission.wasted_decode(decoded)
         for child in branch.continuations.values():
             self._cancel(child, now)
         branch.continuations = {}

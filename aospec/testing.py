@@ -2,7 +2,10 @@
 
 - :class:`InMemorySandbox`: a tiny shell over an in-memory filesystem, with real
   copy-on-write-style forks and hash-chained versions (``H(parent, H(changes))``; a
-  command that changes nothing keeps the version).
+  command that changes nothing keeps the version). :class:`BusySandbox` adds the
+  ``burn S`` command (S seconds of one core's CPU), CPU metering
+  (:class:`aospec.protocols.MeteredSandbox`) and pausing
+  (:class:`aospec.protocols.PausableSandbox`), all in the event loop's (virtual) time.
 - :class:`ScriptedActor`: an actor that is a function of its history (losslessness needs
   exactly that), with a configurable decode delay; :class:`StreamingScriptedActor` also
   streams its reply text in chunks (``decode_streaming``).
@@ -50,6 +53,7 @@ __all__ = [
     "FaultyActor",
     "FaultyObservationDrafter",
     "FaultySandbox",
+    "BusySandbox",
     "FitRecorder",
     "InMemorySandbox",
     "InjectedFault",
@@ -169,7 +173,7 @@ class InMemorySandbox:
         self._check()
         if self._busy:
             raise SandboxError("fork while an execute is in flight")
-        child = InMemorySandbox.__new__(InMemorySandbox)
+        child = InMemorySandbox.__new__(type(self))
         child._files = dict(self._files)
         child._version = self._version
         child.op_delay_s = self.op_delay_s
@@ -202,6 +206,93 @@ class InMemorySandbox:
         self._closed = True
         if self._root is not self:
             self._root.forks_released += 1
+
+
+class BusySandbox(InMemorySandbox):
+    """An :class:`InMemorySandbox` whose commands can take CPU, in the event loop's time.
+
+    ``burn S`` runs for ``S`` seconds of one core's CPU; :attr:`cpu_ns` is the CPU its
+    commands used so far (a :class:`aospec.protocols.MeteredSandbox`; a fork starts from
+    0). :meth:`pause` freezes a running ``burn`` (no progress and no CPU until
+    :meth:`resume`; a command started while paused starts frozen) and holds back the end
+    of a ``sleep`` (a :class:`aospec.protocols.PausableSandbox`). ``pauses`` counts the
+    pauses that froze something. ``fail_pause`` makes :meth:`pause` raise SandboxError
+    (a host without a freezer)."""
+
+    cpu_used_ns: int
+    _paused: bool
+    _resumed: anyio.Event
+    _burning: tuple[anyio.CancelScope, float] | None
+
+    def __init__(
+        self, files: Mapping[str, str] | None = None, *, op_delay_s: float = 0.0, fail_pause: bool = False
+    ) -> None:
+        super().__init__(files, op_delay_s=op_delay_s)
+        self.fail_pause = fail_pause
+        self._busy_state()
+
+    def _busy_state(self) -> None:
+        self.cpu_used_ns = 0
+        self.pauses = 0
+        self._paused = False
+        self._resumed = anyio.Event()
+        self._burning = None
+
+    @property
+    def cpu_ns(self) -> int:
+        if self._burning is not None:
+            return self.cpu_used_ns + round((anyio.current_time() - self._burning[1]) * 1e9)
+        return self.cpu_used_ns
+
+    @property
+    def paused(self) -> bool:
+        return self._paused
+
+    async def pause(self) -> None:
+        if self.fail_pause:
+            raise SandboxError("this sandbox has no freezer")
+        if self._paused:
+            return
+        self._paused = True
+        self._resumed = anyio.Event()
+        if self._burning is not None:
+            self.pauses += 1
+            self._burning[0].cancel()
+
+    async def resume(self) -> None:
+        if self._paused:
+            self._paused = False
+            self._resumed.set()
+
+    async def _wait_resumed(self) -> None:
+        while self._paused:
+            await self._resumed.wait()
+
+    async def _run(self, cmd: str, files: dict[str, str], out: list[str]) -> int:
+        words = cmd.split()
+        if len(words) == 2 and words[0] == "burn":
+            remaining = float(words[1])
+            while remaining > 1e-9:
+                await self._wait_resumed()
+                start = anyio.current_time()
+                with anyio.CancelScope() as scope:
+                    self._burning = (scope, start)
+                    await anyio.sleep(remaining)
+                self._burning = None
+                ran = anyio.current_time() - start
+                self.cpu_used_ns += round(ran * 1e9)
+                remaining -= ran
+            return 0
+        code = await super()._run(cmd, files, out)
+        await self._wait_resumed()
+        return code
+
+    async def fork(self) -> BusySandbox:
+        child = await super().fork()
+        assert isinstance(child, BusySandbox)
+        child.fail_pause = self.fail_pause
+        child._busy_state()
+        return child
 
 
 class ScriptedActor:

@@ -330,6 +330,7 @@ class _Spec:
     result: ToolOutput | None = None
     taken: bool = False
     prefetched: bool = False
+    lease: Any = None  # its slot of the host's speculation budget, held while it runs
 
 
 @dataclass
@@ -341,6 +342,7 @@ class Stats:
     stale_discarded: int = 0  # forks thrown away because the committed version moved
     wasted: int = 0  # speculative forks that ran but whose result was not used (incl. stale)
     prefetched: int = 0  # speculative calls started by POST /aospec/prefetch
+    budget_refused: int = 0  # speculative calls not started: every slot of --speculation-budget was held
 
     def as_dict(self) -> dict[str, int]:
         return dict(self.__dict__)
@@ -366,11 +368,14 @@ class SandboxToolServer:
         on_commit: Callable[[Action], None] | None = None,
         artifacts: Any = None,
         max_export_bytes: int = MAX_ARTIFACT_BYTES,
+        budget: Any = None,
     ) -> None:
         """``artifacts``: a started :class:`aospec.specbox.transport.ArtifactServer` to hand large
         results out of band through (and serve ``export_file`` of at most
-        ``max_export_bytes``); None: every result in band, four tools."""
+        ``max_export_bytes``); None: every result in band, four tools. ``budget``: the host's
+        :class:`aospec.host.SpeculationBudget` (a speculative call runs only on a free slot)."""
         self.root = root
+        self.budget = budget
         self.tg = tg
         self.predictor = predictor
         self.max_forks = max_forks
@@ -473,6 +478,11 @@ class SandboxToolServer:
                     return False
                 await self._drop(self._specs.pop(victim))
             spec = _Spec(action, version, prefetched=True)
+            if self.budget is not None:
+                spec.lease = self.budget.try_acquire()
+                if spec.lease is None:
+                    self.stats.budget_refused += 1
+                    return False
             self._specs[key] = spec
             self.stats.launched += 1
             self.stats.prefetched += 1
@@ -513,6 +523,11 @@ class SandboxToolServer:
             if key in self._specs:
                 continue
             spec = _Spec(action, version)
+            if self.budget is not None:
+                spec.lease = self.budget.try_acquire()
+                if spec.lease is None:
+                    self.stats.budget_refused += 1
+                    break
             self._specs[key] = spec
             self.stats.launched += 1
             self.tg.start_soon(self._run_spec, spec)
@@ -531,6 +546,8 @@ class SandboxToolServer:
         except Exception as exc:  # a failed speculation is only a missed chance
             print(f"aospec mcp: speculative {spec.action.tool} failed: {exc}", file=sys.stderr)
         finally:
+            if spec.lease is not None:
+                spec.lease.release()
             if fork is not None:
                 with anyio.CancelScope(shield=True):
                     await fork.discard()
@@ -759,6 +776,7 @@ async def _sandbox_backend(args: argparse.Namespace) -> AsyncIterator[SandboxToo
             timeout_s=args.timeout,
             artifacts=artifacts,
             max_export_bytes=int(args.max_artifact_mb * (1 << 20)),
+            budget=_budget(args),
         )
         if artifacts is not None:
             tg.start_soon(sweep_forever, artifacts, args.artifact_ttl)
@@ -770,6 +788,18 @@ async def _sandbox_backend(args: argparse.Namespace) -> AsyncIterator[SandboxToo
             tg.cancel_scope.cancel()
             if args.stats:
                 print(f"aospec mcp: {backend.stats.as_dict()}", file=sys.stderr)
+
+
+def _budget(args: argparse.Namespace) -> Any:
+    """The host's speculation budget of ``--speculation-budget`` (None without it)."""
+    if args.speculation_budget is None or args.no_speculate:
+        return None
+    from aospec.host import SpeculationBudget, parse_budget
+
+    budget = SpeculationBudget(*parse_budget(args.speculation_budget))
+    for note in budget.notes:
+        print(f"aospec mcp: note: {note}", file=sys.stderr)
+    return budget
 
 
 def _text(result: types.CallToolResult) -> str:
@@ -871,6 +901,14 @@ def _run(args: argparse.Namespace) -> int:
             )
     if args.upstream and not args.trust and not args.no_speculate:
         print("aospec mcp: note: no --trust file, so no upstream tool is speculated", file=sys.stderr)
+    if args.speculation_budget is not None:
+        from aospec.host import parse_budget
+
+        try:
+            parse_budget(args.speculation_budget)
+        except ConfigError as exc:
+            print(f"aospec mcp: {exc}", file=sys.stderr)
+            return 2
     try:
         anyio.run(_serve, args)
     except KeyboardInterrupt:  # SIGINT, SIGTERM or SIGHUP: everything was cancelled and cleaned up
@@ -948,6 +986,13 @@ def register(subparsers: Any) -> None:
     p.add_argument("--no-speculate", action="store_true", help="never speculate (plain serial server)")
     p.add_argument("--speculate", type=int, default=2, metavar="K", help="speculative calls after each call (2)")
     p.add_argument("--max-forks", type=int, default=4, metavar="N", help="live speculative calls at most (4)")
+    p.add_argument(
+        "--speculation-budget",
+        default=None,
+        metavar="CORES[,MEMORY]",
+        help="speculative calls running at once on this host, in cores (and memory: 4G), shared by every aospec "
+        "session of the host (default: none)",
+    )
     p.add_argument(
         "--predict",
         choices=("auto", "repeat", "table", "both"),

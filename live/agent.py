@@ -23,6 +23,10 @@ from one step to the next, as in mini-swe-agent.
   or hangs costs only speed: the engine counts the failure and drops that drafter's
   candidates, and drafting still running when the real observation (or the next
   boundary) arrives is cancelled.
+- **The speculation controller** prices every guess (docs/engine.md): ``host`` (default
+  :class:`aospec.host.ProcHostMonitor`, this host's load), ``budget`` (the host's
+  :class:`aospec.host.SpeculationBudget`) and ``admission_model`` (what it has learned,
+  e.g. loaded with ``AdmissionModel.load``) go to the engine of a speculative run.
 """
 
 from __future__ import annotations
@@ -33,12 +37,14 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, cast
 
+from aospec.admission import AdmissionModel
 from aospec.engine import Engine
 from aospec.engine_config import EngineConfig
 from aospec.errors import AospecError
 from aospec.evd import EVDEstimator
+from aospec.host import ProcHostMonitor, SpeculationBudget
 from aospec.ledger import EngineStatistics
-from aospec.protocols import CachingSandbox, MeteredSandbox, Sandbox
+from aospec.protocols import CachingSandbox, HostMonitor, MeteredSandbox, Sandbox
 from aospec.types import Action, History, Trace
 from aospec.wrappers import SandboxWrapper
 
@@ -231,7 +237,12 @@ class AgentResult:
         decodes and the forks launched from them (and reused); ``cache_hits``,
         ``cache_saved_s``: committed steps the result cache served, and the tool time their
         entries took when they really ran; ``cache``: the cache's own counters over every
-        execute, speculative forks' included (None without a cache)."""
+        execute, speculative forks' included (None without a cache). The speculation
+        controller's: ``wasted_cpu_s`` (CPU of the discarded forks; their tool time where
+        the sandbox meters no CPU), ``efficiency`` (tool seconds hidden per wasted
+        CPU-second; None when nothing was wasted), ``admission`` (candidates launched,
+        refused by reason, let through as probes, steps under the guard) and
+        ``forks_paused``, ``paused_s``, ``forks_dropped``."""
         s = self.statistics
         return {
             "exit_reason": self.exit_reason,
@@ -259,6 +270,22 @@ class AgentResult:
             "cache_hits": s.cache_hits,
             "cache_saved_s": round(s.cache_saved_ns * 1e-9, 6),
             "cache": dict(self.cache_counts) if self.cache_counts is not None else None,
+            "wasted_cpu_s": round(s.wasted_cpu_s, 6),
+            "efficiency": round(s.efficiency, 4) if s.efficiency is not None else None,
+            "admission": {
+                "launched": s.admitted,
+                "refused": {
+                    "price": s.refused_price,
+                    "guard": s.refused_guard,
+                    "budget": s.refused_budget,
+                    "memory": s.refused_memory,
+                },
+                "probes": s.probes,
+                "guarded_steps": s.guarded_steps,
+            },
+            "forks_paused": s.forks_paused,
+            "paused_s": round(s.paused_ns * 1e-9, 6),
+            "forks_dropped": s.forks_dropped,
             "version_before": self.version_before,
             "final_version": self.final_version,
             "submission": self.submission,
@@ -282,7 +309,9 @@ class Agent:
     streams (``decode_streaming``); its events go to ``route_listeners`` (e.g.
     ``aospec.specbox.pool.router_adapter(pool)``) and, speculating, to the action drafters that
     have ``propose_routed``. The serial engine gets the router too (its events are only
-    counted and passed to the listeners: no drafters, no forks).
+    counted and passed to the listeners: no drafters, no forks). ``host``, ``budget`` and
+    ``admission_model`` are the speculation controller's (module docstring; ``host`` None:
+    this host's :class:`aospec.host.ProcHostMonitor`).
     """
 
     def __init__(
@@ -298,6 +327,9 @@ class Agent:
         on_step: OnStep | None = None,
         router: Any = None,
         route_listeners: Sequence[Callable[[Any], None]] = (),
+        host: HostMonitor | None = None,
+        budget: SpeculationBudget | None = None,
+        admission_model: AdmissionModel | None = None,
     ) -> None:
         if step_limit < 0:
             raise AospecError(f"step limit must be >= 0 (0: none), got {step_limit}")
@@ -326,6 +358,9 @@ class Agent:
                 action_drafters=d.action,
                 evd=d.evd,
                 config=d.config,
+                host=host if host is not None else ProcHostMonitor(),
+                budget=budget,
+                admission_model=admission_model,
                 **routing,
             )
         else:

@@ -9,6 +9,7 @@ model endpoint, the sandbox, a step), 2 for usage errors (bad options, missing f
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
 from pathlib import Path
@@ -86,6 +87,20 @@ def register(subparsers: Any) -> None:
         help="send the first request twice and warn when the replies differ (speculation is lossless only then)",
     )
     p.add_argument("--progress", action="store_true", help="show the progress line even when stderr is not a terminal")
+    p.add_argument(
+        "--speculation-budget",
+        default=None,
+        metavar="CORES[,MEMORY]",
+        help="the most speculative forks running at once on this host, in cores (and memory: 4G), shared by "
+        "every aospec session of the host (default: none; 0: no speculative forks)",
+    )
+    p.add_argument(
+        "--calibration",
+        default=None,
+        metavar="FILE",
+        help="the speculation controller's model (JSON): loaded when the file exists, else fitted on "
+        "--train-traces; saved after the run with what it learned",
+    )
     box = p.add_argument_group(
         "SpecBox layer (docs/live.md, 'SpecBox under a live run'; defaults apply when speculating, a serial run "
         "uses none of it unless asked)"
@@ -188,6 +203,17 @@ def _check_args(args: argparse.Namespace) -> None:
 
         args.drafter_options = _drafter_options(args.drafter_options)
         check_drafter_names([parse_policy(args.policy)])
+    if args.speculation_budget is not None:
+        from aospec.host import parse_budget
+
+        parse_budget(args.speculation_budget)
+        if not args.speculate:
+            raise ConfigError("--speculation-budget needs speculation: a serial run (--no-speculate) makes no forks")
+    if args.calibration is not None:
+        if not args.speculate:
+            raise ConfigError("--calibration is the speculation controller's: a serial run (--no-speculate) has none")
+        if Path(args.calibration).is_dir():
+            raise ConfigError(f"--calibration {args.calibration} is a directory; give a file name")
 
 
 def _specbox_options(args: argparse.Namespace) -> Any:
@@ -266,6 +292,7 @@ def _run(args: argparse.Namespace) -> int:
 
         args.specbox = options
         args.router_object = build_router(options.router, train)  # one that cannot be built: a usage error
+        args.admission_model = _admission_model(args, train)
         actor = _actor(args, chat_format)
     except AospecError as exc:
         _err(str(exc))
@@ -288,18 +315,71 @@ def _run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _admission_model(args: argparse.Namespace, train: list[Any]) -> Any:
+    """The speculation controller's model: ``--calibration FILE`` when it exists, else
+    fitted on the training traces by replaying them through the engine (None: learned
+    from scratch during the run)."""
+    if not args.speculate:
+        return None
+    from aospec.admission import AdmissionModel
+
+    if args.calibration is not None and Path(args.calibration).exists():
+        return AdmissionModel.load(args.calibration)
+    if train:
+        from aospec.replay.calibrate import fit_admission
+
+        return fit_admission(train)
+    return None
+
+
+def _speculation_budget(args: argparse.Namespace) -> Any:
+    """The host's budget of ``--speculation-budget`` (None without it); its notes go to stderr."""
+    if args.speculation_budget is None:
+        return None
+    from aospec.host import SpeculationBudget, parse_budget
+
+    cores, memory = parse_budget(args.speculation_budget)
+    budget = SpeculationBudget(cores, memory)
+    for note in budget.notes:
+        _warn(note)
+    return budget
+
+
+def _kernel_budget(budget: Any) -> Any:
+    """The runtime's kernel-enforced part of the budget (a cgroup for every speculative
+    command of the host, with the budget's CPU quota and memory limit), entered for the
+    run; a context manager that does nothing, with one note, where the runtime has none."""
+    import contextlib
+
+    import aospec.runtime as runtime
+
+    enforce = getattr(runtime, "speculation_budget", None)
+    if enforce is None:
+        _warn(
+            "this runtime has no kernel-enforced speculation budget: --speculation-budget limits how many "
+            f"speculative forks run at once (shared through {budget.directory}), not their CPU or memory"
+        )
+        return contextlib.nullcontext()
+    return enforce(cores=budget.cores, memory_bytes=budget.memory_bytes)
+
+
 def _recorded(state: dict[str, Any]) -> str:
     rec = state.get("recorder")
     return f" ({len(rec.steps)} committed steps recorded in {rec.path})" if rec is not None else ""
 
 
 async def _main(args: argparse.Namespace, actor: Any, train: list[Any], state: dict[str, Any]) -> Any:
+    import contextlib
+    import dataclasses
+
     import anyio
     from aospec.live.agent import Agent, default_drafters
     from aospec.live.record import TraceRecorder
     from aospec.live.specbox_layer import open_specbox
     from aospec.runtime import SandboxConfig, open_sandbox
 
+    from aospec.admission import host_config
+    from aospec.host import ProcHostMonitor
     from aospec.types import History
 
     try:
@@ -316,8 +396,20 @@ async def _main(args: argparse.Namespace, actor: Any, train: list[Any], state: d
                         "serial ones (use --temperature 0 and --seed, or a deterministic server)"
                     )
         drafters = default_drafters(train, args.policy, args.drafter_options) if args.speculate else None
+        host = budget = None
+        kernel_budget: Any = contextlib.nullcontext()
+        if drafters is not None:
+            host = ProcHostMonitor()
+            for note in host.notes:
+                _warn(note)
+            # host-aware defaults: width, depth and live forks follow the cores and the load now
+            drafters = dataclasses.replace(drafters, config=host_config(drafters.config, host.snapshot()))
+            budget = _speculation_budget(args)
+            if budget is not None:
+                kernel_budget = _kernel_budget(budget)
         config = SandboxConfig(backend=args.sandbox, base=args.base, timeout_s=args.command_timeout)
         async with (
+            _entered(kernel_budget),
             open_sandbox(config) as raw_sandbox,
             open_specbox(raw_sandbox, args.specbox, train, router=args.router_object) as box,
         ):
@@ -337,6 +429,7 @@ async def _main(args: argparse.Namespace, actor: Any, train: list[Any], state: d
                         "base": args.base,
                         "model": args.model if args.model.startswith(("http://", "https://")) else _model_name(args),
                         "step_limit": args.step_limit,
+                        "speculation_budget": args.speculation_budget,
                         "specbox": box.summary(),
                         "version_start": sandbox.version,
                         "exit_reason": "running",
@@ -359,6 +452,9 @@ async def _main(args: argparse.Namespace, actor: Any, train: list[Any], state: d
                 step_limit=args.step_limit,
                 on_step=on_step,
                 router=box.router,
+                host=host,
+                budget=budget,
+                admission_model=args.admission_model,
             )
             try:
                 with progress:
@@ -375,12 +471,25 @@ async def _main(args: argparse.Namespace, actor: Any, train: list[Any], state: d
                 recorder.meta["specbox"] = box.summary()
                 recorder.finish(result)
             state["actor_stats"] = getattr(actor, "stats", None)
+            if args.calibration is not None:
+                agent.engine.admission_model.save(args.calibration)  # with what this run learned
             return result
     finally:
         close = getattr(actor, "aclose", None)
         if close is not None:
             with anyio.CancelScope(shield=True):
                 await close()
+
+
+@contextlib.asynccontextmanager
+async def _entered(manager: Any) -> Any:
+    """Enter ``manager``, sync or async (the runtime's kernel budget may be either)."""
+    if hasattr(manager, "__aenter__"):
+        async with manager as value:
+            yield value
+    else:
+        with manager as value:
+            yield value
 
 
 class _Progress:
@@ -461,6 +570,7 @@ def _summary(args: argparse.Namespace, result: Any, state: dict[str, Any]) -> No
         ("forks reused / launched", f"{data['forks_reused']} / {data['forks_launched']}"),
         ("drafts hit / started", f"{data['drafts_hit']} / {data['drafts_started']}"),
         ("speculative failures", str(data["speculative_failures"])),
+        *_admission_rows(data, result.speculate),
         *_specbox_rows(data),
         ("final version", data["final_version"]),
     ]
@@ -469,6 +579,34 @@ def _summary(args: argparse.Namespace, result: Any, state: dict[str, Any]) -> No
     for k, v in rows:
         table.add_row(k, v)
     print_table(table)
+
+
+def _admission_rows(data: dict[str, Any], speculate: bool) -> list[tuple[str, str]]:
+    """The summary table's rows of the speculation controller (speculative runs only)."""
+    if not speculate:
+        return []
+    a = data["admission"]
+    refused = a["refused"]
+    eff = data["efficiency"]
+    rows = [
+        (
+            "wasted CPU (efficiency)",
+            f"{data['wasted_cpu_s']:.3f} s ({'-' if eff is None else f'{eff:.2f}'} tool s hidden per CPU-s)",
+        ),
+        (
+            "guesses launched / refused",
+            f"{a['launched']} / {sum(refused.values())} (price {refused['price']}, guard {refused['guard']}, "
+            f"budget {refused['budget']}, memory {refused['memory']}; probes {a['probes']})",
+        ),
+    ]
+    if data["forks_paused"] or data["forks_dropped"]:
+        rows.append(
+            (
+                "forks paused (time) / dropped",
+                f"{data['forks_paused']} ({data['paused_s']:.3f} s) / {data['forks_dropped']}",
+            )
+        )
+    return rows
 
 
 def _specbox_rows(data: dict[str, Any]) -> list[tuple[str, str]]:

@@ -121,7 +121,7 @@ BASE_POLICIES: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
     "serial": ({"branch_budget": 0, "fork_width": 0, "provisional_targets": False}, {}),
     "oracle-action": ({"branch_budget": 0, "depth": 1, "provisional_targets": False}, {"action_drafter": "oracle"}),
     "ceiling": (
-        {"depth": UNBOUNDED, "fork_width": UNBOUNDED, "max_live_forks": UNBOUNDED},
+        {"depth": UNBOUNDED, "fork_width": UNBOUNDED, "max_live_forks": UNBOUNDED, "admission": "off"},
         {"obs_drafter": "oracle", "action_drafter": "oracle"},
     ),
     "spec-actions": ({"branch_budget": 0, "depth": 1, "provisional_targets": False}, {"action_drafter": "history"}),
@@ -243,7 +243,8 @@ class Policy:
 
     def twin(self) -> Policy:
         """The matching ceiling: the same engine configuration with every drafter replaced
-        by the free oracle, and action lookahead, fork width and live forks unbounded.
+        by the free oracle, and action lookahead, fork width and live forks unbounded, and
+        every guess launched (``admission="off"``: a bound is not priced).
 
         Unbounded, because JASV keeps forks valid across read-only steps: a practical
         drafter that launches a later step's action early gets it for free, so only an
@@ -261,9 +262,15 @@ class Policy:
             router="",
         )
         # The oracle drafts one observation with probability 1: every ranking rule continues
-        # it, so the rank does not change the ceiling (and rank variants share one).
+        # it, so the rank does not change the ceiling (and rank variants share one). A
+        # ceiling is a bound: its guesses are not priced (admission off).
         engine = dataclasses.replace(
-            self.engine, depth=UNBOUNDED, fork_width=UNBOUNDED, max_live_forks=UNBOUNDED, rank="evd"
+            self.engine,
+            depth=UNBOUNDED,
+            fork_width=UNBOUNDED,
+            max_live_forks=UNBOUNDED,
+            rank="evd",
+            admission="off",
         )
         return Policy(f"ceiling-of({self.name})", self.base, engine, cfg)
 

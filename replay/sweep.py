@@ -44,7 +44,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import inspect
 import math
 import os
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -154,12 +153,6 @@ def _plain(value: Any) -> Any:
     return list(value) if isinstance(value, tuple) else value
 
 
-@functools.cache
-def _engine_takes_host() -> bool:
-    """Whether this aospec's Engine takes ``host=`` (a HostMonitor for its controller)."""
-    return "host" in inspect.signature(Engine).parameters
-
-
 async def _run_one(
     trace: Trace,
     policy: Policy,
@@ -168,7 +161,10 @@ async def _run_one(
     prefill_ns_per_token: int,
     state_model: str,
     host: SimulatedHost | None = None,
+    admission_model: Any = None,
 ) -> tuple[Any, ReplayActor, ReplayWorld, Engine, DrafterFailures]:
+    """One replay of ``trace`` under ``policy`` (``admission_model``: what the speculation
+    controller starts from, and learns into; a fresh one when None)."""
     clock = VirtualClock()
     canon = drafters.canonicalizer(policy.config.canonicalizer) if policy.engine.accept == "canonical" else None
     actor = ReplayActor(
@@ -179,8 +175,7 @@ async def _run_one(
     obs, act = drafters.charged(policy, clock, trace, actor, world, failures)
     evd = drafters.evd(policy.config.kernel) if obs and policy.engine.rank != "likelihood" else None
     router = drafters.router(policy.config.router) if policy.config.router_names else None
-    # The engine's controller reads the simulated host where this aospec's Engine takes one.
-    monitor = {"host": host.host_monitor} if host is not None and _engine_takes_host() else {}
+    # the engine's controller reads the simulated host (None: a quiet host)
     engine = Engine(
         actor,
         world.sandbox(),
@@ -192,7 +187,8 @@ async def _run_one(
         keep_events=False,
         canonicalizer=canon,
         router=router,
-        **monitor,
+        host=host.host_monitor if host is not None else None,
+        admission_model=admission_model,
     )
     history = await engine.run(trace.history(0), steps=len(trace))
     return history, actor, world, engine, failures

@@ -263,7 +263,9 @@ def test_stale_forks_are_pruned_at_the_commit_that_invalidates_them():
     drafter = ScriptedActionDrafter(lambda h: junk if len(h) == 0 else [])
 
     async def main():
-        engine = Engine(WatchingActor(), sb, action_drafters=[drafter], config=EngineConfig(branch_budget=0))
+        # admission off: the junk is launched whatever it costs (the controller would refuse it)
+        config = EngineConfig(branch_budget=0, admission="off")
+        engine = Engine(WatchingActor(), sb, action_drafters=[drafter], config=config)
         await engine.run(History("task"), steps=len(SCRIPT))
         return engine.statistics()
 
@@ -291,7 +293,9 @@ async def _log_run(choose, accept: str, propose, **engine_kwargs):
     if accept == "canonical":
         engine_kwargs.setdefault("canonicalizer", Canonicalizer())
     sb = InMemorySandbox(LOG_FILES)
-    config = EngineConfig(fork_width=0, provisional_targets=False, accept=accept)  # type: ignore[arg-type]
+    # admission off: these tests count continuations; the controller would stop starting
+    # the ones that never match exactly
+    config = EngineConfig(fork_width=0, provisional_targets=False, accept=accept, admission="off")  # type: ignore[arg-type]
     engine = Engine(
         ScriptedActor(choose, 1.0),
         sb,

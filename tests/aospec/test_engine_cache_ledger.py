@@ -98,6 +98,7 @@ def test_committed_cache_hits_are_counted_wherever_the_step_ran(mode):
             ScriptedActor(choose, 1.0),
             CacheReporting(sb),
             action_drafters=[] if mode == "no forks" else [targets],
+            config=EngineConfig(admission="off"),  # every target launched: the cache is what is counted
         )
         history = await engine.run(History("t"), steps=len(SCRIPT))
         return history, sb, engine
@@ -143,6 +144,8 @@ def test_without_a_caching_sandbox_or_a_router_the_new_totals_stay_zero():
             ScriptedActor(choose, 0.1),
             InMemorySandbox(),
             action_drafters=[ScriptedActionDrafter(lambda h: [ActionDraft(choose(h), 0, 0.9)])],
+            # admission off: these commands take no time, so the controller would not fork them
+            config=EngineConfig(admission="off"),
         )
         await engine.run(History("t"), steps=len(SCRIPT))
         return engine
@@ -155,19 +158,36 @@ def test_without_a_caching_sandbox_or_a_router_the_new_totals_stay_zero():
     assert not any(e.kind in (EventKind.ROUTE, EventKind.CACHE_HIT) for e in engine.ledger.events)
 
 
+#: The fields appended after ``wasted_decode_ns``, in order: routing and caching, then the
+#: speculation controller's.
+APPENDED = [
+    "routes_fired",
+    "routed_forks_launched",
+    "routed_forks_reused",
+    "cache_hits",
+    "cache_saved_ns",
+    "wasted_cpu_ns",
+    "admitted",
+    "refused_price",
+    "refused_guard",
+    "refused_budget",
+    "refused_memory",
+    "probes",
+    "guarded_steps",
+    "forks_paused",
+    "paused_ns",
+    "forks_dropped",
+]
+
+
 def test_the_new_statistics_fields_come_last_and_default_to_zero():
     names = [f.name for f in dataclasses.fields(EngineStatistics)]
-    assert names[-5:] == [
-        "routes_fired",
-        "routed_forks_launched",
-        "routed_forks_reused",
-        "cache_hits",
-        "cache_saved_ns",
-    ]
+    assert names[-len(APPENDED) :] == APPENDED
     # positional construction with the fields that were there before still works
-    old = EngineStatistics(*range(len(names) - 5))
-    assert (old.routes_fired, old.cache_hits, old.cache_saved_ns, old.cache_saved_s) == (0, 0, 0, 0.0)
-    assert old.wasted_decode_ns == len(names) - 6
+    old = EngineStatistics(*range(len(names) - len(APPENDED)))
+    assert all(getattr(old, f) == 0 for f in APPENDED)
+    assert (old.cache_saved_s, old.efficiency, old.refused) == (0.0, None, 0)
+    assert old.wasted_decode_ns == len(names) - len(APPENDED) - 1
 
 
 def test_the_ledger_counts_routes_routed_forks_and_cache_hits():

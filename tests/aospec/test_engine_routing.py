@@ -127,8 +127,11 @@ def test_a_routed_fork_launched_mid_decode_is_reused_and_the_run_equals_serial()
     assert sb.live_forks == 0
     stats = engine.statistics()
     assert stats.routed_forks_reused == stats.forks_reused == len(SCRIPT)  # every step's right guess
-    assert stats.routed_forks_launched == stats.forks_launched == 2 * len(SCRIPT)  # the right and the wrong one
-    assert stats.forks_wasted == len(SCRIPT)
+    # the right and the wrong one were proposed; the controller launched the right ones and
+    # priced the wrong ones (0.4, and they never hit) out once it had seen them miss
+    assert stats.routed_forks_launched == stats.forks_launched == stats.admitted
+    assert stats.forks_launched + stats.refused_price == 2 * len(SCRIPT)
+    assert stats.forks_wasted == stats.forks_launched - len(SCRIPT)
     assert stats.tool_hidden_ns > 0  # the forks ran while the actor still decoded
     assert drafter.routed_calls == [(i, program(a)) for i, a in enumerate(SCRIPT)]
     # each reused fork was launched before its action was emitted
@@ -272,7 +275,7 @@ def test_a_routed_target_equal_to_a_live_fork_is_not_launched_again():
             InMemorySandbox(FILES, op_delay_s=0.01),
             action_drafters=[drafter],
             router=ScriptedRouter(),
-            config=EngineConfig(routed_width=1),
+            config=EngineConfig(routed_width=1, admission="off"),  # the wrong target launched whatever it costs
         )
         history = await engine.run(History("t"), steps=len(SCRIPT))
         return history, engine.statistics()

@@ -234,3 +234,14 @@ async def test_train_traces_fits_aospecs_history_action_drafter(tmp_path: Path) 
     await predict(None, "")
     await predict(acts[0], "x")
     assert (await predict(acts[1], "x"))[0] == acts[2]  # a writing call: forked, committed if it comes
+
+
+async def test_a_host_budget_of_no_cores_starts_no_speculative_call(mcp_state_root: Path, mcp_connect: Any) -> None:
+    env = {"AOSPEC_STATE_ROOT": str(mcp_state_root)}
+    async with mcp_connect([*SLOW_OK, "--no-speculate"], "stdio", env=env) as session:
+        serial, _ = await _run_script(session, SCRIPT[:6])
+    async with mcp_connect([*SLOW_OK, "--speculation-budget", "0"], "stdio", env=env) as session:
+        seen, metas = await _run_script(session, SCRIPT[:6])
+    assert seen == serial
+    assert not any(m["speculated"] for m in metas)
+    assert metas[-1]["stats"]["launched"] == 0 and metas[-1]["stats"]["budget_refused"] > 0

@@ -69,7 +69,11 @@ SEED = 3
 STEPS = 7
 OP_DELAY_S = 0.02  # in-memory command time, so speculation has something to hide
 ACTOR_DELAY_S = 0.02
-CONFIG = EngineConfig(branch_budget=2, draft_candidates=3, obs_depth=2, fork_width=3, depth=2, max_live_forks=8)
+# admission off: faults are injected into wrong guesses, which the speculation controller
+# would price out once it has seen them miss (its own faults: tests/aospec/test_admission.py)
+CONFIG = EngineConfig(
+    branch_budget=2, draft_candidates=3, obs_depth=2, fork_width=3, depth=2, max_live_forks=8, admission="off"
+)
 SERIAL = EngineConfig(branch_budget=0, fork_width=0)
 
 

@@ -221,3 +221,49 @@ def test_ctrl_c_ends_cleanly_with_every_committed_step_recorded(overlay_state, s
     assert t.meta["exit_reason"] == "interrupted"
     assert [s.reply for s in t.steps] == REPLIES[: len(t.steps)]
     assert not mounts_under(str(overlay_state))
+
+
+def test_speculation_budget_and_calibration_usage_errors_are_one_line_and_exit_2(capsys, tmp_path) -> None:
+    url = "http://127.0.0.1:9/v1"
+    not_a_model = tmp_path / "notes.json"
+    not_a_model.write_text('{"mine": true}')
+    for argv, needle in [
+        ((TASK, "--model", url, "--speculation-budget", "lots"), "CORES must be a number"),
+        ((TASK, "--model", url, "--speculation-budget", "-1"), "CORES must be >= 0"),
+        ((TASK, "--model", url, "--speculation-budget", "1,4 parsecs"), "MEMORY must be bytes"),
+        ((TASK, "--model", url, "--no-speculate", "--speculation-budget", "1"), "needs speculation"),
+        ((TASK, "--model", url, "--calibration", str(tmp_path)), "is a directory"),
+        ((TASK, "--model", url, "--calibration", str(not_a_model)), "not an aospec admission model"),
+    ]:
+        code, _out, err = _run(capsys, *argv)
+        assert code == 2, (argv, err)
+        assert needle in err and "Traceback" not in err
+        assert len(err.strip().splitlines()) == 1, err
+    assert not_a_model.read_text() == '{"mine": true}'  # never rewritten
+
+
+@pytest.mark.root
+def test_run_reports_the_controller_and_keeps_its_calibration(overlay_state, serve_traces, capsys, tmp_path) -> None:
+    server = serve_traces([demo_trace()], tpot_ms=1.0)
+    serial_rec, spec_rec, model = tmp_path / "serial.jsonl", tmp_path / "spec.jsonl", tmp_path / "calibration.json"
+    code, out, err = _run(capsys, TASK, "--model", server.base_url, "--no-speculate", "--record", str(serial_rec))
+    assert code == 0, err
+    args = (TASK, "--model", server.base_url, "--train-traces", str(serial_rec), "--calibration", str(model))
+    code, out, err = _run(capsys, *args, "--speculation-budget", "1", "--record", str(spec_rec), "--format", "json")
+    assert code == 0, err
+    spec = json.loads(out)
+    assert spec["exit_reason"] == "submitted"
+    a = spec["admission"]
+    assert set(a["refused"]) == {"price", "guard", "budget", "memory"}
+    assert a["launched"] >= spec["forks_launched"]
+    assert spec["wasted_cpu_s"] >= 0 and "efficiency" in spec and "forks_paused" in spec
+    assert "speculation budget" in err  # the runtime enforces no CPU quota yet: said once
+    # fitted on the training traces, then saved with what the run learned; the next run loads it
+    from aospec.admission import AdmissionModel
+
+    assert len(AdmissionModel.load(model).hits) > 0
+    (b,) = read_jsonl(spec_rec)
+    assert b.meta["result"]["admission"] == a and b.meta["speculation_budget"] == "1"
+    code, out, err = _run(capsys, *args)
+    assert code == 0, err
+    assert "guesses launched / refused" in out and "wasted CPU" in out

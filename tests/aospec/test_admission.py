@@ -1,0 +1,485 @@
+"""The speculation controller (aospec/admission.py): what it learns, how it prices, and
+the decisions it makes inside the engine, in virtual time (trio's MockClock), where every
+decision is deterministic. Every run is also checked against serial execution: the
+controller decides only what runs early, never what is committed."""
+
+from __future__ import annotations
+
+import json
+
+import anyio
+import pytest
+from trio.testing import MockClock
+
+from aospec.admission import (
+    BRANCH,
+    MODEL_FORMAT,
+    PROBE_EVERY,
+    TARGET,
+    AdmissionModel,
+    BetaHitModel,
+    Candidate,
+    CostModel,
+    cpu_price,
+    forks_to_run,
+    host_config,
+    step_cpu_s,
+)
+from aospec.engine import Engine
+from aospec.engine_config import EngineConfig
+from aospec.errors import ConfigError
+from aospec.host import SpeculationBudget, StaticHostMonitor
+from aospec.ledger import EventKind
+from aospec.protocols import ActionDraft, HostSnapshot, ObservationDraft
+from aospec.testing import (
+    BusySandbox,
+    InMemorySandbox,
+    ScriptedActionDrafter,
+    ScriptedActor,
+    ScriptedObservationDrafter,
+)
+from aospec.types import Action, History, Step
+
+QUIET = HostSnapshot(cores=8.0, busy_cores=0.0, cpu_pressure=0.0, memory_pressure=0.0, memory_available_bytes=8 << 30)
+FULL = HostSnapshot(cores=2.0, busy_cores=2.0, cpu_pressure=0.5, memory_pressure=0.0, memory_available_bytes=8 << 30)
+
+
+def run_virtual(fn):
+    return anyio.run(fn, backend="trio", backend_options={"clock": MockClock(autojump_threshold=0)})
+
+
+def actor_of(script, delay=1.0):
+    return ScriptedActor(lambda h: script[len(h)] if len(h) < len(script) else Action.bash("true"), delay)
+
+
+async def serial(script, sandbox_type=InMemorySandbox, files=None):
+    sb = sandbox_type(files or {})
+    history = await Engine(actor_of(script), sb).run(History("t"), steps=len(script))
+    return history, sb
+
+
+# ---------------------------------------------------------------------- what it learns
+
+
+def test_p_hit_starts_at_the_score_and_follows_the_outcomes_of_its_cells():
+    model = BetaHitModel()
+    c = Candidate(TARGET, "drafter", "pytest", 0, 0.9)
+    assert model.p_hit(c) == pytest.approx(0.9)
+    for _ in range(40):
+        model.observe(c, False)
+    assert model.p_hit(c) < 0.05  # a confident drafter that is always wrong is priced as such
+    # a new tool label (or distance) backs off to what its kind and score bin have shown
+    other = Candidate(TARGET, "drafter", "make", 0, 0.9)
+    assert model.p_hit(other) < 0.1
+    assert model.p_hit(Candidate(TARGET, "drafter", "pytest", 1, 0.9)) < 0.1
+    # ...but not across kinds or score bins
+    assert model.p_hit(Candidate(BRANCH, "drafter", "pytest", 0, 0.9)) == pytest.approx(0.9)
+    assert model.p_hit(Candidate(TARGET, "drafter", "pytest", 0, 0.4)) == pytest.approx(0.4)
+    for _ in range(40):
+        model.observe(other, True)
+    assert model.p_hit(other) > 0.7 > model.p_hit(c)
+    assert model.outcomes(other) == (40.0, 40.0)
+
+
+def test_the_model_round_trips_through_json_and_a_bad_file_is_one_clear_error(tmp_path):
+    model = AdmissionModel()
+    c = Candidate(TARGET, "d", "ls", 1, 0.4)
+    for hit in (True, False, False):
+        model.hits.observe(c, hit)
+    model.costs.executed(Action.bash("ls -la"), 0.5, 0.25)
+    model.costs.decoded(Action.bash("ls -la"), 2.0)
+    path = tmp_path / "calibration.json"
+    model.save(path)
+    loaded = AdmissionModel.load(path)
+    assert loaded.hits.p_hit(c) == pytest.approx(model.hits.p_hit(c))
+    assert loaded.costs.tool_s(Action.bash("ls -l"), "ls") == pytest.approx(0.5)
+    assert loaded.costs.cpu_ratio("ls") == pytest.approx(0.5)
+    assert json.loads(path.read_text())["format"] == MODEL_FORMAT
+
+    bad = tmp_path / "bad.json"
+    bad.write_text('{"format": "aospec-admission", "version": 1, "hits": {"cells": [[["target", 0], 3, 1]]}}')
+    with pytest.raises(ConfigError, match=r"bad.json: hits.cells\[0\]: more hits"):
+        AdmissionModel.load(bad)
+    bad.write_text("not json")
+    with pytest.raises(ConfigError, match=r"bad\.json: not JSON"):
+        AdmissionModel.load(bad)
+    with pytest.raises(ConfigError, match="not an aospec admission model"):
+        AdmissionModel.from_json({"format": "something else"})
+    # a file aospec did not write is never overwritten
+    with pytest.raises(ConfigError, match="not overwriting"):
+        model.save(bad)
+    assert bad.read_text() == "not json"
+
+
+def test_costs_are_learned_per_action_then_per_tool_label_and_decode_time_by_length():
+    costs = CostModel()
+    assert costs.tool_s(Action.bash("make")) == 1.0  # the prior
+    costs.executed(Action.bash("make all"), 30.0)
+    costs.executed(Action.bash("make test"), 10.0)
+    assert costs.tool_s(Action.bash("make all")) == 30.0  # its own last run
+    assert costs.tool_s(Action.bash("make docs")) == pytest.approx(20.0)  # its label's mean
+    assert costs.tool_s(Action.bash("ls")) == pytest.approx(20.0)  # every tool's
+    assert costs.cpu_ratio("make") == 1.0  # unknown CPU: the whole tool time
+    for n in (10, 100, 1000):
+        costs.decoded(Action.bash("x" * n), 0.5 + 0.01 * n)
+    assert costs.decode_s(Action.bash("x" * 500)) == pytest.approx(5.5, rel=0.05)
+    assert costs.decode_s(Action.bash("ls")) < 1.0
+
+
+def test_recorded_step_cpu_is_read_from_the_step_or_its_extra():
+    step = Step(Action.bash("ls"), "", 1, tool_duration_s=2.0, extra={"cpu_s": 0.5})
+    assert step_cpu_s(step) == 0.5
+    assert step_cpu_s(Step(Action.bash("ls"), "", 1, extra={"cpu_s": "lots"})) is None
+    assert step_cpu_s(Step(Action.bash("ls"), "", 1)) is None
+    model = AdmissionModel()
+    from aospec.types import Trace
+
+    model.fit_costs([Trace("t", "t", "h", "m", "s", (step,))])
+    assert model.costs.cpu_ratio("ls") == pytest.approx(0.25) and model.costs.tool_s(Action.bash("ls")) == 2.0
+
+
+# ---------------------------------------------------------------------- the host's price
+
+
+def test_a_cpu_second_costs_more_on_a_busy_host_and_guesses_yield_to_a_cpu_bound_command():
+    assert cpu_price(0.2, None) == cpu_price(0.2, QUIET) == 0.2
+    assert cpu_price(0.2, FULL) == pytest.approx(1.7)  # a whole core taken from others, half the time stalled
+    # the command the agent waits on blocks: every guess runs
+    assert forks_to_run(0.1, FULL, [1.0, 1.0], 2.0) == 2
+    # CPU-bound on a host with no room: none runs; with no host information: none either
+    assert forks_to_run(1.0, HostSnapshot(cores=2.0, busy_cores=2.0), [1.0], 1.0) == 0
+    assert forks_to_run(1.0, None, [1.0], 1.0) == 0
+    # CPU-bound, but cores to spare beside it: as many as fit, best first
+    assert forks_to_run(1.0, HostSnapshot(cores=4.0, busy_cores=1.0), [1.0, 1.0, 1.0], 0.0) == 2
+    # a busy host: one fork per free core and lookahead 1; a quiet one keeps the defaults
+    assert host_config(EngineConfig(), FULL).fork_width == 1 and host_config(EngineConfig(), FULL).depth == 1
+    quiet = host_config(EngineConfig(), QUIET)
+    assert (quiet.fork_width, quiet.depth, quiet.max_live_forks) == (8, 2, 32)
+
+
+def test_engine_config_checks_the_controller_knobs():
+    for bad in ({"admission": "maybe"}, {"cpu_price": -1.0}, {"cpu_price": float("nan")}, {"guard_window": -1}):
+        with pytest.raises(ConfigError):
+            EngineConfig(**bad)  # type: ignore[arg-type]
+
+
+# ---------------------------------------------------------------------- decisions in the engine
+
+LONG = [Action.bash(c) for c in ("sleep 5 && cat a", "sleep 5 && cat a", "sleep 5 && ls", "sleep 5 && cat a")] * 3
+
+
+def right(script, p=0.9):
+    return ScriptedActionDrafter(lambda h: [ActionDraft(script[len(h)], 0, p)] if len(h) < len(script) else [])
+
+
+def wrong(p=0.9, seconds=20):
+    return ScriptedActionDrafter(lambda h: [ActionDraft(Action.bash(f"sleep {seconds} && echo {len(h)} > w"), 0, p)])
+
+
+async def _run(script, drafters, config=None, sandbox=None, **engine_kwargs):
+    sb = sandbox if sandbox is not None else InMemorySandbox({"a": "A\n"})
+    engine = Engine(actor_of(script), sb, action_drafters=drafters, config=config or EngineConfig(), **engine_kwargs)
+    history = await engine.run(History("t"), steps=len(script))
+    return history, sb, engine
+
+
+def test_a_guess_that_pays_is_launched_and_one_that_never_hits_is_priced_out():
+    async def main():
+        ref, _ = await serial(LONG, files={"a": "A\n"})
+        good = await _run(LONG, [right(LONG)])
+        bad = await _run(LONG, [wrong()])
+        bad_off = await _run(LONG, [wrong()], EngineConfig(admission="off"))
+        return ref, good, bad, bad_off
+
+    ref, good, bad, bad_off = run_virtual(main)
+    for history, sb, _ in (good, bad, bad_off):
+        assert history == ref and sb.live_forks == 0
+    g = good[2].statistics()
+    assert g.forks_reused == len(LONG) and g.refused == 0 and g.efficiency is None
+    b, off = bad[2].statistics(), bad_off[2].statistics()
+    assert off.forks_launched == len(LONG) and off.refused == 0 and off.admitted == len(LONG)
+    # the controller saw the confident drafter miss (at its step, then for LATE_STEPS more
+    # steps: a fork of an unchanged state may still be emitted later), and stopped paying
+    assert b.refused_price >= len(LONG) // 2 and b.forks_launched <= len(LONG) // 2
+    assert b.wasted_tool_ns < off.wasted_tool_ns * 0.6
+    assert b.wasted_cpu_ns == b.wasted_tool_ns  # nothing metered: the tool time stands in for CPU
+
+
+def test_refused_guesses_are_learned_from_so_an_unlucky_start_is_not_the_end():
+    # the drafter is right every time but says p = 0.02: priced out at first; each refused
+    # guess that the actor then emits from the same state teaches the model otherwise
+    async def main():
+        ref, _ = await serial(LONG, files={"a": "A\n"})
+        return ref, await _run(LONG, [right(LONG, p=0.02)])
+
+    ref, (history, _, engine) = run_virtual(main)
+    assert history == ref
+    stats = engine.statistics()
+    assert stats.refused_price >= 1 and stats.forks_reused >= len(LONG) // 2
+    refused_then_reused = stats.refused_price + stats.forks_reused
+    assert refused_then_reused == len(LONG) and stats.forks_wasted == 0
+
+
+def test_a_guess_that_can_hide_nothing_is_not_launched():
+    # instant commands: nothing to hide, so even a certain guess is not worth its overhead
+    script = [Action.bash(c) for c in ("ls", "cat a", "ls", "cat a")] * 2
+
+    async def main():
+        return await _run(script, [right(script, p=0.99)])
+
+    _, _, engine = run_virtual(main)
+    stats = engine.statistics()
+    assert stats.forks_launched <= 1 and stats.refused_price >= len(script) - 1
+
+
+class AlwaysSure:
+    """A pluggable p(hit) source that is always sure: only the guard stops a bad drafter."""
+
+    def __init__(self):
+        self.observed = []
+
+    def p_hit(self, candidate):
+        return 0.99
+
+    def observe(self, candidate, hit):
+        self.observed.append(hit)
+
+
+@pytest.mark.parametrize("window", [4, 0])
+def test_the_guard_falls_back_to_probes_when_speculation_does_not_pay(window):
+    script = [Action.bash("sleep 5 && cat a")] * 30
+    sure = AlwaysSure()
+
+    async def main():
+        ref, _ = await serial(script, files={"a": "A\n"})
+        config = EngineConfig(guard_window=window)
+        return ref, await _run(script, [wrong(seconds=5)], config, admission_model=AdmissionModel(hits=sure))
+
+    ref, (history, _, engine) = run_virtual(main)
+    assert history == ref
+    stats = engine.statistics()
+    assert sure.observed and not any(sure.observed)  # the hit model heard every outcome
+    if window:
+        assert stats.guarded_steps > len(script) // 2
+        assert stats.refused_guard > len(script) // 2
+        assert 1 <= stats.probes <= len(script) // PROBE_EVERY + 1
+        assert stats.forks_launched <= window + stats.probes + 1
+    else:
+        assert stats.refused_guard == stats.guarded_steps == stats.probes == 0
+        assert stats.forks_launched == len(script)
+
+
+def test_the_guard_lets_speculation_back_once_a_probe_pays():
+    # the first 12 guesses are wrong, then the drafter gets it right
+    script = [Action.bash("sleep 5 && cat a")] * 40
+
+    def propose(h):
+        if len(h) < 12:
+            return [ActionDraft(Action.bash(f"sleep 5 && echo {len(h)} > w"), 0, 0.9)]
+        return [ActionDraft(script[len(h)], 0, 0.9)] if len(h) < len(script) else []
+
+    async def main():
+        cfg = EngineConfig(guard_window=4)
+        return await _run(
+            script, [ScriptedActionDrafter(propose)], cfg, admission_model=AdmissionModel(hits=AlwaysSure())
+        )
+
+    _, _, engine = run_virtual(main)
+    stats = engine.statistics()
+    assert stats.guarded_steps > 0 and stats.probes >= 1
+    assert stats.forks_reused > 20  # out of the guard again
+
+
+def test_observation_branches_are_priced_and_the_refused_ones_still_teach_the_model():
+    # drafts that are always wrong: the model learns it from started and refused ones alike
+    script = [Action.bash("sleep 3 && cat a")] * 12
+    drafter = ScriptedObservationDrafter(lambda h, a: [ObservationDraft(f"nope {len(h)}", 0.5)])
+
+    async def main():
+        ref, _ = await serial(script, files={"a": "A\n"})
+        sb = InMemorySandbox({"a": "A\n"})
+        cfg = EngineConfig(fork_width=0, decode_price=0.5, branch_budget=1)
+        engine = Engine(actor_of(script), sb, observation_drafters=[drafter], config=cfg)
+        return ref, await engine.run(History("t"), steps=len(script)), engine
+
+    ref, history, engine = run_virtual(main)
+    assert history == ref
+    stats = engine.statistics()
+    assert stats.drafts_started >= 1 and stats.refused_price >= len(script) // 2
+    assert stats.drafts_started + stats.refused_price == len(script)
+
+
+def test_a_host_budget_slot_per_running_guess_shared_by_every_session(tmp_path):
+    script = [Action.bash("sleep 5 && cat a")] * 4
+    three = ScriptedActionDrafter(
+        lambda h: (
+            [ActionDraft(Action.bash(f"sleep 4 && echo {k} > w{k}"), 0, 0.6) for k in range(3)]
+            + ([ActionDraft(script[len(h)], 0, 0.9)] if len(h) < len(script) else [])
+        )
+    )
+    model = AdmissionModel(hits=AlwaysSure())
+
+    async def main(budget):
+        return await _run(script, [three], EngineConfig(guard_window=0), admission_model=model, budget=budget)
+
+    one = SpeculationBudget(1, directory=tmp_path, host_cores=8)
+    _, _, engine = run_virtual(lambda: main(one))
+    stats = engine.statistics()
+    assert stats.forks_reused == len(script)  # the best guess (p 0.9) comes first and gets the slot
+    assert stats.refused_budget >= len(script) * 3 - 1
+    assert one.held() == 0  # every slot is given back
+
+    # another session of the host holds the only slot: no fork runs here
+    other = SpeculationBudget(1, directory=tmp_path, host_cores=8)
+    lease = other.try_acquire()
+    assert lease is not None
+    _, _, engine = run_virtual(lambda: main(one))
+    stats = engine.statistics()
+    assert stats.forks_launched == 0 and stats.refused_budget == len(script) * 4
+    lease.release()
+    assert one.held() == 0
+
+
+class ScriptedHost:
+    """A host monitor whose snapshot a test changes as it goes."""
+
+    def __init__(self, snapshot):
+        self.now = snapshot
+
+    def snapshot(self):
+        return self.now
+
+
+def test_memory_pressure_refuses_guesses_and_drops_the_lowest_value_fork():
+    script = [Action.bash("sleep 5 && cat a"), Action.bash("echo x > b"), Action.bash("sleep 5 && cat a")]
+    host = ScriptedHost(QUIET)
+
+    class Squeezing:
+        """Boundary 0: a good and a poor guess; boundary 1: memory gets scarce."""
+
+        async def propose(self, history, width, depth):
+            if len(history) == 0:
+                return [ActionDraft(script[0], 0, 0.9), ActionDraft(Action.bash("sleep 30 && ls"), 0, 0.3)]
+            host.now = HostSnapshot(cores=8.0, busy_cores=0.0, memory_pressure=0.5, memory_available_bytes=1 << 28)
+            return [ActionDraft(script[len(history)], 0, 0.9)] if len(history) < len(script) else []
+
+    async def main():
+        ref, _ = await serial(script, files={"a": "A\n"})
+        return ref, await _run(script, [Squeezing()], host=host)
+
+    ref, (history, sb, engine) = run_virtual(main)
+    assert history == ref and sb.live_forks == 0
+    stats = engine.statistics()
+    assert stats.forks_dropped == 1 and stats.refused_memory >= 1
+    dropped = [e.detail for e in engine.ledger.events if e.kind is EventKind.DROP]
+    assert dropped == [Action.bash("sleep 30 && ls").key]  # the lowest value went first
+
+
+# ---------------------------------------------------------------------- yielding the CPU
+
+BURN = [Action.bash("burn 2"), Action.bash("burn 3"), Action.bash("sleep 1 && cat a")]
+
+
+def burn_targets(offsets=(0, 1)):
+    """At the first boundary: step 0's action and step 1's (read-only both: JASV keeps them)."""
+    return ScriptedActionDrafter(
+        lambda h: (
+            [ActionDraft(BURN[len(h) + k], k, 0.9) for k in offsets if len(h) + k < len(BURN)] if len(h) == 0 else []
+        )
+    )
+
+
+@pytest.mark.parametrize(
+    ("host", "paused"),
+    [
+        (StaticHostMonitor(HostSnapshot(cores=2.0, busy_cores=2.0)), True),
+        (None, True),
+        (StaticHostMonitor(QUIET), False),
+    ],
+)
+def test_guesses_pause_while_the_command_the_agent_waits_on_is_cpu_bound(host, paused):
+    async def main():
+        ref, ref_sb = await serial(BURN, BusySandbox, files={"a": "A\n"})
+        sb = BusySandbox({"a": "A\n"})
+        t0 = anyio.current_time()
+        out = await _run(BURN, [burn_targets()], EngineConfig(branch_budget=0), sandbox=sb, host=host)
+        return ref, ref_sb, out, anyio.current_time() - t0
+
+    ref, ref_sb, (history, sb, engine), took = run_virtual(main)
+    assert history == ref and sb.files == ref_sb.files and sb.version == ref_sb.version and sb.live_forks == 0
+    stats = engine.statistics()
+    assert stats.forks_reused == 2
+    if paused:
+        # the fork of "burn 3" waited while "burn 2" (the step the agent waited on) burned,
+        # then ran on: still reused, its paused time counted
+        assert stats.forks_paused >= 1 and stats.paused_ns > 0
+        kinds = [e.kind for e in engine.ledger.events]
+        assert kinds.count(EventKind.PAUSE) == stats.forks_paused == kinds.count(EventKind.RESUME)
+    else:
+        assert stats.forks_paused == 0 and stats.paused_ns == 0
+        assert took < 1 + 2 + 1 + 1 + 1 + 0.5  # both burns ran side by side, nothing waited
+
+
+def test_a_fork_that_cannot_pause_costs_one_counted_failure_and_runs_on():
+    async def main():
+        ref, _ = await serial(BURN, BusySandbox, files={"a": "A\n"})
+        sb = BusySandbox({"a": "A\n"}, fail_pause=True)
+        return ref, await _run(BURN, [burn_targets()], EngineConfig(branch_budget=0), sandbox=sb)
+
+    ref, (history, sb, engine) = run_virtual(main)
+    assert history == ref and sb.live_forks == 0
+    stats = engine.statistics()
+    assert stats.forks_paused == 0 and stats.forks_reused == 2
+    fails = [e.detail for e in engine.ledger.events if e.kind is EventKind.FAIL]
+    assert len(fails) == 1 and "pausing a speculative fork" in fails[0]  # not tried again
+
+
+@pytest.mark.parametrize("decode_s", [0.01, 0.0])
+def test_a_paused_fork_the_agent_emits_is_resumed_and_reused(decode_s):
+    # step 1's fork is launched at boundary 0 and paused while "burn 2" burns. The actor
+    # emits "burn 3" once step 0 is committed: after a decode, the fork was resumed when
+    # "burn 2" ended; with an instant decode, JASV takes the still-paused fork and
+    # resumes it itself. Either way it runs on and is reused.
+    async def main():
+        ref, _ = await serial(BURN, BusySandbox, files={"a": "A\n"})
+        sb = BusySandbox({"a": "A\n"})
+        actor = ScriptedActor(lambda h: BURN[len(h)] if len(h) < len(BURN) else Action.bash("true"), decode_s)
+        engine = Engine(actor, sb, action_drafters=[burn_targets((1,))], config=EngineConfig(branch_budget=0))
+        history = await engine.run(History("t"), steps=len(BURN))
+        return ref, history, sb, engine
+
+    ref, history, sb, engine = run_virtual(main)
+    assert history == ref and sb.live_forks == 0
+    stats = engine.statistics()
+    assert stats.forks_paused == 1 and stats.forks_reused == 1 and stats.paused_ns > 0
+    order = [e.kind for e in engine.ledger.events if e.detail == BURN[1].key and e.kind is not EventKind.FORK]
+    if decode_s:
+        assert order[:3] == [EventKind.PAUSE, EventKind.RESUME, EventKind.REUSE]
+    else:
+        assert order[:3] == [EventKind.PAUSE, EventKind.REUSE, EventKind.RESUME]
+
+
+def test_a_pool_prices_its_forks_through_the_same_controller(tmp_path):
+    # what aospec.specbox.pool would call: a fork warmed for a tool, priced at this host's
+    # price, counted with the run's decisions, its outcome learned, its budget slot held
+    budget = SpeculationBudget(1, directory=tmp_path, host_cores=8)
+
+    async def main():
+        engine = Engine(actor_of(LONG[:2]), InMemorySandbox({"a": "A\n"}), host=StaticHostMonitor(FULL), budget=budget)
+        async with engine.session(History("t")) as session:
+            admission = session.admission
+            cheap = admission.pool("pytest", probability=0.8, hide_s=2.0, cpu_s=0.5)
+            dear = admission.pool("pytest", probability=0.8, hide_s=2.0, cpu_s=20.0)
+            second = admission.pool("make", probability=0.9, hide_s=5.0, cpu_s=0.1)
+            assert cheap.launch and cheap.lease is not None
+            assert not dear.launch and dear.reason == "price"  # 20 CPU-s on a saturated host
+            assert not second.launch and second.reason == "budget"  # the only slot is held
+            admission.outcome(cheap, True)
+            cheap.lease.release()
+        return engine
+
+    engine = run_virtual(main)
+    stats = engine.statistics()
+    assert (stats.admitted, stats.refused_price, stats.refused_budget) == (1, 1, 1)
+    assert engine.admission_model.hits.outcomes(Candidate("pool", "pool", "pytest", 0, 0.8)) == (1.0, 1.0)
+    assert budget.held() == 0
