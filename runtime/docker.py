@@ -57,6 +57,7 @@ from aospec.runtime.observation import (
     SandboxStatistics,
     get_formatter,
 )
+from aospec.runtime.pausing import CommandPause
 from aospec.runtime.versions import UpperTracker
 
 from aospec._lazy import require
@@ -119,6 +120,8 @@ class _Box:
         self.lv_mounted = False
         self.keep: set[int] = set()
         self.cgroups: list[Path] = []
+        self.cpu_dir: Path | None = None  # the container's CPU accounting cgroup
+        self.frozen = False  # paused (``docker pause``) while a command runs
         data = store.client.api.inspect_container(container.id)["GraphDriver"]
         if data.get("Name") != "overlay2":
             raise SandboxUnavailableError(
@@ -163,6 +166,31 @@ class _Box:
                 break
             time.sleep(0.005)
         self.cgroups = _cgroup_dirs(init)
+        self.cpu_dir = _cpu_dir(init)
+
+    def cpu_usage_ns(self) -> int:
+        """CPU time the container's processes used so far (0 without CPU accounting)."""
+        if self.cpu_dir is None:
+            return 0
+        try:
+            if (self.cpu_dir / "cpuacct.usage").exists():
+                return int((self.cpu_dir / "cpuacct.usage").read_text())
+            for line in (self.cpu_dir / "cpu.stat").read_text().splitlines():
+                if line.startswith("usage_usec "):
+                    return int(line.split()[1]) * 1000
+        except (OSError, ValueError):
+            pass
+        return 0
+
+    def freeze(self, frozen: bool) -> None:
+        """``docker pause`` / ``docker unpause`` the container (the cgroup freezer)."""
+        if frozen == self.frozen:
+            return
+        if frozen:
+            self.store.client.api.pause(self.container.id)
+        else:
+            self.store.client.api.unpause(self.container.id)
+        self.frozen = frozen
 
     def running(self) -> bool:
         return bool(self.store.client.api.inspect_container(self.container.id)["State"].get("Running"))
@@ -184,6 +212,9 @@ class _Box:
             for pid in strays:
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(pid, signal.SIGKILL)
+            if self.frozen:
+                # a frozen process dies only once thawed; the signal is taken first
+                self.freeze(False)
             if time.monotonic() > deadline:
                 raise SandboxError(f"processes {sorted(strays)} in container {self.container.id[:12]} do not die")
             time.sleep(0.002)
@@ -204,6 +235,9 @@ class _Box:
         return out
 
     def remove(self) -> None:
+        if self.frozen:
+            with contextlib.suppress(Exception):
+                self.freeze(False)
         if self.lv_mounted:
             _fs.umount(str(self.lv), detach=True)
             self.lv_mounted = False
@@ -220,6 +254,29 @@ def _children(pid: int) -> set[int]:
         return {int(x) for x in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()}
     except (FileNotFoundError, ProcessLookupError):
         return set()
+
+
+def _cpu_dir(pid: int) -> Path | None:
+    """The CPU accounting cgroup of ``pid`` (v1 cpuacct, or the v2 unified one)."""
+    try:
+        lines = Path(f"/proc/{pid}/cgroup").read_text().splitlines()
+    except OSError:
+        return None
+    unified = None
+    for line in lines:
+        _, controllers, path = line.split(":", 2)
+        names = controllers.split(",")
+        if "cpuacct" in names:
+            d = Path("/sys/fs/cgroup") / controllers / path.lstrip("/")
+            if not d.exists():
+                d = Path("/sys/fs/cgroup/cpuacct") / path.lstrip("/")
+            if (d / "cpuacct.usage").exists():
+                return d
+        elif controllers == "":
+            d = Path("/sys/fs/cgroup") / path.lstrip("/")
+            if (d / "cpu.stat").exists() and (Path("/sys/fs/cgroup") / "cgroup.controllers").exists():
+                unified = d
+    return unified
 
 
 def _cgroup_dirs(pid: int) -> list[Path]:
@@ -391,6 +448,9 @@ class DockerSandbox(SandboxSession):
         self._init_session(store, version=version, is_root=is_root, formatter=formatter, lineage=lineage)
         self._box = box
         self._stats = {"commands": 0, "forks": 0, "commits": 0}
+        self._pause = CommandPause()  # the paused flag, the timeout clock and the CPU count
+        self._gate = anyio.Lock()  # a pause and the start of a command go one at a time
+        self._cpu_start: int | None = None  # the container's CPU count when the command started
         store.live[self.sid] = self
 
     @property
@@ -443,6 +503,44 @@ class DockerSandbox(SandboxSession):
         self._check_open()
         await anyio.to_thread.run_sync(self._box.set_background, not foreground)
 
+    async def pause(self) -> None:
+        """``docker pause`` the container while a command runs; a command started while
+        paused waits for :meth:`resume` before it starts (:class:`aospec.protocols.PausableSandbox`).
+        Paused time does not count against the command's timeout. Idempotent."""
+        if self._closed:
+            return
+        async with self._gate:
+            await self._pause.pause()
+            if self._cpu_start is not None:
+                await anyio.to_thread.run_sync(self._box.freeze, True)
+
+    async def resume(self) -> None:
+        """``docker unpause``: the command's timeout runs on from where it stopped."""
+        async with self._gate:
+            if self._box.frozen:
+                await anyio.to_thread.run_sync(self._box.freeze, False)
+            self._pause.resume()
+
+    @property
+    def paused(self) -> bool:
+        return self._pause.paused
+
+    @property
+    def cpu_ns(self) -> int:
+        """CPU time (ns) of the commands this sandbox ran, the running one included (the
+        container's cgroup, :class:`aospec.protocols.MeteredSandbox`); a fork starts from 0."""
+        running = 0 if self._cpu_start is None else max(0, self._box.cpu_usage_ns() - self._cpu_start)
+        return self._pause.cpu_ns() + running
+
+    def _stop_paused_command(self) -> None:
+        if self._pause.paused and self._cpu_start is not None:
+            with contextlib.suppress(Exception):
+                self._box.kill_strays()
+                self._box.freeze(False)
+
+    def _in_background(self) -> bool:
+        return self._box.background
+
     async def commit(self, fork: DockerSandbox) -> None:
         self._check_open()
         self._check_fork_committable(fork)
@@ -475,9 +573,11 @@ class DockerSandbox(SandboxSession):
         timed_out = False
         done = anyio.Event()
         started = time.perf_counter()
+        await self._begin_command()
         try:
             exec_id = await anyio.to_thread.run_sync(
-                lambda: self.store.client.api.exec_create(
+                lambda: self._unpaused(
+                    self.store.client.api.exec_create,
                     box.container.id,
                     # one pipe for stdout and stderr keeps their interleaving (a
                     # docker exec otherwise multiplexes two streams)
@@ -492,7 +592,8 @@ class DockerSandbox(SandboxSession):
             async def watchdog() -> None:
                 nonlocal timed_out
                 try:
-                    await anyio.sleep(timeout_s)
+                    with self._pause.deadline(timeout_s):  # paused time does not count
+                        await anyio.sleep_forever()
                     timed_out = True
                 finally:
                     # on timeout *and* when cancelled: killing the command's
@@ -511,6 +612,7 @@ class DockerSandbox(SandboxSession):
         finally:
             with anyio.CancelScope(shield=True):
                 await anyio.to_thread.run_sync(box.kill_strays)
+                self._end_command()
                 await self._after_change()
         after = await anyio.to_thread.run_sync(box.counters)
         hit = ["timeout"] if timed_out else []
@@ -533,8 +635,37 @@ class DockerSandbox(SandboxSession):
         )
 
     def _read_exec(self, exec_id: str, out: OutputBuffer) -> None:
-        for chunk in self.store.client.api.exec_start(exec_id, stream=True, demux=False):
+        for chunk in self._unpaused(self.store.client.api.exec_start, exec_id, stream=True, demux=False):
             out.add(chunk)
+
+    async def _begin_command(self) -> None:
+        """A command starts: its CPU is counted from here; when the sandbox is paused the
+        container is paused first, so the command starts (in :meth:`_unpaused`) only once
+        it is resumed."""
+        async with self._gate:
+            self._cpu_start = self._box.cpu_usage_ns()
+            if self._pause.paused:
+                await anyio.to_thread.run_sync(self._box.freeze, True)
+
+    def _end_command(self) -> None:
+        """The command's processes are gone: count its CPU."""
+        if self._cpu_start is not None:
+            self._pause.add_cpu(max(0, self._box.cpu_usage_ns() - self._cpu_start))
+            self._cpu_start = None
+
+    def _unpaused(self, call: Any, *args: Any, **kwargs: Any) -> Any:
+        """``call(*args, **kwargs)`` (a docker exec call, in a worker thread), waiting while
+        the container is paused: Docker refuses to exec into a paused container."""
+        while True:
+            try:
+                return call(*args, **kwargs)
+            except Exception as exc:
+                if not self._box.frozen or getattr(exc, "status_code", None) != 409:
+                    raise
+            while self._box.frozen:
+                if self._closed:
+                    raise SandboxError("the sandbox was discarded while its command waited for a resume")
+                time.sleep(0.005)
 
     def _ensure_running(self) -> None:
         box = self._box

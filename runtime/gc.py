@@ -16,6 +16,7 @@ from pathlib import Path
 
 from aospec.runtime import _fs
 from aospec.runtime._state import default_state_root, state_dir_in_use, store_alive
+from aospec.runtime.cgroups import POOL, thaw_process
 from aospec.runtime.host import host_support
 from aospec.runtime.processes import MARKER_ENV, OWNER_ENV, live_owner_tokens, process_environments
 
@@ -74,9 +75,10 @@ def collect_garbage(state_root: Path | None = None, *, dry_run: bool = False, do
     _, cgroups = host_support()
     if cgroups is not None:
         for croot in set(cgroups.roots.values()):
-            # a store's cgroup (aospec-STORE, its sandboxes' nested in it), or one of an
-            # older aospec (aospec-STORE-SANDBOX-N, flat)
-            for cg in croot.glob("aospec-*"):
+            # a store's cgroup (aospec-STORE, its sandboxes' nested in it), one of an
+            # older aospec (aospec-STORE-SANDBOX-N, flat), or a background command's in the
+            # host's speculation pool (speculation/aospec-STORE-SANDBOX-N)
+            for cg in [*croot.glob("aospec-*"), *(croot / POOL).glob("aospec-*")]:
                 store_id = cg.name.split("-")[1]
                 if store_id in live_ids:
                     continue
@@ -97,7 +99,7 @@ def collect_garbage(state_root: Path | None = None, *, dry_run: bool = False, do
                     continue
                 report.cgroups.append(str(cg))
                 if not dry_run:
-                    cgroups.remove(cg.name)
+                    cgroups.remove(str(cg.relative_to(croot)))
     if docker:
         report.containers += _gc_containers(live_ids, dry_run=dry_run)
     return report
@@ -127,6 +129,7 @@ def _kill_orphans(live_ids: set[str], *, dry_run: bool) -> list[int]:
         if not dry_run:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
+                thaw_process(pid)  # a paused sandbox's processes die only once thawed
     return found
 
 

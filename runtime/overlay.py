@@ -37,6 +37,7 @@ from aospec.runtime.isolation import (
 )
 from aospec.runtime.observation import CommandResult, ObservationFormatter, SandboxStatistics, get_formatter
 from aospec.runtime.overlay_store import MOUNT_OPTS, OverlayStore, StateCheck, fd_names, verify_state_dir
+from aospec.runtime.pausing import CommandPause
 from aospec.runtime.seccomp import filter_program
 from aospec.runtime.versions import UpperTracker
 
@@ -97,6 +98,7 @@ class OverlaySandbox(SandboxSession):
         self.tracker = UpperTracker(self._upper, self._lower_view)
         self._stats = _Stats()
         self._priority = CommandPriority()
+        self._pause = CommandPause()
         store.live[self.sid] = self
 
     # -- the Sandbox protocol ----------------------------------------------------------------
@@ -190,6 +192,37 @@ class OverlaySandbox(SandboxSession):
         """Whether this sandbox's commands run at foreground priority."""
         return not self._priority.background
 
+    async def pause(self) -> None:
+        """Freeze the command running here, if any, and every command started until
+        :meth:`resume` (:class:`aospec.protocols.PausableSandbox`): the cgroup freezer, v1
+        or v2. Returns once the kernel reports its processes frozen. Paused time does not
+        count against the command's timeout. Idempotent; a no-op once discarded."""
+        if not self._closed:
+            await self._pause.pause()
+
+    async def resume(self) -> None:
+        """Thaw what :meth:`pause` froze; the command's timeout runs on from where it stopped."""
+        self._pause.resume()
+
+    @property
+    def paused(self) -> bool:
+        """Whether this sandbox is paused."""
+        return self._pause.paused
+
+    def _stop_paused_command(self) -> None:
+        if self._pause.paused:
+            self._pause.kill_running()
+
+    def _in_background(self) -> bool:
+        return self._priority.background
+
+    @property
+    def cpu_ns(self) -> int:
+        """CPU time (user + system, ns) of every command this sandbox ran, the running one
+        included (:class:`aospec.protocols.MeteredSandbox`; its cgroup's cpuacct, or v2's
+        cpu.stat); a fork starts from 0. Always 0 where the host has no CPU accounting."""
+        return self._pause.cpu_ns()
+
     # -- richer API -------------------------------------------------------------------------
 
     async def _run_locked(self, command: str, *, timeout_s: float, env: dict[str, str], cwd: str) -> CommandResult:
@@ -216,6 +249,7 @@ class OverlaySandbox(SandboxSession):
                 cgroup_parents=self.store.cgroup_parents(self.sid),
                 seccomp=self.store.seccomp_program,
                 priority=self._priority,
+                pause=self._pause,
                 max_output_bytes=cfg.max_output_bytes,
                 before=lambda: self._prepare(cwd),
                 # also when cancelled: the version must describe what the command left

@@ -61,6 +61,7 @@ from aospec.runtime._state import (
     write_atomic,
 )
 from aospec.runtime.bases import BaseFS
+from aospec.runtime.cgroups import POOL
 from aospec.runtime.config import SandboxConfig
 from aospec.runtime.host import host_support
 from aospec.runtime.processes import kill_marked
@@ -478,6 +479,7 @@ class OverlayStore:
             return []
         removed = cgroups.remove_stale(f"{self.cgroup}-")  # flat ones (older aospec)
         removed += cgroups.remove_stale(f"{self.cgroup}-", under=self.cgroup)
+        removed += cgroups.remove_stale(f"{self.cgroup}-", under=POOL)  # background commands'
         try:
             cgroups.ensure_group(self.cgroup, self.config.memory_budget_bytes, update=True)
         except OSError as exc:
