@@ -10,6 +10,7 @@ controller's ``freezer.state``, or v2's ``cgroup.freeze``) and meters it
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import errno
 import os
 import signal
@@ -21,9 +22,9 @@ from aospec.runtime.config import Limits
 __all__ = ["POOL", "Cgroups", "CommandCgroup", "thaw_process"]
 
 #: The host's speculation pool below ``aospec/``: background commands of every session
-#: nest in it (in the cpu and memory hierarchies on v1), under its CPU quota and memory limit.
+#: nest in it (in the cpu, cpuacct and memory hierarchies on v1), under its CPU quota and memory limit.
 POOL = "speculation"
-_POOLED_V1 = frozenset({"cpu", "memory"})
+_POOLED_V1 = frozenset({"cpu", "cpuacct", "memory"})
 _FREEZE_WAIT_S = 1.0
 
 
@@ -36,6 +37,7 @@ class CommandCgroup:
         self.dirs = dirs
         self.limits = limits
         self.pooled: list[Path] = []
+        self.cpu_before_ns = 0  # CPU counted in a cgroup the command left (the pool's)
 
     def add(self, pid: int) -> None:
         for d in self.dirs:
@@ -109,21 +111,9 @@ class CommandCgroup:
     def cpu_ns(self) -> int | None:
         """CPU time (user + system, ns) the command's processes used so far (the dead ones
         too), or None without a CPU accounting controller."""
-        if self.owner.version == 2:
-            try:
-                for line in (self.dirs[0] / "cpu.stat").read_text().splitlines():
-                    if line.startswith("usage_usec "):
-                        return int(line.split()[1]) * 1000
-            except (OSError, IndexError, ValueError):
-                return None
-            return None
         d = self._dir_with("cpuacct")
-        if d is None:
-            return None
-        try:
-            return int((d / "cpuacct.usage").read_text())
-        except (OSError, ValueError):
-            return None
+        used = None if d is None else _cpu_usage(d, self.owner.version)
+        return None if used is None else self.cpu_before_ns + used
 
     def limits_hit(self) -> list[str]:
         hit = []
@@ -281,12 +271,13 @@ class Cgroups:
         try:
             for cs, root in self._hierarchy_roots():
                 d = root / rel
-                if pooled and self._pooled(cs) and (root / POOL).is_dir():
-                    d = root / POOL / name
+                pool = root / POOL
+                if pooled and self._pooled(cs) and pool.is_dir():
+                    d = pool / name
                     in_pool.append(d)
                 d.mkdir()
                 dirs.append(d)
-                _set_limits(d, cs, self.version, limits)
+                _set_limits(d, cs, self.version, _within(limits, pool) if d.parent == pool else limits)
         except BaseException:
             CommandCgroup(self, dirs).remove()
             raise
@@ -322,6 +313,8 @@ class Cgroups:
                 for pid in pids:
                     with contextlib.suppress(ProcessLookupError, FileNotFoundError):
                         (new / "cgroup.procs").write_text(pid)
+            if "cpuacct" in cs or self.version == 2:
+                cg.cpu_before_ns += _cpu_usage(old, self.version) or 0
             cg.dirs[cg.dirs.index(old)] = new
             cg.pooled.remove(old)
             with contextlib.suppress(OSError):
@@ -392,6 +385,44 @@ def _set_limits(d: Path, cs: frozenset[str], version: int, limits: Limits) -> No
         _set_memory_limit(d, version, limits.memory_bytes)
     if "cpu" in cs and limits.cpus is not None:
         _set_cpu_quota(d, version, limits.cpus)
+
+
+def _cpu_usage(d: Path, version: int) -> int | None:
+    """CPU time (ns) of cgroup ``d`` and below: v1 cpuacct.usage, v2 cpu.stat's usage_usec."""
+    try:
+        if version == 1:
+            return int((d / "cpuacct.usage").read_text())
+        for line in (d / "cpu.stat").read_text().splitlines():
+            if line.startswith("usage_usec "):
+                return int(line.split()[1]) * 1000
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
+def _within(limits: Limits, pool: Path) -> Limits:
+    """``limits`` with the CPU quota no larger than the pool's: v1 refuses a child's quota
+    above its parent's (v2 takes the smaller one by itself)."""
+    try:
+        quota = int((pool / "cpu.cfs_quota_us").read_text())
+    except (OSError, ValueError):
+        return limits
+    if quota < 0 or limits.cpus is None or limits.cpus * 100000 <= quota:
+        return limits
+    return dataclasses.replace(limits, cpus=quota / 100000)
+
+
+def clamp_cpu_quotas(pool: Path, cores: float | None) -> None:
+    """v1: lower the CPU quota of every cgroup in ``pool`` to at most ``cores`` (the pool's
+    own quota cannot go below its children's)."""
+    if cores is None:
+        return
+    for child in pool.iterdir():
+        f = child / "cpu.cfs_quota_us"
+        with contextlib.suppress(OSError, ValueError):
+            quota = int(f.read_text())
+            if quota < 0 or quota > cores * 100000:
+                f.write_text(str(int(cores * 100000)))
 
 
 def _set_cpu_quota(d: Path, version: int, cores: float | None) -> None:

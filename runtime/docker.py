@@ -46,6 +46,7 @@ from aospec.runtime._state import (
     write_atomic,
 )
 from aospec.runtime.bases import BaseFS, open_base
+from aospec.runtime.cgroups import _cpu_usage
 from aospec.runtime.config import SandboxConfig
 from aospec.runtime.daemon import docker_client
 from aospec.runtime.isolation import check_binds, reached_file_size
@@ -172,15 +173,7 @@ class _Box:
         """CPU time the container's processes used so far (0 without CPU accounting)."""
         if self.cpu_dir is None:
             return 0
-        try:
-            if (self.cpu_dir / "cpuacct.usage").exists():
-                return int((self.cpu_dir / "cpuacct.usage").read_text())
-            for line in (self.cpu_dir / "cpu.stat").read_text().splitlines():
-                if line.startswith("usage_usec "):
-                    return int(line.split()[1]) * 1000
-        except (OSError, ValueError):
-            pass
-        return 0
+        return _cpu_usage(self.cpu_dir, 1 if (self.cpu_dir / "cpuacct.usage").exists() else 2) or 0
 
     def freeze(self, frozen: bool) -> None:
         """``docker pause`` / ``docker unpause`` the container (the cgroup freezer)."""
