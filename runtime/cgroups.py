@@ -335,7 +335,10 @@ class Cgroups:
             weight, name = ("2" if background else "1024"), "cpu.shares"
         idle = d / "cpu.idle"
         # an idle group refuses a weight: leave idle before setting one, enter it after
+        # (an idle group set to the background again is left as it is)
         try:
+            if background and idle.exists() and idle.read_text().strip() == "1":
+                return True
             if not background and idle.exists():
                 idle.write_text("0")
             (d / name).write_text(weight)

@@ -99,38 +99,66 @@ class OverlaySandbox(SandboxSession):
         self._stats = _Stats()
         self._priority = CommandPriority()
         self._pause = CommandPause()
+        # The committed root's last complete state, (stack, version), that it forks from
+        # without its lock (None: fork under the lock, freezing pending changes first).
+        self._published: tuple[tuple[str, ...], str] | None = None
         store.live[self.sid] = self
 
     # -- the Sandbox protocol ----------------------------------------------------------------
 
+    #: ``fork()`` of the committed root may overlap its ``execute()``: the fork is at the
+    #: state before the running command, and ``version`` stays that state's until
+    #: ``execute`` returns (docs/runtime.md, "Forks while the root runs a command").
+    forks_during_execute = True
+
     @property
     def version(self) -> str:
-        """The filesystem version (up to date whenever no command is in flight)."""
+        """The filesystem version: it moves when a command (or a write, or a commit) is
+        done, never while one runs."""
         return self._version
 
     async def fork(self) -> OverlaySandbox:
-        """An isolated copy-on-write child at this sandbox's current version."""
+        """An isolated copy-on-write child at this sandbox's current version.
+
+        The committed root forks without waiting for its lock: its pending changes are
+        frozen after every command, so its last published (stack, version) is exact, and a
+        fork taken while a command runs there (or a commit is in flight) is at the state
+        before it. A fork forks under its lock, freezing its own pending changes first."""
         self._check_open()
+        # (between commands, changes made behind the root's back, into its merged root on
+        # the host, go into a layer first, under the lock: as they always did)
+        if self._published is not None and (self._lock.locked() or self._upper_empty()):
+            return await self._fork_from(*self._published)
         async with self._lock:
             self._check_open()
             await self._freeze()
-            child = OverlaySandbox(
-                self.store,
-                stack=self._stack,
-                version=self._version,
-                is_root=False,
-                formatter=self._formatter,
-                lineage=(*self._lineage, self.sid),
-            )
-            self.store.ref(self._stack)
-            try:
-                await anyio.to_thread.run_sync(child._mount)
-            except BaseException:
-                with anyio.CancelScope(shield=True):
-                    await child.discard()
-                raise
-            self._stats.forks += 1
-            return child
+            return await self._fork_from(self._stack, self._version)
+
+    async def _fork_from(self, stack: tuple[str, ...], version: str) -> OverlaySandbox:
+        child = OverlaySandbox(
+            self.store,
+            stack=stack,
+            version=version,
+            is_root=False,
+            formatter=self._formatter,
+            lineage=(*self._lineage, self.sid),
+        )
+        # taken before the first await: the layers stay while the child lives, whatever
+        # this sandbox commits or compacts meanwhile
+        self.store.ref(stack)
+        try:
+            await anyio.to_thread.run_sync(child._mount)
+        except BaseException:
+            with anyio.CancelScope(shield=True):
+                await child.discard()
+            raise
+        self._stats.forks += 1
+        return child
+
+    def _publish(self) -> None:
+        """Make this sandbox's state the one the root forks from without its lock (only
+        the committed root, and only with no pending changes in its upper)."""
+        self._published = (self._stack, self._version) if self.is_root and self._upper_empty() else None
 
     async def commit(self, fork: OverlaySandbox) -> None:
         """Make ``fork``'s state this sandbox's state; the fork is consumed."""
@@ -148,6 +176,7 @@ class OverlaySandbox(SandboxSession):
                     fork._stack = (frozen, *fork._stack)
                 # the fork's references on its layers pass to this sandbox
                 self._stack, self._version = fork._stack, fork._version
+                self._publish()  # before the old stack is released below
                 self.last_layer = fork.last_layer
                 fork._closed = True
                 self.store.live.pop(fork.sid, None)
@@ -257,7 +286,9 @@ class OverlaySandbox(SandboxSession):
             )
         finally:
             with anyio.CancelScope(shield=True):
+                self._apply_changes(done)
                 await self._adopt_frozen(done.get("frozen"))
+                self._publish()
         self._stats.commands += 1
         for what in ("disk_full", "file_size"):
             if done.get(what):
@@ -273,14 +304,14 @@ class OverlaySandbox(SandboxSession):
         self._bind_points = missing_bind_points(str(self._merged), self.store.config.binds)
 
     def _record_changes(self, done: dict[str, Any]) -> None:
-        """After a command or a write (blocking): the layer it made moves the version on;
-        the committed root also freezes its upper. What happened goes into ``done``."""
+        """After a command or a write (blocking): the layer it made and the version it
+        moves to (applied on the event loop: :meth:`_apply_changes`); the committed root
+        also freezes its upper. What happened goes into ``done``."""
         if self._bind_points:
             remove_bind_points(str(self._merged), self._bind_points)
             self._bind_points = []
         layer = self.tracker.diff()
-        self._version = layer.apply_to(self._version)
-        self.last_layer = layer
+        done["layer"], done["version"] = layer, layer.apply_to(self._version)
         done["disk_full"] = self._tmpfs and self._disk_full()
         done["file_size"] = reached_file_size(
             str(self._upper), (p for p, st in layer.records if st is not None), self.store.config.limits.file_size_bytes
@@ -315,7 +346,9 @@ class OverlaySandbox(SandboxSession):
                 await anyio.to_thread.run_sync(write, done)
             finally:
                 with anyio.CancelScope(shield=True):
+                    self._apply_changes(done)
                     await self._adopt_frozen(done.get("frozen"))
+                    self._publish()
 
     def _close_root(self) -> None:
         self._teardown()
@@ -419,12 +452,19 @@ class OverlaySandbox(SandboxSession):
     def _freeze_if_needed(self) -> str | None:
         return None if self._upper_empty() else self._freeze_blocking()
 
+    def _apply_changes(self, done: dict[str, Any]) -> None:
+        """The version moves on to what the command (or write) left, on the event loop:
+        never while it runs (a fork taken meanwhile is at the state before it)."""
+        if "version" in done:
+            self._version, self.last_layer = done["version"], done["layer"]
+
     async def _adopt_frozen(self, lid: str | None) -> None:
         """Put a just-frozen layer on top of the stack; compact; rewrite HEAD (root)."""
         if lid is None:
             return
         self.store.ref((lid,))
         self._stack = (lid, *self._stack)
+        self._publish()  # version and stack together, before anything awaits
         self._stats.freezes += 1
         await self._compact(*self.store.compaction_size(self._stack))
 
@@ -437,6 +477,8 @@ class OverlaySandbox(SandboxSession):
             self.store.ref((merged,))
             replaced = self._stack[:k]
             self._stack = (merged, *self._stack[k:])
+            if self._published is not None:
+                self._publish()  # before the replaced layers are released below
             dead = replaced  # released below, after HEAD no longer names them
         if self.is_root and (k or self._stack != self.store.head_layers):
             await anyio.to_thread.run_sync(self.store.write_head, self._version, self._stack)
@@ -525,6 +567,7 @@ async def open_overlay(config: SandboxConfig | None = None, **overrides: Any) ->
             formatter=get_formatter(config.formatter),
         )
         store.ref(store.head_layers)
+        sandbox._publish()
     except BaseException:
         await anyio.to_thread.run_sync(store.close)
         raise

@@ -102,6 +102,7 @@ class OverlayStore:
         self._cg_counter = 0
         self.seccomp_program: bytes | None = None  # compiled by open_overlay
         self.compactions = 0
+        self._head_written = False  # HEAD is on disk (a private state dir writes it once)
         # Open sandboxes by id (aospec.runtime.overlay.OverlaySandbox; typed by the base class so
         # this file does not import the sandbox file that imports it).
         self.live: dict[str, SandboxSession] = {}
@@ -337,6 +338,12 @@ class OverlayStore:
         return lid
 
     def write_head(self, version: str, layers: tuple[str, ...]) -> None:
+        """Make (version, layers) the committed state. A private (ephemeral) state
+        directory is never reopened: after its first HEAD, the committed state is kept in
+        memory only (a commit costs no file write)."""
+        if self.ephemeral and self._head_written:
+            self.head_version, self.head_layers = version, layers
+            return
         data = {
             "schema": _HEAD_SCHEMA,
             "version": version,
@@ -347,6 +354,7 @@ class OverlayStore:
         }
         write_atomic(self.path / "HEAD", (json.dumps(data) + "\n").encode(), durable=self.config.durable)
         self.head_version, self.head_layers = version, layers
+        self._head_written = True
 
     def compaction_size(self, stack: tuple[str, ...]) -> tuple[int, bool]:
         """How many top layers of ``stack`` to merge now (0: none), and whether the merged
