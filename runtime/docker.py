@@ -123,6 +123,9 @@ class _Box:
         self.cgroups: list[Path] = []
         self.cpu_dir: Path | None = None  # the container's CPU accounting cgroup
         self.frozen = False  # paused (``docker pause``) while a command runs
+        # a pause (from the event loop's worker) and a kill's thaw (from the command's) go
+        # one at a time, so ``frozen`` is what the daemon did last
+        self._freeze_lock = threading.Lock()
         data = store.client.api.inspect_container(container.id)["GraphDriver"]
         if data.get("Name") != "overlay2":
             raise SandboxUnavailableError(
@@ -177,13 +180,19 @@ class _Box:
 
     def freeze(self, frozen: bool) -> None:
         """``docker pause`` / ``docker unpause`` the container (the cgroup freezer)."""
-        if frozen == self.frozen:
-            return
-        if frozen:
-            self.store.client.api.pause(self.container.id)
-        else:
-            self.store.client.api.unpause(self.container.id)
-        self.frozen = frozen
+        with self._freeze_lock:
+            if frozen == self.frozen:
+                return
+            try:
+                if frozen:
+                    self.store.client.api.pause(self.container.id)
+                else:
+                    self.store.client.api.unpause(self.container.id)
+            except Exception as exc:
+                # 409: it already is, or it is not running (a command killed its init)
+                if getattr(exc, "status_code", None) != 409:
+                    raise
+            self.frozen = frozen
 
     def running(self) -> bool:
         return bool(self.store.client.api.inspect_container(self.container.id)["State"].get("Running"))
@@ -443,7 +452,15 @@ class DockerSandbox(SandboxSession):
         self._stats = {"commands": 0, "forks": 0, "commits": 0}
         self._pause = CommandPause()  # the paused flag, the timeout clock and the CPU count
         self._gate = anyio.Lock()  # a pause and the start of a command go one at a time
+        self._resumed = anyio.Event()
         self._cpu_start: int | None = None  # the container's CPU count when the command started
+        # the command's exec (once created), and whether dockerd reported it running: only
+        # then may the container be paused (one paused while its exec starts freezes runc
+        # init, and dockerd then waits on it forever, with the container locked)
+        self._exec_id: str | None = None
+        self._starting = False  # a command began and its exec is not yet known running or over
+        self._live = False
+        self._stopping = False  # a discard or close gives up on the command
         store.live[self.sid] = self
 
     @property
@@ -497,15 +514,19 @@ class DockerSandbox(SandboxSession):
         await anyio.to_thread.run_sync(self._box.set_background, not foreground)
 
     async def pause(self) -> None:
-        """``docker pause`` the container while a command runs; a command started while
-        paused waits for :meth:`resume` before it starts (:class:`aospec.protocols.PausableSandbox`).
-        Paused time does not count against the command's timeout. Idempotent."""
+        """``docker pause`` the container while a command runs (:class:`aospec.protocols.PausableSandbox`);
+        a command started while paused starts once resumed, and one still starting is paused
+        as soon as dockerd reports it running. Paused time does not count against the
+        command's timeout. Idempotent."""
         if self._closed:
             return
-        async with self._gate:
-            await self._pause.pause()
-            if self._cpu_start is not None:
-                await anyio.to_thread.run_sync(self._box.freeze, True)
+        # shielded: a pause cancelled while it waits for an exec to start would leave the
+        # sandbox paused and its command running (the wait ends with the exec's start)
+        with anyio.CancelScope(shield=True):
+            async with self._gate:
+                await self._pause.pause()
+                if await self._exec_running() and not self._stopping:
+                    await anyio.to_thread.run_sync(self._box.freeze, True)
 
     async def resume(self) -> None:
         """``docker unpause``: the command's timeout runs on from where it stopped."""
@@ -513,6 +534,8 @@ class DockerSandbox(SandboxSession):
             if self._box.frozen:
                 await anyio.to_thread.run_sync(self._box.freeze, False)
             self._pause.resume()
+            self._resumed.set()
+            self._resumed = anyio.Event()
 
     @property
     def paused(self) -> bool:
@@ -526,10 +549,12 @@ class DockerSandbox(SandboxSession):
         return self._pause.cpu_ns() + running
 
     def _stop_paused_command(self) -> None:
-        if self._pause.paused and self._cpu_start is not None:
+        # a command waiting for a resume gives up; one starting is not paused any more
+        self._stopping = True
+        self._resumed.set()
+        if self._pause.paused and self._live:
             with contextlib.suppress(Exception):
                 self._box.kill_strays()
-                self._box.freeze(False)
 
     def _in_background(self) -> bool:
         return self._box.background
@@ -568,9 +593,8 @@ class DockerSandbox(SandboxSession):
         started = time.perf_counter()
         await self._begin_command()
         try:
-            exec_id = await anyio.to_thread.run_sync(
-                lambda: self._unpaused(
-                    self.store.client.api.exec_create,
+            exec_id = self._exec_id = await anyio.to_thread.run_sync(
+                lambda: self.store.client.api.exec_create(
                     box.container.id,
                     # one pipe for stdout and stderr keeps their interleaving (a
                     # docker exec otherwise multiplexes two streams)
@@ -603,9 +627,10 @@ class DockerSandbox(SandboxSession):
             info = await anyio.to_thread.run_sync(self.store.client.api.exec_inspect, exec_id)
             rc = info.get("ExitCode")
         finally:
+            self._starting = False  # (a pause waiting for the exec to start stops waiting)
             with anyio.CancelScope(shield=True):
                 await anyio.to_thread.run_sync(box.kill_strays)
-                self._end_command()
+                await self._end_command()
                 await self._after_change()
         after = await anyio.to_thread.run_sync(box.counters)
         hit = ["timeout"] if timed_out else []
@@ -628,37 +653,49 @@ class DockerSandbox(SandboxSession):
         )
 
     def _read_exec(self, exec_id: str, out: OutputBuffer) -> None:
-        for chunk in self._unpaused(self.store.client.api.exec_start, exec_id, stream=True, demux=False):
+        for chunk in self.store.client.api.exec_start(exec_id, stream=True, demux=False):
             out.add(chunk)
 
     async def _begin_command(self) -> None:
-        """A command starts: its CPU is counted from here; when the sandbox is paused the
-        container is paused first, so the command starts (in :meth:`_unpaused`) only once
-        it is resumed."""
-        async with self._gate:
-            self._cpu_start = self._box.cpu_usage_ns()
-            if self._pause.paused:
-                await anyio.to_thread.run_sync(self._box.freeze, True)
-
-    def _end_command(self) -> None:
-        """The command's processes are gone: count its CPU."""
-        if self._cpu_start is not None:
-            self._pause.add_cpu(max(0, self._box.cpu_usage_ns() - self._cpu_start))
-            self._cpu_start = None
-
-    def _unpaused(self, call: Any, *args: Any, **kwargs: Any) -> Any:
-        """``call(*args, **kwargs)`` (a docker exec call, in a worker thread), waiting while
-        the container is paused: Docker refuses to exec into a paused container."""
+        """A command starts: not while the sandbox is paused (it starts once resumed, its
+        timeout not running meanwhile); its CPU is counted from here."""
         while True:
-            try:
-                return call(*args, **kwargs)
-            except Exception as exc:
-                if not self._box.frozen or getattr(exc, "status_code", None) != 409:
-                    raise
-            while self._box.frozen:
-                if self._closed:
-                    raise SandboxError("the sandbox was discarded while its command waited for a resume")
-                time.sleep(0.005)
+            if self._stopping:
+                raise SandboxError("the sandbox was discarded while its command waited for a resume")
+            async with self._gate:
+                if not self._pause.paused:
+                    self._cpu_start = self._box.cpu_usage_ns()
+                    self._starting = True
+                    return
+                resumed = self._resumed
+            await resumed.wait()
+
+    async def _exec_running(self) -> bool:
+        """(Under the gate) whether a command's exec runs, waiting while one is starting
+        (created, or about to be) until dockerd reports its process started, or done."""
+        delay = 0.002
+        while self._starting and not self._live and not self._stopping:
+            if self._exec_id is not None:
+                info = await anyio.to_thread.run_sync(self.store.client.api.exec_inspect, self._exec_id)
+                # (dockerd sets Running before it starts the exec, and Pid once it started)
+                if info.get("Running") and info.get("Pid"):
+                    self._live = True
+                    break
+                if info.get("ExitCode") is not None:
+                    return False
+            await anyio.sleep(delay)
+            delay = min(0.05, delay * 2)
+        return self._live
+
+    async def _end_command(self) -> None:
+        """The command's processes are gone: count its CPU; the container runs again."""
+        async with self._gate:
+            self._live, self._exec_id = False, None
+            if self._box.frozen:
+                await anyio.to_thread.run_sync(self._box.freeze, False)
+            if self._cpu_start is not None:
+                self._pause.add_cpu(max(0, self._box.cpu_usage_ns() - self._cpu_start))
+                self._cpu_start = None
 
     def _ensure_running(self) -> None:
         box = self._box

@@ -151,6 +151,32 @@ async def test_discarding_a_paused_fork_leaves_no_frozen_process(backend: str) -
     assert not _store_cgroups(sb)
 
 
+async def test_discarding_a_paused_fork_whose_command_waits_to_start_ends_the_command(backend: str) -> None:
+    # the command's task is not cancelled: the discard alone must end it (Docker: it waits
+    # for a resume before its exec exists; overlay: it is frozen before its first instruction)
+    _needs_freezer()
+    async with open_sandbox(SandboxConfig(backend=backend)) as sb:
+        fork = await sb.fork()
+        await fork.pause()
+        outcome: dict[str, object] = {}
+
+        async def run() -> None:
+            try:
+                outcome["result"] = await fork.run("echo ran > /tmp/ran; echo ran", timeout=5)
+            except SandboxError as exc:
+                outcome["error"] = exc
+
+        with anyio.fail_after(30):
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(run)
+                await anyio.sleep(0.5)
+                await fork.discard()
+        assert outcome, "the command neither returned nor raised"
+        assert "result" not in outcome or outcome["result"].output != "ran\n"  # type: ignore[attr-defined]
+        assert not _stray(sb, fork)
+        assert (await sb.run("cat /tmp/ran 2>/dev/null || echo none")).output == "none\n"
+
+
 def _stray(sb: object, fork: object) -> bool:
     """Whether a process of ``fork``'s commands is still on the host."""
     if getattr(sb, "backend", "") == "overlay":
@@ -246,4 +272,30 @@ async def test_a_guess_that_times_out_at_background_priority_is_no_result(overla
         # the same command in the foreground (the verified path) is an observation
         await fork.set_priority(foreground=True)
         assert "timed out" in (await fork.execute(Action.bash("sleep 5"))).lower()
+        await fork.discard()
+
+
+async def test_a_pause_at_any_moment_of_a_commands_start_neither_hangs_nor_loses_it(backend: str) -> None:
+    # Docker: a container paused while its exec starts freezes runc init, and dockerd then
+    # waits on it forever with the container locked; the pause must wait for the exec
+    _needs_freezer()
+    async with open_sandbox(SandboxConfig(backend=backend)) as sb:
+        fork = await sb.fork()
+        results: list[object] = []
+
+        async def run() -> None:
+            results.append(await fork.run("echo started", timeout=10))
+
+        for delay in (0.0, 0.005, 0.02, 0.05, 0.1):
+            with anyio.fail_after(60):
+                async with anyio.create_task_group() as tg:
+                    tg.start_soon(run)
+                    await anyio.sleep(delay)
+                    await fork.pause()
+                    await anyio.sleep(0.2)
+                    await fork.resume()
+            assert results[-1].output == "started\n", (delay, results[-1])  # type: ignore[attr-defined]
+            assert not fork.paused
+            if backend == "docker":  # no container left paused once its command ended
+                assert not fork._box.frozen  # type: ignore[attr-defined]
         await fork.discard()
