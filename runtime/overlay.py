@@ -190,10 +190,14 @@ class OverlaySandbox(SandboxSession):
                 self._stats.commits += 1
 
     def _commit_blocking(self, fork: OverlaySandbox) -> tuple[str | None, bool]:
-        """Freeze the fork's upper, tear the fork down, drop this sandbox's own pending
-        changes, and (root, nothing to compact) write HEAD: one worker-thread hop."""
+        """Freeze the fork's upper, drop this sandbox's own pending changes, and (root,
+        nothing to compact) write HEAD: one worker-thread hop. The consumed fork's
+        teardown (its cgroup, directories, a tmpfs it no longer needs) waits for the next
+        discard, a later commit or the close (:meth:`OverlayStore.bury`): none of it is part
+        of the committed state, and the step need not wait for it."""
         frozen = fork._freeze_if_needed()
-        fork._teardown()
+        fork._unmount()
+        self.store.bury_later(fork._teardown)
         self._unmount()
         self._reset_rw()
         stack = (frozen, *fork._stack) if frozen is not None else fork._stack
@@ -204,8 +208,9 @@ class OverlaySandbox(SandboxSession):
         return frozen, False
 
     async def _release(self) -> None:
-        """Release this fork's mounts, directories and the layers only it referenced."""
-        await anyio.to_thread.run_sync(self._teardown)
+        """Release this fork's mounts, directories and the layers only it referenced (and
+        what earlier commits left to tear down)."""
+        await anyio.to_thread.run_sync(self._teardown_and_bury)
         dead = self.store.unref(self._stack)
         if dead:
             await anyio.to_thread.run_sync(self.store.delete_layers, dead)
@@ -350,7 +355,12 @@ class OverlaySandbox(SandboxSession):
                     await self._adopt_frozen(done.get("frozen"))
                     self._publish()
 
+    def _teardown_and_bury(self) -> None:
+        self._teardown()
+        self.store.bury()
+
     def _close_root(self) -> None:
+        self.store.bury()
         self._teardown()
         if not self.store.ephemeral:
             self.store.spill_head()

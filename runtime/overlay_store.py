@@ -43,7 +43,7 @@ import json
 import os
 import stat
 import threading
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -74,6 +74,7 @@ __all__ = ["MOUNT_OPTS", "OverlayStore", "StateCheck", "fd_names", "verify_state
 MOUNT_OPTS = "redirect_dir=off,metacopy=off,index=off,xino=off"
 _HEAD_SCHEMA = 1
 _MAX_LOWERDIR = 3000  # the whole mount option string must fit in one 4 KiB page
+_MAX_GRAVES = 8  # committed forks whose teardown may wait
 
 
 def _is_memory(lid: str) -> bool:
@@ -110,6 +111,9 @@ class OverlayStore:
         # (sibling forks); used from worker threads, hence the lock
         self._views: dict[tuple[str, ...], list[Any]] = {}
         self._views_lock = threading.Lock()
+        # teardowns of committed forks, done off the commit (bury_later / bury)
+        self._graves: list[Callable[[], None]] = []
+        self._graves_lock = threading.Lock()
 
     # -- lifecycle -------------------------------------------------------------------------
 
@@ -207,6 +211,22 @@ class OverlayStore:
             f.unlink()
         self.purge_trash()
         return RecoveryReport(tuple(unmounted), tuple(sandboxes), tuple(layers), tuple(cgs), processes=tuple(orphans))
+
+    def bury_later(self, teardown: Callable[[], None]) -> None:
+        """Keep a committed fork's teardown for :meth:`bury` (at most a few: past them a
+        commit buries them itself)."""
+        with self._graves_lock:
+            self._graves.append(teardown)
+            due = len(self._graves) > _MAX_GRAVES
+        if due:
+            self.bury()
+
+    def bury(self) -> None:
+        """Tear down the committed forks :meth:`bury_later` kept (blocking)."""
+        with self._graves_lock:
+            graves, self._graves = self._graves, []
+        for teardown in graves:
+            teardown()
 
     def trash(self, path: Path) -> None:
         """Move ``path`` out of the way now; it is deleted by ``purge_trash`` (deleting on
