@@ -169,7 +169,9 @@ def _gc_containers(live_ids: set[str], *, dry_run: bool) -> list[str]:
 
 
 def _remove_stale_containers(client: object, live_ids: set[str], removed: list[str], *, dry_run: bool) -> None:
-    for c in client.containers.list(all=True, filters={"label": "aospec.store"}):  # type: ignore[attr-defined]
+    # ignore_removed: a container listed and then removed (by its own session) before it is
+    # inspected is not an error
+    for c in client.containers.list(all=True, filters={"label": "aospec.store"}, ignore_removed=True):  # type: ignore[attr-defined]
         labels = c.labels or {}
         store_id = labels.get("aospec.store", "")
         state_dir = Path(labels.get("aospec.state_dir", "/nonexistent"))
