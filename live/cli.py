@@ -12,6 +12,7 @@ import argparse
 import contextlib
 import os
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -345,22 +346,31 @@ def _speculation_budget(args: argparse.Namespace) -> Any:
     return budget
 
 
-def _kernel_budget(budget: Any) -> Any:
-    """The runtime's kernel-enforced part of the budget (a cgroup for every speculative
-    command of the host, with the budget's CPU quota and memory limit), entered for the
-    run; a context manager that does nothing, with one note, where the runtime has none."""
-    import contextlib
+@contextlib.contextmanager
+def _kernel_budget(budget: Any) -> Iterator[None]:
+    """The runtime's kernel-enforced part of the budget (one cgroup for every speculative
+    command of the host, with the budget's CPU quota and memory limit:
+    :func:`aospec.runtime.set_speculation_budget`), for the run. A budget already set on
+    the host (by an operator, ``aospec sandbox budget``, or another run) is kept as it is;
+    one this run set is removed when it ends. Where the kernel cannot enforce it, one note
+    says so and the shared fork slots are the budget."""
+    from aospec.runtime import clear_speculation_budget, set_speculation_budget, speculation_budget
 
-    import aospec.runtime as runtime
-
-    enforce = getattr(runtime, "speculation_budget", None)
-    if enforce is None:
+    existing = speculation_budget()
+    if existing is not None:
         _warn(
-            "this runtime has no kernel-enforced speculation budget: --speculation-budget limits how many "
-            f"speculative forks run at once (shared through {budget.directory}), not their CPU or memory"
+            f"the host already has a speculation budget ({existing.cores or 'unlimited'} cores, "
+            f"{existing.memory_bytes or 'unlimited'} bytes): kept as it is"
         )
-        return contextlib.nullcontext()
-    return enforce(cores=budget.cores, memory_bytes=budget.memory_bytes)
+        yield
+        return
+    kernel = set_speculation_budget(cores=budget.cores, memory_bytes=budget.memory_bytes)
+    if kernel.note:
+        _warn(kernel.note)
+    try:
+        yield
+    finally:
+        clear_speculation_budget()
 
 
 def _recorded(state: dict[str, Any]) -> str:

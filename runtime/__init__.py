@@ -24,6 +24,12 @@ from typing import Any
 
 from aospec.runtime._state import RecoveryReport, default_state_root
 from aospec.runtime.bases import BaseFS, build_base, cache_dir, open_base
+from aospec.runtime.budget import (
+    SpeculationBudget,
+    clear_speculation_budget,
+    set_speculation_budget,
+    speculation_budget,
+)
 from aospec.runtime.config import Bind, Limits, SandboxConfig
 from aospec.runtime.observation import (
     CommandResult,
@@ -52,16 +58,20 @@ __all__ = [
     "RecoveryReport",
     "SandboxConfig",
     "SandboxStatistics",
+    "SpeculationBudget",
     "UpperTracker",
     "base_version",
     "build_base",
     "cache_dir",
     "chain_version",
+    "clear_speculation_budget",
     "default_state_root",
     "get_formatter",
     "hash_file",
     "open_base",
     "open_sandbox",
+    "set_speculation_budget",
+    "speculation_budget",
     "tree_layer",
 ]
 

@@ -84,6 +84,7 @@ class SandboxSession:
             for child in list(self.store.live.values()):
                 if child is not self:
                     await child.discard()
+            self._stop_paused_command()
             async with self._lock:
                 self._closed = True
                 await anyio.to_thread.run_sync(self._close_root)
@@ -96,6 +97,10 @@ class SandboxSession:
         """Free a discarded fork's backend resources (called once, shielded, under its lock)."""
         raise NotImplementedError
 
+    def _stop_paused_command(self) -> None:
+        """Before a discard or close waits for the sandbox's lock: kill a command frozen in
+        it (a paused sandbox's command would never end, and the discard wait forever)."""
+
     async def discard(self) -> None:
         """Throw this sandbox (a fork) and its own forks away; the root closes the session."""
         if self._closed:
@@ -107,6 +112,7 @@ class SandboxSession:
         with anyio.CancelScope(shield=True):
             for child in [sb for sb in self.store.live.values() if self.sid in sb._lineage]:
                 await child.discard()
+            self._stop_paused_command()
             async with self._lock:
                 if self._closed:
                     return
@@ -115,14 +121,31 @@ class SandboxSession:
                 await self._release()
 
     async def execute(self, action: Action) -> str:
-        """Run a ``bash`` action; the observation text comes from the formatter."""
+        """Run a ``bash`` action; the observation text comes from the formatter.
+
+        A command that ran at background priority (a guess: starved of CPU by design, in
+        the host's speculation budget) and ran into its timeout or a memory limit raises
+        SandboxError instead: serial execution, in the foreground, might not have, so the
+        result is not one the engine may reuse (it runs the step itself instead)."""
         if action.is_none:
             return ""  # a reply without a tool call: nothing runs, the state is unchanged
         command = action.command
         if command is None:
             raise SandboxError(f"the {self.backend} sandbox runs bash actions only, not tool {action.tool!r}")
+        background = self._in_background()
         result = await self.run(command)
+        background = background or self._in_background()
+        starved = [what for what in ("timeout", "memory") if what in result.limits_hit]
+        if background and starved:
+            raise SandboxError(
+                f"the command ran into its {' and '.join(starved)} limit at background priority: not necessarily "
+                "what it does in the foreground (serial execution), so this speculative result is not used"
+            )
         return self._formatter.format(action, result)
+
+    def _in_background(self) -> bool:
+        """Whether this sandbox's commands run at background priority now."""
+        return False
 
     def _check_open(self) -> None:
         if self._closed:

@@ -1,5 +1,5 @@
 """``aospec sandbox``: build bases, run a command in a fresh sandbox, inspect the host, verify
-a persistent state directory, gc."""
+a persistent state directory, gc, the host's speculation budget."""
 
 from __future__ import annotations
 
@@ -104,6 +104,19 @@ def register(subparsers: Any) -> None:
     g.add_argument("--dry-run", action="store_true", help="only report what would be removed")
     add_format_option(g)
     g.set_defaults(func=_gc)
+
+    sb = sub.add_parser(
+        "budget",
+        help="show or set the host's speculation budget (CPU and memory of every session's guesses)",
+        description="With no option, print the host's speculation budget. --cores and --memory set it (an omitted "
+        "one is unlimited): every aospec session on this host then runs its background (speculative) commands "
+        "in one cgroup under that CPU quota and memory limit, until --clear.",
+    )
+    sb.add_argument("--cores", type=float, help="CPUs all speculation of the host may use (e.g. 1.5)")
+    sb.add_argument("--memory", type=parse_size, help="memory all speculation of the host may hold (e.g. 4G)")
+    sb.add_argument("--clear", action="store_true", help="remove the budget")
+    add_format_option(sb)
+    sb.set_defaults(func=_budget)
 
 
 def _build_base(args: argparse.Namespace) -> int:
@@ -235,6 +248,16 @@ def _info(args: argparse.Namespace) -> int:
             else "not enforced: no writable memory cgroup (host memory held by sandboxes is not bounded)"
         ),
         "seccomp": seccomp_support(),
+        "pause": (
+            f"cgroup freezer (cgroup v{support.cgroup_version})"
+            if "freezer" in support.cgroup_controllers
+            else "unavailable: no writable freezer cgroup (PausableSandbox.pause() only sets the flag)"
+        ),
+        "cpu_metering": (
+            f"per command cgroup (cgroup v{support.cgroup_version})"
+            if "cpuacct" in support.cgroup_controllers
+            else "unavailable: no CPU accounting cgroup (MeteredSandbox.cpu_ns stays 0)"
+        ),
     }
     try:
         from aospec.runtime.daemon import checkpoint_support, docker_client
@@ -293,4 +316,26 @@ def _gc(args: argparse.Namespace) -> int:
                 f"{label:15} {len(v):4d}  ({verb if k != 'skipped_in_use' else 'in use'})"
                 + "".join(f"\n    {x}" for x in v)
             )
+    return 0
+
+
+def _budget(args: argparse.Namespace) -> int:
+    from dataclasses import asdict
+
+    from aospec.runtime.budget import clear_speculation_budget, set_speculation_budget, speculation_budget
+
+    if args.clear:
+        clear_speculation_budget()
+        budget = speculation_budget()
+    elif args.cores is not None or args.memory is not None:
+        budget = set_speculation_budget(cores=args.cores, memory_bytes=args.memory)
+    else:
+        budget = speculation_budget()
+    if budget is None:
+        out: dict[str, Any] = {"budget": "none (speculation is limited by each session's engine only)"}
+    else:
+        out = {k: (list(v) if isinstance(v, tuple) else v) for k, v in asdict(budget).items()}
+        out["cores"] = "unlimited" if budget.cores is None else budget.cores
+        out["memory_bytes"] = "unlimited" if budget.memory_bytes is None else budget.memory_bytes
+    print_fields(out, args.format, width=18)
     return 0

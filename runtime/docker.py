@@ -48,6 +48,7 @@ from aospec.runtime._state import (
     write_atomic,
 )
 from aospec.runtime.bases import BaseFS, open_base
+from aospec.runtime.cgroups import _cpu_usage
 from aospec.runtime.config import SandboxConfig, cap_name
 from aospec.runtime.daemon import docker_client
 from aospec.runtime.isolation import check_binds, reached_file_size, scrub_binds
@@ -59,6 +60,7 @@ from aospec.runtime.observation import (
     SandboxStatistics,
     get_formatter,
 )
+from aospec.runtime.pausing import CommandPause
 from aospec.runtime.seccomp import docker_profile
 from aospec.runtime.versions import UpperTracker
 
@@ -133,6 +135,11 @@ class _Box:
         self.keep: set[int] = set()
         self.init_fd = -1  # pidfd of the container's init: readable once it exited
         self.cgroups: list[Path] = []
+        self.cpu_dir: Path | None = None  # the container's CPU accounting cgroup
+        self.frozen = False  # paused (``docker pause``) while a command runs
+        # a pause (from the event loop's worker) and a kill's thaw (from the command's) go
+        # one at a time, so ``frozen`` is what the daemon did last
+        self._freeze_lock = threading.Lock()
         data = store.client.api.inspect_container(container.id)["GraphDriver"]
         if data.get("Name") != "overlay2":
             raise SandboxUnavailableError(
@@ -184,6 +191,29 @@ class _Box:
                 break
             time.sleep(0.005)
         self.cgroups = _cgroup_dirs(init)
+        self.cpu_dir = _cpu_dir(init)
+
+    def cpu_usage_ns(self) -> int:
+        """CPU time the container's processes used so far (0 without CPU accounting)."""
+        if self.cpu_dir is None:
+            return 0
+        return _cpu_usage(self.cpu_dir, 1 if (self.cpu_dir / "cpuacct.usage").exists() else 2) or 0
+
+    def freeze(self, frozen: bool) -> None:
+        """``docker pause`` / ``docker unpause`` the container (the cgroup freezer)."""
+        with self._freeze_lock:
+            if frozen == self.frozen:
+                return
+            try:
+                if frozen:
+                    self.store.client.api.pause(self.container.id)
+                else:
+                    self.store.client.api.unpause(self.container.id)
+            except Exception as exc:
+                # 409: it already is, or it is not running (a command killed its init)
+                if getattr(exc, "status_code", None) != 409:
+                    raise
+            self.frozen = frozen
 
     def running(self) -> bool:
         return bool(self.store.client.api.inspect_container(self.container.id)["State"].get("Running"))
@@ -211,6 +241,9 @@ class _Box:
             for pid in strays:
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(pid, signal.SIGKILL)
+            if self.frozen:
+                # a frozen process dies only once thawed; the signal is taken first
+                self.freeze(False)
             if time.monotonic() > deadline:
                 raise SandboxError(f"processes {sorted(strays)} in container {self.container.id[:12]} do not die")
             time.sleep(0.002)
@@ -231,6 +264,9 @@ class _Box:
         return out
 
     def remove(self) -> None:
+        if self.frozen:
+            with contextlib.suppress(Exception):
+                self.freeze(False)
         if self.init_fd >= 0:
             os.close(self.init_fd)
             self.init_fd = -1
@@ -250,6 +286,29 @@ def _children(pid: int) -> set[int]:
         return {int(x) for x in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()}
     except (FileNotFoundError, ProcessLookupError):
         return set()
+
+
+def _cpu_dir(pid: int) -> Path | None:
+    """The CPU accounting cgroup of ``pid`` (v1 cpuacct, or the v2 unified one)."""
+    try:
+        lines = Path(f"/proc/{pid}/cgroup").read_text().splitlines()
+    except OSError:
+        return None
+    unified = None
+    for line in lines:
+        _, controllers, path = line.split(":", 2)
+        names = controllers.split(",")
+        if "cpuacct" in names:
+            d = Path("/sys/fs/cgroup") / controllers / path.lstrip("/")
+            if not d.exists():
+                d = Path("/sys/fs/cgroup/cpuacct") / path.lstrip("/")
+            if (d / "cpuacct.usage").exists():
+                return d
+        elif controllers == "":
+            d = Path("/sys/fs/cgroup") / path.lstrip("/")
+            if (d / "cpu.stat").exists() and (Path("/sys/fs/cgroup") / "cgroup.controllers").exists():
+                unified = d
+    return unified
 
 
 def _cgroup_dirs(pid: int) -> list[Path]:
@@ -437,6 +496,17 @@ class DockerSandbox(SandboxSession):
         self._init_session(store, version=version, is_root=is_root, formatter=formatter, lineage=lineage)
         self._box = box
         self._stats = {"commands": 0, "forks": 0, "commits": 0}
+        self._pause = CommandPause()  # the paused flag, the timeout clock and the CPU count
+        self._gate = anyio.Lock()  # a pause and the start of a command go one at a time
+        self._resumed = anyio.Event()
+        self._cpu_start: int | None = None  # the container's CPU count when the command started
+        # the command's exec (once created), and whether dockerd reported it running: only
+        # then may the container be paused (one paused while its exec starts freezes runc
+        # init, and dockerd then waits on it forever, with the container locked)
+        self._exec_id: str | None = None
+        self._starting = False  # a command began and its exec is not yet known running or over
+        self._live = False
+        self._stopping = False  # a discard or close gives up on the command
         store.live[self.sid] = self
 
     @property
@@ -489,6 +559,52 @@ class DockerSandbox(SandboxSession):
         self._check_open()
         await anyio.to_thread.run_sync(self._box.set_background, not foreground)
 
+    async def pause(self) -> None:
+        """``docker pause`` the container while a command runs (:class:`aospec.protocols.PausableSandbox`);
+        a command started while paused starts once resumed, and one still starting is paused
+        as soon as dockerd reports it running. Paused time does not count against the
+        command's timeout. Idempotent."""
+        if self._closed:
+            return
+        # shielded: a pause cancelled while it waits for an exec to start would leave the
+        # sandbox paused and its command running (the wait ends with the exec's start)
+        with anyio.CancelScope(shield=True):
+            async with self._gate:
+                await self._pause.pause()
+                if await self._exec_running() and not self._stopping:
+                    await anyio.to_thread.run_sync(self._box.freeze, True)
+
+    async def resume(self) -> None:
+        """``docker unpause``: the command's timeout runs on from where it stopped."""
+        async with self._gate:
+            if self._box.frozen:
+                await anyio.to_thread.run_sync(self._box.freeze, False)
+            self._pause.resume()
+            self._resumed.set()
+            self._resumed = anyio.Event()
+
+    @property
+    def paused(self) -> bool:
+        return self._pause.paused
+
+    @property
+    def cpu_ns(self) -> int:
+        """CPU time (ns) of the commands this sandbox ran, the running one included (the
+        container's cgroup, :class:`aospec.protocols.MeteredSandbox`); a fork starts from 0."""
+        running = 0 if self._cpu_start is None else max(0, self._box.cpu_usage_ns() - self._cpu_start)
+        return self._pause.cpu_ns() + running
+
+    def _stop_paused_command(self) -> None:
+        # a command waiting for a resume gives up; one starting is not paused any more
+        self._stopping = True
+        self._resumed.set()
+        if self._pause.paused and self._live:
+            with contextlib.suppress(Exception):
+                self._box.kill_strays()
+
+    def _in_background(self) -> bool:
+        return self._box.background
+
     async def commit(self, fork: DockerSandbox) -> None:
         self._check_open()
         self._check_fork_committable(fork)
@@ -523,8 +639,9 @@ class DockerSandbox(SandboxSession):
         started = time.perf_counter()
         since_ns = time.time_ns() - _CTIME_SLACK_NS
         info: dict[str, Any] = {}
+        await self._begin_command()
         try:
-            exec_id = await anyio.to_thread.run_sync(
+            exec_id = self._exec_id = await anyio.to_thread.run_sync(
                 lambda: self.store.client.api.exec_create(
                     box.container.id,
                     # one pipe for stdout and stderr keeps their interleaving (a
@@ -541,7 +658,8 @@ class DockerSandbox(SandboxSession):
             async def watchdog() -> None:
                 nonlocal timed_out
                 try:
-                    await anyio.sleep(timeout_s)
+                    with self._pause.deadline(timeout_s):  # paused time does not count
+                        await anyio.sleep_forever()
                     timed_out = True
                     out.freeze()  # what the kill below makes the shell print is not output
                 finally:
@@ -559,10 +677,12 @@ class DockerSandbox(SandboxSession):
             info = await anyio.to_thread.run_sync(self.store.client.api.exec_inspect, exec_id)
             rc = info.get("ExitCode")
         finally:
+            self._starting = False  # (a pause waiting for the exec to start stops waiting)
             with anyio.CancelScope(shield=True):
                 await anyio.to_thread.run_sync(box.kill_strays)
                 if cfg.writable_binds:
                     await anyio.to_thread.run_sync(scrub_binds, cfg.binds, since_ns)
+                await self._end_command()
                 await self._after_change()
         if box.died() or not info.get("Pid"):
             # the container died under the command (or the exec never started): what the
@@ -595,6 +715,47 @@ class DockerSandbox(SandboxSession):
     def _read_exec(self, exec_id: str, out: OutputBuffer) -> None:
         for chunk in self.store.client.api.exec_start(exec_id, stream=True, demux=False):
             out.add(chunk)
+
+    async def _begin_command(self) -> None:
+        """A command starts: not while the sandbox is paused (it starts once resumed, its
+        timeout not running meanwhile); its CPU is counted from here."""
+        while True:
+            if self._stopping:
+                raise SandboxError("the sandbox was discarded while its command waited for a resume")
+            async with self._gate:
+                if not self._pause.paused:
+                    self._cpu_start = self._box.cpu_usage_ns()
+                    self._starting = True
+                    return
+                resumed = self._resumed
+            await resumed.wait()
+
+    async def _exec_running(self) -> bool:
+        """(Under the gate) whether a command's exec runs, waiting while one is starting
+        (created, or about to be) until dockerd reports its process started, or done."""
+        delay = 0.002
+        while self._starting and not self._live and not self._stopping:
+            if self._exec_id is not None:
+                info = await anyio.to_thread.run_sync(self.store.client.api.exec_inspect, self._exec_id)
+                # (dockerd sets Running before it starts the exec, and Pid once it started)
+                if info.get("Running") and info.get("Pid"):
+                    self._live = True
+                    break
+                if info.get("ExitCode") is not None:
+                    return False
+            await anyio.sleep(delay)
+            delay = min(0.05, delay * 2)
+        return self._live
+
+    async def _end_command(self) -> None:
+        """The command's processes are gone: count its CPU; the container runs again."""
+        async with self._gate:
+            self._live, self._exec_id = False, None
+            if self._box.frozen:
+                await anyio.to_thread.run_sync(self._box.freeze, False)
+            if self._cpu_start is not None:
+                self._pause.add_cpu(max(0, self._box.cpu_usage_ns() - self._cpu_start))
+                self._cpu_start = None
 
     def _ensure_running(self) -> None:
         box = self._box

@@ -16,6 +16,7 @@ from pathlib import Path
 
 from aospec.runtime import _fs
 from aospec.runtime._state import STORE_REGISTRY, default_state_root, state_dir_in_use, store_alive
+from aospec.runtime.cgroups import POOL, thaw_process
 from aospec.runtime.host import host_support
 from aospec.runtime.processes import MARKER_ENV, OWNER_ENV, live_owner_tokens, process_environments
 
@@ -78,9 +79,10 @@ def collect_garbage(state_root: Path | None = None, *, dry_run: bool = False, do
     _, cgroups = host_support()
     if cgroups is not None:
         for croot in set(cgroups.roots.values()):
-            # a store's cgroup (aospec-STORE, its sandboxes' nested in it), or one of an
-            # older aospec (aospec-STORE-SANDBOX-N, flat)
-            for cg in croot.glob("aospec-*"):
+            # a store's cgroup (aospec-STORE, its sandboxes' nested in it), one of an
+            # older aospec (aospec-STORE-SANDBOX-N, flat), or a background command's in the
+            # host's speculation pool (speculation/aospec-STORE-SANDBOX-N)
+            for cg in [*croot.glob("aospec-*"), *(croot / POOL).glob("aospec-*")]:
                 store_id = cg.name.split("-")[1]
                 if store_id in live_ids:
                     continue
@@ -101,7 +103,7 @@ def collect_garbage(state_root: Path | None = None, *, dry_run: bool = False, do
                     continue
                 report.cgroups.append(str(cg))
                 if not dry_run:
-                    cgroups.remove(cg.name)
+                    cgroups.remove(str(cg.relative_to(croot)))
     if docker:
         report.containers += _gc_containers(live_ids, gone_dirs, dry_run=dry_run)
     report.registry += _gc_registry(dry_run=dry_run)
@@ -150,6 +152,7 @@ def _kill_orphans(live_ids: set[str], *, dry_run: bool) -> list[int]:
         if not dry_run:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
+                thaw_process(pid)  # a paused sandbox's processes die only once thawed
     return found
 
 
@@ -193,7 +196,9 @@ def _gc_containers(live_ids: set[str], gone_dirs: set[str], *, dry_run: bool) ->
 def _remove_stale_containers(
     client: object, live_ids: set[str], gone_dirs: set[str], removed: list[str], *, dry_run: bool
 ) -> None:
-    for c in client.containers.list(all=True, filters={"label": "aospec.store"}):  # type: ignore[attr-defined]
+    # ignore_removed: a container listed and then removed (by its own session) before it is
+    # inspected is not an error
+    for c in client.containers.list(all=True, filters={"label": "aospec.store"}, ignore_removed=True):  # type: ignore[attr-defined]
         labels = c.labels or {}
         store_id = labels.get("aospec.store", "")
         state_dir = Path(labels.get("aospec.state_dir", "/nonexistent"))

@@ -35,6 +35,7 @@ from aospec.runtime.cgroups import CommandCgroup
 from aospec.runtime.config import Bind, Limits
 from aospec.runtime.host import host_support
 from aospec.runtime.observation import TIMEOUT_RETURNCODE, CommandResult, OutputBuffer
+from aospec.runtime.pausing import CommandPause
 from aospec.runtime.processes import MARKER_ENV, OWNER_ENV, kill_marked, own_owner_token, set_process_priority
 from aospec.runtime.seccomp import program_fd
 
@@ -312,6 +313,7 @@ class _Started:
     init_pidfd: int = -1  # the PID namespace's init: killing it kills the whole command
     cg: CommandCgroup | None = None
     child_pid: int = -1
+    cg_rel: str = ""  # where the command's cgroup belongs (outside the speculation pool)
 
 
 class CommandPriority:
@@ -319,8 +321,10 @@ class CommandPriority:
 
     Background: the sandbox's cgroup gets the least CPU weight (and the idle class where
     the kernel has ``cpu.idle``), and the command's processes SCHED_IDLE and the idle IO
-    class (set on the blocked init, so every process of the command inherits them).
-    :meth:`set` applies a change at once, to the processes already running too."""
+    class (set on the blocked init, so every process of the command inherits them); where
+    the host has a speculation budget, a background command's cgroup is in its pool
+    (``aospec.runtime.budget``). :meth:`set` applies a change at once, to the processes
+    already running too (a command raised to the foreground leaves the pool)."""
 
     def __init__(self, *, background: bool = False) -> None:
         self.background = background
@@ -339,6 +343,11 @@ class CommandPriority:
         self._apply_group()
         for st in list(self._running):
             _set_tree_priority(st, background=background)
+            if not background and st.cg is not None and st.cg.pooled:
+                _, cgroups = host_support()
+                if cgroups is not None:
+                    with contextlib.suppress(OSError):
+                        cgroups.unpool(st.cg, st.cg_rel)
 
     def _apply_group(self) -> None:
         if self._group is None or self._group_background == self.background:
@@ -448,7 +457,9 @@ def _release(
                         for name, budget in cgroup_parents:
                             rel += name + "/"
                             cgroups.ensure_group(rel.rstrip("/"), budget)
-                        st.cg = cgroups.create(rel + cgroup_name, limits)
+                        pooled = priority is not None and priority.background and cgroups.pool_exists()
+                        st.cg = cgroups.create(rel + cgroup_name, limits, pooled=pooled)
+                        st.cg_rel = rel + cgroup_name
                         break
                     except FileNotFoundError:
                         if attempt:
@@ -500,6 +511,7 @@ async def run_bwrap(
     cgroup_parents: Sequence[tuple[str, int | None]] = (),
     seccomp: bytes | None = None,
     priority: CommandPriority | None = None,
+    pause: CommandPause | None = None,
 ) -> tuple[CommandResult, T]:
     """Run ``argv_for(info_fd, block_fd)`` (a bwrap command line, started in ``cwd``)
     to completion: ``before()`` first and ``after()`` last, both in worker threads;
@@ -507,7 +519,9 @@ async def run_bwrap(
     what ``after`` returned. The command's cgroup ``cgroup_name`` nests in
     ``cgroup_parents`` (see :meth:`Cgroups.ensure_group`); ``seccomp`` is a compiled
     filter (:func:`aospec.runtime.seccomp.filter_program`) bwrap loads before the command;
-    ``priority`` the sandbox's :class:`CommandPriority`.
+    ``priority`` the sandbox's :class:`CommandPriority`; ``pause`` its
+    :class:`~aospec.runtime.pausing.CommandPause` (the command starts frozen when the
+    sandbox is paused, and paused time does not count against ``timeout_s``).
 
     bwrap is spawned from the event loop's thread on purpose: ``--die-with-parent``
     ties the sandbox's life to the *thread* that spawned it, and a worker thread may
@@ -561,8 +575,10 @@ async def run_bwrap(
         st.init_pidfd = os.pidfd_open(child)
         st.child_pid = child
         _release(st, child, limits, cgroup_name, cgroup_parents, priority)
+        if pause is not None:
+            pause.started(st.cg)  # frozen before it is released, when paused
         os.write(block_w, b"1")
-        with anyio.move_on_after(timeout_s) as scope:
+        with pause.deadline(timeout_s) if pause is not None else anyio.move_on_after(timeout_s) as scope:
             await _drain(proc.stdout.fileno(), out)
             await anyio.wait_readable(st.outer_pidfd)
         if scope.cancelled_caught:
@@ -587,6 +603,8 @@ async def run_bwrap(
                 if priority is not None:
                     priority._stopped(st)
                 await _reap(st, cgroup_name)
+                if pause is not None:
+                    pause.stopped(st.cg)
             for fd in (info_r, info_w, block_r, block_w, seccomp_r):
                 if fd >= 0:
                     os.close(fd)

@@ -39,6 +39,7 @@ from aospec.runtime.isolation import (
 )
 from aospec.runtime.observation import CommandResult, ObservationFormatter, SandboxStatistics, get_formatter
 from aospec.runtime.overlay_store import MOUNT_OPTS, OverlayStore, StateCheck, fd_names, verify_state_dir
+from aospec.runtime.pausing import CommandPause
 from aospec.runtime.seccomp import filter_program
 from aospec.runtime.versions import UpperTracker
 
@@ -105,38 +106,67 @@ class OverlaySandbox(SandboxSession):
         self.tracker = UpperTracker(self._upper, self._lower_view)
         self._stats = _Stats()
         self._priority = CommandPriority()
+        self._pause = CommandPause()
+        # The committed root's last complete state, (stack, version), that it forks from
+        # without its lock (None: fork under the lock, freezing pending changes first).
+        self._published: tuple[tuple[str, ...], str] | None = None
         store.live[self.sid] = self
 
     # -- the Sandbox protocol ----------------------------------------------------------------
 
+    #: ``fork()`` of the committed root may overlap its ``execute()``: the fork is at the
+    #: state before the running command, and ``version`` stays that state's until
+    #: ``execute`` returns (docs/runtime.md, "Forks while the root runs a command").
+    forks_during_execute = True
+
     @property
     def version(self) -> str:
-        """The filesystem version (up to date whenever no command is in flight)."""
+        """The filesystem version: it moves when a command (or a write, or a commit) is
+        done, never while one runs."""
         return self._version
 
     async def fork(self) -> OverlaySandbox:
-        """An isolated copy-on-write child at this sandbox's current version."""
+        """An isolated copy-on-write child at this sandbox's current version.
+
+        The committed root forks without waiting for its lock: its pending changes are
+        frozen after every command, so its last published (stack, version) is exact, and a
+        fork taken while a command runs there (or a commit is in flight) is at the state
+        before it. A fork forks under its lock, freezing its own pending changes first."""
         self._check_open()
+        # (between commands, changes made behind the root's back, into its merged root on
+        # the host, go into a layer first, under the lock: as they always did)
+        if self._published is not None and (self._lock.locked() or self._upper_empty()):
+            return await self._fork_from(*self._published)
         async with self._lock:
             self._check_open()
             await self._freeze()
-            child = OverlaySandbox(
-                self.store,
-                stack=self._stack,
-                version=self._version,
-                is_root=False,
-                formatter=self._formatter,
-                lineage=(*self._lineage, self.sid),
-            )
-            self.store.ref(self._stack)
-            try:
-                await anyio.to_thread.run_sync(child._mount)
-            except BaseException:
-                with anyio.CancelScope(shield=True):
-                    await child.discard()
-                raise
-            self._stats.forks += 1
-            return child
+            return await self._fork_from(self._stack, self._version)
+
+    async def _fork_from(self, stack: tuple[str, ...], version: str) -> OverlaySandbox:
+        child = OverlaySandbox(
+            self.store,
+            stack=stack,
+            version=version,
+            is_root=False,
+            formatter=self._formatter,
+            lineage=(*self._lineage, self.sid),
+        )
+        # taken before the first await: the layers stay while the child lives, whatever
+        # this sandbox commits or compacts meanwhile
+        self.store.ref(stack)
+        try:
+            await anyio.to_thread.run_sync(child._mount)
+        except BaseException:
+            with anyio.CancelScope(shield=True):
+                await child.discard()
+            raise
+        self._stats.forks += 1
+        return child
+
+    def _publish(self) -> None:
+        """Make this sandbox's state the one the root forks from without its lock (only
+        the committed root, and only with no pending changes in its upper)."""
+        self._published = (self._stack, self._version) if self.is_root and self._upper_empty() else None
 
     async def commit(self, fork: OverlaySandbox) -> None:
         """Make ``fork``'s state this sandbox's state; the fork is consumed."""
@@ -154,6 +184,7 @@ class OverlaySandbox(SandboxSession):
                     fork._stack = (frozen, *fork._stack)
                 # the fork's references on its layers pass to this sandbox
                 self._stack, self._version = fork._stack, fork._version
+                self._publish()  # before the old stack is released below
                 self.last_layer = fork.last_layer
                 fork._closed = True
                 self.store.live.pop(fork.sid, None)
@@ -167,10 +198,14 @@ class OverlaySandbox(SandboxSession):
                 self._stats.commits += 1
 
     def _commit_blocking(self, fork: OverlaySandbox) -> tuple[str | None, bool]:
-        """Freeze the fork's upper, tear the fork down, drop this sandbox's own pending
-        changes, and (root, nothing to compact) write HEAD: one worker-thread hop."""
+        """Freeze the fork's upper, drop this sandbox's own pending changes, and (root,
+        nothing to compact) write HEAD: one worker-thread hop. The consumed fork's
+        teardown (its cgroup, directories, a tmpfs it no longer needs) waits for the next
+        discard, a later commit or the close (:meth:`OverlayStore.bury`): none of it is part
+        of the committed state, and the step need not wait for it."""
         frozen = fork._freeze_if_needed()
-        fork._teardown()
+        fork._unmount()
+        self.store.bury_later(fork._teardown)
         self._unmount()
         self._reset_rw()
         stack = (frozen, *fork._stack) if frozen is not None else fork._stack
@@ -181,8 +216,9 @@ class OverlaySandbox(SandboxSession):
         return frozen, False
 
     async def _release(self) -> None:
-        """Release this fork's mounts, directories and the layers only it referenced."""
-        await anyio.to_thread.run_sync(self._teardown)
+        """Release this fork's mounts, directories and the layers only it referenced (and
+        what earlier commits left to tear down)."""
+        await anyio.to_thread.run_sync(self._teardown_and_bury)
         dead = self.store.unref(self._stack)
         if dead:
             await anyio.to_thread.run_sync(self.store.delete_layers, dead)
@@ -197,6 +233,37 @@ class OverlaySandbox(SandboxSession):
     def foreground(self) -> bool:
         """Whether this sandbox's commands run at foreground priority."""
         return not self._priority.background
+
+    async def pause(self) -> None:
+        """Freeze the command running here, if any, and every command started until
+        :meth:`resume` (:class:`aospec.protocols.PausableSandbox`): the cgroup freezer, v1
+        or v2. Returns once the kernel reports its processes frozen. Paused time does not
+        count against the command's timeout. Idempotent; a no-op once discarded."""
+        if not self._closed:
+            await self._pause.pause()
+
+    async def resume(self) -> None:
+        """Thaw what :meth:`pause` froze; the command's timeout runs on from where it stopped."""
+        self._pause.resume()
+
+    @property
+    def paused(self) -> bool:
+        """Whether this sandbox is paused."""
+        return self._pause.paused
+
+    def _stop_paused_command(self) -> None:
+        if self._pause.paused:
+            self._pause.kill_running()
+
+    def _in_background(self) -> bool:
+        return self._priority.background
+
+    @property
+    def cpu_ns(self) -> int:
+        """CPU time (user + system, ns) of every command this sandbox ran, the running one
+        included (:class:`aospec.protocols.MeteredSandbox`; its cgroup's cpuacct, or v2's
+        cpu.stat); a fork starts from 0. Always 0 where the host has no CPU accounting."""
+        return self._pause.cpu_ns()
 
     # -- richer API -------------------------------------------------------------------------
 
@@ -224,6 +291,7 @@ class OverlaySandbox(SandboxSession):
                 cgroup_parents=self.store.cgroup_parents(self.sid),
                 seccomp=self.store.seccomp_program,
                 priority=self._priority,
+                pause=self._pause,
                 max_output_bytes=cfg.max_output_bytes,
                 before=lambda: self._prepare(cwd),
                 # also when cancelled: the version must describe what the command left
@@ -231,7 +299,9 @@ class OverlaySandbox(SandboxSession):
             )
         finally:
             with anyio.CancelScope(shield=True):
+                self._apply_changes(done)
                 await self._adopt_frozen(done.get("frozen"))
+                self._publish()
         self._stats.commands += 1
         for what in ("disk_full", "file_size"):
             if done.get(what):
@@ -248,8 +318,9 @@ class OverlaySandbox(SandboxSession):
         self._bind_points = missing_bind_points(str(self._merged), self.store.config.binds)
 
     def _record_changes(self, done: dict[str, Any]) -> None:
-        """After a command or a write (blocking): the layer it made moves the version on;
-        the committed root also freezes its upper. What happened goes into ``done``."""
+        """After a command or a write (blocking): the layer it made and the version it
+        moves to (applied on the event loop: :meth:`_apply_changes`); the committed root
+        also freezes its upper. What happened goes into ``done``."""
         if self._bind_points:
             remove_bind_points(str(self._merged), self._bind_points)
             self._bind_points = []
@@ -257,8 +328,7 @@ class OverlaySandbox(SandboxSession):
             scrub_binds(self.store.config.binds, self._bind_since)
             self._bind_since = None
         layer = self.tracker.diff()
-        self._version = layer.apply_to(self._version)
-        self.last_layer = layer
+        done["layer"], done["version"] = layer, layer.apply_to(self._version)
         done["disk_full"] = self._tmpfs and self._disk_full()
         done["file_size"] = reached_file_size(
             str(self._upper), (p for p, st in layer.records if st is not None), self.store.config.limits.file_size_bytes
@@ -296,9 +366,16 @@ class OverlaySandbox(SandboxSession):
                 await anyio.to_thread.run_sync(write, done)
             finally:
                 with anyio.CancelScope(shield=True):
+                    self._apply_changes(done)
                     await self._adopt_frozen(done.get("frozen"))
+                    self._publish()
+
+    def _teardown_and_bury(self) -> None:
+        self._teardown()
+        self.store.bury()
 
     def _close_root(self) -> None:
+        self.store.bury()
         self._teardown()
         if not self.store.ephemeral:
             self.store.spill_head()
@@ -401,12 +478,19 @@ class OverlaySandbox(SandboxSession):
     def _freeze_if_needed(self) -> str | None:
         return None if self._upper_empty() else self._freeze_blocking()
 
+    def _apply_changes(self, done: dict[str, Any]) -> None:
+        """The version moves on to what the command (or write) left, on the event loop:
+        never while it runs (a fork taken meanwhile is at the state before it)."""
+        if "version" in done:
+            self._version, self.last_layer = done["version"], done["layer"]
+
     async def _adopt_frozen(self, lid: str | None) -> None:
         """Put a just-frozen layer on top of the stack; compact; rewrite HEAD (root)."""
         if lid is None:
             return
         self.store.ref((lid,))
         self._stack = (lid, *self._stack)
+        self._publish()  # version and stack together, before anything awaits
         self._stats.freezes += 1
         await self._compact(*self.store.compaction_size(self._stack))
 
@@ -419,6 +503,8 @@ class OverlaySandbox(SandboxSession):
             self.store.ref((merged,))
             replaced = self._stack[:k]
             self._stack = (merged, *self._stack[k:])
+            if self._published is not None:
+                self._publish()  # before the replaced layers are released below
             dead = replaced  # released below, after HEAD no longer names them
         if self.is_root and (k or self._stack != self.store.head_layers):
             await anyio.to_thread.run_sync(self.store.write_head, self._version, self._stack)
@@ -509,6 +595,7 @@ async def open_overlay(config: SandboxConfig | None = None, **overrides: Any) ->
             formatter=get_formatter(config.formatter),
         )
         store.ref(store.head_layers)
+        sandbox._publish()
     except BaseException:
         await anyio.to_thread.run_sync(store.close)
         raise

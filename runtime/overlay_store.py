@@ -43,7 +43,7 @@ import json
 import os
 import stat
 import threading
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -60,6 +60,7 @@ from aospec.runtime._state import (
     write_atomic,
 )
 from aospec.runtime.bases import BaseFS
+from aospec.runtime.cgroups import POOL
 from aospec.runtime.config import SandboxConfig
 from aospec.runtime.host import host_support
 from aospec.runtime.processes import kill_marked
@@ -72,6 +73,7 @@ __all__ = ["MOUNT_OPTS", "OverlayStore", "StateCheck", "fd_names", "verify_state
 MOUNT_OPTS = "redirect_dir=off,metacopy=off,index=off,xino=off"
 _HEAD_SCHEMA = 1
 _MAX_LOWERDIR = 3000  # the whole mount option string must fit in one 4 KiB page
+_MAX_GRAVES = 8  # committed forks whose teardown may wait
 
 
 def _is_memory(lid: str) -> bool:
@@ -101,6 +103,7 @@ class OverlayStore:
         self._cg_counter = 0
         self.seccomp_program: bytes | None = None  # compiled by open_overlay
         self.compactions = 0
+        self._head_written = False  # HEAD is on disk (a private state dir writes it once)
         # Open sandboxes by id (aospec.runtime.overlay.OverlaySandbox; typed by the base class so
         # this file does not import the sandbox file that imports it).
         self.live: dict[str, SandboxSession] = {}
@@ -108,6 +111,9 @@ class OverlayStore:
         # (sibling forks); used from worker threads, hence the lock
         self._views: dict[tuple[str, ...], list[Any]] = {}
         self._views_lock = threading.Lock()
+        # teardowns of committed forks, done off the commit (bury_later / bury)
+        self._graves: list[Callable[[], None]] = []
+        self._graves_lock = threading.Lock()
 
     # -- lifecycle -------------------------------------------------------------------------
 
@@ -219,6 +225,22 @@ class OverlayStore:
     def shown(self, path: str) -> str:
         """``path`` below :attr:`dir` named below the state directory's own name."""
         return str(self.path) + path[len(str(self.dir)) :] if path.startswith(str(self.dir)) else path
+
+    def bury_later(self, teardown: Callable[[], None]) -> None:
+        """Keep a committed fork's teardown for :meth:`bury` (at most a few: past them a
+        commit buries them itself)."""
+        with self._graves_lock:
+            self._graves.append(teardown)
+            due = len(self._graves) > _MAX_GRAVES
+        if due:
+            self.bury()
+
+    def bury(self) -> None:
+        """Tear down the committed forks :meth:`bury_later` kept (blocking)."""
+        with self._graves_lock:
+            graves, self._graves = self._graves, []
+        for teardown in graves:
+            teardown()
 
     def trash(self, path: Path) -> None:
         """Move ``path`` out of the way now; it is deleted by ``purge_trash`` (deleting on
@@ -355,6 +377,12 @@ class OverlayStore:
         return lid
 
     def write_head(self, version: str, layers: tuple[str, ...]) -> None:
+        """Make (version, layers) the committed state. A private (ephemeral) state
+        directory is never reopened: after its first HEAD, the committed state is kept in
+        memory only (a commit costs no file write)."""
+        if self.ephemeral and self._head_written:
+            self.head_version, self.head_layers = version, layers
+            return
         data = {
             "schema": _HEAD_SCHEMA,
             "version": version,
@@ -365,6 +393,7 @@ class OverlayStore:
         }
         write_atomic(self.dir / "HEAD", (json.dumps(data) + "\n").encode(), durable=self.config.durable)
         self.head_version, self.head_layers = version, layers
+        self._head_written = True
 
     def compaction_size(self, stack: tuple[str, ...]) -> tuple[int, bool]:
         """How many top layers of ``stack`` to merge now (0: none), and whether the merged
@@ -497,6 +526,7 @@ class OverlayStore:
             return []
         removed = cgroups.remove_stale(f"{self.cgroup}-")  # flat ones (older aospec)
         removed += cgroups.remove_stale(f"{self.cgroup}-", under=self.cgroup)
+        removed += cgroups.remove_stale(f"{self.cgroup}-", under=POOL)  # background commands'
         try:
             cgroups.ensure_group(self.cgroup, self.config.memory_budget_bytes, update=True)
         except OSError as exc:

@@ -12,6 +12,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import xxhash
+from aospec.runtime.cgroups import thaw_process
 
 __all__ = [
     "MARKER_ENV",
@@ -84,12 +85,14 @@ def marked_processes(prefix: str, *, exact: bool = False) -> list[int]:
 
 def kill_marked(prefix: str, *, exact: bool = False) -> list[int]:
     """SIGKILL every process :func:`marked_processes` finds (bwrap processes orphaned when
-    their session was killed mid-setup)."""
+    their session was killed mid-setup, or while their sandbox was paused: a frozen
+    process is thawed after the signal, so that it dies)."""
     killed = []
     for pid in marked_processes(prefix, exact=exact):
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)
             killed.append(pid)
+            thaw_process(pid)
     return killed
 
 

@@ -1,7 +1,9 @@
 #!/usr/bin/env python3
 """Sandbox runtime benchmark (issue 4): fork, fork+exec, version, hashing and commit
 latencies of the overlay and docker backends (medians and p99), and a leak check over
-many fork/execute/discard cycles.
+many fork/execute/discard cycles. Issue 22: pause and resume of a running command (both
+backends), and what a committed step costs the runtime: run in a fork and committed, or
+run directly on the committed root (whose forks no longer wait for its command).
 
 Usage:
   .venv/bin/python scripts/bench_runtime.py [--json] [--plot runtime.png] [--quick]
@@ -10,6 +12,11 @@ Usage:
 Targets (overlay): fork ready <= 1 ms p50; fork + run `true` <= 15 ms p50; version of a
 fork with 10 small changed files <= 1 ms; hashing >= 1 GB/s; commit <= 2 ms (small
 changes). Docker figures are reported beside them, at concurrency 1 and 16.
+``step_*`` (overlay): the same small agent steps (a write, a read, ``true``), each run in a
+fresh fork of the committed root and committed (``step_via_fork``: what the engine does
+when it keeps the root idle; ``step_fork_commit_overhead``: that minus the command's own
+run), or directly on the root (``step_direct``); ``fork_while_root_runs``: a fork of the root
+taken while a command runs there (it does not wait for the command).
 Run as root (overlayfs mounts); docker figures need a running dockerd.
 """
 
@@ -34,6 +41,7 @@ from aospec.runtime.host import host_support
 from aospec.runtime.processes import marked_processes
 
 from aospec.progress import progress
+from aospec.types import Action
 
 
 def pct(xs: list[float], q: float) -> float:
@@ -246,6 +254,90 @@ async def cycles(backend: str, n: int, bar: Any) -> dict[str, Any]:
     return out
 
 
+async def bench_pause(backend: str, n: int, bar: Any) -> dict[str, float]:
+    """pause() / resume() of a fork whose CPU-bound command runs (the engine's price of
+    yielding the CPU to the step it waits on)."""
+    pauses, resumes = [], []
+    async with open_sandbox(SandboxConfig(backend=backend)) as sb:
+        fork = await sb.fork()
+        task = bar.add_task(f"{backend}: pause / resume", total=n)
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(lambda: fork.run("while :; do :; done", timeout=3600))
+            with anyio.move_on_after(10):  # (cpu_ns stays 0 on a host without CPU accounting)
+                while fork.cpu_ns == 0:
+                    await anyio.sleep(0.01)
+            for _ in range(n):
+                t = time.perf_counter()
+                await fork.pause()
+                pauses.append(time.perf_counter() - t)
+                t = time.perf_counter()
+                await fork.resume()
+                resumes.append(time.perf_counter() - t)
+                await anyio.sleep(0.005)
+                bar.advance(task)
+            tg.cancel_scope.cancel()
+        await fork.discard()
+    return {
+        f"{backend}_pause_p50_ms": pct(pauses, 50),
+        f"{backend}_pause_p99_ms": pct(pauses, 99),
+        f"{backend}_resume_p50_ms": pct(resumes, 50),
+        f"{backend}_resume_p99_ms": pct(resumes, 99),
+    }
+
+
+_STEPS = ("echo {i} > /work/s{j}", "cat /work/s0 /work/f0 >/dev/null 2>&1; ls /work >/dev/null", "true")
+
+
+async def bench_step(n: int, bar: Any) -> dict[str, float]:
+    """A committed step's runtime cost: in a fork + commit, or directly on the root."""
+    r: dict[str, float] = {}
+    async with open_sandbox(SandboxConfig(backend="overlay")) as sb:
+        await sb.run("mkdir -p /work && echo seed > /work/f0")
+        task = bar.add_task("overlay: steps via a fork / direct", total=2 * n)
+        via, overhead, direct = [], [], []
+        for i in range(n):
+            action = Action.bash(_STEPS[i % 3].format(i=i, j=i % 4))
+            t0 = time.perf_counter()
+            f = await sb.fork()
+            t1 = time.perf_counter()
+            await f.execute(action)
+            t2 = time.perf_counter()
+            await sb.commit(f)
+            t3 = time.perf_counter()
+            via.append(t3 - t0)
+            overhead.append((t1 - t0) + (t3 - t2))
+            bar.advance(task)
+        for i in range(n):
+            action = Action.bash(_STEPS[i % 3].format(i=i, j=i % 4))
+            t = time.perf_counter()
+            await sb.execute(action)
+            direct.append(time.perf_counter() - t)
+            bar.advance(task)
+        r["step_via_fork_p50_ms"], r["step_via_fork_p99_ms"] = pct(via, 50), pct(via, 99)
+        r["step_fork_commit_overhead_p50_ms"] = pct(overhead, 50)
+        r["step_fork_commit_overhead_mean_ms"] = statistics.mean(overhead) * 1000
+        r["step_direct_p50_ms"], r["step_direct_p99_ms"] = pct(direct, 50), pct(direct, 99)
+
+        task = bar.add_task("overlay: fork while the root runs a command", total=n)
+        during: list[float] = []
+        taken: list[Any] = []
+
+        async def fork_during() -> None:
+            await anyio.sleep(0.02)
+            t = time.perf_counter()
+            taken.append(await sb.fork())
+            during.append(time.perf_counter() - t)
+
+        for _ in range(n):
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(fork_during)
+                await sb.run("echo x > /work/during; sleep 0.1")
+            await taken.pop().discard()
+            bar.advance(task)
+        r["fork_while_root_runs_p50_ms"], r["fork_while_root_runs_p99_ms"] = pct(during, 50), pct(during, 99)
+    return r
+
+
 def docker_available() -> bool:
     try:
         from aospec.runtime.daemon import docker_client
@@ -310,9 +402,12 @@ def main() -> int:
         else:
             results["hash_gb_per_s"] = bench_hash(64 if args.quick else 512)
             results.update(anyio.run(bench_backend, "overlay", n, bar))
+            results.update(anyio.run(bench_step, n, bar))
+            results.update(anyio.run(bench_pause, "overlay", n, bar))
             if not args.no_docker and docker_available():
                 results.update(anyio.run(bench_backend, "docker", dn, bar))
                 results.update(anyio.run(bench_docker_fork_methods, max(2, dn // 4), bar))
+                results.update(anyio.run(bench_pause, "docker", dn, bar))
             else:
                 results["docker"] = "unavailable"
     if args.plot and not args.cycles:

@@ -257,7 +257,11 @@ def test_run_reports_the_controller_and_keeps_its_calibration(overlay_state, ser
     assert set(a["refused"]) == {"price", "guard", "budget", "memory"}
     assert a["launched"] >= spec["forks_launched"]
     assert spec["wasted_cpu_s"] >= 0 and "efficiency" in spec and "forks_paused" in spec
-    assert "speculation budget" in err  # the runtime enforces no CPU quota yet: said once
+    # the kernel held the budget for the run (one cgroup for the host's guesses), and the
+    # run removed the budget it set
+    from aospec.runtime import speculation_budget
+
+    assert "Traceback" not in err and speculation_budget() is None
     # fitted on the training traces, then saved with what the run learned; the next run loads it
     from aospec.admission import AdmissionModel
 

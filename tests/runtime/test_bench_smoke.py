@@ -43,6 +43,12 @@ def test_the_benchmark_prints_every_required_figure(overlay: str, tmp_path: Path
         "overlay_version_10files_ms",
         "hash_gb_per_s",
         "overlay_commit_p50_ms",
+        "step_via_fork_p50_ms",
+        "step_fork_commit_overhead_p50_ms",
+        "step_direct_p50_ms",
+        "fork_while_root_runs_p50_ms",
+        "overlay_pause_p50_ms",
+        "overlay_resume_p50_ms",
     ):
         assert figures[key] > 0
     assert png.stat().st_size > 1000
