@@ -85,6 +85,9 @@ class LoopClock:
     def now_ns(self) -> int:
         return round(anyio.current_time() * 1e9)
 
+    async def sleep_ns(self, ns: int) -> None:
+        await anyio.sleep(ns / 1e9)
+
 
 def _single_leaf(group: BaseExceptionGroup) -> BaseException | None:
     """The one exception a task group failed with (None when there were several)."""

@@ -46,6 +46,7 @@ from aospec.protocols import (
     PrioritizedSandbox,
     Sandbox,
     SandboxCapabilities,
+    SleepingClock,
 )
 from aospec.types import Action
 
@@ -505,7 +506,11 @@ class Forks:
         cpu0, t0 = self._cpu_of(sandbox, caps), clock.now_ns()
         try:
             while True:
-                await anyio.sleep(SAMPLE_INTERVAL_S)
+                # on the engine's clock: in replay a second of the event loop is a nanosecond
+                if isinstance(clock, SleepingClock):
+                    await clock.sleep_ns(round(SAMPLE_INTERVAL_S * 1e9))
+                else:
+                    await anyio.sleep(SAMPLE_INTERVAL_S)
                 cpu, now = self._cpu_of(sandbox, caps), clock.now_ns()
                 if cpu is not None and cpu0 is not None and now > t0:
                     await self._yield_to((cpu - cpu0) / (now - t0))

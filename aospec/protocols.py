@@ -32,6 +32,7 @@ __all__ = [
     "CachingSandbox",
     "Capabilities",
     "Clock",
+    "SleepingClock",
     "GroupedKernel",
     "HostMonitor",
     "HostSnapshot",
@@ -59,6 +60,15 @@ class Clock(Protocol):
     in replay). Every duration the engine records is a difference of two ``now_ns()``."""
 
     def now_ns(self) -> int: ...
+
+
+@runtime_checkable
+class SleepingClock(Clock, Protocol):
+    """A clock the engine also waits on: ``sleep_ns(ns)`` returns once ``ns`` of its time
+    passed (replay's virtual clock, whose unit is not the event loop's second). The engine
+    paces its own sampling on it; a plain :class:`Clock` is paced by the event loop."""
+
+    async def sleep_ns(self, ns: int) -> None: ...
 
 
 @runtime_checkable

@@ -132,8 +132,12 @@ async def test_cgroups_nest_and_are_removed_without_leaks(overlay: str, tmp_path
             assert (root / store / f"{store}-{fork.sid}").is_dir()
             assert not list((root / store / f"{store}-{fork.sid}").glob("aospec-*"))  # command's: gone
         await sb.commit(fork)
+        # a committed fork's teardown waits for the next discard (off the step's path)
+        other = await sb.fork()
+        await other.discard()
         for root in set(cgroups.roots.values()):
             assert not (root / store / f"{store}-{fork.sid}").exists()
+            assert not (root / store / f"{store}-{other.sid}").exists()
     for root in set(cgroups.roots.values()):
         assert not (root / store).exists()
     # a session that died left nested cgroups: the next open removes them
