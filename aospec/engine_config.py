@@ -57,6 +57,10 @@ class EngineConfig:
       times). The committed history always holds the real observation; ``canonical`` is
       lossless only if the actor's next action does not depend on the canonicalised
       fields (docs/engine.md).
+    - ``read_sets``: read-set validation (docs/engine.md, "Read sets"): where the sandbox
+      records what speculative commands read (:class:`aospec.protocols.ReadSetSandbox`), a
+      fork from an older origin is reused when nothing committed since touched what it read
+      or wrote, and rebased onto the committed state. Without the capability it does nothing.
     """
 
     branch_budget: int = 5
@@ -70,6 +74,7 @@ class EngineConfig:
     min_draft_probability: float = 0.0
     accept: Literal["exact", "canonical"] = "exact"
     routed_width: int = 2
+    read_sets: bool = True
 
     def __post_init__(self) -> None:
         for name in ("branch_budget", "draft_candidates", "fork_width", "max_live_forks", "routed_width"):

@@ -13,6 +13,12 @@ its own (one speculative ``fork()`` call at a time, behind the verified path's),
 forks' priority, verifies the emitted action against the registry (:meth:`Forks.verify`:
 JASV), executes the step when no fork has it (:meth:`Forks.execute`), commits the step's
 fork (:meth:`Forks.commit`, the one place), and releases and discards every other fork.
+
+With read-set validation (:mod:`aospec.readsets`; on when the sandbox has the
+:class:`aospec.protocols.ReadSetSandbox` capability and ``EngineConfig.read_sets``), a fork
+whose origin is older than the committed version survives pruning while its reads and writes
+stay disjoint from what was committed since, and JASV falls back to it when no fork ran the
+action from the committed version: it is then rebased onto the committed state.
 """
 
 from __future__ import annotations
@@ -29,7 +35,15 @@ import anyio.lowlevel
 from aospec.engine_config import EngineConfig
 from aospec.errors import StateUnknownError
 from aospec.ledger import Ledger, label, short
-from aospec.protocols import CachingSandbox, Clock, PrioritizedSandbox, Sandbox, SandboxCapabilities
+from aospec.protocols import (
+    CachingSandbox,
+    Clock,
+    PrioritizedSandbox,
+    ReadSetSandbox,
+    Sandbox,
+    SandboxCapabilities,
+)
+from aospec.readsets import ReadSet, ReadSetValidator, WriteSet
 from aospec.types import Action
 
 if TYPE_CHECKING:
@@ -68,7 +82,10 @@ class ForkEntry:
     ``state`` is its life (:class:`ForkState`); ``task`` the task that runs it (a
     speculative target), cancelled to stop it. ``speculative`` is False for the execution
     of the committed step itself. ``exec_start_ns``/``exec_end_ns`` bound its tool time.
-    ``capabilities`` are its sandbox's (found once per class of fork).
+    ``capabilities`` are its sandbox's (found once per class of fork). With read-set
+    validation, ``traced`` says its reads are being recorded, ``reads``/``writes`` are what
+    its command read and wrote once known, and ``rebase`` that read-set validation (not
+    JASV's version check) accepted it.
     """
 
     __slots__ = (
@@ -82,11 +99,15 @@ class ForkEntry:
         "offset",
         "origin",
         "probability",
+        "reads",
+        "rebase",
         "routed",
         "sandbox",
         "speculative",
         "state",
         "task",
+        "traced",
+        "writes",
     )
 
     def __init__(self, action: Action, *, offset: int, probability: float, launched_ns: int, speculative: bool) -> None:
@@ -106,6 +127,10 @@ class ForkEntry:
         self.exec_end_ns: int | None = None
         self._waiter: anyio.Event | None = None
         self.task: TaskHandle[None] | None = None
+        self.traced = False
+        self.reads: ReadSet | None = None
+        self.writes: WriteSet | None = None
+        self.rebase = False
 
     @property
     def running(self) -> bool:
@@ -168,9 +193,10 @@ class ForkRegistry:
         if entry.origin is not None and self._entries.get((entry.origin, entry.action.key)) is entry:
             del self._entries[(entry.origin, entry.action.key)]
 
-    def stale(self, version: str) -> list[ForkEntry]:
-        """Remove and return every entry whose origin is not ``version``."""
-        out = [e for k, e in self._entries.items() if k[0] != version]
+    def stale(self, version: str, keep: Callable[[ForkEntry], bool] | None = None) -> list[ForkEntry]:
+        """Remove and return every entry whose origin is not ``version`` (but those ``keep``
+        says to keep)."""
+        out = [e for k, e in self._entries.items() if k[0] != version and (keep is None or not keep(e))]
         for e in out:
             del self._entries[(e.origin, e.action.key)]  # type: ignore[index]
         return out
@@ -232,6 +258,13 @@ class Forks:
         self._gate = anyio.Lock()
         self._critical = 0
         self._critical_done = anyio.Event()
+        self._readsets: ReadSetValidator | None = None
+        """The committed steps' write sets, when read-set validation is on."""
+        if use_forks and config.read_sets and capabilities.read_sets:
+            try:
+                self._readsets = ReadSetValidator(sandbox.version)
+            except Exception as exc:
+                failed("reading the committed version", exc)
 
     # ------------------------------------------------------------------ speculative forks
 
@@ -247,9 +280,10 @@ class Forks:
             self._failed("reading the committed version", exc)
             return False
         key = action.key
-        if self.registry.has(version, key) or self.inflight == (version, key):
-            # An equal fork is live, or the committed step is executing this very action
-            # from this very state already.
+        if self.registry.has(version, key) or self.inflight == (version, key) or self._revalidated(action, version):
+            # An equal fork is live (or one from an older state that read-set validation
+            # would accept), or the committed step is executing this very action from this
+            # very state already.
             return False
         excess = len(self.registry) + 1 - self._config.max_live_forks
         if excess > 0:
@@ -262,6 +296,7 @@ class Forks:
         # for it) even if the actor emits this action before the fork task has run.
         fork.origin = version
         fork.routed = routed
+        fork.traced = self._readsets is not None
         self.registry.add(fork)
         self._ledger.fork_launched(now, key, routed=routed)
         fork.task = self._task_group.start_soon(self._run, fork)
@@ -292,6 +327,7 @@ class Forks:
                     await self._prioritize(fork, foreground=False)
                     if fork in self._awaited:  # JASV accepted it meanwhile
                         await self._prioritize(fork, foreground=True)
+                fork.traced = fork.traced and await self._trace_reads(fork)
                 fork.exec_start_ns = self._clock.now_ns()
                 fork.observation = await sandbox.execute(fork.action)
             except Exception as exc:
@@ -300,6 +336,12 @@ class Forks:
             fork.exec_end_ns = self._clock.now_ns()
             if fork.state is ForkState.RELEASED:
                 return  # released while finishing: discarded below
+            if fork.traced and fork not in self._awaited:
+                # Off the committed path: JASV takes a fork of the committed version
+                # without looking at its reads, so a fork the step waits on skips this.
+                await self._record_access(fork)
+                if fork.state is ForkState.RELEASED:
+                    return
             # From here the idle fork belongs to the run: JASV commits it, or pruning (or the
             # end of the run) discards it.
             fork.state = ForkState.IDLE
@@ -364,10 +406,21 @@ class Forks:
         committed version, if any (the one place where a fork is accepted). A fork is reused
         only for the same action AND the same origin version; one still running is raised
         to the foreground, since the step now waits on it (:meth:`wait`)."""
-        fork = self.registry.take(action, self._sandbox.version)
+        version = self._sandbox.version
+        fork = self.registry.take(action, version)
+        if self._readsets is not None and (fork is None or fork.running):
+            # A finished fork that read-set validation accepts beats waiting for one still
+            # running from the committed version (released: it can never be used after this step).
+            older = self._revalidated(action, version)
+            if older is not None:
+                self.registry.remove(older)
+                older.rebase = True
+                if fork is not None:
+                    self.release([fork])
+                fork = older
         if fork is None:
             return None
-        self._ledger.fork_reused(emitted_ns, action.key, routed=fork.routed)
+        self._ledger.fork_reused(emitted_ns, action.key, routed=fork.routed, rebased=fork.rebase)
         if fork.running:
             # Why: the step now waits on this fork; its command must not yield the CPU
             # to speculative ones.
@@ -460,12 +513,21 @@ class Forks:
         sandbox = fork.sandbox
         self._idle.discard(fork)
         target: str | None = None
+        writes: WriteSet | None = None
         try:
-            target = sandbox.version
-            # Why: the fork ran the action from exactly the committed version (JASV, or a fresh
-            # fork just taken), so its state is what serial execution would give.
-            with self._verified_path():
-                await self._sandbox.commit(sandbox)
+            if fork.rebase:
+                # Why: nothing committed since the fork's origin is among what it read or
+                # wrote (read-set validation), so its changes on top of the committed state
+                # are what running it there would give.
+                with self._verified_path():
+                    writes = await cast(ReadSetSandbox, self._sandbox).rebase(sandbox)
+            else:
+                target = sandbox.version
+                writes = await self._step_writes(fork)
+                # Why: the fork ran the action from exactly the committed version (JASV, or a
+                # fresh fork just taken), so its state is what serial execution would give.
+                with self._verified_path():
+                    await self._sandbox.commit(sandbox)
         except BaseException as exc:
             fork.state = ForkState.FAILED
             with anyio.CancelScope(shield=True):
@@ -486,6 +548,7 @@ class Forks:
             if target is not None and now_at == target:
                 # (also when cancelled: the step is in the committed state, so it goes into H)
                 self._ledger.fork_committed(self._clock.now_ns(), fork.action.key)
+                self._committed_writes(origin, now_at, None)
                 return exc
             if not isinstance(exc, Exception):
                 raise
@@ -496,13 +559,92 @@ class Forks:
                 step=step,
             ) from exc
         self._ledger.fork_committed(self._clock.now_ns(), fork.action.key)
+        self._committed_writes(origin, self._sandbox.version, writes)
         return None
 
     def prune(self) -> None:
-        """*Prune invalid forks*: those whose origin is not the committed version."""
+        """*Prune invalid forks*: those whose origin is not the committed version (with
+        read-set validation, but those that may still pass it)."""
         # Why: versions never return to an earlier value, so a fork from another origin can
         # never pass JASV again.
-        self.release(self.registry.stale(self._sandbox.version))
+        keep = None
+        if self._readsets is not None:
+            validator = self._readsets
+
+            def keep(f: ForkEntry) -> bool:
+                if not f.traced:
+                    return False
+                return f.running or validator.check(f.origin or "", f.reads, f.writes) is None
+
+        self.release(self.registry.stale(self._sandbox.version, keep))
+
+    # ------------------------------------------------------------------ read-set validation
+
+    async def _trace_reads(self, fork: ForkEntry) -> bool:
+        """Ask a speculative fork's sandbox to record what its command reads; False when it
+        cannot (the fork is then reused by JASV alone)."""
+        if not fork.capabilities.read_sets:
+            return False
+        try:
+            await cast(ReadSetSandbox, fork.sandbox).trace_reads()
+        except Exception as exc:
+            self._failed(f"tracing the reads of fork {short(fork.action.key)}", exc)
+            return False
+        return True
+
+    async def _record_access(self, fork: ForkEntry) -> None:
+        """Read a traced fork's read and write sets (None where unknown)."""
+        sandbox = cast(ReadSetSandbox, fork.sandbox)
+        try:
+            fork.reads = await sandbox.read_set()
+            fork.writes = await sandbox.write_set()
+        except Exception as exc:
+            self._failed(f"the read set of fork {short(fork.action.key)}", exc)
+            fork.reads = fork.writes = None
+        if fork.reads is None:
+            fork.traced = False
+
+    def _revalidated(self, action: Action, version: str) -> ForkEntry | None:
+        """A finished fork of ``action`` from an older origin that read-set validation
+        accepts at ``version`` (the newest such), or None."""
+        validator = self._readsets
+        if validator is None:
+            return None
+        key = action.key
+        for fork in reversed(list(self.registry)):
+            if (
+                fork.action.key == key
+                and fork.state is ForkState.IDLE
+                and fork.reads is not None
+                and fork.origin != version
+                and validator.check(fork.origin or "", fork.reads, fork.writes) is None
+            ):
+                return fork
+        return None
+
+    async def _step_writes(self, fork: ForkEntry) -> WriteSet | None:
+        """The write set of the step about to be committed from ``fork`` when a live fork
+        from an older origin may need it, else None (nothing will ask)."""
+        if self._readsets is None or not any(f.traced for f in self.registry):
+            return None
+        if fork.writes is not None:
+            return fork.writes
+        if not fork.capabilities.read_sets:
+            return None
+        try:
+            return await cast(ReadSetSandbox, fork.sandbox).write_set()
+        except Exception as exc:
+            self._failed(f"the write set of step {short(fork.action.key)}", exc)
+            return None
+
+    def _committed_writes(self, before: str, after: str, writes: WriteSet | None) -> None:
+        validator = self._readsets
+        if validator is None:
+            return
+        if writes is None and not any(f.traced for f in self.registry):
+            validator.reset(after)  # no live fork can ask about anything before now
+        else:
+            validator.committed(before, after, writes)
 
     # ------------------------------------------------------------------ releasing forks
 

@@ -93,6 +93,9 @@ class EngineStatistics:
       ``forks_reused``);
     - ``cache_hits`` / ``cache_saved_ns``: committed steps whose executing sandbox served the
       action from its result cache, and the tool time those entries originally took.
+
+    ``forks_rebased``: forks reused by read-set validation, from an origin older than the
+    committed version (also counted in ``forks_reused``; 0 without it, docs/engine.md).
     """
 
     steps: int
@@ -120,6 +123,7 @@ class EngineStatistics:
     routed_forks_reused: int = 0
     cache_hits: int = 0
     cache_saved_ns: int = 0
+    forks_rebased: int = 0
 
     @property
     def latency_s(self) -> float:
@@ -184,6 +188,7 @@ class Ledger:
         "_executed",
         "_failures",
         "_forks_launched",
+        "_forks_rebased",
         "_forks_reused",
         "_forks_wasted",
         "_latency_ns",
@@ -215,6 +220,7 @@ class Ledger:
         self._decode_hidden_ns = self._tool_hidden_ns = self._overhead_ns = 0
         self._routes_fired = self._routed_launched = self._routed_reused = 0
         self._cache_hits = self._cache_saved_ns = 0
+        self._forks_rebased = 0
         self._warned: set[str] = set()
 
     def _event(self, kind: EventKind, t_ns: int, detail: str, ns: int) -> None:
@@ -286,10 +292,12 @@ class Ledger:
         self._routed_launched += routed
         self._event(EventKind.FORK, t_ns, detail, 0)
 
-    def fork_reused(self, t_ns: int, detail: str, *, routed: bool = False) -> None:
-        """JASV reused a fork (``routed``: one launched from a routed action draft)."""
+    def fork_reused(self, t_ns: int, detail: str, *, routed: bool = False, rebased: bool = False) -> None:
+        """JASV reused a fork (``routed``: one launched from a routed action draft;
+        ``rebased``: accepted by read-set validation, from an older origin)."""
         self._forks_reused += 1
         self._routed_reused += routed
+        self._forks_rebased += rebased
         self._event(EventKind.REUSE, t_ns, detail, 0)
 
     def route_fired(self, t_ns: int, detail: str) -> None:
@@ -360,4 +368,5 @@ class Ledger:
             routed_forks_reused=self._routed_reused,
             cache_hits=self._cache_hits,
             cache_saved_ns=self._cache_saved_ns,
+            forks_rebased=self._forks_rebased,
         )

@@ -218,6 +218,7 @@ def _exec(args: argparse.Namespace) -> int:
 def _info(args: argparse.Namespace) -> int:
     from aospec.runtime.config import Limits, SandboxConfig
     from aospec.runtime.host import host_support
+    from aospec.runtime.overlay import read_sets_on
     from aospec.runtime.seccomp import seccomp_support
 
     support, _ = host_support()
@@ -235,6 +236,7 @@ def _info(args: argparse.Namespace) -> int:
             else "not enforced: no writable memory cgroup (host memory held by sandboxes is not bounded)"
         ),
         "seccomp": seccomp_support(),
+        "read_sets": read_sets_on(SandboxConfig())[1],
     }
     try:
         from aospec.runtime.daemon import checkpoint_support, docker_client
