@@ -260,6 +260,11 @@ class Forks:
         self._critical_done = anyio.Event()
         self._readsets: ReadSetValidator | None = None
         """The committed steps' write sets, when read-set validation is on."""
+        self.record_access = False
+        """Read the committed step's read and write sets into :attr:`step_access` (for
+        recordings; a read set only where the sandbox traced the step's own command)."""
+        self.step_access: tuple[ReadSet | None, WriteSet | None] | None = None
+        """``(reads, writes)`` of the step committed last, with :attr:`record_access`."""
         if use_forks and config.read_sets and capabilities.read_sets:
             try:
                 self._readsets = ReadSetValidator(sandbox.version)
@@ -508,7 +513,10 @@ class Forks:
         the step is in ``H``; anything else: the committed state is unknown
         (StateUnknownError)."""
         fork.state = ForkState.COMMITTED
+        self.step_access = None
         if fork.sandbox is None:
+            if self.record_access:
+                self.step_access = await self._access_of(self._sandbox, self._caps, None)
             return None  # it ran on the committed sandbox itself
         sandbox = fork.sandbox
         self._idle.discard(fork)
@@ -521,9 +529,13 @@ class Forks:
                 # are what running it there would give.
                 with self._verified_path():
                     writes = await cast(ReadSetSandbox, self._sandbox).rebase(sandbox)
+                self.step_access = (fork.reads, writes) if self.record_access else None
             else:
                 target = sandbox.version
                 writes = await self._step_writes(fork)
+                if self.record_access:
+                    self.step_access = await self._access_of(sandbox, fork.capabilities, fork)
+                    writes = writes or self.step_access[1]
                 # Why: the fork ran the action from exactly the committed version (JASV, or a
                 # fresh fork just taken), so its state is what serial execution would give.
                 with self._verified_path():
@@ -636,6 +648,21 @@ class Forks:
         except Exception as exc:
             self._failed(f"the write set of step {short(fork.action.key)}", exc)
             return None
+
+    async def _access_of(
+        self, sandbox: Sandbox, caps: SandboxCapabilities, fork: ForkEntry | None
+    ) -> tuple[ReadSet | None, WriteSet | None]:
+        """The read and write sets of the command ``sandbox`` just ran (for recordings)."""
+        if not caps.read_sets:
+            return None, None
+        rs = cast(ReadSetSandbox, sandbox)
+        try:
+            reads = fork.reads if fork is not None and fork.reads is not None else await rs.read_set()
+            writes = fork.writes if fork is not None and fork.writes is not None else await rs.write_set()
+        except Exception as exc:
+            self._failed("recording the step's read and write sets", exc)
+            return None, None
+        return reads, writes
 
     def _committed_writes(self, before: str, after: str, writes: WriteSet | None) -> None:
         validator = self._readsets

@@ -39,6 +39,7 @@ from aospec.errors import AospecError
 from aospec.evd import EVDEstimator
 from aospec.ledger import EngineStatistics
 from aospec.protocols import CachingSandbox, Sandbox
+from aospec.readsets import ReadSet, WriteSet
 from aospec.types import Action, History, Trace
 from aospec.wrappers import SandboxWrapper
 
@@ -163,6 +164,8 @@ class StepRecord:
     agent asked for the action, ``wait_actor_ns``/``wait_tool_ns`` what the step waited for
     the actor and the tool, ``tool_ns`` the tool time of the committed execution,
     ``tool_hidden_ns`` the part of it that ran while the actor decoded (a reused fork).
+    ``read_set``/``write_set``: what the step's command read and wrote, with
+    ``Agent(record_access=True)`` (a read set where the sandbox traced it: ``read_sets="all"``).
     """
 
     index: int
@@ -178,6 +181,8 @@ class StepRecord:
     tool_hidden_ns: int
     fork_reused: bool
     draft_hit: bool
+    read_set: ReadSet | None = None
+    write_set: WriteSet | None = None
 
 
 @dataclass(frozen=True)
@@ -259,7 +264,8 @@ class Agent:
     streams (``decode_streaming``); its events go to ``route_listeners`` (e.g.
     ``aospec.specbox.pool.router_adapter(pool)``) and, speculating, to the action drafters that
     have ``propose_routed``. The serial engine gets the router too (its events are only
-    counted and passed to the listeners: no drafters, no forks).
+    counted and passed to the listeners: no drafters, no forks). ``record_access`` keeps each
+    step's read and write sets in its :class:`StepRecord` (docs/engine.md, "Read sets").
     """
 
     def __init__(
@@ -275,6 +281,7 @@ class Agent:
         on_step: OnStep | None = None,
         router: Any = None,
         route_listeners: Sequence[Callable[[Any], None]] = (),
+        record_access: bool = False,
     ) -> None:
         if step_limit < 0:
             raise AospecError(f"step limit must be >= 0 (0: none), got {step_limit}")
@@ -291,6 +298,7 @@ class Agent:
         self.step_limit = step_limit
         self.stop_on_no_action = stop_on_no_action
         self.on_step = on_step
+        self.record_access = record_access
         routing: dict[str, Any] = {}
         if router is not None or route_listeners:
             routing = {"router": router, "route_listeners": tuple(route_listeners)}
@@ -324,6 +332,7 @@ class Agent:
         version0 = self.sandbox.version
         exit_reason, sub = "step_limit", None
         async with self.engine.session(History(task)) as session:
+            session.record_access = self.record_access
             while not self.step_limit or len(steps) < self.step_limit:
                 history = session.history
                 before = session.statistics()
@@ -333,6 +342,7 @@ class Agent:
                 observation = await session.execute(action)
                 version_after = self.sandbox.version
                 after = session.statistics()
+                reads, writes = session.step_access or (None, None)
                 step = StepRecord(
                     index=len(steps),
                     action=action,
@@ -347,6 +357,8 @@ class Agent:
                     tool_hidden_ns=after.tool_hidden_ns - before.tool_hidden_ns,
                     fork_reused=after.forks_reused > before.forks_reused,
                     draft_hit=after.drafts_hit > before.drafts_hit,
+                    read_set=reads,
+                    write_set=writes,
                 )
                 steps.append(step)
                 if self.on_step is not None:

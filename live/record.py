@@ -11,7 +11,8 @@ Per step: the action, the observation, the reply text, ``output_tokens`` from th
 endpoint's usage (``output_tokens_estimated`` when it sent none), the model latency, the
 tool duration, and the exact content versions of the committed sandbox before and after
 the step (so ``state_changed`` is known exactly, and ``version_after[i] ==
-version_before[i + 1]``).
+version_before[i + 1]``), and, when the agent recorded them, the step's read and write sets
+in ``extra`` (``read_set``, ``write_set``: docs/trace-format.md).
 """
 
 from __future__ import annotations
@@ -48,6 +49,9 @@ def step_of(record: StepRecord) -> Step:
         "fork_reused": record.fork_reused,
         "draft_hit": record.draft_hit,
     }
+    for key in ("read_set", "write_set"):  # --state-model readsets replays with them
+        if getattr(record, key) is not None:
+            extra[key] = getattr(record, key).to_json()
     if reply is not None:
         text = reply.text
         tokens, estimated = int(reply.output_tokens), bool(reply.tokens_estimated)

@@ -46,7 +46,7 @@ from aospec.runtime.observation import CommandResult, ObservationFormatter, Sand
 from aospec.runtime.overlay_store import MOUNT_OPTS, OverlayStore, StateCheck, fd_names, verify_state_dir
 from aospec.runtime.readsets import CommandTrace, read_set, shift_times, tracer_support, write_set
 from aospec.runtime.seccomp import filter_program
-from aospec.runtime.versions import UpperTracker
+from aospec.runtime.versions import Layer, UpperTracker
 
 from aospec.errors import ConfigError, SandboxError, SandboxUnavailableError
 from aospec.readsets import ReadSet, WriteSet
@@ -251,6 +251,9 @@ class OverlaySandbox(SandboxSession):
         """The tracer of the next command (:class:`ReadSetOverlaySandbox`), or None."""
         return None
 
+    def _changes_recorded(self, layer: Layer) -> None:
+        """A command's layer was just read, its upper not yet frozen (a subclass hook)."""
+
     def _prepare(self, cwd: str) -> None:
         check_binds(self.store.config.binds)
         self._bind_since = time.time_ns() - _CTIME_SLACK_NS
@@ -272,6 +275,7 @@ class OverlaySandbox(SandboxSession):
         layer = self.tracker.diff()
         self._version = layer.apply_to(self._version)
         self.last_layer = layer
+        self._changes_recorded(layer)
         done["disk_full"] = self._tmpfs and self._disk_full()
         done["file_size"] = reached_file_size(
             str(self._upper), (p for p, st in layer.records if st is not None), self.store.config.limits.file_size_bytes
@@ -497,6 +501,13 @@ class ReadSetOverlaySandbox(OverlaySandbox):
     _trace_next = False
     _trace_cwd = "/"
     _committed_wall_ns = 0
+    _root_writes: WriteSet | None = None
+
+    def _changes_recorded(self, layer: Layer) -> None:
+        # the root freezes its upper right after each command: with every command traced
+        # (recordings), its write set is read while the upper still shows it
+        if self.is_root and self.store.config.read_sets == "all":
+            self._root_writes = write_set(self.tracker, layer, self._lower_view())
 
     def _command_tracer(self, cwd: str) -> CommandTrace | None:
         if self._trace is not None:
@@ -539,6 +550,8 @@ class ReadSetOverlaySandbox(OverlaySandbox):
         self._check_open()
         async with self._lock:
             self._check_open()
+            if self.is_root:
+                return self._root_writes
             if not self.last_layer and not self.tracker._seen:
                 return WriteSet()
             return await _in_thread(

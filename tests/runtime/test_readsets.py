@@ -13,7 +13,6 @@ from pathlib import Path
 import anyio
 import pytest
 from aospec.runtime import Bind, SandboxConfig, open_sandbox
-from aospec.runtime.lossless import snapshot_sandbox
 from aospec.runtime.overlay import OverlaySandbox, ReadSetOverlaySandbox, read_sets_on
 from aospec.runtime.readsets import CommandTrace, read_set, tracer_support, untracked_reason
 
@@ -214,7 +213,7 @@ def test_a_rebase_keeps_the_serial_order_of_modification_times(overlay: str) -> 
     async def main() -> str:
         async with open_sandbox(SandboxConfig(timeout_s=20)) as sb:
             await sb.run(SETUP)
-            _, _, reads, fork = await _run(sb, "echo f > /w/f", trace=True)
+            fork = (await _run(sb, "echo f > /w/f", trace=True))[3]
             await anyio.sleep(0.05)
             _, _, _, step = await _run(sb, "echo g > /u/g", trace=False)
             await sb.commit(step)
@@ -271,9 +270,11 @@ def test_only_a_fork_asked_to_trace_runs_under_the_tracer(overlay: str) -> None:
 @pytest.mark.root
 def test_read_sets_off_gives_the_plain_overlay_sandbox(overlay: str) -> None:
     async def main() -> tuple[bool, bool]:
-        async with open_sandbox(SandboxConfig(read_sets="off")) as off:
-            async with open_sandbox(SandboxConfig(network=True)) as networked:
-                return isinstance(off, ReadSetSandbox), isinstance(networked, ReadSetSandbox)
+        async with (
+            open_sandbox(SandboxConfig(read_sets="off")) as off,
+            open_sandbox(SandboxConfig(network=True)) as networked,
+        ):
+            return isinstance(off, ReadSetSandbox), isinstance(networked, ReadSetSandbox)
 
     assert anyio.run(main) == (False, False)
     assert read_sets_on(SandboxConfig(network=True)) == (
