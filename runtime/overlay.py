@@ -502,6 +502,15 @@ class ReadSetOverlaySandbox(OverlaySandbox):
     _trace_cwd = "/"
     _committed_wall_ns = 0
     _root_writes: WriteSet | None = None
+    _guess = False  # the traced command is a speculative guess (trace_reads asked for it)
+
+    async def _run_locked(self, command: str, *, timeout_s: float, env: dict[str, str], cwd: str) -> CommandResult:
+        result = await super()._run_locked(command, timeout_s=timeout_s, env=env, cwd=cwd)
+        if self._guess and result.timed_out:
+            # the tracer slows a guess down: one that timed out may not have where serial
+            # execution would not, so its result is not offered (it only costs time)
+            raise SandboxError("a traced speculative command timed out: its result is not used")
+        return result
 
     def _changes_recorded(self, layer: Layer) -> None:
         # the root freezes its upper right after each command: with every command traced
@@ -510,12 +519,13 @@ class ReadSetOverlaySandbox(OverlaySandbox):
             self._root_writes = write_set(self.tracker, layer, self._lower_view())
 
     def _command_tracer(self, cwd: str) -> CommandTrace | None:
+        self._guess = False
         if self._trace is not None:
             self._trace.remove()
             self._trace = None
         if not (self._trace_next or self.store.config.read_sets == "all"):
             return None
-        self._trace_next = False
+        self._guess, self._trace_next = self._trace_next, False
         self._trace_cwd = cwd
         self._trace = CommandTrace(self._dir / "trace", tracer_support().strace or "strace")
         return self._trace
