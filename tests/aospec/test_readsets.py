@@ -208,6 +208,60 @@ def test_a_fork_cannot_be_rebased_over_a_change_to_what_it_wrote() -> None:
     assert fork_conflict(WriteSet(frozenset({"w/c"}), frozenset({"w/c"}), frozenset({"w"})), both) is None
 
 
+def op_reads(fs: Fs, fork_ops: list[tuple[str, str, int]]) -> list[tuple[str, str]]:
+    """What ``mutate``'s ops look at, as queries: whether the path exists, its type, mode and
+    content (kept by write and chmod); ``rm`` everything below."""
+    return [("tree" if op == "rm" else "lookup", p) for op, p, _ in fork_ops]
+
+
+def rebased(s1: Fs, sf: Fs, fork: WriteSet) -> Fs:
+    """The committed state ``s1`` with a fork's changes on top, as an overlay upper holds
+    them: each path the fork changed or touched takes its state in the fork (gone: with
+    everything below it)."""
+    out = dict(s1)
+    for p in sorted(fork.changed | fork.touched, key=lambda p: p.split("/")):
+        if p in sf:
+            out[p] = sf[p]
+        else:
+            for q in below(out, p):
+                del out[q]
+    return out
+
+
+@st.composite
+def step_and_fork(draw: st.DrawFn) -> tuple[Fs, list[tuple[str, str, int]], list[tuple[str, str, int]]]:
+    """A filesystem, a committed step and a fork's command, on paths whose parent is a
+    directory there (so that most ops change something)."""
+    s0 = draw(filesystems())
+    where = st.sampled_from([p for p in PATHS[1:] if s0.get(parent(p), ("?",))[0] == "d"])
+    some = st.lists(st.tuples(st.sampled_from(("write", "chmod", "touch", "rm", "mkdir")), where, st.integers(0, 5)),
+                    min_size=1, max_size=4)  # fmt: skip
+    return s0, draw(some), draw(some)
+
+
+@settings(max_examples=800, suppress_health_check=[HealthCheck.too_slow])
+@given(step_and_fork())
+def test_a_fork_that_passes_the_check_rebases_to_what_running_it_there_gives(
+    case: tuple[Fs, list[tuple[str, str, int]], list[tuple[str, str, int]]],
+) -> None:
+    s0, step, fork_ops = case
+    s1, sf = mutate(s0, step), mutate(s0, fork_ops)
+    qs = op_reads(s0, fork_ops)
+    reads = reads_of(s0, qs)
+    reads = ReadSet(*(a | b for a, b in zip(
+        (reads.lookups, reads.nodes, reads.lists, reads.trees), _kinds(reads_of(sf, qs)), strict=True
+    )))  # fmt: skip
+    v = ReadSetValidator("v0")
+    v.committed("v0", "v1", write_set(s0, s1))
+    if v.check("v0", reads, write_set(s0, sf)) is None:
+        want, got = mutate(s1, fork_ops), rebased(s1, sf, write_set(s0, sf))
+        assert {p: versioned(e) for p, e in got.items()} == {p: versioned(e) for p, e in want.items()}
+
+
+def _kinds(r: ReadSet) -> tuple[frozenset[str], ...]:
+    return r.lookups, r.nodes, r.lists, r.trees
+
+
 paths = st.frozensets(st.sampled_from(PATHS), max_size=4)
 read_sets = st.builds(ReadSet, paths, paths, paths, paths)
 write_sets = st.builds(WriteSet, paths, paths, paths)
