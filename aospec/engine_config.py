@@ -72,6 +72,10 @@ class EngineConfig:
       (the model endpoint's time; raise it for a model on this host).
     - ``guard_window``: steps over which the no-regret guard compares the realised benefit
       of speculation with its cost (0: no guard).
+    - ``read_sets``: read-set validation (docs/engine.md, "Read sets"): where the sandbox
+      records what speculative commands read (:class:`aospec.protocols.ReadSetSandbox`), a
+      fork from an older origin is reused when nothing committed since touched what it read
+      or wrote, and rebased onto the committed state. Without the capability it does nothing.
     """
 
     branch_budget: int = 5
@@ -89,6 +93,7 @@ class EngineConfig:
     cpu_price: float = 0.2
     decode_price: float = 0.0
     guard_window: int = 16
+    read_sets: bool = True
 
     def __post_init__(self) -> None:
         for name in (

@@ -21,6 +21,11 @@ sampled (:meth:`Forks._yield_loop`): when it is CPU-bound and the host has no ro
 speculative forks whose sandboxes can pause are paused (the lowest-value first), and
 resumed when it blocks or ends; a paused fork JASV accepts is resumed at once. Under memory
 pressure the lowest-value fork is dropped.
+With read-set validation (:mod:`aospec.readsets`; on when the sandbox has the
+:class:`aospec.protocols.ReadSetSandbox` capability and ``EngineConfig.read_sets``), a fork
+whose origin is older than the committed version survives pruning while its reads and writes
+stay disjoint from what was committed since, and JASV falls back to it when no fork ran the
+action from the committed version: it is then rebased onto the committed state.
 """
 
 from __future__ import annotations
@@ -44,10 +49,12 @@ from aospec.protocols import (
     MeteredSandbox,
     PausableSandbox,
     PrioritizedSandbox,
+    ReadSetSandbox,
     Sandbox,
     SandboxCapabilities,
     SleepingClock,
 )
+from aospec.readsets import ReadSet, ReadSetValidator, WriteSet
 from aospec.types import Action
 
 if TYPE_CHECKING:
@@ -90,6 +97,10 @@ class ForkEntry:
     controller's verdict that launched it (its ``lease`` a slot of the host's budget, held
     while it runs); ``paused`` whether it is paused now; ``cpu_ns`` the CPU it used (a
     metered sandbox's, read when it finished).
+    ``capabilities`` are its sandbox's (found once per class of fork). With read-set
+    validation, ``traced`` says its reads are being recorded, ``reads``/``writes`` are what
+    its command read and wrote once known, and ``rebase`` that read-set validation (not
+    JASV's version check) accepted it.
     """
 
     __slots__ = (
@@ -111,6 +122,8 @@ class ForkEntry:
         "paused",
         "paused_at_ns",
         "probability",
+        "reads",
+        "rebase",
         "reused",
         "routed",
         "sandbox",
@@ -118,6 +131,8 @@ class ForkEntry:
         "state",
         "target_step",
         "task",
+        "traced",
+        "writes",
     )
 
     def __init__(self, action: Action, *, offset: int, probability: float, launched_ns: int, speculative: bool) -> None:
@@ -151,6 +166,10 @@ class ForkEntry:
         #: (cpu_ns, t_ns) of the last sample while it runs, and the cores it used since the one before
         self.cpu_mark: tuple[int, int] | None = None
         self.cpu_rate: float | None = None
+        self.traced = False
+        self.reads: ReadSet | None = None
+        self.writes: WriteSet | None = None
+        self.rebase = False
 
     @property
     def running(self) -> bool:
@@ -221,9 +240,10 @@ class ForkRegistry:
         if entry.origin is not None and self._entries.get((entry.origin, entry.action.key)) is entry:
             del self._entries[(entry.origin, entry.action.key)]
 
-    def stale(self, version: str) -> list[ForkEntry]:
-        """Remove and return every entry whose origin is not ``version``."""
-        out = [e for k, e in self._entries.items() if k[0] != version]
+    def stale(self, version: str, keep: Callable[[ForkEntry], bool] | None = None) -> list[ForkEntry]:
+        """Remove and return every entry whose origin is not ``version`` (but those ``keep``
+        says to keep)."""
+        out = [e for k, e in self._entries.items() if k[0] != version and (keep is None or not keep(e))]
         for e in out:
             del self._entries[(e.origin, e.action.key)]  # type: ignore[index]
         return out
@@ -296,6 +316,18 @@ class Forks:
         # Why one lock: a pause still in flight when JASV takes the fork must be over before
         # the fork is resumed, or the step would wait on a frozen command.
         self._pause_lock = anyio.Lock()
+        self._readsets: ReadSetValidator | None = None
+        """The committed steps' write sets, when read-set validation is on."""
+        self.record_access = False
+        """Read the committed step's read and write sets into :attr:`step_access` (for
+        recordings; a read set only where the sandbox traced the step's own command)."""
+        self.step_access: tuple[ReadSet | None, WriteSet | None] | None = None
+        """``(reads, writes)`` of the step committed last, with :attr:`record_access`."""
+        if use_forks and config.read_sets and capabilities.read_sets:
+            try:
+                self._readsets = ReadSetValidator(sandbox.version)
+            except Exception as exc:
+                failed("reading the committed version", exc)
 
     # ------------------------------------------------------------------ speculative forks
 
@@ -322,9 +354,10 @@ class Forks:
             self._failed("reading the committed version", exc)
             return False
         key = action.key
-        if self.registry.has(version, key) or self.inflight == (version, key):
-            # An equal fork is live, or the committed step is executing this very action
-            # from this very state already.
+        if self.registry.has(version, key) or self.inflight == (version, key) or self._revalidated(action, version):
+            # An equal fork is live (or one from an older state that read-set validation
+            # would accept), or the committed step is executing this very action from this
+            # very state already.
             return False
         admission = self._admission
         if self._pausing:
@@ -347,6 +380,7 @@ class Forks:
         fork.routed = routed
         fork.decision = decision
         fork.target_step = step + offset
+        fork.traced = self._readsets is not None
         self.registry.add(fork)
         self._ledger.fork_launched(now, key, routed=routed)
         fork.task = self._task_group.start_soon(self._run, fork)
@@ -377,6 +411,7 @@ class Forks:
                     await self._prioritize(fork, foreground=False)
                     if fork in self._awaited:  # JASV accepted it meanwhile
                         await self._prioritize(fork, foreground=True)
+                fork.traced = fork.traced and await self._trace_reads(fork)
                 fork.exec_start_ns = self._clock.now_ns()
                 fork.observation = await sandbox.execute(fork.action)
             except Exception as exc:
@@ -387,6 +422,12 @@ class Forks:
             self._admission.executed(fork.action, fork.exec_end_ns - fork.exec_start_ns, fork.cpu_ns)
             if fork.state is ForkState.RELEASED:
                 return  # released while finishing: discarded below
+            if fork.traced and fork not in self._awaited:
+                # Off the committed path: JASV takes a fork of the committed version
+                # without looking at its reads, so a fork the step waits on skips this.
+                await self._record_access(fork)
+                if fork.state is ForkState.RELEASED:
+                    return
             # From here the idle fork belongs to the run: JASV commits it, or pruning (or the
             # end of the run) discards it.
             fork.state = ForkState.IDLE
@@ -611,10 +652,20 @@ class Forks:
         step = self._ledger.step
         self._admission.resolve(step, version, action.key)
         fork = self.registry.take(action, version)
+        if self._readsets is not None and (fork is None or fork.running):
+            # A finished fork that read-set validation accepts beats waiting for one still
+            # running from the committed version (released: it can never be used after this step).
+            older = self._revalidated(action, version)
+            if older is not None:
+                self.registry.remove(older)
+                older.rebase = True
+                if fork is not None:
+                    self.release([fork])
+                fork = older
         self._missed(step, emitted_ns)
         if fork is None:
             return None
-        self._ledger.fork_reused(emitted_ns, action.key, routed=fork.routed)
+        self._ledger.fork_reused(emitted_ns, action.key, routed=fork.routed, rebased=fork.rebase)
         fork.reused = True
         if fork.running:
             # Why: the step now waits on this fork; its command must not yield the CPU
@@ -721,17 +772,33 @@ class Forks:
         the step is in ``H``; anything else: the committed state is unknown
         (StateUnknownError)."""
         fork.state = ForkState.COMMITTED
+        self.step_access = None
         if fork.sandbox is None:
+            if self.record_access:
+                self.step_access = await self._access_of(self._sandbox, self._caps, None)
             return None  # it ran on the committed sandbox itself
         sandbox = fork.sandbox
         self._idle.discard(fork)
         target: str | None = None
+        writes: WriteSet | None = None
         try:
-            target = sandbox.version
-            # Why: the fork ran the action from exactly the committed version (JASV, or a fresh
-            # fork just taken), so its state is what serial execution would give.
-            with self._verified_path():
-                await self._sandbox.commit(sandbox)
+            if fork.rebase:
+                # Why: nothing committed since the fork's origin is among what it read or
+                # wrote (read-set validation), so its changes on top of the committed state
+                # are what running it there would give.
+                with self._verified_path():
+                    writes = await cast(ReadSetSandbox, self._sandbox).rebase(sandbox)
+                self.step_access = (fork.reads, writes) if self.record_access else None
+            else:
+                target = sandbox.version
+                writes = await self._step_writes(fork)
+                if self.record_access:
+                    self.step_access = await self._access_of(sandbox, fork.capabilities, fork)
+                    writes = writes or self.step_access[1]
+                # Why: the fork ran the action from exactly the committed version (JASV, or a
+                # fresh fork just taken), so its state is what serial execution would give.
+                with self._verified_path():
+                    await self._sandbox.commit(sandbox)
         except BaseException as exc:
             fork.state = ForkState.FAILED
             with anyio.CancelScope(shield=True):
@@ -752,6 +819,7 @@ class Forks:
             if target is not None and now_at == target:
                 # (also when cancelled: the step is in the committed state, so it goes into H)
                 self._ledger.fork_committed(self._clock.now_ns(), fork.action.key)
+                self._committed_writes(origin, now_at, None)
                 return exc
             if not isinstance(exc, Exception):
                 raise
@@ -762,15 +830,109 @@ class Forks:
                 step=step,
             ) from exc
         self._ledger.fork_committed(self._clock.now_ns(), fork.action.key)
+        self._committed_writes(origin, self._sandbox.version, writes)
         return None
 
     def prune(self) -> None:
-        """*Prune invalid forks*: those whose origin is not the committed version."""
+        """*Prune invalid forks*: those whose origin is not the committed version (with
+        read-set validation, but those that may still pass it)."""
         # Why: versions never return to an earlier value, so a fork from another origin can
         # never pass JASV again.
         version = self._sandbox.version
         self._admission.pruned(version)
-        self.release(self.registry.stale(version))
+        keep = None
+        if self._readsets is not None:
+            validator = self._readsets
+
+            def keep(f: ForkEntry) -> bool:
+                if not f.traced:
+                    return False
+                return f.running or validator.check(f.origin or "", f.reads, f.writes) is None
+
+        self.release(self.registry.stale(version, keep))
+
+    # ------------------------------------------------------------------ read-set validation
+
+    async def _trace_reads(self, fork: ForkEntry) -> bool:
+        """Ask a speculative fork's sandbox to record what its command reads; False when it
+        cannot (the fork is then reused by JASV alone)."""
+        if not fork.capabilities.read_sets:
+            return False
+        try:
+            await cast(ReadSetSandbox, fork.sandbox).trace_reads()
+        except Exception as exc:
+            self._failed(f"tracing the reads of fork {short(fork.action.key)}", exc)
+            return False
+        return True
+
+    async def _record_access(self, fork: ForkEntry) -> None:
+        """Read a traced fork's read and write sets (None where unknown)."""
+        sandbox = cast(ReadSetSandbox, fork.sandbox)
+        try:
+            fork.reads = await sandbox.read_set()
+            fork.writes = await sandbox.write_set()
+        except Exception as exc:
+            self._failed(f"the read set of fork {short(fork.action.key)}", exc)
+            fork.reads = fork.writes = None
+        if fork.reads is None:
+            fork.traced = False
+
+    def _revalidated(self, action: Action, version: str) -> ForkEntry | None:
+        """A finished fork of ``action`` from an older origin that read-set validation
+        accepts at ``version`` (the newest such), or None."""
+        validator = self._readsets
+        if validator is None:
+            return None
+        key = action.key
+        for fork in reversed(list(self.registry)):
+            if (
+                fork.action.key == key
+                and fork.state is ForkState.IDLE
+                and fork.reads is not None
+                and fork.origin != version
+                and validator.check(fork.origin or "", fork.reads, fork.writes) is None
+            ):
+                return fork
+        return None
+
+    async def _step_writes(self, fork: ForkEntry) -> WriteSet | None:
+        """The write set of the step about to be committed from ``fork`` when a live fork
+        from an older origin may need it, else None (nothing will ask)."""
+        if self._readsets is None or not any(f.traced for f in self.registry):
+            return None
+        if fork.writes is not None:
+            return fork.writes
+        if not fork.capabilities.read_sets:
+            return None
+        try:
+            return await cast(ReadSetSandbox, fork.sandbox).write_set()
+        except Exception as exc:
+            self._failed(f"the write set of step {short(fork.action.key)}", exc)
+            return None
+
+    async def _access_of(
+        self, sandbox: Sandbox, caps: SandboxCapabilities, fork: ForkEntry | None
+    ) -> tuple[ReadSet | None, WriteSet | None]:
+        """The read and write sets of the command ``sandbox`` just ran (for recordings)."""
+        if not caps.read_sets:
+            return None, None
+        rs = cast(ReadSetSandbox, sandbox)
+        try:
+            reads = fork.reads if fork is not None and fork.reads is not None else await rs.read_set()
+            writes = fork.writes if fork is not None and fork.writes is not None else await rs.write_set()
+        except Exception as exc:
+            self._failed("recording the step's read and write sets", exc)
+            return None, None
+        return reads, writes
+
+    def _committed_writes(self, before: str, after: str, writes: WriteSet | None) -> None:
+        validator = self._readsets
+        if validator is None:
+            return
+        if writes is None and not any(f.traced for f in self.registry):
+            validator.reset(after)  # no live fork can ask about anything before now
+        else:
+            validator.committed(before, after, writes)
 
     # ------------------------------------------------------------------ releasing forks
 

@@ -112,6 +112,8 @@ class EngineStatistics:
     - ``forks_paused`` / ``paused_ns``: pauses of speculative forks while the command the
       agent waited on was CPU-bound, and the time they spent paused; ``forks_dropped``:
       forks dropped under memory pressure.
+    ``forks_rebased``: forks reused by read-set validation, from an origin older than the
+    committed version (also counted in ``forks_reused``; 0 without it, docs/engine.md).
     """
 
     steps: int
@@ -164,6 +166,7 @@ class EngineStatistics:
     @property
     def wasted_cpu_s(self) -> float:
         return self.wasted_cpu_ns * _S
+    forks_rebased: int = 0
 
     @property
     def latency_s(self) -> float:
@@ -232,6 +235,7 @@ class Ledger:
         "_executed",
         "_failures",
         "_forks_launched",
+        "_forks_rebased",
         "_forks_reused",
         "_forks_wasted",
         "_guarded",
@@ -269,6 +273,7 @@ class Ledger:
         self._cache_hits = self._cache_saved_ns = 0
         self._wasted_cpu_ns = self._guarded = self._paused = self._paused_ns = self._dropped = 0
         self._decisions = dict.fromkeys(_DECISIONS, 0)
+        self._forks_rebased = 0
         self._warned: set[str] = set()
 
     def _event(self, kind: EventKind, t_ns: int, detail: str, ns: int) -> None:
@@ -340,10 +345,12 @@ class Ledger:
         self._routed_launched += routed
         self._event(EventKind.FORK, t_ns, detail, 0)
 
-    def fork_reused(self, t_ns: int, detail: str, *, routed: bool = False) -> None:
-        """JASV reused a fork (``routed``: one launched from a routed action draft)."""
+    def fork_reused(self, t_ns: int, detail: str, *, routed: bool = False, rebased: bool = False) -> None:
+        """JASV reused a fork (``routed``: one launched from a routed action draft;
+        ``rebased``: accepted by read-set validation, from an older origin)."""
         self._forks_reused += 1
         self._routed_reused += routed
+        self._forks_rebased += rebased
         self._event(EventKind.REUSE, t_ns, detail, 0)
 
     def route_fired(self, t_ns: int, detail: str) -> None:
@@ -454,4 +461,5 @@ class Ledger:
             forks_paused=self._paused,
             paused_ns=self._paused_ns,
             forks_dropped=self._dropped,
+            forks_rebased=self._forks_rebased,
         )

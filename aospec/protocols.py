@@ -6,7 +6,7 @@ be cancel-safe (release what it holds when ``anyio.get_cancelled_exc_class()`` i
 
 Some seams have optional capabilities (:class:`StreamingActor`, :class:`RoutedActionDrafter`,
 :class:`StreamingObservationDrafter`, :class:`PrioritizedSandbox`, :class:`PausableSandbox`,
-:class:`MeteredSandbox`, :class:`CachingSandbox`, :class:`GroupedKernel`). The engine finds them once, by ``isinstance``, when a run starts
+:class:`MeteredSandbox`, :class:`CachingSandbox`, :class:`ReadSetSandbox`, :class:`GroupedKernel`). The engine finds them once, by ``isinstance``, when a run starts
 (:class:`Capabilities`; a fork's when one of its class is first forked:
 :class:`SandboxCapabilities`), never by probing attributes as it goes. A sandbox that wraps
 another one says which of them it has by one rule: :class:`aospec.wrappers.SandboxWrapper`.
@@ -23,6 +23,7 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol, Self, runtime_checkable
 
+from aospec.readsets import ReadSet, WriteSet
 from aospec.types import Action, History, Trace
 
 __all__ = [
@@ -43,6 +44,7 @@ __all__ = [
     "ObservationDrafter",
     "PausableSandbox",
     "PrioritizedSandbox",
+    "ReadSetSandbox",
     "RouteEvent",
     "RoutedActionDrafter",
     "Sandbox",
@@ -277,6 +279,28 @@ class CachingSandbox(Protocol):
     def cache_counts(self) -> dict[str, int]: ...
 
 
+@runtime_checkable
+class ReadSetSandbox(Protocol):
+    """An optional Sandbox capability: read-set validation (docs/engine.md, "Read sets").
+
+    On a fork, ``trace_reads()`` before its ``execute`` asks it to record what that command
+    reads; afterwards ``read_set()`` returns it (None when anything it did was not tracked:
+    the fork is then reused only by plain JASV) and ``write_set()`` what the command changed
+    (every fork, traced or not). On the committed sandbox, ``rebase(fork)`` commits a fork
+    whose origin is an older version: the fork's own changes on top of the current state
+    (the engine calls it only for a fork whose reads and writes no step committed since its
+    origin touched, :class:`aospec.readsets.ReadSetValidator`); it returns the step's write
+    set. The engine traces speculative forks only, never the committed step's own fork."""
+
+    async def trace_reads(self) -> None: ...
+
+    async def read_set(self) -> ReadSet | None: ...
+
+    async def write_set(self) -> WriteSet | None: ...
+
+    async def rebase(self, fork: Self) -> WriteSet: ...
+
+
 @dataclass(frozen=True, slots=True)
 class ObservationDraft:
     """A candidate observation for an action in flight.
@@ -383,13 +407,14 @@ def _is(obj: object, protocol: type) -> bool:
 class SandboxCapabilities:
     """The optional capabilities of one sandbox, found once: ``prioritized``
     (:class:`PrioritizedSandbox`), ``pausable`` (:class:`PausableSandbox`), ``metered``
-    (:class:`MeteredSandbox`) and ``caching`` (:class:`CachingSandbox`). A sandbox whose
-    check raises has none of them."""
+    (:class:`MeteredSandbox`), ``caching`` (:class:`CachingSandbox`) and ``read_sets``
+    (:class:`ReadSetSandbox`). A sandbox whose check raises has none of them."""
 
     prioritized: bool = False
     caching: bool = False
     pausable: bool = False
     metered: bool = False
+    read_sets: bool = False
 
     @classmethod
     def of(cls, sandbox: object) -> SandboxCapabilities:
@@ -398,6 +423,7 @@ class SandboxCapabilities:
             caching=_is(sandbox, CachingSandbox),
             pausable=_is(sandbox, PausableSandbox),
             metered=_is(sandbox, MeteredSandbox),
+            read_sets=_is(sandbox, ReadSetSandbox),
         )
 
 

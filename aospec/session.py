@@ -57,6 +57,7 @@ from aospec.protocols import (
     StreamingActor,
     StreamRouter,
 )
+from aospec.readsets import ReadSet, WriteSet
 from aospec.types import Action, History
 
 if TYPE_CHECKING:
@@ -192,6 +193,22 @@ class Session:
     def statistics(self) -> EngineStatistics:
         """Frozen totals of this run so far."""
         return self._run.ledger.statistics()
+
+    @property
+    def record_access(self) -> bool:
+        """Whether each committed step's read and write sets are kept (:attr:`step_access`)."""
+        return self._forks.record_access
+
+    @record_access.setter
+    def record_access(self, on: bool) -> None:
+        self._forks.record_access = on
+
+    @property
+    def step_access(self) -> tuple[ReadSet | None, WriteSet | None] | None:
+        """``(reads, writes)`` of the step committed last, with :attr:`record_access` (a read
+        set only where the sandbox traced that step's own command, e.g. a runtime sandbox
+        with ``read_sets="all"``; docs/engine.md, "Read sets")."""
+        return self._forks.step_access
 
     # ------------------------------------------------------------------ the two calls of a step
 

@@ -6,6 +6,9 @@
   ``burn S`` command (S seconds of one core's CPU), CPU metering
   (:class:`aospec.protocols.MeteredSandbox`) and pausing
   (:class:`aospec.protocols.PausableSandbox`), all in the event loop's (virtual) time.
+  command that changes nothing keeps the version); :class:`ReadSetInMemorySandbox` also
+  records what each command reads and rebases forks
+  (:class:`aospec.protocols.ReadSetSandbox`).
 - :class:`ScriptedActor`: an actor that is a function of its history (losslessness needs
   exactly that), with a configurable decode delay; :class:`StreamingScriptedActor` also
   streams its reply text in chunks (``decode_streaming``).
@@ -35,13 +38,14 @@ import re
 import shlex
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Self
 
 import anyio
 import xxhash
 
 from aospec.errors import DrafterError, SandboxError
 from aospec.protocols import ActionDraft, ActionDrafter, Actor, ObservationDraft, ObservationDrafter, Sandbox
+from aospec.readsets import ReadSet, WriteSet
 from aospec.types import Action, History, Trace, canonical_json, version_hash
 from aospec.wrappers import SandboxWrapper
 
@@ -57,6 +61,7 @@ __all__ = [
     "FitRecorder",
     "InMemorySandbox",
     "InjectedFault",
+    "ReadSetInMemorySandbox",
     "ScriptedActionDrafter",
     "ScriptedActor",
     "ScriptedObservationDrafter",
@@ -86,6 +91,9 @@ class InMemorySandbox:
         self.forks_opened = 0
         self.forks_released = 0
         self.foreground = True
+        self._reading: dict[str, set[str]] | None = None
+        self._last_changes: list[tuple[str, str | None]] = []
+        self._last_created: set[str] = set()
 
     @property
     def version(self) -> str:
@@ -110,6 +118,7 @@ class InMemorySandbox:
         if self._busy:
             raise SandboxError("execute while another execute is in flight")
         self._busy = True
+        self._last_changes, self._last_created = [], set()
         try:
             if self.op_delay_s:
                 await anyio.sleep(self.op_delay_s)
@@ -128,6 +137,8 @@ class InMemorySandbox:
             changes = sorted(
                 (p, files.get(p)) for p in set(files) | set(self._files) if files.get(p) != self._files.get(p)
             )
+            self._last_changes = [(p, v) for p, v in changes]
+            self._last_created = {p for p, _ in changes if p not in self._files or p not in files}
             if changes:
                 self._version = version_hash(self._version, canonical_json(changes))
                 self._files = files
@@ -144,19 +155,23 @@ class InMemorySandbox:
         if not words or words == ["true"]:
             return 0
         name, args = words[0], words[1:]
+        note = self._note
         if name == "sleep" and len(args) == 1:
             await anyio.sleep(float(args[0]))
             return 0
         if name == "ls" and not args:
+            note("trees", "")
             out.extend(f"{p}\n" for p in sorted(files))
             return 0
         if name == "cat" and len(args) == 1:
+            note("nodes", args[0])
             if args[0] not in files:
                 out.append(f"cat: {args[0]}: No such file or directory\n")
                 return 1
             out.append(files[args[0]])
             return 0
         if name == "rm" and len(args) == 1:
+            note("lookups", args[0])
             if files.pop(args[0], None) is None:
                 out.append(f"rm: cannot remove '{args[0]}': No such file or directory\n")
                 return 1
@@ -164,16 +179,21 @@ class InMemorySandbox:
         if name == "echo" and len(args) >= 3 and args[-2] in (">", ">>"):
             text = " ".join(args[:-2]) + "\n"
             path = args[-1]
+            note("nodes" if args[-2] == ">>" else "lookups", path)
             files[path] = (files.get(path, "") + text) if args[-2] == ">>" else text
             return 0
         out.append(f"{name}: command not found\n")
         return 127
 
-    async def fork(self) -> InMemorySandbox:
+    def _note(self, kind: str, path: str) -> None:
+        if self._reading is not None:
+            self._reading[kind].add(path)
+
+    async def fork(self) -> Self:
         self._check()
         if self._busy:
             raise SandboxError("fork while an execute is in flight")
-        child = InMemorySandbox.__new__(type(self))
+        child = type(self).__new__(type(self))
         child._files = dict(self._files)
         child._version = self._version
         child.op_delay_s = self.op_delay_s
@@ -182,6 +202,9 @@ class InMemorySandbox:
         child._busy = False
         child.forks_opened = child.forks_released = 0
         child.foreground = True
+        child._reading = None
+        child._last_changes = []
+        child._last_created = set()
         self._root.forks_opened += 1
         return child
 
@@ -293,6 +316,63 @@ class BusySandbox(InMemorySandbox):
         child.fail_pause = self.fail_pause
         child._busy_state()
         return child
+class ReadSetInMemorySandbox(InMemorySandbox):
+    """An :class:`InMemorySandbox` with the :class:`aospec.protocols.ReadSetSandbox`
+    capability: a fork asked to ``trace_reads`` records what its next command reads (``cat
+    P`` and ``echo >> P`` read ``P``, ``echo > P`` and ``rm P`` look it up, ``ls`` reads
+    everything), ``write_set`` says what a command changed, and ``rebase`` commits a fork
+    from an older version by applying its changes on top of this sandbox's files (the
+    version moves on as running it here would move it). ``rebased`` counts rebases."""
+
+    rebased = 0
+    _trace_next = False
+    _traced: ReadSet | None = None
+
+    async def trace_reads(self) -> None:
+        self._check()
+        self._trace_next = True
+
+    async def execute(self, action: Action) -> str:
+        self._traced = None
+        tracing, self._trace_next = self._trace_next, False
+        if tracing:
+            self._reading = {"lookups": set(), "nodes": set(), "lists": set(), "trees": set()}
+        try:
+            return await super().execute(action)
+        finally:
+            if tracing and self._reading is not None:
+                self._traced = ReadSet(**{k: frozenset(v) for k, v in self._reading.items()})
+            self._reading = None
+
+    async def read_set(self) -> ReadSet | None:
+        self._check()
+        return self._traced
+
+    async def write_set(self) -> WriteSet | None:
+        self._check()
+        changed = frozenset(p for p, _ in self._last_changes)
+        return WriteSet(changed, changed, frozenset({""}) if self._last_created else frozenset())
+
+    async def rebase(self, fork: ReadSetInMemorySandbox) -> WriteSet | None:
+        self._check()
+        fork._check()
+        if fork._root is not self._root:
+            raise SandboxError("rebase of a fork from another sandbox")
+        writes = await fork.write_set()
+        changes = fork._last_changes
+        files = dict(self._files)
+        for p, v in changes:
+            if v is None:
+                files.pop(p, None)
+            else:
+                files[p] = v
+        if changes:
+            self._version = version_hash(self._version, canonical_json(changes))
+        self._files = files
+        fork._closed = True
+        self._root.forks_released += 1
+        self._root.rebased += 1
+        return writes
 
 
 class ScriptedActor:

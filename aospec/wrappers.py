@@ -8,7 +8,7 @@ sandbox in everything else, by one rule:
   ``commit`` of a fork's ``inner``, ``discard``); ``fork`` it defines, to wrap the child;
 - an optional capability (:data:`CAPABILITIES`: :class:`~aospec.protocols.PrioritizedSandbox`,
   :class:`~aospec.protocols.PausableSandbox`, :class:`~aospec.protocols.MeteredSandbox`,
-  :class:`~aospec.protocols.CachingSandbox`) is the inner sandbox's: a wrapper has it when
+  :class:`~aospec.protocols.CachingSandbox`, :class:`~aospec.protocols.ReadSetSandbox`) is the inner sandbox's: a wrapper has it when
   its inner sandbox has it (forwarded) or when it implements it itself, and never
   otherwise. ``isinstance`` sees exactly that, on every Python version: each wrapper is
   made an instance of its class plus one forwarding mixin per capability its inner sandbox
@@ -31,9 +31,11 @@ from aospec.protocols import (
     MeteredSandbox,
     PausableSandbox,
     PrioritizedSandbox,
+    ReadSetSandbox,
     Sandbox,
     SandboxCapabilities,
 )
+from aospec.readsets import ReadSet, WriteSet
 from aospec.types import Action
 
 __all__ = ["CAPABILITIES", "SandboxWrapper"]
@@ -45,6 +47,7 @@ CAPABILITIES: dict[type, frozenset[str]] = {
     PausableSandbox: frozenset({"pause", "resume", "paused"}),
     MeteredSandbox: frozenset({"cpu_ns"}),
     CachingSandbox: frozenset({"last_cache_hit_ns", "cache_counts"}),
+    ReadSetSandbox: frozenset({"trace_reads", "read_set", "write_set", "rebase"}),
 }
 _MEMBERS = frozenset().union(*CAPABILITIES.values())
 
@@ -90,6 +93,22 @@ class _ForwardsCache:
         return self.inner.cache_counts()
 
 
+class _ForwardsReadSets:
+    inner: Any
+
+    async def trace_reads(self) -> None:
+        await self.inner.trace_reads()
+
+    async def read_set(self) -> ReadSet | None:
+        return await self.inner.read_set()
+
+    async def write_set(self) -> WriteSet | None:
+        return await self.inner.write_set()
+
+    async def rebase(self, fork: Any) -> WriteSet:
+        return await self.inner.rebase(fork.inner)
+
+
 _VARIANTS: dict[tuple[type, SandboxCapabilities], type] = {}
 
 
@@ -104,6 +123,7 @@ def _variant(cls: type, caps: SandboxCapabilities) -> type:
                 (_ForwardsPause, caps.pausable),
                 (_ForwardsCpu, caps.metered),
                 (_ForwardsCache, caps.caching),
+                (_ForwardsReadSets, caps.read_sets),
             )
             if on
         ]

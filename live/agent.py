@@ -45,6 +45,7 @@ from aospec.evd import EVDEstimator
 from aospec.host import ProcHostMonitor, SpeculationBudget
 from aospec.ledger import EngineStatistics
 from aospec.protocols import CachingSandbox, HostMonitor, MeteredSandbox, Sandbox
+from aospec.readsets import ReadSet, WriteSet
 from aospec.types import Action, History, Trace
 from aospec.wrappers import SandboxWrapper
 
@@ -191,6 +192,9 @@ class StepRecord:
     ``tool_hidden_ns`` the part of it that ran while the actor decoded (a reused fork);
     ``tool_cpu_ns`` the CPU time that execution used (None when the sandbox does not meter
     its commands: :class:`aospec.protocols.MeteredSandbox`).
+    ``tool_hidden_ns`` the part of it that ran while the actor decoded (a reused fork).
+    ``read_set``/``write_set``: what the step's command read and wrote, with
+    ``Agent(record_access=True)`` (a read set where the sandbox traced it: ``read_sets="all"``).
     """
 
     index: int
@@ -207,6 +211,8 @@ class StepRecord:
     fork_reused: bool
     draft_hit: bool
     tool_cpu_ns: int | None = None
+    read_set: ReadSet | None = None
+    write_set: WriteSet | None = None
 
 
 @dataclass(frozen=True)
@@ -312,6 +318,8 @@ class Agent:
     counted and passed to the listeners: no drafters, no forks). ``host``, ``budget`` and
     ``admission_model`` are the speculation controller's (module docstring; ``host`` None:
     this host's :class:`aospec.host.ProcHostMonitor`).
+    counted and passed to the listeners: no drafters, no forks). ``record_access`` keeps each
+    step's read and write sets in its :class:`StepRecord` (docs/engine.md, "Read sets").
     """
 
     def __init__(
@@ -330,6 +338,7 @@ class Agent:
         host: HostMonitor | None = None,
         budget: SpeculationBudget | None = None,
         admission_model: AdmissionModel | None = None,
+        record_access: bool = False,
     ) -> None:
         if step_limit < 0:
             raise AospecError(f"step limit must be >= 0 (0: none), got {step_limit}")
@@ -346,6 +355,7 @@ class Agent:
         self.step_limit = step_limit
         self.stop_on_no_action = stop_on_no_action
         self.on_step = on_step
+        self.record_access = record_access
         routing: dict[str, Any] = {}
         if router is not None or route_listeners:
             routing = {"router": router, "route_listeners": tuple(route_listeners)}
@@ -382,6 +392,7 @@ class Agent:
         version0 = self.sandbox.version
         exit_reason, sub = "step_limit", None
         async with self.engine.session(History(task)) as session:
+            session.record_access = self.record_access
             while not self.step_limit or len(steps) < self.step_limit:
                 history = session.history
                 before = session.statistics()
@@ -391,6 +402,7 @@ class Agent:
                 observation = await session.execute(action)
                 version_after = self.sandbox.version
                 after = session.statistics()
+                reads, writes = session.step_access or (None, None)
                 step = StepRecord(
                     index=len(steps),
                     action=action,
@@ -406,6 +418,8 @@ class Agent:
                     fork_reused=after.forks_reused > before.forks_reused,
                     draft_hit=after.drafts_hit > before.drafts_hit,
                     tool_cpu_ns=self.sandbox.last_cpu_ns,
+                    read_set=reads,
+                    write_set=writes,
                 )
                 steps.append(step)
                 if self.on_step is not None:

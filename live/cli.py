@@ -53,6 +53,12 @@ def register(subparsers: Any) -> None:
     )
     p.add_argument("--record", default=None, metavar="FILE", help="record the run as a canonical trace (JSONL)")
     p.add_argument(
+        "--record-read-sets",
+        action="store_true",
+        help="with --record: trace every command's reads (strace; slows the committed steps) and record each step's "
+        "read and write sets, for replay --state-model readsets (overlay sandbox)",
+    )
+    p.add_argument(
         "--train-traces",
         action="append",
         default=[],
@@ -170,6 +176,13 @@ def _check_args(args: argparse.Namespace) -> None:
     for flag, path in (("--system-template", args.system_template), ("--instance-template", args.instance_template)):
         if path is not None and not Path(path).is_file():
             raise ConfigError(f"{flag} {path}: no such file")
+    if args.record_read_sets and (args.record is None or args.sandbox != "overlay"):
+        raise ConfigError("--record-read-sets needs --record FILE and the overlay sandbox")
+    if args.record_read_sets:
+        from aospec.runtime.readsets import tracer_support
+
+        if not tracer_support().ok:
+            raise ConfigError(f"--record-read-sets: read sets are {tracer_support().detail}")
     if args.record is not None and Path(args.record).is_dir():
         raise ConfigError(f"--record {args.record} is a directory; give a file name")
     is_url = args.model.startswith(("http://", "https://"))
@@ -417,7 +430,18 @@ async def _main(args: argparse.Namespace, actor: Any, train: list[Any], state: d
             budget = _speculation_budget(args)
             if budget is not None:
                 kernel_budget = _kernel_budget(budget)
-        config = SandboxConfig(backend=args.sandbox, base=args.base, timeout_s=args.command_timeout)
+        config = SandboxConfig(
+            backend=args.sandbox,
+            base=args.base,
+            timeout_s=args.command_timeout,
+            read_sets="all" if args.record_read_sets else "auto",
+        )
+        if args.speculate and args.sandbox == "overlay":
+            from aospec.runtime.overlay import read_sets_on
+
+            on, why = read_sets_on(config)  # ConfigError with --record-read-sets where it cannot work
+            if not on:
+                _warn(f"read-set validation {why}: forks are reused only from the committed version (plain JASV)")
         async with (
             _entered(kernel_budget),
             open_sandbox(config) as raw_sandbox,
@@ -465,6 +489,7 @@ async def _main(args: argparse.Namespace, actor: Any, train: list[Any], state: d
                 host=host,
                 budget=budget,
                 admission_model=args.admission_model,
+                record_access=args.record_read_sets,
             )
             try:
                 with progress:

@@ -12,7 +12,8 @@ endpoint's usage (``output_tokens_estimated`` when it sent none), the model late
 tool duration, its CPU time (``tool_cpu_s``, when the sandbox meters its commands:
 :class:`aospec.protocols.MeteredSandbox`; else null), and the exact content versions of the committed sandbox before and after
 the step (so ``state_changed`` is known exactly, and ``version_after[i] ==
-version_before[i + 1]``).
+version_before[i + 1]``), and, when the agent recorded them, the step's read and write sets
+in ``extra`` (``read_set``, ``write_set``: docs/trace-format.md).
 """
 
 from __future__ import annotations
@@ -49,6 +50,9 @@ def step_of(record: StepRecord) -> Step:
         "fork_reused": record.fork_reused,
         "draft_hit": record.draft_hit,
     }
+    for key in ("read_set", "write_set"):  # --state-model readsets replays with them
+        if getattr(record, key) is not None:
+            extra[key] = getattr(record, key).to_json()
     if reply is not None:
         text = reply.text
         tokens, estimated = int(reply.output_tokens), bool(reply.tokens_estimated)

@@ -395,13 +395,14 @@ class OracleObservationDrafter:
 
 
 class OracleActionDrafter:
-    """The recorded actions of the next ``depth`` steps that start from the current
-    filesystem version (a fork for any later step could never pass JASV), with
+    """The recorded actions of the next ``depth`` steps that a fork from the current
+    filesystem version could be reused for (``ReplayWorld.reuse_ok``: the same version, or
+    under ``readsets`` a valid read set; a fork for any later step could never pass), with
     probability 1, at most ``width`` (ceilings only)."""
 
     def __init__(self, trace: Trace, actor: ReplayActor, world: ReplayWorld) -> None:
         self._actions = [s.action for s in trace.steps]
-        self._before = world.version_before
+        self._world = world
         self._actor = actor
 
     async def propose(self, history: History, width: int, depth: int) -> Sequence[ActionDraft]:
@@ -409,10 +410,9 @@ class OracleActionDrafter:
         n = len(self._actions)
         if i >= n or not self._actor.matches(history):
             return []
-        version = self._before[i]
         out = []
         k = 0
-        while k < depth and len(out) < width and i + k < n and self._before[i + k] == version:
+        while k < depth and len(out) < width and i + k < n and self._world.reuse_ok(i, i + k):
             out.append(ActionDraft(self._actions[i + k], k, 1.0))
             k += 1
         return out

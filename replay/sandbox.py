@@ -16,6 +16,9 @@ A :class:`ReplayWorld` holds one trace's filesystem versions under a *state mode
   ignored: this is the conservative bracket, what is known without a recorder.
 - ``blind``: every step leaves the filesystem unchanged (one version throughout), so JASV
   passes whenever the action matches: the state-blind upper bracket.
+- ``readsets``: the recorded versions plus each step's recorded read and write sets; a fork
+  launched before a state-changing step is reused after it when read-set validation would
+  accept it live (``aospec.replay.readsets``): between ``recorded`` and ``blind``.
 
 ``auto`` (:func:`resolve_state_model`) is ``recorded`` when every trace has its versions,
 else ``effects``. Versions never return to an earlier value under ``effects``, like the
@@ -71,7 +74,7 @@ __all__ = [
 OFF_RECORD_PREFIX = "[aospec replay] no recorded result for this action from this state: "
 
 #: The state models a replay can use (docs/replay.md, "State models").
-STATE_MODELS = ("recorded", "effects", "blind")
+STATE_MODELS = ("recorded", "effects", "blind", "readsets")
 #: What ``--state-model`` accepts: a state model, or ``auto`` (see :func:`resolve_state_model`).
 STATE_MODEL_CHOICES = ("auto", *STATE_MODELS)
 #: One line per state model, for tables and summaries.
@@ -79,6 +82,7 @@ STATE_MODEL_MEANING = {
     "recorded": "the filesystem versions recorded around every step, exact",
     "effects": "the static effect classifier, a step that may write changes the state; the conservative bracket",
     "blind": "no step changes the filesystem, so JASV passes whenever the action matches; the upper bracket",
+    "readsets": "the recorded versions and read/write sets: a fork survives commits that touched nothing it read or wrote",
 }
 
 _FIX = (
@@ -133,6 +137,19 @@ def resolve_state_model(
         raise ConfigError(f"unknown state model {requested!r}; choose from {', '.join(STATE_MODEL_CHOICES)}")
     if requested in ("effects", "blind"):
         return requested, "as requested"
+    if requested == "readsets":
+        for t in traces:
+            problem = recorded_versions_problem(t)
+            if problem is None and not any("write_set" in s.extra for s in t.steps):
+                problem = f"trace {t.id!r} records no read or write sets"
+            if problem is not None:
+                where = f" (file {files[t.id]})" if files and t.id in files else ""
+                problem = problem.replace(f"trace {t.id!r}", f"trace {t.id!r}{where}", 1)
+                raise ConfigError(
+                    f"--state-model readsets: {problem}: record live runs with their read sets "
+                    "(aospec run --record FILE --record-read-sets), or choose --state-model recorded"
+                )
+        return "readsets", "as requested"
     if requested == "auto" and not any(
         s.version_before is not None or s.version_after is not None for t in traces for s in t.steps
     ):
@@ -159,7 +176,7 @@ def world_versions(trace: Trace, state_model: str) -> tuple[str, list[str], list
     before: list[str] = []
     after: list[str] = []
     effects: list[Effect] = []
-    if state_model == "recorded":
+    if state_model in ("recorded", "readsets"):
         problem = recorded_versions_problem(trace)
         if problem is not None:
             raise ConfigError(f"--state-model recorded: {problem}: {_FIX}")
@@ -263,6 +280,11 @@ class ReplayWorld:
             return None
         k = bisect.bisect_left(found, position)
         return found[k] if k < len(found) else None
+
+    def reuse_ok(self, origin: int, step: int) -> bool:
+        """Whether a fork launched at recorded position ``origin`` can be reused for recorded
+        step ``step`` (JASV: the same version; ``aospec.replay.readsets`` widens it)."""
+        return self.version_before[origin] == self.version_before[step]
 
     def off_record_ns(self, action: Action) -> int:
         return self._first_ns.get(action.key, self._median_ns)

@@ -57,6 +57,7 @@ from aospec.replay.actor import ReplayActor, VirtualClock, estimate_tokens, ms_t
 from aospec.replay.contention import HostModel, SimulatedHost
 from aospec.replay.executors import Executor, local_executor
 from aospec.replay.policies import DrafterFailures, DrafterSet, Policy, check_drafters, parse_policy
+from aospec.replay.readsets import ReadSetWorld
 from aospec.replay.sandbox import ReplayWorld, resolve_state_model
 
 from aospec.engine import Engine
@@ -170,7 +171,7 @@ async def _run_one(
     actor = ReplayActor(
         trace, tpot_ns=tpot_ns, clock=clock, prefill_ns_per_token=prefill_ns_per_token, canonicalizer=canon
     )
-    world = ReplayWorld(trace, clock, state_model, host)
+    world = ReadSetWorld(trace, clock, host) if state_model == "readsets" else ReplayWorld(trace, clock, state_model, host)
     failures = DrafterFailures()
     obs, act = drafters.charged(policy, clock, trace, actor, world, failures)
     evd = drafters.evd(policy.config.kernel) if obs and policy.engine.rank != "likelihood" else None

@@ -231,6 +231,7 @@ def _exec(args: argparse.Namespace) -> int:
 def _info(args: argparse.Namespace) -> int:
     from aospec.runtime.config import Limits, SandboxConfig
     from aospec.runtime.host import host_support
+    from aospec.runtime.overlay import read_sets_on
     from aospec.runtime.seccomp import seccomp_support
 
     support, _ = host_support()
@@ -258,6 +259,7 @@ def _info(args: argparse.Namespace) -> int:
             if "cpuacct" in support.cgroup_controllers
             else "unavailable: no CPU accounting cgroup (MeteredSandbox.cpu_ns stays 0)"
         ),
+        "read_sets": read_sets_on(SandboxConfig())[1],
     }
     try:
         from aospec.runtime.daemon import checkpoint_support, docker_client

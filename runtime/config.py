@@ -115,6 +115,11 @@ class SandboxConfig:
     fails: the command is killed (``limits_hit`` names ``memory``). Overlay backend, with
     a writable memory cgroup. ``seccomp``: the overlay backend's syscall filter,
     ``default``, ``none`` or the path of a JSON profile (``aospec.runtime.seccomp``).
+
+    ``read_sets``: ``auto`` (default) records what speculative forks read where the tracer
+    works (strace; not with ``network``), so the engine can reuse a fork across commits that
+    did not touch it (docs/engine.md, "Read sets"); ``off``; ``all`` also traces every other
+    command, the committed steps' included (for recordings: it slows them). Overlay backend.
     """
 
     backend: str = "overlay"
@@ -136,6 +141,7 @@ class SandboxConfig:
     memory_budget_bytes: int | None = 8 * GiB
     sandbox_memory_budget_bytes: int | None = None
     seccomp: str = "default"
+    read_sets: str = "auto"
 
     def __post_init__(self) -> None:
         if not isinstance(self.env, Mapping):
@@ -160,6 +166,8 @@ class SandboxConfig:
             )
         if not isinstance(self.seccomp, str) or not self.seccomp:
             raise ValueError("seccomp must be default, none or the path of a JSON profile")
+        if self.read_sets not in ("auto", "off", "all"):
+            raise ValueError(f"read_sets must be auto, off or all, got {self.read_sets!r}")
         if self.docker_fork not in ("auto", "commit", "copy-upper"):
             raise ValueError(f"docker_fork must be auto, commit or copy-upper, got {self.docker_fork!r}")
         if self.writable_binds:

@@ -26,7 +26,7 @@ import subprocess
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import TypeVar
+from typing import TYPE_CHECKING, TypeVar
 
 import anyio
 from anyio.lowlevel import RunVar
@@ -40,6 +40,9 @@ from aospec.runtime.processes import MARKER_ENV, OWNER_ENV, kill_marked, own_own
 from aospec.runtime.seccomp import program_fd
 
 from aospec.errors import SandboxError, SandboxUnavailableError
+
+if TYPE_CHECKING:
+    from aospec.runtime.readsets import CommandTrace
 
 __all__ = [
     "DEFAULT_PATH",
@@ -314,6 +317,7 @@ class _Started:
     cg: CommandCgroup | None = None
     child_pid: int = -1
     cg_rel: str = ""  # where the command's cgroup belongs (outside the speculation pool)
+    tracer_pid: int = -1  # strace, when the command's reads are traced (outside the cgroup)
 
 
 class CommandPriority:
@@ -365,6 +369,8 @@ class CommandPriority:
         self._apply_group()
         if self.background:
             set_process_priority(child, background=True)
+            if st.tracer_pid > 0:
+                set_process_priority(st.tracer_pid, background=True)
         self._running.append(st)
 
     def _stopped(self, st: _Started) -> None:
@@ -425,6 +431,8 @@ def _set_tree_priority(st: _Started, *, background: bool) -> None:
     one (a process forked by one not yet set inherits the old priority)."""
     if st.child_pid < 0:
         return
+    if st.tracer_pid > 0:
+        set_process_priority(st.tracer_pid, background=background)
     done: set[int] = set()
     for _ in range(10):
         in_cgroup = st.cg.pids() if st.cg is not None else set()
@@ -512,6 +520,7 @@ async def run_bwrap(
     seccomp: bytes | None = None,
     priority: CommandPriority | None = None,
     pause: CommandPause | None = None,
+    tracer: CommandTrace | None = None,
 ) -> tuple[CommandResult, T]:
     """Run ``argv_for(info_fd, block_fd)`` (a bwrap command line, started in ``cwd``)
     to completion: ``before()`` first and ``after()`` last, both in worker threads;
@@ -522,6 +531,8 @@ async def run_bwrap(
     ``priority`` the sandbox's :class:`CommandPriority`; ``pause`` its
     :class:`~aospec.runtime.pausing.CommandPause` (the command starts frozen when the
     sandbox is paused, and paused time does not count against ``timeout_s``).
+    ``priority`` the sandbox's :class:`CommandPriority`; ``tracer`` runs the command under
+    strace (:class:`aospec.runtime.readsets.CommandTrace`, at the command's priority).
 
     bwrap is spawned from the event loop's thread on purpose: ``--die-with-parent``
     ties the sandbox's life to the *thread* that spawned it, and a worker thread may
@@ -543,12 +554,17 @@ async def run_bwrap(
         if seccomp is not None:
             seccomp_r = program_fd(seccomp)
             argv[argv.index("--") : argv.index("--")] = ["--seccomp", str(seccomp_r)]
+        diag = -1
+        if tracer is not None:
+            argv = tracer.wrap(argv)
+            diag = os.open(tracer.diag, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+            tracer.started_ns = time.time_ns()
         try:
             proc = subprocess.Popen(
                 argv,
                 stdin=subprocess.DEVNULL,
                 stdout=subprocess.PIPE,
-                stderr=subprocess.STDOUT,
+                stderr=subprocess.STDOUT if diag < 0 else diag,
                 # the markers let recovery and gc find this run's processes, even orphans
                 # (the sandbox can read them in /proc/1/environ: no host paths in them)
                 env={"PATH": DEFAULT_PATH, MARKER_ENV: cgroup_name, OWNER_ENV: own_owner_token()},
@@ -559,7 +575,12 @@ async def run_bwrap(
             )
         except FileNotFoundError:
             raise SandboxUnavailableError("bubblewrap is not installed (apt-get install bubblewrap)") from None
-        st = _Started(proc, os.pidfd_open(proc.pid))
+        finally:
+            if diag >= 0:
+                os.close(diag)
+        st = _Started(proc, os.pidfd_open(proc.pid), tracer_pid=proc.pid if tracer is not None else -1)
+        if tracer is not None and priority is not None and priority.background:
+            set_process_priority(proc.pid, background=True)
         assert proc.stdout is not None
         os.set_blocking(proc.stdout.fileno(), False)
         for fd in (info_w, block_r, seccomp_r):
@@ -574,6 +595,8 @@ async def run_bwrap(
         child = int(info["child-pid"])
         st.init_pidfd = os.pidfd_open(child)
         st.child_pid = child
+        if tracer is not None:
+            tracer.child_pid = child
         _release(st, child, limits, cgroup_name, cgroup_parents, priority)
         if pause is not None:
             pause.started(st.cg)  # frozen before it is released, when paused
@@ -622,6 +645,9 @@ async def run_bwrap(
             f"the sandbox was killed from outside ({_signal_name(-rc)} to its bubblewrap process) while running "
             "the command: no result"
         )
+    if tracer is not None:
+        tracer.timed_out = timed_out
+        tracer.ended_ns = time.time_ns()
     if timed_out:
         rc = TIMEOUT_RETURNCODE
     if rc == 128 + signal.SIGXFSZ:

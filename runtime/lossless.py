@@ -39,6 +39,15 @@ also reports the engine's cache hits and routed forks and the layer's own counte
 reads of the files the case writes, so a result cache is hit (and a stale entry would be
 caught), and the actor never decodes instantly, so a router's events land mid-decode.
 
+``make_case(..., readsets=True)`` gives cases for read-set validation (docs/engine.md, "Read
+sets"): their pools also hold commands whose output depends on metadata, directory
+listings and missing files (:data:`READSET_COMMANDS`: ``ls``, ``test -e``, ``find``, ``stat -c
+%s``, globs, ``[ -d x ] || mkdir x``) and writes to a directory none of them reads
+(:data:`UNRELATED_WRITES`) or to one they do, and the engine looks 2-4 steps ahead, so forks
+launched before a state-changing step are reused after it (rebased) when it touched
+nothing they read. Such a run also re-checks every rebase: the layer it commits must be the
+one a fresh diff of the fork's changes against the committed state gives.
+
 A minimised reproduction (:func:`minimise`) replaces the hashing actor by the serial run's
 own action sequence (still a pure function of the history) and drops actions, steps and
 speculation knobs while the same kind of failure persists.
@@ -193,6 +202,33 @@ READS: tuple[Callable[[random.Random, str, str, str], str], ...] = (
 )
 
 
+# Read-set cases (make_case(..., readsets=True)): /v is read by the commands below, /u by none
+# of them (its writes are unrelated), /w by both them and TEMPLATES.
+READSET_SETUP = SETUP + " && mkdir -p /v /u && echo v > /v/a && echo log > /u/log"
+READSET_PATHS = ("/w/a", "/w/d", "/w/x", "/v/a", "/v/b", "/v/d", "/w/l", "/w/nothere")
+READSET_COMMANDS: tuple[Callable[[random.Random, str, str, str], str], ...] = (
+    lambda r, p, q, w: r.choice(["ls /w", "ls -1F /v", "ls -a /w/d", "ls /v /w/d 2>&1"]),
+    lambda r, p, q, w: f"test -e {p} && echo yes || echo no",
+    lambda r, p, q, w: r.choice(["find /w | sort", "find /v -type f | sort", "find /v /w/d -name '*' | sort"]),
+    # a directory's size is the filesystem's (tmpfs or ext4): sizes of regular files only
+    lambda r, p, q, w: f"for f in {p} {q}; do [ -f $f ] && stat -c '%n %s %a' $f || echo $f; done",
+    lambda r, p, q, w: r.choice(["echo /v/*", "for f in /w/*; do echo $f; done", "ls -d /v/* /w/d/* 2>&1"]),
+    lambda r, p, q, w: f"[ -d {p} ] || mkdir {p}; ls -d {p}",
+    lambda r, p, q, w: f"[ -e {p} ] && cat {p} 2>&1 || echo none",
+    lambda r, p, q, w: "test -L /w/l && readlink /w/l || echo nolink",
+    lambda r, p, q, w: f"cat {p} 2>&1 | wc -c",
+)
+UNRELATED_WRITES: tuple[Callable[[random.Random, str], str], ...] = (
+    lambda r, w: f"echo {w} >> /u/log",
+    lambda r, w: f"mkdir -p /u/d{r.randrange(3)} && echo {w} > /u/d{r.randrange(3)}/f 2>&1; true",
+    lambda r, w: f"rm -rf /u/d{r.randrange(3)}",
+    lambda r, w: "touch /u/t",
+    lambda r, w: "cp /u/log /u/log2",
+    lambda r, w: f"echo {w} > /v/n{r.randrange(2)}",  # related: /v is read
+    lambda r, w: f"rm -f /v/n{r.randrange(2)}",
+)
+
+
 def random_command(rng: random.Random) -> str:
     """One random shell command (see TEMPLATES)."""
     template = rng.choice(TEMPLATES)
@@ -266,7 +302,7 @@ class LosslessCase:
         return cls(**kw)
 
 
-def make_case(seed: int, config: str, *, layered: bool = False) -> LosslessCase:
+def make_case(seed: int, config: str, *, layered: bool = False, readsets: bool = False) -> LosslessCase:
     """The case of ``seed`` on sandbox configuration ``config`` (the same seed gives the same
     pool, steps and engine configuration on every sandbox configuration).
 
@@ -274,7 +310,11 @@ def make_case(seed: int, config: str, *, layered: bool = False) -> LosslessCase:
     pool with 2-4 reads (:data:`READS`) of :data:`WATCHED` paths added two or three times
     each and one or two appends to each path read, an actor that takes 2-20 ms to decode (a
     stream router's events land mid-decode, while routed forks can still launch), a random
-    ``routed_width`` and one to three more steps."""
+    ``routed_width`` and one to three more steps.
+
+    ``readsets``: the case for read-set validation (module docstring): its pool with 4-8
+    :data:`READSET_COMMANDS` and 3-6 :data:`UNRELATED_WRITES` added, lookahead 2-4, wider
+    forks and three to six more steps."""
     if config not in SANDBOX_CONFIGS:
         raise ValueError(f"unknown sandbox configuration {config!r}; known: {', '.join(SANDBOX_CONFIGS)}")
     rng = random.Random(seed)
@@ -308,6 +348,8 @@ def make_case(seed: int, config: str, *, layered: bool = False) -> LosslessCase:
         p_obs=rng.choice((0.2, 0.5, 0.9)),
         p_action=rng.choice((0.2, 0.5, 0.9)),
     )
+    if readsets:
+        case = _readset_case(case)
     if not layered:
         return case
     # drawn apart, so that a layered case is its plain case with these additions
@@ -327,6 +369,31 @@ def make_case(seed: int, config: str, *, layered: bool = False) -> LosslessCase:
         steps=case.steps + lr.randint(1, 3),
         engine={**case.engine, "routed_width": lr.choice((1, 2, 3))},
         actor_delay_ms=lr.choice((2, 5, 10, 20)),
+    )
+
+
+def _readset_case(case: LosslessCase) -> LosslessCase:
+    rr = _rng(case.seed, "readsets")
+    pool = list(case.pool)
+    for _ in range(rr.randint(4, 8)):
+        p, q, w = rr.choice(READSET_PATHS), rr.choice(READSET_PATHS), _q(rr.choice(WORDS))
+        pool.insert(rr.randrange(len(pool) + 1), rr.choice(READSET_COMMANDS)(rr, p, q, w))
+    for _ in range(rr.randint(3, 6)):
+        pool.insert(rr.randrange(len(pool) + 1), rr.choice(UNRELATED_WRITES)(rr, _q(rr.choice(WORDS))))
+    engine = {
+        **case.engine,
+        "depth": rr.choice((2, 3, 4)),
+        "fork_width": rr.choice((2, 4, 8)),
+        "max_live_forks": rr.choice((4, 8, 16)),
+        "read_sets": True,
+    }
+    return dataclasses.replace(
+        case,
+        pool=tuple(pool),
+        setup=READSET_SETUP,
+        steps=case.steps + rr.randint(3, 6),
+        engine=engine,
+        p_action=rr.choice((0.5, 0.9)),
     )
 
 
@@ -481,6 +548,7 @@ LayerFactory = Callable[[Sandbox], AbstractAsyncContextManager[SpeculationLayer]
 
 #: Engine figures a run records in ``RunRecord.counts`` (EngineStatistics fields).
 ENGINE_COUNTS = (
+    "forks_rebased",
     "routes_fired",
     "routed_forks_launched",
     "routed_forks_reused",

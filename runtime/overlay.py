@@ -7,6 +7,10 @@ A command runs in the merged root; afterwards the upper's changes become a Layer
 version moves on (``aospec.runtime.versions``). A fork freezes its parent's pending changes into
 a layer and mounts a new overlay on the same stack; a commit makes the fork's stack the
 parent's (and, for the committed root, HEAD's); discard unmounts and deletes.
+
+Where the read tracer works (``aospec.runtime.readsets``), sandboxes are
+:class:`ReadSetOverlaySandbox` es: a fork asked to trace runs its command under strace, and
+the root can *rebase* a fork from an older version (docs/engine.md, "Read sets").
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ from aospec.runtime.config import SandboxConfig
 from aospec.runtime.host import host_support
 from aospec.runtime.isolation import (
     CommandPriority,
+    _in_thread,
     bwrap_argv,
     check_binds,
     missing_bind_points,
@@ -40,13 +45,16 @@ from aospec.runtime.isolation import (
 from aospec.runtime.observation import CommandResult, ObservationFormatter, SandboxStatistics, get_formatter
 from aospec.runtime.overlay_store import MOUNT_OPTS, OverlayStore, StateCheck, fd_names, verify_state_dir
 from aospec.runtime.pausing import CommandPause
+from aospec.runtime.readsets import CommandTrace, read_set, shift_times, tracer_support, write_set
 from aospec.runtime.seccomp import filter_program
-from aospec.runtime.versions import UpperTracker
+from aospec.runtime.versions import Layer, UpperTracker
 
-from aospec.errors import SandboxError, SandboxUnavailableError
+from aospec.errors import ConfigError, SandboxError, SandboxUnavailableError
+from aospec.readsets import ReadSet, WriteSet
 
 __all__ = [
     "OverlaySandbox",
+    "ReadSetOverlaySandbox",
     "OverlayStore",
     "RecoveryReport",
     "StateCheck",
@@ -143,7 +151,7 @@ class OverlaySandbox(SandboxSession):
             return await self._fork_from(self._stack, self._version)
 
     async def _fork_from(self, stack: tuple[str, ...], version: str) -> OverlaySandbox:
-        child = OverlaySandbox(
+        child = type(self)(
             self.store,
             stack=stack,
             version=version,
@@ -292,6 +300,7 @@ class OverlaySandbox(SandboxSession):
                 seccomp=self.store.seccomp_program,
                 priority=self._priority,
                 pause=self._pause,
+                tracer=self._command_tracer(cwd),
                 max_output_bytes=cfg.max_output_bytes,
                 before=lambda: self._prepare(cwd),
                 # also when cancelled: the version must describe what the command left
@@ -307,6 +316,13 @@ class OverlaySandbox(SandboxSession):
             if done.get(what):
                 result = _with_limit(result, what.removesuffix("_full"))
         return result
+
+    def _command_tracer(self, cwd: str) -> CommandTrace | None:
+        """The tracer of the next command (:class:`ReadSetOverlaySandbox`), or None."""
+        return None
+
+    def _changes_recorded(self, layer: Layer) -> None:
+        """A command's layer was just read, its upper not yet frozen (a subclass hook)."""
 
     def _prepare(self, cwd: str) -> None:
         check_binds(self.store.config.binds)
@@ -329,6 +345,7 @@ class OverlaySandbox(SandboxSession):
             self._bind_since = None
         layer = self.tracker.diff()
         done["layer"], done["version"] = layer, layer.apply_to(self._version)
+        self._changes_recorded(layer)
         done["disk_full"] = self._tmpfs and self._disk_full()
         done["file_size"] = reached_file_size(
             str(self._upper), (p for p, st in layer.records if st is not None), self.store.config.limits.file_size_bytes
@@ -561,6 +578,173 @@ def check_host() -> None:
         raise SandboxUnavailableError("; ".join(problems))
 
 
+class ReadSetOverlaySandbox(OverlaySandbox):
+    """An overlay sandbox with the :class:`aospec.protocols.ReadSetSandbox` capability: a
+    fork traces its next command's reads when asked (``read_sets="all"``: every command),
+    and the root rebases a fork from an older version (``aospec.runtime.readsets``)."""
+
+    _trace: CommandTrace | None = None
+    _trace_next = False
+    _trace_cwd = "/"
+    _committed_wall_ns = 0
+    _root_writes: WriteSet | None = None
+    _guess = False  # the traced command is a speculative guess (trace_reads asked for it)
+
+    async def _run_locked(self, command: str, *, timeout_s: float, env: dict[str, str], cwd: str) -> CommandResult:
+        result = await super()._run_locked(command, timeout_s=timeout_s, env=env, cwd=cwd)
+        if self._guess and result.timed_out:
+            # the tracer slows a guess down: one that timed out may not have where serial
+            # execution would not, so its result is not offered (it only costs time)
+            raise SandboxError("a traced speculative command timed out: its result is not used")
+        return result
+
+    def _changes_recorded(self, layer: Layer) -> None:
+        # the root freezes its upper right after each command: with every command traced
+        # (recordings), its write set is read while the upper still shows it
+        if self.is_root and self.store.config.read_sets == "all":
+            self._root_writes = write_set(self.tracker, layer, self._lower_view())
+
+    def _command_tracer(self, cwd: str) -> CommandTrace | None:
+        self._guess = False
+        if self._trace is not None:
+            self._trace.remove()
+            self._trace = None
+        if not (self._trace_next or self.store.config.read_sets == "all"):
+            return None
+        self._guess, self._trace_next = self._trace_next, False
+        self._trace_cwd = cwd
+        self._trace = CommandTrace(self._dir / "trace", tracer_support().strace or "strace")
+        return self._trace
+
+    async def trace_reads(self) -> None:
+        """Record what the next command reads (:meth:`read_set`)."""
+        self._check_open()
+        self._trace_next = True
+
+    async def read_set(self) -> ReadSet | None:
+        """What the last command read, resolved in its origin and final states; None when
+        it was not traced or did something untracked."""
+        self._check_open()
+        async with self._lock:
+            self._check_open()
+            trace = self._trace
+            if trace is None:
+                return None
+            cfg = self.store.config
+
+            def parse() -> ReadSet | None:
+                self._mount()
+                views = [str(self._merged)]
+                if self.last_layer:
+                    views.insert(0, self._lower_view())
+                return read_set(trace, views=views, cwd=self._trace_cwd, binds=cfg.binds, network=cfg.network)
+
+            return await _in_thread(self._priority, parse)
+
+    async def write_set(self) -> WriteSet | None:
+        """What the last command changed (from its layer and upper), against its origin."""
+        self._check_open()
+        async with self._lock:
+            self._check_open()
+            if self.is_root:
+                return self._root_writes
+            if not self.last_layer and not self.tracker._seen:
+                return WriteSet()
+            return await _in_thread(
+                self._priority, lambda: write_set(self.tracker, self.last_layer, self._lower_view())
+            )
+
+    async def commit(self, fork: OverlaySandbox) -> None:
+        await super().commit(fork)
+        self._committed_wall_ns = time.time_ns()
+
+    async def rebase(self, fork: ReadSetOverlaySandbox) -> WriteSet:
+        """Commit ``fork``, forked from an older version, by putting its changes on top of
+        this sandbox's state: the new version is ``H(version, H(fork's layer))``, its own
+        modification times move after this sandbox's last commit. Only for a fork whose reads
+        and writes no change since its origin touched (the engine's read-set validation):
+        its layer is then the one running it here would make. Returns its write set."""
+        self._check_open()
+        self._check_fork_committable(fork)
+        async with self._lock, fork._lock:
+            self._check_open()
+            self._check_fork_live(fork)
+            with anyio.CancelScope(shield=True):
+                await self._freeze()
+                writes, frozen, head_written = await anyio.to_thread.run_sync(self._rebase_blocking, fork)
+                layer = fork.last_layer
+                if frozen is not None:
+                    self.store.ref((frozen,))
+                    self._stack = (frozen, *self._stack)
+                self._version = layer.apply_to(self._version)
+                self.last_layer = layer
+                fork._closed = True
+                self.store.live.pop(fork.sid, None)
+                if not head_written:
+                    k, memory = self.store.compaction_size(self._stack)
+                    spill = self._durable_spill_size()
+                    await self._compact(max(k, spill), memory and not spill)
+                dead = self.store.unref(fork._stack)  # the fork's references on its origin's layers
+                if dead:
+                    await anyio.to_thread.run_sync(self.store.delete_layers, dead)
+                self._stats.commits += 1
+                self._committed_wall_ns = time.time_ns()
+                return writes
+
+    def _rebase_blocking(self, fork: ReadSetOverlaySandbox) -> tuple[WriteSet, str | None, bool]:
+        """The fork's write set, its times moved, its upper frozen and the fork torn down;
+        this sandbox unmounted (its stack changes); HEAD written when nothing is to compact."""
+        writes = write_set(fork.tracker, fork.last_layer, fork._lower_view())
+        if os.environ.get("AOSPEC_READ_SETS_CHECK"):
+            # the lossless check's second line: the layer committed must be the one a fresh
+            # diff of the fork's changes against this state gives
+            fresh = UpperTracker(fork._upper, self._lower_view).diff()
+            if fresh.records != fork.last_layer.records:
+                raise SandboxError(
+                    f"rebase: the fork's layer ({len(fork.last_layer.records)} records) is not the one its changes "
+                    f"make on the committed state ({len(fresh.records)}): {fresh.describe()[:4]} vs "
+                    f"{fork.last_layer.describe()[:4]}"
+                )
+        trace = fork._trace
+        fork._unmount()
+        if trace is not None and fork._rw_mounted:
+            shift_times(
+                str(fork._upper),
+                started_ns=trace.started_ns,
+                ended_ns=trace.ended_ns,
+                after_ns=self._committed_wall_ns,
+                now_ns=time.time_ns(),
+                lower=fork._lower_view(),
+                new_lower=self._lower_view(),
+            )
+            fork._unmount()
+        frozen = fork._freeze_if_needed()
+        fork._teardown()
+        self._unmount()
+        self._reset_rw()
+        stack = (frozen, *self._stack) if frozen is not None else self._stack
+        version = fork.last_layer.apply_to(self._version)
+        spill = self.store.config.durable and any(lid.startswith("m") for lid in stack)
+        if self.is_root and not spill and self.store.compaction_size(stack)[0] == 0:
+            self.store.write_head(version, stack)
+            return writes, frozen, True
+        return writes, frozen, False
+
+
+def read_sets_on(config: SandboxConfig) -> tuple[bool, str]:
+    """Whether sandboxes of ``config`` record read sets, and why (one line)."""
+    if config.read_sets == "off":
+        return False, "off: read_sets is off in the sandbox configuration"
+    support = tracer_support()
+    if not support.ok:
+        if config.read_sets == "all":
+            raise ConfigError(f"read_sets all: {support.detail.removeprefix('off: ')}")
+        return False, support.detail
+    if config.network and config.read_sets != "all":
+        return False, "off: the sandbox has network access, which the tracer does not follow"
+    return True, support.detail
+
+
 @asynccontextmanager
 async def open_overlay(config: SandboxConfig | None = None, **overrides: Any) -> AsyncIterator[OverlaySandbox]:
     """Open an overlay sandbox session: ``async with open_overlay(base="busybox") as sb``.
@@ -586,8 +770,9 @@ async def open_overlay(config: SandboxConfig | None = None, **overrides: Any) ->
     store = OverlayStore(path, base, config, ephemeral=ephemeral)
     store.seccomp_program = seccomp
     await anyio.to_thread.run_sync(store.open)
+    cls = ReadSetOverlaySandbox if read_sets_on(config)[0] else OverlaySandbox
     try:
-        sandbox = OverlaySandbox(
+        sandbox = cls(
             store,
             stack=store.head_layers,
             version=store.head_version,

@@ -11,6 +11,8 @@ Usage::
     scripts/check_lossless.py --runs 40 --configs compact,durable
     scripts/check_lossless.py --repro lossless-repro-17-compact.json   # rerun a reproduction
     scripts/check_lossless.py --runs 400 --specbox --jobs 2          # through the SpecBox layer
+    scripts/check_lossless.py --runs 2000 --readsets --jobs 2        # read-set validation cases
+    scripts/check_lossless.py --runs 400 --readsets --read-sets off  # the same cases, JASV alone
 
 Run ``i`` is seed ``S + i // len(configs)`` on ``configs[i % len(configs)]``, so one seed
 covers every configuration and shares one reference run. A progress line goes to stderr;
@@ -46,6 +48,14 @@ count) and whose replies then differed is counted as inconclusive, not as a dive
 
     scripts/check_lossless.py --actor-server smollm2 --runs 200 --json > real-server.json
 
+``--readsets``: cases built for read-set validation (``make_case(seed, config,
+readsets=True)``: commands whose output depends on metadata, listings and missing files,
+unrelated writes between them, lookahead 2-4; docs/engine.md "Read sets"), and every rebase
+re-checked (``AOSPEC_READ_SETS_CHECK``: the committed layer must equal a fresh diff of the
+fork's changes against the committed state). The summary adds the forks rebased per
+configuration. ``--read-sets off`` runs the engine without read-set validation (JASV alone),
+for comparison.
+
 Exit status: 0 when every run passed, 1 when any diverged, aborted or leaked a mount, 2 on
 bad arguments, 130 when interrupted: SIGINT, SIGTERM and SIGHUP (aospec.signals) stop the
 runs in progress, which unmount and remove their private state roots (under
@@ -56,6 +66,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import json
 import multiprocessing
 import os
@@ -90,6 +101,7 @@ KINDS = ("divergence", "aborted", "leak")  # failures; "inconclusive" runs are c
 
 #: The figures summed per configuration (RunRecord.counts of the speculative runs), in order.
 COUNTS = (
+    "forks_rebased",  # forks reused by read-set validation (from an older origin)
     "cache_hits",  # committed steps the cache served (the engine's count)
     "cache_hits_all",  # every hit, discarded forks' included
     "cache_stores",
@@ -152,7 +164,12 @@ def _private_state_root() -> Iterator[Path]:
 
 
 def _check_seed(
-    seed: int, configs: Sequence[str], minimise_failures: bool, specbox: bool = False
+    seed: int,
+    configs: Sequence[str],
+    minimise_failures: bool,
+    specbox: bool = False,
+    readsets: bool = False,
+    read_sets: bool = True,
 ) -> list[dict[str, Any]]:
     """Every configuration of one seed (in a worker process); one result dict per run."""
     layer = specbox_layer() if specbox else None
@@ -163,7 +180,9 @@ def _check_seed(
         minimised: dict[tuple[str, str], dict[str, Any]] = {}
         for config in configs:
             started = time.perf_counter()
-            case = make_case(seed, config, layered=specbox)
+            case = make_case(seed, config, layered=specbox, readsets=readsets)
+            if not read_sets:
+                case = dataclasses.replace(case, engine={**case.engine, "read_sets": False})
             outcome, reference = await check_case(case, reference=reference, state_root=root, layer=layer)
             result: dict[str, Any] = {"seed": seed, "config": config, **outcome.to_json()}
             result["elapsed_s"] = round(time.perf_counter() - started, 3)
@@ -199,9 +218,9 @@ def _write_repro(out: Path, result: dict[str, Any], specbox: bool = False) -> Pa
 
 
 def _layer_table(layer: dict[str, dict[str, int]]) -> str:
-    names = ("cache hits", "all hits", "routes", "routed", "reused", "pool served", "spec fails")
-    keys = ("cache_hits", "cache_hits_all", "routes_fired", "routed_forks_launched", "routed_forks_reused")
-    keys += ("pool_served", "speculative_failures")
+    names = ("rebased", "cache hits", "all hits", "routes", "routed", "reused", "pool served", "spec fails")
+    keys = ("forks_rebased", "cache_hits", "cache_hits_all", "routes_fired", "routed_forks_launched")
+    keys += ("routed_forks_reused", "pool_served", "speculative_failures")
     lines = [f"{'config':<10}" + "".join(f"{n:>13}" for n in names)]
     for config, c in layer.items():
         lines.append(f"{config:<10}" + "".join(f"{c[k]:>13}" for k in keys))
@@ -271,16 +290,17 @@ def _run(args: argparse.Namespace, configs: list[str]) -> int:
         progress()
 
     minimise_failures = not args.no_minimise
+    modes = (args.specbox, args.readsets, args.read_sets == "on")
     if args.jobs <= 1:
         for seed, cfgs in plan:
-            take(_check_seed(seed, cfgs, minimise_failures, args.specbox))
+            take(_check_seed(seed, cfgs, minimise_failures, *modes))
     else:
         with ProcessPoolExecutor(max_workers=args.jobs) as pool:
             pending: set[Future[list[dict[str, Any]]]] = set()
             todo = iter(plan)
             try:
                 for seed, cfgs in todo:
-                    pending.add(pool.submit(_check_seed, seed, cfgs, minimise_failures, args.specbox))
+                    pending.add(pool.submit(_check_seed, seed, cfgs, minimise_failures, *modes))
                     if len(pending) >= 2 * args.jobs:
                         break
                 while pending:
@@ -289,7 +309,7 @@ def _run(args: argparse.Namespace, configs: list[str]) -> int:
                         take(fut.result())
                         nxt = next(todo, None)
                         if nxt is not None:
-                            pending.add(pool.submit(_check_seed, nxt[0], nxt[1], minimise_failures, args.specbox))
+                            pending.add(pool.submit(_check_seed, nxt[0], nxt[1], minimise_failures, *modes))
             except KeyboardInterrupt:
                 # seeds not started are dropped; the running ones are interrupted too (a
                 # worker cleans up its own root) and waited for as the pool closes
@@ -306,6 +326,8 @@ def _run(args: argparse.Namespace, configs: list[str]) -> int:
             "seed": args.seed,
             "configs": counts,
             "specbox": args.specbox,
+            "readsets": args.readsets,
+            "read_sets": args.read_sets,
             "layer": layer,
             "elapsed_s": round(elapsed, 1),
             "runs_per_s": round(done / elapsed, 3) if elapsed else None,
@@ -607,6 +629,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--server-steps", type=int, default=2, help="with --actor-server: agent steps per run")
     parser.add_argument("--server-max-tokens", type=int, default=16, help="with --actor-server: tokens per reply")
     parser.add_argument("--server-threads", type=int, default=1, help="with --actor-server: the server's threads")
+    parser.add_argument(
+        "--readsets",
+        action="store_true",
+        help="read-set validation cases: metadata, listings, missing files, unrelated writes, lookahead 2-4",
+    )
+    parser.add_argument(
+        "--read-sets", choices=("on", "off"), default="on", help="read-set validation in the engine (default on)"
+    )
     args = parser.parse_args(argv)
     if args.actor_server is not None:
         if args.repro or args.jobs != 1 or args.specbox:
@@ -629,6 +659,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error(f"--configs: give distinct names among {', '.join(SANDBOX_CONFIGS)} (got {args.configs!r})")
     if os.geteuid() != 0:
         parser.error("needs root (overlayfs mounts)")
+    os.environ["AOSPEC_READ_SETS_CHECK"] = "1"  # every rebase re-checked (see --readsets)
     try:
         with interrupt_on_signals():  # SIGTERM and SIGHUP stop the runs as Ctrl-C does
             return _repro(args) if args.repro else _run(args, configs)

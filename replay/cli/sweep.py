@@ -104,11 +104,13 @@ def _register(sub: argparse._SubParsersAction, name: str, helptext: str) -> None
     )
     p.add_argument(
         "--state-model",
-        choices=("auto", "recorded", "effects", "blind"),
+        choices=("auto", "recorded", "effects", "blind", "readsets"),
         default="auto",
         help="filesystem versions of replayed steps: recorded (the versions the trace recorded; every step must "
         "have them), effects (the static effect classifier: conservative bracket), blind (no step changes the "
-        "filesystem: upper bracket), auto (recorded when every trace has versions, else effects; the default)",
+        "filesystem: upper bracket), readsets (recorded versions plus recorded read/write sets: a fork survives "
+        "commits that touched nothing it read), auto (recorded when every trace has versions, else effects; the "
+        "default)",
     )
     p.add_argument(
         "--cores",

@@ -20,6 +20,7 @@ from aospec.protocols import (
     MeteredSandbox,
     PausableSandbox,
     PrioritizedSandbox,
+    ReadSetSandbox,
     RoutedActionDrafter,
     SandboxCapabilities,
     StreamingActor,
@@ -114,7 +115,7 @@ def test_a_wrapper_has_exactly_the_capabilities_of_its_inner_sandbox():
     assert _static(cached, "last_cache_hit_ns") and _static(cached, "cache_counts")
     assert (cached.last_cache_hit_ns, cached.cache_counts()) == (5, {"hits": 1})
     # every capability the base knows is covered
-    assert set(CAPABILITIES) == {PrioritizedSandbox, PausableSandbox, MeteredSandbox, CachingSandbox}
+    assert set(CAPABILITIES) == {PrioritizedSandbox, PausableSandbox, MeteredSandbox, CachingSandbox, ReadSetSandbox}
 
 
 def test_a_wrapper_that_implements_a_capability_has_it_whatever_its_inner_sandbox():

@@ -20,6 +20,7 @@ from aospec.runtime._fs import mounts_under
 from aospec.runtime.host import host_support
 
 from aospec.cli import main
+from aospec.readsets import WriteSet
 from aospec.types import Step, Trace
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -271,3 +272,43 @@ def test_run_reports_the_controller_and_keeps_its_calibration(overlay_state, ser
     code, out, err = _run(capsys, *args)
     assert code == 0, err
     assert "guesses launched / refused" in out and "wasted CPU" in out
+@pytest.mark.root
+def test_a_recording_with_read_sets_replays_under_the_readsets_state_model(
+    overlay_state, serve_traces, capsys, tmp_path
+) -> None:
+    from aospec.runtime.readsets import tracer_support
+
+    if not tracer_support().ok:
+        pytest.skip(f"read sets are {tracer_support().detail}")
+    server = serve_traces([demo_trace()], tpot_ms=1.0)
+    rec = tmp_path / "rec.jsonl"
+    code, _out, err = _run(capsys, TASK, "--model", server.base_url, "--record", str(rec), "--record-read-sets",
+                          "--format", "json")  # fmt: skip
+    assert code == 0, err
+    assert "read-set validation" not in err  # on here: no note
+    (t,) = read_jsonl(rec)
+    assert all("read_set" in s.extra and "write_set" in s.extra for s in t.steps)
+    assert "work/count.sh" in t.steps[1].extra["write_set"]["changed"]
+    assert "work/count.sh" in t.steps[2].extra["read_set"]["nodes"]  # cat opened it
+    assert not WriteSet.from_json(t.steps[0].extra["write_set"])  # ls / wrote nothing
+    code = main(["replay", str(rec), "--tpot-ms", "10", "--state-model", "readsets", "--jobs", "1", "--no-progress",
+                 "--policies", "serial,ceiling:depth=3", "--format", "json"])  # fmt: skip
+    _out, err = capsys.readouterr()
+    assert code == 0, err
+    assert "state model: readsets" in err
+
+
+def test_read_sets_off_is_one_line(serve_traces, capsys, tmp_path, monkeypatch) -> None:
+    from aospec.runtime import readsets
+
+    monkeypatch.setenv("AOSPEC_READ_SETS", "off")
+    monkeypatch.setattr(readsets, "_support", None)  # probe again, with the variable
+    url = "http://127.0.0.1:9/v1"
+    for argv, needle in [
+        ((TASK, "--model", url, "--record-read-sets"), "--record-read-sets needs --record FILE"),
+        ((TASK, "--model", url, "--record", str(tmp_path / "r.jsonl"), "--record-read-sets"),
+         "--record-read-sets: read sets are off: AOSPEC_READ_SETS=off"),
+    ]:  # fmt: skip
+        code, _out, err = _run(capsys, *argv)
+        assert code == 2 and needle in err and len(err.strip().splitlines()) == 1, err
+    monkeypatch.setattr(readsets, "_support", None)

@@ -268,4 +268,4 @@ def test_recorded_on_traces_without_versions_is_one_clear_error(tmp_path: Path) 
 def test_an_unknown_state_model_is_an_argparse_error_listing_the_choices() -> None:
     done = aospec_cli("replay", "--bundled", "--state-model", "exact")
     assert done.returncode == 2
-    assert "invalid choice: 'exact' (choose from 'auto', 'recorded', 'effects', 'blind')" in done.stderr
+    assert "invalid choice: 'exact' (choose from 'auto', 'recorded', 'effects', 'blind', 'readsets')" in done.stderr

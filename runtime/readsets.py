@@ -1,0 +1,992 @@
+"""What a speculative command read and wrote: strace around bubblewrap, and the layers.
+
+The engine's read-set validation (:mod:`aospec.readsets`, docs/engine.md "Read sets")
+needs, for each speculative fork, every path its command looked at. The overlay backend
+gets it by running the fork's command under ``strace -f --seccomp-bpf`` (:class:`CommandTrace`):
+strace starts bubblewrap, follows every process into the sandbox's namespaces, and stops
+only at the traced system calls (every call that takes a path, directory listings,
+``fchdir``, process creation, ``connect``/``bind``): the seccomp filter strace installs
+returns TRACE for those and ALLOW for the rest, stacked under the sandbox's own filter,
+whose refusals (EPERM/ENOSYS) take precedence, so a refused call never reaches strace and
+has no effect to track. ``-y`` prints each descriptor's path and the caller's working
+directory (``AT_FDCWD</dir>``) as the kernel resolved them, ``--decode-pids=pidns`` the host
+pid of each new process.
+
+:func:`read_set` turns the log into an :class:`aospec.readsets.ReadSet`: the records of the
+command's processes (the descendants of bubblewrap's child in the sandbox's PID namespace)
+give what each call named, made absolute with the call's directory descriptor or the
+process's working directory; each path is then resolved component by component, symlinks
+followed, in the fork's origin state (its lower view) and in its final state (its merged
+root), and everything met on the way is recorded. The kernel also reads an executable's
+``#!`` interpreter and ELF loader without a system call: those are added from the file.
+``/proc`` (kernel and process state), ``/dev`` and read-only binds are not filesystem state;
+a writable bind is, and is not versioned: reading one makes the command *untracked*.
+
+Untracked (None: the fork is then reused by plain JASV only, never rebased): a tracer
+failure or a record it cannot parse, a process still running when the command ended or
+killed by a signal (SIGPIPE excepted for a process that wrote nothing), a timeout, a
+successful ``mount``/``chroot``/``inotify_add_watch`` or other call that observes or
+changes state outside the files, a path through another process's ``/proc`` entries, a
+writable bind, or network use in a sandbox that has network access.
+
+:func:`write_set` gives a command's :class:`aospec.readsets.WriteSet` from its layer and
+upper directory; :func:`shift_times` moves a rebased fork's own modification times after
+the commits it is rebased onto, so that mtime order is the serial order.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import shutil
+import stat
+import struct
+import subprocess
+import tempfile
+import threading
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from aospec.runtime.config import Bind
+from aospec.runtime.versions import Layer, UpperTracker, _TreeReader
+
+from aospec.readsets import ReadSet, WriteSet
+
+__all__ = [
+    "TRACED_SYSCALLS",
+    "CommandTrace",
+    "TracerSupport",
+    "read_set",
+    "shift_times",
+    "tracer_support",
+    "write_set",
+]
+
+#: What strace stops at: every call taking a path, listings, fchdir, process creation and
+#: the socket calls that name a path.
+TRACED_SYSCALLS = "%file,getdents,getdents64,fchdir,clone,fork,vfork,connect,bind"
+_FLAGS = (
+    "-f",
+    "--seccomp-bpf",
+    "-y",
+    "--decode-pids=pidns",
+    "-xx",
+    "-s",
+    "4096",
+    "-q",
+    "-e",
+    "signal=none",
+    "-e",
+    "verbose=connect,bind",
+    "-e",
+    f"trace={TRACED_SYSCALLS}",
+)
+#: A trace log larger than this is not parsed (the command is untracked).
+MAX_LOG_BYTES = 256 << 20
+_MAX_LINKS = 40
+
+
+@dataclass(frozen=True, slots=True)
+class TracerSupport:
+    """Whether read sets can be recorded on this host: ``ok``, and ``detail`` (the tracer
+    and its version, or why not, with the fix)."""
+
+    ok: bool
+    detail: str
+    strace: str | None = None
+
+
+_support: TracerSupport | None = None
+_support_lock = threading.Lock()
+
+
+def tracer_support() -> TracerSupport:
+    """Probe strace once per process: present, new enough for ``--seccomp-bpf`` and the
+    working directory in ``-y``, and able to trace (ptrace allowed here)."""
+    global _support
+    with _support_lock:
+        if _support is None:
+            _support = _probe()
+        return _support
+
+
+def _probe() -> TracerSupport:
+    if os.environ.get("AOSPEC_READ_SETS", "").lower() in ("0", "off", "no", "false"):
+        return TracerSupport(False, "off: AOSPEC_READ_SETS=off")
+    path = shutil.which("strace")
+    if path is None:
+        return TracerSupport(False, "off: strace is not installed (apt-get install strace)")
+    try:
+        version = subprocess.run([path, "-V"], capture_output=True, text=True, timeout=10).stdout.split("\n")[0]
+        with tempfile.TemporaryDirectory(prefix="aospec-strace-") as tmp:
+            log = os.path.join(tmp, "log")
+            probe = subprocess.run(
+                [path, *_FLAGS, "-o", log, "--", "/bin/sh", "-c", "test -e /nonexistent-aospec-probe; exit 0"],
+                capture_output=True,
+                text=True,
+                timeout=30,
+                cwd=tmp,
+            )
+            text = Path(log).read_text(errors="replace") if os.path.exists(log) else ""
+    except (OSError, subprocess.SubprocessError) as exc:
+        return TracerSupport(False, f"off: strace could not be run ({exc})")
+    m = re.search(r"version (\d+)\.(\d+)", version)
+    if m is None or (int(m.group(1)), int(m.group(2))) < (5, 10):
+        return TracerSupport(False, f"off: {version or 'strace'} is too old (5.10 or later is needed)")
+    if probe.returncode != 0 or probe.stderr.strip():
+        why = (probe.stderr.strip().splitlines() or [f"exit status {probe.returncode}"])[-1]
+        return TracerSupport(False, f"off: strace cannot trace here ({why})")
+    if "AT_FDCWD<" not in text:
+        return TracerSupport(False, f"off: {version} does not print working directories with -y")
+    return TracerSupport(True, f"on: {version.replace('strace -- version', 'strace').strip()}, --seccomp-bpf", path)
+
+
+class CommandTrace:
+    """One command run under strace: ``wrap`` its bubblewrap command line (strace's own
+    messages go to ``diag``, bubblewrap's stderr stays the command's output), then
+    ``child_pid`` is set to bubblewrap's child (the sandbox's init, host pid) and
+    ``timed_out`` by the runner."""
+
+    def __init__(self, directory: Path, strace: str) -> None:
+        directory.mkdir(parents=True, exist_ok=True)
+        self.log = directory / "trace.log"
+        self.diag = directory / "trace.err"
+        self.strace = strace
+        self.child_pid = -1
+        self.timed_out = False
+        self.started_ns = self.ended_ns = 0  # wall clock (time.time_ns) around the command
+
+    def wrap(self, argv: Sequence[str]) -> list[str]:
+        # sh moves bubblewrap's stderr onto its stdout (the command's output pipe) so that
+        # strace's stderr, a file, holds strace's own messages only
+        return [self.strace, *_FLAGS, "-o", str(self.log), "--", "/bin/sh", "-c", 'exec "$@" 2>&1', "sh", *argv]
+
+    def remove(self) -> None:
+        for p in (self.log, self.diag):
+            with contextlib.suppress(FileNotFoundError):
+                p.unlink()
+
+
+class Untracked(Exception):
+    """The command did something the read set cannot account for (the message says what)."""
+
+
+# ---------------------------------------------------------------------------------- the log
+
+_LINE = re.compile(r"^(\d+) +(.*)$")
+_HEX = re.compile(rb"\\x([0-9a-f]{2})")
+_RESUMED = re.compile(r"^<\.\.\. ([\w]+) resumed>(.*)$")
+_RET = re.compile(r"^(-?\d+|\?)(?:<(.*)>)?(?: /\* (\d+) in strace's PID NS \*/)?(?: (E[A-Z0-9]+) .*)?")
+
+
+def _unhex(text: str) -> bytes:
+    return _HEX.sub(lambda m: bytes((int(m.group(1), 16),)), text.encode("ascii", "surrogateescape"))
+
+
+@dataclass(slots=True)
+class _Record:
+    pid: int
+    name: str
+    args: list[str]
+    ret: int | None  # None: "?" (the process died in the call)
+    ret_path: bytes | None  # the descriptor's path a call returned (-y)
+    ret_pid: int | None  # a new process's host pid (clone)
+    errno: str | None
+
+
+def _split_args(text: str) -> tuple[list[str], str] | None:
+    """The top-level arguments of ``name(ARGS) = RET`` and the rest after ``) = ``."""
+    depth = 0
+    start = 0
+    out: list[str] = []
+    i = 0
+    n = len(text)
+    while i < n:
+        c = text[i]
+        if c == '"':
+            j = text.find('"', i + 1)
+            if j < 0:
+                return None
+            i = j + 1
+            continue
+        if c == "<":
+            j = text.find(">", i + 1)
+            if j < 0:
+                return None
+            i = j + 1
+            continue
+        if c in "([{":
+            depth += 1
+        elif c in ")]}":
+            if depth == 0:
+                if c != ")":
+                    return None
+                arg = text[start:i].strip()
+                if arg:
+                    out.append(arg)
+                rest = text[i + 1 :].lstrip()
+                if not rest.startswith("="):
+                    return None
+                return out, rest[1:].strip()
+            depth -= 1
+        elif c == "," and depth == 0:
+            out.append(text[start:i].strip())
+            start = i + 1
+        elif c == "/" and text.startswith("/*", i):
+            j = text.find("*/", i + 2)
+            if j < 0:
+                return None
+            i = j + 2
+            continue
+        i += 1
+    return None
+
+
+def _parse_ret(text: str) -> tuple[int | None, bytes | None, int | None, str | None] | None:
+    m = _RET.match(text)
+    if m is None:
+        return None
+    ret = None if m.group(1) == "?" else int(m.group(1))
+    path = _unhex(m.group(2)) if m.group(2) is not None else None
+    return ret, path, int(m.group(3)) if m.group(3) else None, m.group(4)
+
+
+@dataclass(slots=True)
+class _Log:
+    records: list[_Record] = field(default_factory=list)
+    exits: dict[int, str] = field(default_factory=dict)  # pid -> "exited N" / "killed SIGX"
+    children: dict[int, list[int]] = field(default_factory=dict)
+    problems: list[str] = field(default_factory=list)
+
+
+def _read_log(lines: Iterable[str]) -> _Log:
+    log = _Log()
+    pending: dict[int, str] = {}
+    for raw in lines:
+        line = raw.rstrip("\n")
+        m = _LINE.match(line)
+        if m is None:
+            if line.strip():
+                log.problems.append(f"a trace line without a pid: {line[:80]!r}")
+            continue
+        pid, body = int(m.group(1)), m.group(2)
+        if body.startswith("+++ "):
+            what = body[4:].rstrip(" +")
+            log.exits[pid] = what
+            pending.pop(pid, None)
+            continue
+        if body.startswith("--- "):
+            continue
+        if body.endswith(" <unfinished ...>"):
+            pending[pid] = body[: -len(" <unfinished ...>")]
+            continue
+        r = _RESUMED.match(body)
+        if r is not None:
+            head = pending.pop(pid, None)
+            if head is None:
+                log.problems.append(f"a resumed call without its start: {line[:80]!r}")
+                continue
+            body = head + r.group(2)
+        paren = body.find("(")
+        if paren <= 0:
+            log.problems.append(f"an unreadable trace line: {line[:80]!r}")
+            continue
+        name = body[:paren]
+        split = _split_args(body[paren + 1 :])
+        ret = _parse_ret(split[1]) if split is not None else None
+        if split is None or ret is None:
+            log.problems.append(f"an unreadable {name} record: {line[:80]!r}")
+            continue
+        rec = _Record(pid, name, split[0], *ret)
+        log.records.append(rec)
+        if name in ("clone", "fork", "vfork", "clone3") and rec.ret is not None and rec.ret > 0:
+            log.children.setdefault(pid, []).append(rec.ret_pid or rec.ret)
+    for pid in pending:
+        log.exits.setdefault(pid, "")
+    return log
+
+
+def _descendants(children: dict[int, list[int]], root: int) -> set[int]:
+    out: set[int] = set()
+    todo = list(children.get(root, ()))
+    while todo:
+        p = todo.pop()
+        if p not in out:
+            out.add(p)
+            todo.extend(children.get(p, ()))
+    return out
+
+
+# ---------------------------------------------------------------------------------- accesses
+
+_STR = re.compile(r'^"((?:\\x[0-9a-f]{2})*)"(\.\.\.)?$')
+_FD = re.compile(r"^(-?\d+|AT_FDCWD)(?:<(.*)>)?$")
+
+# name -> (kind, dirfd arg or None, path arg); kinds: lookup, node, list (rmdir), tree
+_PATH_CALLS: dict[str, tuple[str, int | None, int]] = {
+    "open": ("node", None, 0),
+    "creat": ("node", None, 0),
+    "openat": ("node", 0, 1),
+    "openat2": ("node", 0, 1),
+    "stat": ("node", None, 0),
+    "lstat": ("node", None, 0),
+    "stat64": ("node", None, 0),
+    "lstat64": ("node", None, 0),
+    "oldstat": ("node", None, 0),
+    "oldlstat": ("node", None, 0),
+    "newfstatat": ("node", 0, 1),
+    "fstatat64": ("node", 0, 1),
+    "statx": ("node", 0, 1),
+    "access": ("lookup", None, 0),
+    "faccessat": ("lookup", 0, 1),
+    "faccessat2": ("lookup", 0, 1),
+    "readlink": ("lookup", None, 0),
+    "readlinkat": ("lookup", 0, 1),
+    "chdir": ("lookup", None, 0),
+    "execve": ("exec", None, 0),
+    "execveat": ("exec", 0, 1),
+    "statfs": ("lookup", None, 0),
+    "statfs64": ("lookup", None, 0),
+    "mkdir": ("lookup", None, 0),
+    "mkdirat": ("lookup", 0, 1),
+    "mknod": ("lookup", None, 0),
+    "mknodat": ("lookup", 0, 1),
+    "unlink": ("lookup", None, 0),
+    "unlinkat": ("lookup", 0, 1),
+    "rmdir": ("list", None, 0),
+    "chmod": ("node", None, 0),
+    "fchmodat": ("node", 0, 1),
+    "fchmodat2": ("node", 0, 1),
+    "chown": ("node", None, 0),
+    "lchown": ("node", None, 0),
+    "fchownat": ("node", 0, 1),
+    "truncate": ("node", None, 0),
+    "truncate64": ("node", None, 0),
+    "utime": ("node", None, 0),
+    "utimes": ("node", None, 0),
+    "utimensat": ("node", 0, 1),
+    "futimesat": ("node", 0, 1),
+    "getxattr": ("node", None, 0),
+    "lgetxattr": ("node", None, 0),
+    "listxattr": ("node", None, 0),
+    "llistxattr": ("node", None, 0),
+    "setxattr": ("node", None, 0),
+    "lsetxattr": ("node", None, 0),
+    "removexattr": ("node", None, 0),
+    "lremovexattr": ("node", None, 0),
+}
+# (kind, dirfd, path) per path argument
+_TWO_PATH_CALLS: dict[str, tuple[tuple[str, int | None, int], ...]] = {
+    "rename": (("tree", None, 0), ("tree", None, 1)),
+    "renameat": (("tree", 0, 1), ("tree", 2, 3)),
+    "renameat2": (("tree", 0, 1), ("tree", 2, 3)),
+    "link": (("node", None, 0), ("lookup", None, 1)),
+    "linkat": (("node", 0, 1), ("lookup", 2, 3)),
+}
+#: Calls that observe or change state outside the sandbox's files: untracked when they succeed.
+_UNTRACKED_CALLS = frozenset(
+    {
+        "chroot",
+        "mount",
+        "umount",
+        "umount2",
+        "pivot_root",
+        "swapon",
+        "swapoff",
+        "quotactl",
+        "acct",
+        "uselib",
+        "inotify_add_watch",
+        "fanotify_mark",
+        "name_to_handle_at",
+        "open_tree",
+        "move_mount",
+        "fspick",
+        "fsconfig",
+        "mount_setattr",
+    }
+)
+_HARMLESS_CALLS = frozenset({"getcwd", "clone", "clone3", "fork", "vfork", "fchdir"})
+#: Calls that change files (a process killed by SIGPIPE after one is untracked).
+_WRITING_CALLS = frozenset(
+    {
+        "creat",
+        "mkdir",
+        "mkdirat",
+        "mknod",
+        "mknodat",
+        "unlink",
+        "unlinkat",
+        "rmdir",
+        "rename",
+        "renameat",
+        "renameat2",
+        "link",
+        "linkat",
+        "symlink",
+        "symlinkat",
+        "chmod",
+        "fchmodat",
+        "fchmodat2",
+        "chown",
+        "lchown",
+        "fchownat",
+        "truncate",
+        "truncate64",
+        "utime",
+        "utimes",
+        "utimensat",
+        "futimesat",
+        "setxattr",
+        "lsetxattr",
+        "removexattr",
+        "lremovexattr",
+        "bind",
+    }
+)
+_WRITE_OPEN = re.compile(r"O_(WRONLY|RDWR|CREAT|TRUNC|APPEND)")
+
+
+@dataclass(slots=True)
+class _Cwd:
+    path: bytes | None
+
+
+@dataclass(frozen=True, slots=True)
+class _Access:
+    kind: str  # lookup, node, list, tree, exec, symlink (target relative to the link's directory)
+    path: bytes  # absolute, unresolved
+    base: bytes = b""  # symlink: the directory the target is relative to
+
+
+def _string(arg: str) -> bytes | None:
+    """A path argument's bytes; None for NULL or a pointer; Untracked when cut short."""
+    m = _STR.match(arg)
+    if m is None:
+        return None
+    if m.group(2):
+        raise Untracked("a path longer than the tracer records")
+    return _unhex(m.group(1))
+
+
+def _fd_path(arg: str) -> tuple[bool, bytes | None]:
+    """(is AT_FDCWD, the descriptor's path or None)."""
+    m = _FD.match(arg)
+    if m is None:
+        return False, None
+    path = _unhex(m.group(2)) if m.group(2) is not None else None
+    if path is not None:
+        path = path.removesuffix(b" (deleted)")
+        if not path.startswith(b"/"):
+            path = None  # a pipe, socket or other object without a path
+    return m.group(1) == "AT_FDCWD", path
+
+
+def _absolute(path: bytes, dirfd_arg: str | None, cwd: _Cwd) -> bytes:
+    if path.startswith(b"/"):
+        return path
+    base: bytes | None
+    if dirfd_arg is None:
+        base = cwd.path
+    else:
+        at_cwd, base = _fd_path(dirfd_arg)
+        if at_cwd and base is not None:
+            cwd.path = base
+        elif at_cwd:
+            base = cwd.path
+    if base is None:
+        raise Untracked("a relative path whose directory the trace does not name")
+    return base.rstrip(b"/") + b"/" + path if path else base
+
+
+def _accesses(log: _Log, command_pids: set[int], cwd0: bytes, network: bool) -> list[_Access]:
+    """Every path access of the command's processes, in log order."""
+    cwds: dict[int, _Cwd] = {}
+    parents = {c: p for p, cs in log.children.items() for c in cs}
+    out: list[_Access] = []
+    for rec in log.records:
+        if rec.pid not in command_pids:
+            continue
+        cwd = cwds.get(rec.pid)
+        if cwd is None:
+            parent = cwds.get(parents.get(rec.pid, -1))
+            cwd = cwds[rec.pid] = _Cwd(parent.path if parent is not None else cwd0)
+        name, args = rec.name, rec.args
+        ok = rec.ret is not None and rec.ret >= 0
+        for a in args:
+            if a.startswith("AT_FDCWD<"):
+                known = _fd_path(a)[1]
+                if known is not None:
+                    cwd.path = known
+        if name in ("clone", "fork", "vfork"):
+            child = rec.ret_pid or rec.ret
+            if child and child > 0 and child not in cwds:
+                shared = name == "clone" and any("CLONE_FS" in a for a in args)
+                cwds[child] = cwd if shared else _Cwd(cwd.path)
+            continue
+        if name == "fchdir":
+            if ok and args:
+                cwd.path = _fd_path(args[0])[1] or cwd.path
+            continue
+        if name in _UNTRACKED_CALLS:
+            if ok:
+                raise Untracked(f"{name} succeeded")
+            continue
+        if name in ("getdents", "getdents64"):
+            path = _fd_path(args[0])[1] if args else None
+            if path is None:
+                raise Untracked(f"{name} of a descriptor whose path the trace does not name")
+            out.append(_Access("list", path))
+            continue
+        if name in ("connect", "bind"):
+            out.extend(_socket(name, args, ok, network))
+            continue
+        if name in ("symlink", "symlinkat"):
+            target = _string(args[0]) if args else None
+            link_dir = args[1] if name == "symlinkat" and len(args) > 2 else None
+            link = _string(args[2] if name == "symlinkat" else args[1]) if len(args) > 1 else None
+            if target is None or link is None:
+                raise Untracked(f"an unreadable {name} record")
+            where = _absolute(link, link_dir, cwd)
+            out.append(_Access("lookup", where))
+            if ok:
+                out.append(_Access("symlink", target, where.rpartition(b"/")[0] or b"/"))
+            continue
+        specs = _TWO_PATH_CALLS.get(name)
+        if specs is None:
+            spec = _PATH_CALLS.get(name)
+            if spec is None:
+                if name in _HARMLESS_CALLS:
+                    continue
+                if ok:
+                    raise Untracked(f"{name} is not one the read set understands")
+                continue
+            specs = (spec,)
+        for kind, dirfd_i, path_i in specs:
+            if path_i >= len(args):
+                raise Untracked(f"an unreadable {name} record")
+            path = _string(args[path_i])
+            dirfd_arg = args[dirfd_i] if dirfd_i is not None and dirfd_i < len(args) else None
+            if path is None:
+                # NULL or "" with AT_EMPTY_PATH: the call works on the descriptor itself
+                fd_path = _fd_path(dirfd_arg)[1] if dirfd_arg is not None else None
+                if fd_path is None:
+                    if dirfd_arg is None or _fd_path(dirfd_arg)[0]:
+                        raise Untracked(f"an unreadable {name} record")
+                    continue  # a descriptor without a path (a pipe): not a file
+                out.append(_Access(kind if kind != "exec" else "lookup", fd_path))
+                continue
+            if path == b"" and dirfd_arg is not None and not _fd_path(dirfd_arg)[0]:
+                fd_path = _fd_path(dirfd_arg)[1]
+                if fd_path is not None:
+                    out.append(_Access(kind if kind != "exec" else "lookup", fd_path))
+                continue
+            absolute = _absolute(path, dirfd_arg, cwd)
+            out.append(_Access(kind, absolute))
+            if name == "unlinkat" and ok and any("AT_REMOVEDIR" in a for a in args):
+                out.append(_Access("list", absolute))
+            if name == "rmdir":
+                out.append(_Access("lookup", absolute))
+        if name in ("open", "openat", "openat2", "creat") and ok and rec.ret_path is not None:
+            out.append(_Access("node", rec.ret_path))
+        if name == "chdir" and ok:
+            cwd.path = out[-1].path
+    return out
+
+
+_SUN_PATH = re.compile(r'sun_path="((?:\\x[0-9a-f]{2})*)"')
+
+
+def _socket(name: str, args: list[str], ok: bool, network: bool) -> list[_Access]:
+    address = args[1] if len(args) > 1 else ""
+    if "AF_UNIX" in address or "AF_LOCAL" in address:
+        m = _SUN_PATH.search(address)
+        if m is None:
+            return []  # abstract or unnamed: inside the sandbox's own network namespace
+        path = _unhex(m.group(1))
+        if not path.startswith(b"/"):
+            raise Untracked(f"{name} to a relative socket path")
+        return [_Access("node" if name == "connect" else "lookup", path)]
+    if network and name == "connect" and ok:
+        raise Untracked("a network connection (the sandbox has network access)")
+    return []
+
+
+def _writers(log: _Log, pids: set[int]) -> set[int]:
+    """The processes that made a call changing files."""
+    out = set()
+    for rec in log.records:
+        if rec.pid not in pids or rec.pid in out:
+            continue
+        opens_to_write = rec.name in ("open", "openat", "openat2") and any(_WRITE_OPEN.search(a) for a in rec.args[1:3])
+        if rec.name in _WRITING_CALLS or opens_to_write:
+            out.add(rec.pid)
+    return out
+
+
+# ---------------------------------------------------------------------------------- resolution
+
+
+class _Reads:
+    def __init__(self) -> None:
+        self.sets: dict[str, set[str]] = {"lookups": set(), "nodes": set(), "lists": set(), "trees": set()}
+
+    def add(self, kind: str, parts: Sequence[bytes]) -> None:
+        self.sets[kind + "s"].add(os.fsdecode(b"/".join(parts)))
+
+    def read_set(self) -> ReadSet:
+        s = self.sets
+        return ReadSet(frozenset(s["lookups"]), frozenset(s["nodes"]), frozenset(s["lists"]), frozenset(s["trees"]))
+
+
+class _View:
+    """One state of the sandbox's tree (a directory on the host), read without following
+    symlinks out of it; entries looked up are cached."""
+
+    def __init__(self, root: str) -> None:
+        self.reader = _TreeReader(os.fsencode(root))
+        self._cache: dict[bytes, tuple[str, bytes] | None] = {}
+
+    def close(self) -> None:
+        self.reader.close()
+
+    def entry(self, rel: bytes) -> tuple[str, bytes] | None:
+        """("d"|"l"|"f", symlink target) of the entry at ``rel``, None when absent."""
+        if rel in self._cache:
+            return self._cache[rel]
+        found = self.reader.lstat(rel)
+        out: tuple[str, bytes] | None = None
+        if found is not None:
+            pfd, name, st = found
+            if stat.S_ISLNK(st.st_mode):
+                out = ("l", os.readlink(name, dir_fd=pfd))
+            else:
+                out = ("d" if stat.S_ISDIR(st.st_mode) else "f", b"")
+        self._cache[rel] = out
+        return out
+
+    def head(self, rel: bytes, n: int = 4096) -> bytes:
+        """The first ``n`` bytes of the regular file at ``rel`` (b"" when unreadable)."""
+        found = self.reader.lstat(rel)
+        if found is None or not stat.S_ISREG(found[2].st_mode):
+            return b""
+        try:
+            fd = os.open(found[1], os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=found[0])
+        except OSError:
+            return b""
+        try:
+            return os.pread(fd, n, 0)
+        finally:
+            os.close(fd)
+
+
+@dataclass(frozen=True, slots=True)
+class _Mounts:
+    """What is mounted over the sandbox's tree, by path components: ``proc``, ``dev``,
+    ``ro`` (a read-only bind) or ``rw`` (a writable bind)."""
+
+    points: dict[tuple[bytes, ...], str]
+
+    @classmethod
+    def of(cls, binds: Sequence[Bind], network: bool) -> _Mounts:
+        points: dict[tuple[bytes, ...], str] = {(b"proc",): "proc", (b"dev",): "dev"}
+        if network:
+            points[(b"etc", b"resolv.conf")] = "ro"
+        for b in binds:
+            parts = tuple(p for p in os.fsencode(b.target).split(b"/") if p and p != b".")
+            if parts:
+                points[parts] = "rw" if b.writable else "ro"
+        return cls(points)
+
+
+def _resolve(
+    view: _View, mounts: _Mounts, path: bytes, kind: str, reads: _Reads, cwd: bytes | None = None, depth: int = 0
+) -> tuple[bytes, ...] | None:
+    """Resolve the absolute ``path`` in ``view`` as the kernel would, recording each symlink
+    met (a lookup), each directory left by ``..`` (a lookup), and the final entry (``kind``)
+    or the first missing one (a lookup). Returns the final entry's components, or None
+    when it is missing or not in the tree (``/proc``, ``/dev``, a read-only bind)."""
+    stack = [p for p in reversed(path.split(b"/")) if p not in (b"", b".")]
+    cur: list[bytes] = []
+    links = 0
+    while stack:
+        c = stack.pop()
+        if c == b"..":
+            if cur:
+                reads.add("lookup", cur)
+                cur.pop()
+            continue
+        cand = (*cur, c)
+        where = mounts.points.get(cand)
+        if where is not None:
+            return _mounted(where, cand, [*reversed(stack)], view, mounts, kind, reads, depth)
+        rel = b"/".join(cand)
+        entry = view.entry(rel)
+        if entry is None:
+            reads.add("lookup", cand)
+            return None
+        if entry[0] == "l":
+            reads.add("lookup" if stack else kind, cand)
+            links += 1
+            if links > _MAX_LINKS:
+                return None
+            target = entry[1]
+            if target.startswith(b"/"):
+                cur = []
+            stack.extend(p for p in reversed(target.split(b"/")) if p not in (b"", b"."))
+            continue
+        if stack and entry[0] != "d":
+            reads.add("lookup", cand)
+            return None
+        cur = list(cand)
+    reads.add(kind, cur)
+    return tuple(cur)
+
+
+def _mounted(
+    where: str,
+    point: tuple[bytes, ...],
+    rest: list[bytes],
+    view: _View,
+    mounts: _Mounts,
+    kind: str,
+    reads: _Reads,
+    depth: int,
+) -> None:
+    if where == "rw":
+        raise Untracked(f"it used the writable bind /{os.fsdecode(b'/'.join(point))}")
+    if where == "dev" and rest and (rest[0] == b"fd" or rest[0] in (b"stdin", b"stdout", b"stderr")):
+        # /dev/fd/N, /dev/std*: bubblewrap's links to /proc/self/fd
+        where, rest = "proc", [b"self", b"fd", *rest[1:]] if rest[0] == b"fd" else [b"self", b"fd", b"0"]
+    if where != "proc" or len(rest) < 2:
+        return None  # /dev, a read-only bind, kernel state in /proc: not the sandbox's files
+    who, sub = rest[0], rest[1:]
+    if who in (b"self", b"thread-self") or who.isdigit():
+        if sub[:1] == [b"task"]:
+            sub = sub[2:]
+        if not sub or sub[0] in (b"exe", b"map_files") or (sub[0] == b"fd" and len(sub) <= 2):
+            return None  # the executable and open files were recorded when exec'd or opened
+        if sub[0] in (b"cwd", b"root", b"fd"):
+            raise Untracked(f"a path through /proc/{os.fsdecode(who)}/{os.fsdecode(sub[0])}")
+    return None
+
+
+def _interpreter(view: _View, parts: tuple[bytes, ...]) -> bytes | None:
+    """The interpreter the kernel runs for the executable at ``parts``: its ``#!`` line's
+    or its ELF ``PT_INTERP``."""
+    head = view.head(b"/".join(parts))
+    if head.startswith(b"#!"):
+        line = head[2:].split(b"\n", 1)[0].strip()
+        return line.split()[0] if line else None
+    if head[:4] != b"\x7fELF" or len(head) < 64 or head[4] != 2:  # 64-bit only
+        return None
+    endian = "<" if head[5] == 1 else ">"
+    (phoff,) = struct.unpack_from(endian + "Q", head, 32)
+    phentsize, phnum = struct.unpack_from(endian + "HH", head, 54)
+    for i in range(min(phnum, 64)):
+        off = phoff + i * phentsize
+        if off + 56 > len(head):
+            return None
+        p_type, _, p_offset, _, _, p_filesz = struct.unpack_from(endian + "IIQQQQ", head, off)
+        if p_type == 3 and p_offset + p_filesz <= len(head):  # PT_INTERP
+            return head[p_offset : p_offset + p_filesz].rstrip(b"\0")
+    return None
+
+
+def _resolve_access(view: _View, mounts: _Mounts, access: _Access, reads: _Reads) -> None:
+    if access.kind == "symlink":
+        # a link the command made: what it points to may have been read through it, even if
+        # the link is gone by the end, so the whole target counts
+        target = access.path if access.path.startswith(b"/") else access.base + b"/" + access.path
+        _resolve(view, mounts, target, "tree", reads)
+        return
+    if access.kind != "exec":
+        _resolve(view, mounts, access.path, access.kind, reads)
+        return
+    parts = _resolve(view, mounts, access.path, "lookup", reads)
+    for _ in range(4):  # an interpreter's own #! line, at most a few deep
+        if parts is None:
+            return
+        interp = _interpreter(view, parts)
+        if interp is None or not interp.startswith(b"/"):
+            return
+        parts = _resolve(view, mounts, interp, "lookup", reads)
+
+
+def read_set(
+    trace: CommandTrace,
+    *,
+    views: Sequence[str],
+    cwd: str,
+    binds: Sequence[Bind] = (),
+    network: bool = False,
+) -> ReadSet | None:
+    """The read set of the command ``trace`` recorded, resolved in each of ``views`` (the
+    fork's origin and final trees on the host), or None when it is untracked (module
+    docstring). ``cwd`` is the command's working directory in the sandbox."""
+    try:
+        return _read_set(trace, views, cwd, binds, network)
+    except Untracked:
+        return None
+
+
+def untracked_reason(
+    trace: CommandTrace, *, views: Sequence[str], cwd: str, binds: Sequence[Bind] = (), network: bool = False
+) -> str | None:
+    """Why :func:`read_set` gives None for ``trace`` (None when it gives a read set)."""
+    try:
+        _read_set(trace, views, cwd, binds, network)
+    except Untracked as exc:
+        return str(exc)
+    return None
+
+
+def _read_set(trace: CommandTrace, views: Sequence[str], cwd: str, binds: Sequence[Bind], network: bool) -> ReadSet:
+    if trace.timed_out:
+        raise Untracked("the command timed out")
+    if trace.child_pid < 0:
+        raise Untracked("the sandbox never started")
+    with contextlib.suppress(FileNotFoundError):
+        diag = trace.diag.read_text(errors="replace").strip()
+        if diag:
+            raise Untracked(f"the tracer reported: {diag.splitlines()[-1][:200]}")
+    try:
+        size = trace.log.stat().st_size
+    except FileNotFoundError:
+        raise Untracked("the tracer wrote no log") from None
+    if size > MAX_LOG_BYTES:
+        raise Untracked(f"the trace is larger than {MAX_LOG_BYTES >> 20} MiB")
+    with open(trace.log, encoding="ascii", errors="surrogateescape") as f:
+        log = _read_log(f)
+    if log.problems:
+        raise Untracked(log.problems[0])
+    pids = _descendants(log.children, trace.child_pid)
+    if not pids:
+        raise Untracked("the trace holds no process of the command")
+    writers: set[int] | None = None
+    for pid in sorted(pids):
+        how = log.exits.get(pid)
+        if how is None or not how:
+            raise Untracked("a process was still running when the command ended")
+        if how.startswith("killed by SIGPIPE"):
+            writers = _writers(log, pids) if writers is None else writers
+            if pid in writers:
+                raise Untracked("a process that changed files was killed by SIGPIPE")
+        elif not how.startswith("exited with"):
+            raise Untracked(f"a process was {how}")
+    accesses = _accesses(log, pids, os.fsencode(cwd), network)
+    mounts = _Mounts.of(binds, network)
+    reads = _Reads()
+    unique = list(dict.fromkeys(accesses))
+    for root in dict.fromkeys(views):
+        view = _View(root)
+        try:
+            for access in unique:
+                _resolve_access(view, mounts, access, reads)
+        finally:
+            view.close()
+    return reads.read_set()
+
+
+# ---------------------------------------------------------------------------------- writes
+
+
+def write_set(tracker: UpperTracker, layer: Layer, lower: str | None) -> WriteSet:
+    """What the command whose upper ``tracker`` last read (with ``layer``, its changes)
+    wrote, against ``lower`` (the tree under the upper; None: empty)."""
+    reader = _TreeReader(os.fsencode(lower) if lower is not None else None)
+    try:
+        changed = {os.fsdecode(p) for p, _ in layer.records}
+        entries: set[str] = set()
+        for p, after in layer.records:
+            parent = p.rpartition(b"/")[0]
+            if after is None:
+                entries.add(os.fsdecode(parent))
+                continue
+            found = reader.lstat(p)
+            if found is None or _kind(found[2]) != after[:1]:
+                entries.add(os.fsdecode(parent))
+        touched: set[str] = set()
+        for p, seen in tracker._seen.items():
+            if not seen.is_dir:
+                touched.add(os.fsdecode(p))
+                continue
+            found = reader.lstat(p)
+            if found is None or not seen.fp or found[2].st_mtime_ns != seen.fp[4]:
+                entries.add(os.fsdecode(p))  # made, or its own times changed
+        return WriteSet(frozenset(changed), frozenset(touched), frozenset(entries))
+    finally:
+        reader.close()
+
+
+def _kind(st: os.stat_result) -> bytes:
+    fmt = stat.S_IFMT(st.st_mode)
+    return {stat.S_IFREG: b"f", stat.S_IFDIR: b"d", stat.S_IFLNK: b"l"}.get(fmt, b"?")
+
+
+_TIME_SLACK_NS = 20_000_000  # file times come from a coarse clock, a tick behind
+
+
+def shift_times(
+    upper: str, *, started_ns: int, ended_ns: int, after_ns: int, now_ns: int, lower: str | None, new_lower: str | None
+) -> int:
+    """Move the modification times a rebased fork's command set while it ran
+    (``started_ns``..``ended_ns``, wall clock) into ``after_ns``..``now_ns`` (after the
+    commits it is rebased onto), keeping their order; give a directory the fork only copied
+    up (its time is its ``lower``'s) the time it has in ``new_lower``. Returns how many
+    entries changed. Times set explicitly to the past are left alone."""
+    span = max(ended_ns - started_ns, 1)
+    room = max(now_ns - after_ns - 1, 0)
+    shift = after_ns >= started_ns - _TIME_SLACK_NS
+    old = _TreeReader(os.fsencode(lower) if lower is not None else None)
+    new = _TreeReader(os.fsencode(new_lower) if new_lower is not None else None)
+    n = 0
+    try:
+        for rel, dir_fd, name, st in _upper_entries(upper):
+            mtime = st.st_mtime_ns
+            if stat.S_ISCHR(st.st_mode) and st.st_rdev == 0:
+                continue  # a whiteout
+            target = None
+            if shift and mtime >= started_ns - _TIME_SLACK_NS:
+                t = min(max(mtime, started_ns), ended_ns)
+                target = after_ns + 1 + (t - started_ns) * room // span
+            elif stat.S_ISDIR(st.st_mode):
+                before, after = old.lstat(rel), new.lstat(rel)
+                copied_up = before is not None and before[2].st_mtime_ns == mtime
+                if copied_up and after is not None and after[2].st_mtime_ns != mtime:
+                    target = after[2].st_mtime_ns
+            if target is not None and target != mtime:
+                os.utime(name, ns=(st.st_atime_ns, target), dir_fd=dir_fd, follow_symlinks=False)
+                n += 1
+    finally:
+        old.close()
+        new.close()
+    return n
+
+
+def _upper_entries(upper: str) -> Iterator[tuple[bytes, int, bytes, os.stat_result]]:
+    """(relative path, parent fd, name, lstat) of every entry below ``upper``, children
+    before their directory (so a directory's time is set after its entries')."""
+    from aospec.runtime._fs import walk_tree
+
+    root = os.open(upper, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        dirs: list[tuple[bytes, int, bytes, os.stat_result]] = []
+        for step in walk_tree(root):
+            prefix = step.rel + b"/" if step.rel else b""
+            for entry in step.entries:
+                name = os.fsencode(entry.name)
+                st = entry.stat(follow_symlinks=False)
+                if stat.S_ISDIR(st.st_mode):
+                    dirs.append((prefix + name, os.dup(step.fd), name, st))
+                else:
+                    yield prefix + name, step.fd, name, st
+        for rel, fd, name, st in reversed(dirs):
+            try:
+                yield rel, fd, name, st
+            finally:
+                os.close(fd)
+    finally:
+        os.close(root)

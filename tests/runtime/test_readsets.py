@@ -1,0 +1,326 @@
+"""Read sets on the overlay backend: the strace log parser, read sets of real commands
+resolved in real sandboxes, what makes a command untracked, and rebasing a fork onto
+unrelated commits giving exactly what running it there gives."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import anyio
+import pytest
+from aospec.runtime import Bind, SandboxConfig, open_sandbox
+from aospec.runtime.overlay import OverlaySandbox, ReadSetOverlaySandbox, read_sets_on
+from aospec.runtime.readsets import CommandTrace, read_set, tracer_support, untracked_reason
+
+from aospec.errors import SandboxError
+from aospec.protocols import ReadSetSandbox
+from aospec.readsets import ReadSet, conflict, fork_conflict
+from aospec.types import Action
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _hex(path: str) -> str:
+    return "".join(f"\\x{b:02x}" for b in path.encode())
+
+
+def _trace(tmp_path: Path, lines: list[str], child: int = 100) -> CommandTrace:
+    t = CommandTrace(tmp_path / "t", "strace")
+    t.log.write_text("".join(line + "\n" for line in lines))
+    t.diag.write_text("")
+    t.child_pid = child
+    return t
+
+
+def _tree(tmp_path: Path) -> Path:
+    root = tmp_path / "root"
+    (root / "w" / "d").mkdir(parents=True)
+    (root / "w" / "a").write_text("a\n")
+    (root / "w" / "l").symlink_to("d")
+    (root / "bin").mkdir()
+    (root / "bin" / "tool").write_text("#!/bin/interp -x\n")
+    return root
+
+
+# One command in the sandbox: bwrap's child 100 forks the shell 101 (namespace pid 2), which
+# forks 102 (namespace pid 3): pids after "/*" are the host's.
+HEAD = [
+    "100  clone(child_stack=NULL, flags=SIGCHLD) = 2 /* 101 in strace's PID NS */",
+    f'101  execve("{_hex("/bin/tool")}", 0x1, 0x2) = 0',
+]
+TAIL = ["101  +++ exited with 0 +++"]
+
+
+def test_the_parser_reads_calls_their_directories_and_the_processes_of_the_command(tmp_path: Path) -> None:
+    root = _tree(tmp_path)
+    lines = [
+        "99  openat(AT_FDCWD<\\x2f>, \"\\x2f\\x65\\x74\\x63\", O_RDONLY) = 3",  # bwrap itself: not the command
+        *HEAD,
+        f'101  newfstatat(AT_FDCWD<{_hex("/w")}>, "{_hex("a")}", 0x7ff, 0) = 0',
+        f'101  openat(AT_FDCWD<{_hex("/w")}>, "{_hex("l/x")}", O_RDONLY <unfinished ...>',
+        "101  <... openat resumed>) = -1 ENOENT (No such file or directory)",
+        f'101  openat(AT_FDCWD<{_hex("/w")}>, "{_hex("d")}", O_RDONLY|O_DIRECTORY) = 3<{_hex("/w/d")}>',
+        f"101  getdents64(3<{_hex('/w/d')}>, 0x55, 32768) = 48",
+        "101  clone(child_stack=NULL, flags=SIGCHLD) = 3 /* 102 in strace's PID NS */",
+        f'102  access("{_hex("nothere")}", F_OK) = -1 ENOENT (No such file or directory)',  # relative, inherited cwd
+        f'102  rename("{_hex("/w/a")}", "{_hex("/w/b")}") = 0',
+        "102  +++ exited with 0 +++",
+        *TAIL,
+    ]
+    reads = read_set(_trace(tmp_path, lines), views=[str(root)], cwd="/")
+    assert reads is not None
+    assert reads.nodes >= {"w/a", "w/d"} and "etc" not in reads.nodes
+    assert "w/l" in reads.lookups and "w/d/x" in reads.lookups  # through the link, then missing
+    assert reads.lists == {"w/d"}
+    assert "w/nothere" in reads.lookups
+    assert reads.trees == {"w/a"} and "w/b" in reads.lookups  # a missing target is a lookup
+    assert {"bin/tool", "bin/interp"} <= reads.lookups  # the kernel reads the #! interpreter
+
+
+@pytest.mark.parametrize(
+    ("extra", "why"),
+    [
+        ([], "still running"),  # 102 never exits: a process outlived the command
+        (["102  +++ killed by SIGKILL +++"], "killed by SIGKILL"),
+        ([f'102  openat(AT_FDCWD<\\x2f>, "{_hex("/proc/self/cwd/x")}", O_RDONLY) = -1 ENOENT (x)'], "/proc/self/cwd"),
+        ([f'102  newfstatat(AT_FDCWD<\\x2f>, "{_hex("/rw/f")}", 0x1, 0) = 0'], "writable bind /rw"),
+        (["102  inotify_add_watch(3, \"\\x2f\", IN_MODIFY) = 1"], "inotify_add_watch"),
+        ([f'102  openat(AT_FDCWD<\\x2f>, "{_hex("/w/a")}"..., O_RDONLY) = 3'], "longer than the tracer"),
+        (["102  openat(AT_FDCWD<\\x2f>, garbage"], "unreadable"),
+    ],
+)
+def test_what_the_read_set_cannot_account_for_is_untracked(tmp_path: Path, extra: list[str], why: str) -> None:
+    root = _tree(tmp_path)
+    lines = [*HEAD, "101  clone(child_stack=NULL, flags=SIGCHLD) = 3 /* 102 in strace's PID NS */", *extra, *TAIL]
+    if not any("+++" in e for e in extra):
+        lines.append("102  +++ exited with 0 +++" if why != "still running" else "")
+    trace = _trace(tmp_path, [x for x in lines if x])
+    binds = [Bind(str(tmp_path), "/rw", writable=True)]
+    assert read_set(trace, views=[str(root)], cwd="/", binds=binds) is None
+    assert why in (untracked_reason(trace, views=[str(root)], cwd="/", binds=binds) or "")
+
+
+def test_sigpipe_is_no_reason_for_a_reader_but_is_for_a_writer(tmp_path: Path) -> None:
+    root = _tree(tmp_path)
+    reader = [*HEAD, "101  +++ killed by SIGPIPE +++"]
+    assert read_set(_trace(tmp_path, reader), views=[str(root)], cwd="/") is not None
+    writer = [*HEAD, f'101  unlink("{_hex("/w/a")}") = 0', "101  +++ killed by SIGPIPE +++"]
+    assert read_set(_trace(tmp_path, writer), views=[str(root)], cwd="/") is None
+
+
+def test_a_tracer_message_or_a_timeout_makes_it_untracked(tmp_path: Path) -> None:
+    root = _tree(tmp_path)
+    t = _trace(tmp_path, [*HEAD, *TAIL])
+    assert read_set(t, views=[str(root)], cwd="/") is not None
+    t.diag.write_text("strace: ptrace(PTRACE_SEIZE, 5): Operation not permitted\n")
+    assert "Operation not permitted" in (untracked_reason(t, views=[str(root)], cwd="/") or "")
+    t.diag.write_text("")
+    t.timed_out = True
+    assert untracked_reason(t, views=[str(root)], cwd="/") == "the command timed out"
+
+
+# ---------------------------------------------------------------------------------- real sandboxes
+
+SETUP = "mkdir -p /w/d /u && echo a > /w/a && echo b > /w/b && ln -s a /w/l && echo log > /u/log"
+COMMANDS = [
+    "ls /w",
+    "test -e /w/x && echo yes || echo no",
+    "find /w | sort",
+    "stat -c '%n %s' /w/a",
+    "echo /w/*",
+    "[ -d /w/x ] || mkdir /w/x; ls -d /w/x",
+    "cat /w/l",
+]
+WRITES = [
+    "echo more >> /u/log",  # unrelated to every command
+    "echo new > /w/new",  # a new entry in /w
+    "echo more >> /w/a",  # /w/a's content and size
+    "mkdir /w/x",
+    "ln -sf b /w/l",
+    "echo e > /w/d/e",
+]
+
+
+def needs_tracer() -> None:
+    if not tracer_support().ok:
+        pytest.skip(f"read sets are {tracer_support().detail}")
+
+
+async def _run(sb: ReadSetOverlaySandbox, command: str, *, trace: bool) -> tuple[str, str, ReadSet | None, object]:
+    fork = await sb.fork()
+    if trace:
+        await fork.trace_reads()
+    obs = await fork.execute(Action.bash(command))
+    return obs, fork.version, (await fork.read_set()) if trace else None, fork
+
+
+@pytest.mark.root
+def test_a_fork_valid_by_its_read_set_gives_what_running_it_after_the_commits_gives(overlay: str) -> None:
+    needs_tracer()
+
+    async def main() -> list[tuple[str, str, bool]]:
+        seen = []
+        for command in COMMANDS:
+            for write in WRITES:
+                async with open_sandbox(SandboxConfig(timeout_s=20)) as sb:
+                    assert isinstance(sb, ReadSetOverlaySandbox)
+                    await sb.run(SETUP)
+                    obs0, _, reads, fork = await _run(sb, command, trace=True)
+                    assert reads is not None, command
+                    fork_writes = await fork.write_set()
+                    _, _, _, step = await _run(sb, write, trace=False)
+                    writes = await step.write_set()
+                    await sb.commit(step)
+                    problem = conflict(reads, writes) or fork_conflict(fork_writes, writes)
+                    # what serial execution gives: the command run after the commit
+                    obs1, version1, _, again = await _run(sb, command, trace=False)
+                    await again.discard()
+                    if problem is None:
+                        assert obs0 == obs1, (command, write)
+                        await sb.rebase(fork)
+                        assert sb.version == version1, (command, write)
+                    else:
+                        await fork.discard()
+                    seen.append((command, write, problem is None))
+        return seen
+
+    seen = anyio.run(main)
+    valid = {(c, w) for c, w, ok in seen if ok}
+    # the rule is not vacuous either way: unrelated writes pass, related ones do not
+    assert all((c, WRITES[0]) in valid for c in COMMANDS)
+    for c, w in [
+        ("ls /w", "echo new > /w/new"),
+        ("test -e /w/x && echo yes || echo no", "mkdir /w/x"),
+        ("stat -c '%n %s' /w/a", "echo more >> /w/a"),
+        ("echo /w/*", "echo new > /w/new"),
+        ("cat /w/l", "ln -sf b /w/l"),
+        ("cat /w/l", "echo more >> /w/a"),
+        ("find /w | sort", "echo e > /w/d/e"),
+    ]:
+        assert (c, w) not in valid, (c, w)
+    assert ("cat /w/l", "echo new > /w/new") in valid  # a new name next to what it read
+    assert ("test -e /w/x && echo yes || echo no", "echo new > /w/new") in valid
+    assert ("ls /w", "echo e > /w/d/e") not in valid  # ls stat'ed /w/d, whose link count and time moved
+
+
+@pytest.mark.root
+def test_a_rebase_keeps_the_serial_order_of_modification_times(overlay: str) -> None:
+    needs_tracer()
+
+    async def main() -> str:
+        async with open_sandbox(SandboxConfig(timeout_s=20)) as sb:
+            await sb.run(SETUP)
+            fork = (await _run(sb, "echo f > /w/f", trace=True))[3]
+            await anyio.sleep(0.05)
+            _, _, _, step = await _run(sb, "echo g > /u/g", trace=False)
+            await sb.commit(step)
+            await sb.rebase(fork)
+            return (await sb.run("stat -c %y /w/f /u/g")).output
+
+    # serially /u/g was written first, so /w/f is the newer (%y: nanoseconds, sortable)
+    f_time, g_time = anyio.run(main).splitlines()
+    assert f_time > g_time
+
+
+@pytest.mark.root
+@pytest.mark.parametrize(
+    ("command", "why"),
+    [("sleep 30 & echo started", "still running"), ("cat /rw/x", "writable bind")],
+)
+def test_a_command_the_tracer_cannot_account_for_has_no_read_set(
+    overlay: str, tmp_path: Path, command: str, why: str
+) -> None:
+    needs_tracer()
+    (tmp_path / "x").write_text("x\n")
+
+    async def main() -> tuple[ReadSet | None, str | None]:
+        cfg = SandboxConfig(timeout_s=2, binds=(Bind(str(tmp_path), "/rw", writable=True),))
+        async with open_sandbox(cfg) as sb:
+            fork = await sb.fork()
+            await fork.trace_reads()
+            await fork.execute(Action.bash(command))
+            reads = await fork.read_set()
+            reason = untracked_reason(fork._trace, views=[str(fork._merged)], cwd="/", binds=cfg.binds)
+            await fork.discard()
+            return reads, reason
+
+    reads, reason = anyio.run(main)
+    assert reads is None and why in (reason or "")
+
+
+@pytest.mark.root
+def test_a_traced_guess_that_times_out_offers_no_result(overlay: str) -> None:
+    needs_tracer()
+
+    async def main() -> str:
+        async with open_sandbox(SandboxConfig(timeout_s=1)) as sb:
+            fork = await sb.fork()
+            await fork.trace_reads()
+            with pytest.raises(SandboxError, match="timed out: its result is not used") as err:
+                await fork.execute(Action.bash("sleep 5"))
+            await fork.discard()
+            # the same command, not a guess, times out as usual
+            return (await sb.run("sleep 5")).output + str(err.value)
+
+    assert "timed out" in anyio.run(main)
+
+
+@pytest.mark.root
+def test_only_a_fork_asked_to_trace_runs_under_the_tracer(overlay: str) -> None:
+    needs_tracer()
+
+    async def main() -> tuple[object, object, str]:
+        async with open_sandbox(SandboxConfig(timeout_s=20)) as sb:
+            plain = await sb.fork()
+            await plain.execute(Action.bash("true"))
+            _, _, traced, fork = await _run(sb, "true", trace=True)
+            await fork.discard()
+            return await plain.read_set(), traced, type(sb).__name__
+
+    untraced, traced, cls = anyio.run(main)
+    assert untraced is None and traced is not None and cls == "ReadSetOverlaySandbox"
+
+
+@pytest.mark.root
+def test_read_sets_off_gives_the_plain_overlay_sandbox(overlay: str) -> None:
+    async def main() -> tuple[bool, bool]:
+        async with (
+            open_sandbox(SandboxConfig(read_sets="off")) as off,
+            open_sandbox(SandboxConfig(network=True)) as networked,
+        ):
+            return isinstance(off, ReadSetSandbox), isinstance(networked, ReadSetSandbox)
+
+    assert anyio.run(main) == (False, False)
+    assert read_sets_on(SandboxConfig(network=True)) == (
+        False,
+        "off: the sandbox has network access, which the tracer does not follow",
+    )
+    assert not issubclass(OverlaySandbox, ReadSetOverlaySandbox)
+    with pytest.raises(ValueError, match="read_sets must be auto, off or all"):
+        SandboxConfig(read_sets="sometimes")
+
+
+@pytest.mark.root
+def test_sandbox_info_says_whether_read_sets_are_on(overlay: str) -> None:
+    proc = subprocess.run(
+        [sys.executable, "-m", "aospec", "sandbox", "info", "--format", "json"],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr
+    line = json.loads(proc.stdout)["read_sets"]
+    assert line == tracer_support().detail and line.startswith(("on: strace", "off: "))
+    off = subprocess.run(
+        [sys.executable, "-m", "aospec", "sandbox", "info"],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(ROOT), "AOSPEC_READ_SETS": "off"},
+        timeout=120,
+    )
+    assert "read_sets            off: AOSPEC_READ_SETS=off" in off.stdout
