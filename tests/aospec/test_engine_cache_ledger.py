@@ -177,6 +177,7 @@ APPENDED = [
     "forks_paused",
     "paused_ns",
     "forks_dropped",
+    "forks_rebased",
 ]
 
 
