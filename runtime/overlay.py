@@ -678,6 +678,7 @@ class ReadSetOverlaySandbox(OverlaySandbox):
                     self._stack = (frozen, *self._stack)
                 self._version = layer.apply_to(self._version)
                 self.last_layer = layer
+                self._publish()  # stack and version together: the root's lock-free forks see them
                 fork._closed = True
                 self.store.live.pop(fork.sid, None)
                 if not head_written:
