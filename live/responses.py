@@ -13,7 +13,16 @@ from __future__ import annotations
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
-__all__ = ["REPLY_ITEM_TYPES", "as_items", "call_of", "is_reply_item", "item_text", "replies", "reply_count", "task_text"]
+__all__ = [
+    "REPLY_ITEM_TYPES",
+    "as_items",
+    "call_of",
+    "is_reply_item",
+    "item_text",
+    "replies",
+    "reply_count",
+    "task_text",
+]
 
 #: Item types only the model produces.
 REPLY_ITEM_TYPES = frozenset({"function_call", "reasoning"})
@@ -51,9 +60,7 @@ def item_text(item: Any) -> str | None:
     if isinstance(content, str):
         return content
     if isinstance(content, list):
-        return "".join(
-            p["text"] for p in content if isinstance(p, Mapping) and isinstance(p.get("text"), str)
-        )
+        return "".join(p["text"] for p in content if isinstance(p, Mapping) and isinstance(p.get("text"), str))
     return None
 
 

@@ -326,7 +326,9 @@ class _ResponsesReply(_Reply):
             out += self._event("response.function_call_arguments.done", item_id=item["id"], output_index=index + i,
                                name=item["name"], arguments=item["arguments"])  # fmt: skip
             out += self._event("response.output_item.done", output_index=index + i, item=item)
-        return out + self._event("response.completed", response=self._response("completed", self._items(), self._usage()))
+        return out + self._event(
+            "response.completed", response=self._response("completed", self._items(), self._usage())
+        )
 
 
 def _request_problem(body: Any) -> str | None:
