@@ -11,7 +11,8 @@ them); other requests carry the client's ``accept-encoding`` (identity when it s
 Upstream failures without a response (refused, reset, timed out) are a 502 naming the
 upstream, OpenAI-shaped.
 
-Speculation (``POST .../chat/completions`` only):
+Speculation (``POST .../chat/completions``; ``POST .../responses``, the Responses API,
+likewise on its ``input`` items, see :func:`speculable_response` and docs/integrations.md):
 
 - A request is *speculable* when its body is a JSON object without duplicate keys whose
   fields are all in :data:`KNOWN_FIELDS`, sampling is deterministic (``temperature`` 0, or
@@ -40,6 +41,10 @@ action the harness executes through the ``aospec mcp --http`` server at URL is c
 the stream (a sandbox-tool call, a ``--command-tool`` call, a ```` ```bash ```` block), it
 asks that server to start the call in a fork (``POST /aospec/prefetch``). The harness's own
 call is answered from the fork only when the server's JASV accepts it.
+
+Concurrency: a live request's upstream request runs in that request's task group; every
+speculation (speculative requests, action watchers, prefetches) in the task group of the
+app's ASGI lifespan, so nothing outlives the app (without a lifespan: pass-through only).
 
 Programmatic use: :func:`proxy_app` builds the ASGI app (``app.stats`` is its
 :class:`ProxyStats`, also served at ``GET /aospec/stats``); run it with any ASGI server
@@ -1204,7 +1209,8 @@ def register(subparsers: Any) -> None:
     p = subparsers.add_parser(
         "proxy",
         help="an OpenAI-compatible proxy that speculates tool observations (change only the harness's base URL)",
-        description="Forward every request to --upstream unchanged; for deterministic chat completions, draft "
+        description="Forward every request to --upstream unchanged; for deterministic chat completions (and "
+        "Responses API requests), draft "
         "the harness's next request while it runs its tool and pre-issue it upstream, answering the real request "
         "from it when they are equal. Harness base URL: http://HOST:PORT/v1, its API key the proxy's token "
         "(printed at start, or --token-file / AOSPEC_TOKEN). Stats: GET /aospec/stats. "
