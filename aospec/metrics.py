@@ -42,16 +42,19 @@ from __future__ import annotations
 
 import dataclasses
 import sys
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import AsyncIterator, Callable, Iterator, Mapping
+from contextlib import asynccontextmanager
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
+import anyio
 import anyio.abc
 
-from aospec.errors import MissingDependencyError
+from aospec.errors import MissingDependencyError, single_leaf
 from aospec.ledger import EngineStatistics
 
-__all__ = ["INSTALL", "Metrics", "serve_metrics"]
+__all__ = ["INSTALL", "Metrics", "metrics_served", "serve_metrics"]
 
 #: The install line a missing ``prometheus_client`` names.
 INSTALL = "pip install 'aospec[metrics]'"
@@ -193,7 +196,12 @@ class _Collector:
         yield CounterMetricFamily("aospec_steps", "Committed steps", value=s.steps)
         for name, doc, action, observation in (
             ("launched", "Speculations started", s.forks_launched, s.drafts_started),
-            ("hit", "Speculations used (JASV reuse; adopted draft)", s.forks_reused, s.drafts_hit + s.drafts_canonical_hit),
+            (
+                "hit",
+                "Speculations used (JASV reuse; adopted draft)",
+                s.forks_reused,
+                s.drafts_hit + s.drafts_canonical_hit,
+            ),
             ("wasted", "Speculations thrown away", s.forks_wasted, s.drafts_cancelled),
         ):
             family = CounterMetricFamily(f"aospec_speculations_{name}", doc, labels=["kind"])
@@ -202,15 +210,37 @@ class _Collector:
             yield family
         yield CounterMetricFamily("aospec_tool_seconds", "Tool time of the committed steps", value=s.tool_ns * _S)
         yield CounterMetricFamily(
-            "aospec_tool_seconds_hidden", "Tool time that ran before its step was asked for", value=s.tool_hidden_ns * _S
+            "aospec_tool_seconds_hidden",
+            "Tool time that ran before its step was asked for",
+            value=s.tool_hidden_ns * _S,
         )
         yield CounterMetricFamily(
-            "aospec_decode_seconds_hidden", "Decoding that ran during the previous tool call", value=s.decode_hidden_ns * _S
+            "aospec_decode_seconds_hidden",
+            "Decoding that ran during the previous tool call",
+            value=s.decode_hidden_ns * _S,
         )
         wasted = CounterMetricFamily("aospec_wasted_seconds", "Speculative work thrown away", labels=["kind"])
         wasted.add_metric(["tool"], s.wasted_tool_ns * _S)
         wasted.add_metric(["decode"], s.wasted_decode_ns * _S)
         yield wasted
+
+
+@asynccontextmanager
+async def metrics_served(metrics: Metrics, port: int, *, prog: str, token: str | None = None) -> AsyncIterator[int]:
+    """:func:`serve_metrics` in the background while the block runs (yields the bound
+    port); the block's own error comes out as itself, not in a task group's group."""
+    try:
+        async with anyio.create_task_group() as tg:
+            bound = await tg.start(partial(serve_metrics, metrics, port, prog=prog, token=token))
+            try:
+                yield bound
+            finally:
+                tg.cancel_scope.cancel()
+    except BaseExceptionGroup as group:
+        leaf = single_leaf(group)
+        if leaf is None:
+            raise
+        raise leaf from leaf.__cause__
 
 
 async def serve_metrics(

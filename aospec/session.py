@@ -170,6 +170,10 @@ class Session:
         """Frozen totals of this run so far."""
         return self._run.ledger.statistics()
 
+    def live_forks(self) -> int:
+        """Speculative forks alive now (running, or executed and waiting for JASV)."""
+        return len(self._forks.registry)
+
     # ------------------------------------------------------------------ the two calls of a step
 
     async def decode(self, history: History | None = None) -> Action:

@@ -70,7 +70,6 @@ import posixpath
 import sys
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
-from functools import partial
 from typing import Any
 
 import anyio
@@ -95,7 +94,7 @@ from aospec.engine_config import EngineConfig
 from aospec.errors import ConfigError, FileTooLargeError, MissingDependencyError, SandboxError
 from aospec.forks import ForkEntry, Forks
 from aospec.ledger import EngineStatistics, Ledger
-from aospec.metrics import INSTALL, Metrics, serve_metrics
+from aospec.metrics import INSTALL, Metrics, metrics_served
 from aospec.protocols import SandboxCapabilities
 from aospec.types import Action, Effect
 from aospec.wrappers import SandboxWrapper
@@ -851,13 +850,13 @@ async def _serve(args: argparse.Namespace) -> None:
             prefetch = None if args.no_speculate else getattr(backend, "prefetch", None)
             await serve_http(server, args.host, args.http, args.guard, prefetch, metrics)
             return
-        async with anyio.create_task_group() as tg:
-            if args.metrics_port is not None:
-                assert metrics is not None
-                token = os.environ.get(TOKEN_ENV, "").strip() or None
-                await tg.start(partial(serve_metrics, metrics, args.metrics_port, prog="aospec mcp", token=token))
+        if args.metrics_port is None:
             await serve_stdio(server)
-            tg.cancel_scope.cancel()  # the input ended: the metrics go with the server
+            return
+        assert metrics is not None
+        token = os.environ.get(TOKEN_ENV, "").strip() or None
+        async with metrics_served(metrics, args.metrics_port, prog="aospec mcp", token=token):
+            await serve_stdio(server)
 
 
 def _positive(value: float | None) -> bool:
