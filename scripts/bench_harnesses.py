@@ -39,7 +39,18 @@ from typing import Any
 import anyio
 
 AOSPEC = str(Path(sys.executable).with_name("aospec"))
-HARNESSES = ("openai-agents",)
+HARNESSES = ("openai-agents", "opencode")
+#: The opencode release .ci/run installs (npm ``opencode-ai``) and the tests were run with.
+OPENCODE_VERSION = "1.18.33"
+#: What keeps opencode off the network at start-up (each checked to exist in its binary):
+#: the models.dev list, default plugins from npm, the update check, LSP servers, sharing.
+OPENCODE_OFFLINE = {
+    "OPENCODE_DISABLE_MODELS_FETCH": "1",
+    "OPENCODE_DISABLE_DEFAULT_PLUGINS": "1",
+    "OPENCODE_DISABLE_AUTOUPDATE": "1",
+    "OPENCODE_DISABLE_LSP_DOWNLOAD": "1",
+    "OPENCODE_DISABLE_SHARE": "1",
+}
 TASK = "Set up /tmp/a/conf, bump x to 10, leave a note, and show the final files."
 #: Seconds each of the task's shell commands takes (a build or a test run, scaled down).
 TOOL_S = 0.3
@@ -171,6 +182,159 @@ async def run_agents_sdk(
     return {"final_output": result.final_output, "tool_outputs": outputs, "wall_s": wall}
 
 
+# -- opencode ------------------------------------------------------------------------------
+
+
+def opencode_trace(tool_s: float = TOOL_S, output_tokens: int = 40) -> Any:
+    """The task for opencode: the MCP calls of :func:`agents_calls` under the names opencode
+    gives an MCP server's tools (``SERVER_TOOL``: ``aospec_bash``, ...)."""
+    from aospec.types import Action, Step, Trace
+
+    steps = [
+        Step(action=Action(f"aospec_{name}", args), observation="", output_tokens=output_tokens, reply=f"Next: {name}.")
+        for name, args in agents_calls(tool_s)
+        if name != "count_words"
+    ]
+    steps.append(Step(action=Action.none(), observation="", output_tokens=output_tokens, reply="Done: x is 10."))
+    return Trace("opencode-task", "agents", "opencode", "serve-trace", "scripts", tuple(steps), instruction=TASK)
+
+
+def opencode_config(base_url: str, mcp: dict[str, Any]) -> dict[str, Any]:
+    """opencode.json: serve-trace as an OpenAI-compatible provider (the provider package
+    ``@ai-sdk/openai-compatible`` is built into opencode), ``mcp`` as its one MCP server,
+    and its own file and shell tools off, so every tool call goes through aospec."""
+    return {
+        "$schema": "https://opencode.ai/config.json",
+        "provider": {
+            "servetrace": {
+                "npm": "@ai-sdk/openai-compatible",
+                "name": "serve-trace",
+                "options": {"baseURL": base_url, "apiKey": "not-needed"},
+                "models": {"serve-trace": {"name": "serve-trace"}},
+            }
+        },
+        "model": "servetrace/serve-trace",
+        "small_model": "servetrace/serve-trace",
+        "mcp": {"aospec": mcp},
+        "tools": {name: False for name in ("bash", "edit", "write", "read", "patch", "glob", "grep", "list", "webfetch")},
+        "autoupdate": False,
+        "share": "disabled",
+    }
+
+
+def run_opencode(base_url: str, mcp: dict[str, Any], work: Path, env: dict[str, str] | None = None) -> dict[str, Any]:
+    """One headless ``opencode run`` of the task in ``work`` (its project directory and its
+    HOME/XDG directories, emptied first: a directory this function made), with the MCP
+    server ``mcp`` (opencode's ``mcp`` entry: ``local`` or ``remote``). Returns the tool
+    outputs, the final text and the wall time."""
+    import shutil
+    import subprocess
+
+    if work.exists():
+        shutil.rmtree(work)
+    project, home = work / "project", work / "home"
+    project.mkdir(parents=True)
+    home.mkdir()
+    (project / "opencode.json").write_text(json.dumps(opencode_config(base_url, mcp), indent=2))
+    run_env = {
+        "PATH": os.environ.get("PATH", "/usr/bin:/bin"),
+        "HOME": str(home),
+        "XDG_CONFIG_HOME": str(home / ".config"),
+        "XDG_DATA_HOME": str(home / ".local/share"),
+        "XDG_CACHE_HOME": str(home / ".cache"),
+        "XDG_STATE_HOME": str(home / ".local/state"),
+        **OPENCODE_OFFLINE,
+        **(env or {}),
+    }
+    t0 = time.monotonic()
+    r = subprocess.run(
+        ["opencode", "run", "--format", "json", TASK],
+        cwd=project,
+        env=run_env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        stdin=subprocess.DEVNULL,
+    )
+    wall = time.monotonic() - t0
+    if r.returncode != 0:
+        raise RuntimeError(f"opencode run exited {r.returncode}: {r.stderr.strip()[-2000:]}")
+    events = [json.loads(line) for line in r.stdout.splitlines() if line.startswith("{")]
+    tools = [e["part"] for e in events if e.get("type") == "tool_use"]
+    texts = [e["part"]["text"] for e in events if e.get("type") == "text"]
+    return {
+        "tool_outputs": [(t["tool"], t["state"]["status"], t["state"].get("output")) for t in tools],
+        "final_output": texts[-1] if texts else None,
+        "wall_s": wall,
+    }
+
+
+def compare_opencode(tpot_ms: float, tmp: Path, *, repeats: int = 1) -> dict[str, Any]:
+    """opencode on the task: serial (``aospec mcp --no-speculate`` as a local MCP server it
+    starts) vs speculating (``aospec mcp --http`` as a remote one, with the task's recorded
+    trajectory as training traces), each ``repeats`` times; returns what each saw (tool
+    outputs, the requests serve-trace got, sorted: opencode's title request runs beside the
+    first one), the speculating server's metrics and the median wall times."""
+    import subprocess
+
+    from aospec.live.serve_trace import serve_trace_app, serving
+
+    modes = mcp_modes(tmp)
+    out: dict[str, Any] = {"serial": [], "aospec": []}
+    for _ in range(repeats):
+        recorder = RecordRequests(serve_trace_app([opencode_trace()], tpot_ms))
+        with serving(recorder) as server:
+            local = {"type": "local", "command": [AOSPEC, "mcp", *modes["serial"]], "enabled": True}
+            if "AOSPEC_STATE_ROOT" in os.environ:
+                local["environment"] = {"AOSPEC_STATE_ROOT": os.environ["AOSPEC_STATE_ROOT"]}
+            run = run_opencode(server.base_url, local, tmp / "opencode")
+        out["serial"].append({**run, "requests": sorted(b.decode() for b in recorder.bodies)})
+        token = "bench-" + os.urandom(8).hex()
+        log = tmp / "mcp-http.log"
+        with log.open("wb") as err:
+            mcp = subprocess.Popen(
+                [AOSPEC, "mcp", "--http", "0", *modes["aospec"]],
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.DEVNULL,
+                stderr=err,
+                env={**os.environ, "AOSPEC_TOKEN": token},
+            )
+        try:
+            url = None
+            for _ in range(3000):
+                if "listening on " in (text := log.read_text()):
+                    url = text.split("listening on ", 1)[1].split()[0]
+                    break
+                if mcp.poll() is not None:
+                    raise RuntimeError(f"aospec mcp --http did not start: {text}")
+                time.sleep(0.1)
+            assert url is not None
+            recorder = RecordRequests(serve_trace_app([opencode_trace()], tpot_ms))
+            with serving(recorder) as server:
+                remote = {"type": "remote", "url": url, "headers": {"Authorization": f"Bearer {token}"}, "enabled": True}
+                run = run_opencode(server.base_url, remote, tmp / "opencode")  # the same path: it is in the prompt
+            import httpx
+
+            scraped = httpx.get(url.removesuffix("/mcp") + "/metrics", headers={"Authorization": f"Bearer {token}"})
+            metrics = {
+                line.split(" ")[0]: float(line.split(" ")[1])
+                for line in scraped.text.splitlines()
+                if line.startswith(("aospec_requests_total", "aospec_speculations_hit_total"))
+            }
+        finally:
+            mcp.terminate()
+            mcp.wait(timeout=120)
+        out["aospec"].append({**run, "requests": sorted(b.decode() for b in recorder.bodies), "metrics": metrics})
+    first = out["serial"][0]
+    out["identical"] = all(
+        (r["tool_outputs"], r["final_output"], r["requests"]) == (first["tool_outputs"], first["final_output"], first["requests"])
+        for r in out["serial"] + out["aospec"]
+    )
+    out["serial_s"] = statistics.median(r["wall_s"] for r in out["serial"])
+    out["aospec_s"] = statistics.median(r["wall_s"] for r in out["aospec"])
+    return out
+
+
 def _train_file(tmp: Path, tool_s: float) -> Path:
     from aospec.replay import write_jsonl
 
@@ -188,54 +352,73 @@ def mcp_modes(tmp: Path, tool_s: float = TOOL_S) -> dict[str, list[str]]:
     }
 
 
-def measure(tpots: Sequence[float], repeats: int, log: Any = print) -> list[dict[str, Any]]:
-    """A row per TPOT: median wall times (serial, aospec) and whether the runs agreed."""
+def measure_agents_sdk(tpot: float, repeats: int, tmp: Path) -> dict[str, Any]:
+    """The OpenAI Agents SDK row at ``tpot``: median wall times, and whether every run agreed."""
     from aospec.live.serve_trace import serve_trace_app, serving
 
-    rows = []
-    with tempfile.TemporaryDirectory(prefix="aospec-bench-harness-") as tmp:
-        modes = mcp_modes(Path(tmp))
-        env = dict(os.environ)
-        for tpot in tpots:
-            walls: dict[str, list[float]] = {m: [] for m in modes}
-            seen: dict[str, Any] = {}
-            agree = True
-            for _ in range(repeats):
-                for mode, args in modes.items():
-                    recorder = RecordRequests(serve_trace_app([agents_trace()], tpot))
-                    with serving(recorder) as server:
-                        out = anyio.run(run_agents_sdk, server.base_url, args, env)
-                    walls[mode].append(out["wall_s"])
-                    key = (out["final_output"], json.dumps(out["tool_outputs"]), tuple(recorder.bodies))
-                    agree &= seen.setdefault("reference", key) == key
-            serial, spec = statistics.median(walls["serial"]), statistics.median(walls["aospec"])
-            row = {
-                "harness": "openai-agents",
-                "tpot_ms": tpot,
-                "repeats": repeats,
-                "serial_s": round(serial, 3),
-                "aospec_s": round(spec, 3),
-                "saving": round(1 - spec / serial, 4),
-                "identical": agree,
-            }
-            log(json.dumps(row))
-            rows.append(row)
-    return rows
+    modes = mcp_modes(tmp)
+    walls: dict[str, list[float]] = {m: [] for m in modes}
+    reference = None
+    agree = True
+    for _ in range(repeats):
+        for mode, args in modes.items():
+            recorder = RecordRequests(serve_trace_app([agents_trace()], tpot))
+            with serving(recorder) as server:
+                out = anyio.run(run_agents_sdk, server.base_url, args, dict(os.environ))
+            walls[mode].append(out["wall_s"])
+            key = (out["final_output"], json.dumps(out["tool_outputs"]), tuple(recorder.bodies))
+            reference = reference or key
+            agree &= key == reference
+    return _row("openai-agents", tpot, repeats, statistics.median(walls["serial"]), statistics.median(walls["aospec"]), agree)
+
+
+def _row(harness: str, tpot: float, repeats: int, serial: float, spec: float, agree: bool) -> dict[str, Any]:
+    return {
+        "harness": harness,
+        "tpot_ms": tpot,
+        "repeats": repeats,
+        "serial_s": round(serial, 3),
+        "aospec_s": round(spec, 3),
+        "saving": round(1 - spec / serial, 4),
+        "identical": agree,
+    }
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--harness", default="all", help=f"comma-separated: {', '.join(HARNESSES)}, or all (default)")
     ap.add_argument("--tpot-ms", default="20,10,1", help="comma-separated TPOTs (default 20,10,1)")
     ap.add_argument("--repeats", type=int, default=3, help="runs per mode and TPOT (default 3; the median is kept)")
+    ap.add_argument(
+        "--check",
+        action="store_true",
+        help="opencode only: one run per mode at the first TPOT, everything each saw printed as JSON (the test's driver)",
+    )
     ap.add_argument("--json", action="store_true", help="print the rows as JSON")
     args = ap.parse_args(argv)
     try:
         tpots = [float(t) for t in args.tpot_ms.split(",")]
     except ValueError:
         ap.error(f"--tpot-ms: not a list of numbers: {args.tpot_ms!r}")
+    which = HARNESSES if args.harness == "all" else tuple(args.harness.split(","))
+    if unknown := [h for h in which if h not in HARNESSES]:
+        ap.error(f"--harness: unknown {', '.join(unknown)}; have {', '.join(HARNESSES)}")
     if args.repeats < 1:
         ap.error("--repeats must be >= 1")
-    rows = measure(tpots, args.repeats, log=lambda line: print(line, file=sys.stderr))
+    with tempfile.TemporaryDirectory(prefix="aospec-bench-harness-") as tmp:
+        if args.check:
+            print(json.dumps(compare_opencode(tpots[0], Path(tmp)), indent=2))
+            return 0
+        rows = []
+        for tpot in tpots:
+            for harness in which:
+                if harness == "openai-agents":
+                    row = measure_agents_sdk(tpot, args.repeats, Path(tmp))
+                else:
+                    o = compare_opencode(tpot, Path(tmp), repeats=args.repeats)
+                    row = _row("opencode", tpot, args.repeats, o["serial_s"], o["aospec_s"], o["identical"])
+                print(json.dumps(row), file=sys.stderr)
+                rows.append(row)
     if args.json:
         print(json.dumps(rows, indent=2))
     else:
