@@ -226,7 +226,8 @@ def run_opencode(base_url: str, mcp: dict[str, Any], work: Path, env: dict[str, 
     """One headless ``opencode run`` of the task in ``work`` (its project directory and its
     HOME/XDG directories, emptied first: a directory this function made), with the MCP
     server ``mcp`` (opencode's ``mcp`` entry: ``local`` or ``remote``). Returns the tool
-    outputs, the final text and the wall time."""
+    outputs, the final text, the task's wall time (``wall_s``, from opencode's first event to
+    its last) and the process's (``process_s``, start-up included)."""
     import shutil
     import subprocess
 
@@ -262,10 +263,14 @@ def run_opencode(base_url: str, mcp: dict[str, Any], work: Path, env: dict[str, 
     events = [json.loads(line) for line in r.stdout.splitlines() if line.startswith("{")]
     tools = [e["part"] for e in events if e.get("type") == "tool_use"]
     texts = [e["part"]["text"] for e in events if e.get("type") == "text"]
+    stamps = [e["timestamp"] for e in events if isinstance(e.get("timestamp"), int | float)]
     return {
         "tool_outputs": [(t["tool"], t["state"]["status"], t["state"].get("output")) for t in tools],
         "final_output": texts[-1] if texts else None,
-        "wall_s": wall,
+        # the task: from opencode's first event (the first reply's start) to its last (ms
+        # stamps), without its own start-up, which varies by seconds from run to run
+        "wall_s": (stamps[-1] - stamps[0]) / 1000 if len(stamps) > 1 else wall,
+        "process_s": wall,
     }
 
 
