@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import hmac
 import ipaddress
 import json
@@ -34,7 +35,8 @@ import logging
 import os
 import secrets
 import stat
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
+from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -58,6 +60,7 @@ __all__ = [
     "read_body",
     "read_token_file",
     "resolve_token",
+    "serve_asgi",
     "token_of",
 ]
 
@@ -307,3 +310,55 @@ async def read_body(receive: Receive, limit: int | None = None) -> bytes | None:
         chunks.append(chunk)
         if not msg.get("more_body"):
             return b"".join(chunks)
+
+
+async def serve_asgi(
+    app: Any,
+    host: str,
+    port: int,
+    *,
+    listening: Callable[[int], None] | None = None,
+    around: Callable[[], AbstractAsyncContextManager[Any]] | None = None,
+) -> None:
+    """Serve the ASGI ``app`` with uvicorn on ``host:port`` (0: any free port) in this
+    event loop until cancelled; ``listening(port)`` is called once bound (ConfigError when
+    the address cannot be bound). ``around()`` is entered around the serving (an app's
+    lifespan, whose tasks then run here). Cancelling it takes no new connection or request,
+    closes every connection and cancels the requests in flight."""
+    import socket
+
+    import uvicorn
+
+    class _Server(uvicorn.Server):
+        @contextlib.contextmanager
+        def capture_signals(self) -> Iterator[None]:  # signals cancel the whole server (aospec.signals)
+            yield
+
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+        sock.listen(128)
+        sock.setblocking(False)
+    except OSError as exc:
+        sock.close()
+        raise ConfigError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
+    userver = _Server(uvicorn.Config(app, log_level="warning", lifespan="off"))
+    if listening is not None:
+        listening(sock.getsockname()[1])
+    try:
+        async with around() if around is not None else contextlib.nullcontext():
+            try:
+                await userver.serve(sockets=[sock])
+            finally:
+                # cancelled: take no new connection or request before ``around`` exits (an
+                # MCP session manager's exit cancels the calls in flight, ending their responses)
+                for listener in userver.servers:
+                    listener.close()
+                for connection in list(userver.server_state.connections):
+                    connection.shutdown()
+    finally:
+        quiet_shutdown()  # the requests whose calls were cancelled on the way out are no errors
+        for task in list(userver.server_state.tasks):
+            task.cancel()
+        sock.close()

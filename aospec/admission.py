@@ -821,6 +821,12 @@ class Admission:
         lease = None
         if not self.on:
             reason = "off"
+            # the host's budget is a limit the user set, not a price: it holds with the
+            # controller off too
+            if fork and self.budget is not None:
+                lease = self.budget.try_acquire()
+                if lease is None:
+                    reason = "budget"
         elif fork and memory_low(snap):
             reason = "memory"
         elif benefit <= cost:

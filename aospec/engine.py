@@ -56,7 +56,7 @@ import anyio
 
 from aospec.admission import AdmissionModel
 from aospec.engine_config import EngineConfig
-from aospec.errors import ConfigError, EngineError
+from aospec.errors import ConfigError, EngineError, single_leaf
 from aospec.evd import EVDEstimator
 from aospec.ledger import EngineStatistics, Ledger
 from aospec.protocols import (
@@ -87,16 +87,6 @@ class LoopClock:
 
     async def sleep_ns(self, ns: int) -> None:
         await anyio.sleep(ns / 1e9)
-
-
-def _single_leaf(group: BaseExceptionGroup) -> BaseException | None:
-    """The one exception a task group failed with (None when there were several)."""
-    exc: BaseException = group
-    while isinstance(exc, BaseExceptionGroup):
-        if len(exc.exceptions) != 1:
-            return None
-        exc = exc.exceptions[0]
-    return exc
 
 
 class Engine:
@@ -177,6 +167,7 @@ class Engine:
         self._keep_events = keep_events
         self._ledger = Ledger(keep_events=keep_events)
         self._running = False
+        self._session: Session | None = None
 
     @property
     def ledger(self) -> Ledger:
@@ -186,6 +177,10 @@ class Engine:
     def statistics(self) -> EngineStatistics:
         """Frozen totals of the last (or current) run."""
         return self._ledger.statistics()
+
+    def live_forks(self) -> int:
+        """Speculative forks alive in the current run now (0 between runs)."""
+        return 0 if self._session is None else self._session.live_forks()
 
     @asynccontextmanager
     async def session(self, history: History) -> AsyncIterator[Session]:
@@ -226,6 +221,7 @@ class Engine:
                     host=self.host,
                     budget=self.budget,
                 )
+                self._session = session
                 try:
                     yield session
                 finally:
@@ -234,13 +230,14 @@ class Engine:
                     # their sandboxes in shielded cleanup, so nothing leaks on success or error.
                     tg.cancel_scope.cancel()
         except BaseExceptionGroup as group:
-            leaf = _single_leaf(group)
+            leaf = single_leaf(group)
             if leaf is None:
                 raise
             # (its own cause kept: a FailedAfterCommitError's is the backend's error)
             raise leaf from leaf.__cause__
         finally:
             self._running = False
+            self._session = None
             if session is not None:
                 # Idle forks left when the run ended (or failed) are released here.
                 await session.close()

@@ -61,6 +61,7 @@ __all__ = [
     "StateUnknownError",
     "TraceFormatError",
     "TraceImportError",
+    "single_leaf",
 ]
 
 
@@ -185,3 +186,14 @@ class StateUnknownError(EngineError):
     def __init__(self, message: str, *, step: int) -> None:
         super().__init__(message)
         self.step = step
+
+
+def single_leaf(group: BaseExceptionGroup) -> BaseException | None:
+    """The one exception a task group failed with (None when there were several): what a
+    caller raises instead of the group, so errors keep their own type."""
+    exc: BaseException = group
+    while isinstance(exc, BaseExceptionGroup):
+        if len(exc.exceptions) != 1:
+            return None
+        exc = exc.exceptions[0]
+    return exc

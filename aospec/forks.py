@@ -222,6 +222,10 @@ class ForkRegistry:
     def has(self, version: str, action_key: str) -> bool:
         return (version, action_key) in self._entries
 
+    def get(self, version: str, action_key: str) -> ForkEntry | None:
+        """The live entry for ``action_key`` forked from ``version``, left registered."""
+        return self._entries.get((version, action_key))
+
     def add(self, entry: ForkEntry) -> bool:
         """Register a forked entry (its ``origin`` set); False if an equal one is live."""
         assert entry.origin is not None

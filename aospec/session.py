@@ -210,6 +210,10 @@ class Session:
         with ``read_sets="all"``; docs/engine.md, "Read sets")."""
         return self._forks.step_access
 
+    def live_forks(self) -> int:
+        """Speculative forks alive now (running, or executed and waiting for JASV)."""
+        return len(self._forks.registry)
+
     # ------------------------------------------------------------------ the two calls of a step
 
     async def decode(self, history: History | None = None) -> Action:

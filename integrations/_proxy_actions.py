@@ -18,19 +18,21 @@ Actions (``actions_of``):
   one, stripped as mini-swe-agent does): ``bash`` with its content.
 
 A tool call is complete when a later tool call, a ``finish_reason`` or the end of the
-stream arrives; a text block when its closing fence arrives.
+stream arrives; a text block when its closing fence arrives. In a Responses API reply
+(:class:`ResponsesActionWatcher`) a tool call is a ``function_call`` output item, complete
+at its ``response.output_item.done`` event; text comes in ``response.output_text.delta``
+events.
 """
 
 from __future__ import annotations
 
-import asyncio
 import json
 import re
 from collections.abc import Iterable, Sequence
 from typing import Any
 from urllib.parse import urlsplit
 
-__all__ = ["MCP_TOOLS", "ActionWatcher", "prefetch_url"]
+__all__ = ["MCP_TOOLS", "ActionWatcher", "ResponsesActionWatcher", "prefetch_url"]
 
 #: The sandbox tools of ``aospec mcp`` (calls with these names go to it as they are).
 MCP_TOOLS = frozenset({"bash", "read_file", "write_file", "edit_file"})
@@ -126,8 +128,15 @@ class ActionWatcher:
             return
         try:
             obj = json.loads(payload)
-            choices = obj.get("choices") or ()
-        except (ValueError, AttributeError, RecursionError):
+        except (ValueError, RecursionError):
+            return
+        if isinstance(obj, dict):
+            self._event(obj)
+
+    def _event(self, obj: dict[str, Any]) -> None:
+        """One chat-completions chunk."""
+        choices = obj.get("choices") or ()
+        if not isinstance(choices, list):
             return
         for choice in choices:
             if not isinstance(choice, dict) or choice.get("index", 0) != 0:
@@ -157,8 +166,16 @@ class ActionWatcher:
             return
         try:
             obj = json.loads(b"".join(self._whole))
+        except (ValueError, RecursionError):
+            return
+        self._plain(obj)
+        self._all_done()
+
+    def _plain(self, obj: Any) -> None:
+        """A whole (non-streamed) chat completion."""
+        try:
             msg = obj["choices"][0]["message"]
-        except (ValueError, KeyError, IndexError, TypeError, RecursionError):
+        except (KeyError, IndexError, TypeError):
             return
         if isinstance(msg.get("content"), str):
             self._text = msg["content"]
@@ -167,16 +184,49 @@ class ActionWatcher:
             fn = (tc or {}).get("function") or {}
             if isinstance(fn.get("name"), str) and isinstance(fn.get("arguments"), str):
                 self._calls[i] = [fn["name"], fn["arguments"]]
-        self._all_done()
 
 
-async def watch(up: Any, stream: bool, command_tools: Sequence[str], emit: Any) -> None:
-    """Run an :class:`ActionWatcher` over upstream request ``up`` (integrations/proxy.py's
-    ``_Upstream``) until it ends; only a 200 reply is read."""
+class ResponsesActionWatcher(ActionWatcher):
+    """:class:`ActionWatcher` for a Responses API reply (module doc)."""
+
+    def _item(self, index: int, item: Any) -> None:
+        if not isinstance(item, dict):
+            return
+        if item.get("type") == "function_call":
+            name, args = item.get("name"), item.get("arguments")
+            if isinstance(name, str) and isinstance(args, str):
+                self._calls.setdefault(index, [name, args])
+                self._call_done(index)
+        elif item.get("type") == "message" and not self.stream:
+            for part in item.get("content") or ():
+                if isinstance(part, dict) and isinstance(part.get("text"), str):
+                    self._text += part["text"]
+            self._text_grew()
+
+    def _event(self, obj: dict[str, Any]) -> None:
+        kind = obj.get("type")
+        if kind == "response.output_text.delta" and isinstance(obj.get("delta"), str):
+            self._text += obj["delta"]
+            self._text_grew()
+        elif kind == "response.output_item.done" and isinstance(obj.get("output_index"), int):
+            self._item(obj["output_index"], obj.get("item"))
+        elif kind == "response.completed":
+            self._all_done()
+
+    def _plain(self, obj: Any) -> None:
+        output = obj.get("output") if isinstance(obj, dict) else None
+        for i, item in enumerate(output if isinstance(output, list) else ()):
+            self._item(i, item)
+
+
+async def watch(up: Any, stream: bool, command_tools: Sequence[str], emit: Any, *, responses: bool = False) -> None:
+    """Run an :class:`ActionWatcher` (a :class:`ResponsesActionWatcher` for a Responses API
+    reply) over upstream request ``up`` (integrations/proxy.py's ``_Upstream``) until it
+    ends; only a 200 reply is read."""
     await up.started()
     if up.status != 200:
         return
-    w = ActionWatcher(stream, command_tools, emit)
+    w = (ResponsesActionWatcher if responses else ActionWatcher)(stream, command_tools, emit)
     async for chunk in up.body():
         w.feed(chunk)
     if up.error is None:
@@ -184,19 +234,17 @@ async def watch(up: Any, stream: bool, command_tools: Sequence[str], emit: Any) 
 
 
 class Prefetcher:
-    """Posts actions to the MCP server's prefetch endpoint (fire and forget), with the
-    server's ``token`` as a bearer token."""
+    """Posts actions to the MCP server's prefetch endpoint, each in the task group it is
+    given (the proxy's lifespan group: nothing outlives the proxy), with the server's
+    ``token`` as a bearer token."""
 
     def __init__(self, mcp_url: str, stats: Any, token: str | None = None) -> None:
         self.url = prefetch_url(mcp_url)
         self.stats = stats
         self.headers = {"Authorization": f"Bearer {token}"} if token else {}
-        self._tasks: set[asyncio.Task[None]] = set()
 
-    def emit(self, client: Any, tool: str, arguments: dict[str, Any]) -> None:
-        task = asyncio.ensure_future(self._post(client, tool, arguments))
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
+    def emit(self, tg: Any, client: Any, tool: str, arguments: dict[str, Any]) -> None:
+        tg.start_soon(self._post, client, tool, arguments)
 
     async def _post(self, client: Any, tool: str, arguments: dict[str, Any]) -> None:
         self.stats.actions_prefetched += 1
@@ -206,7 +254,3 @@ class Prefetcher:
                 self.stats.prefetch_refused += 1
         except Exception:  # a lost prefetch is only a missed chance
             self.stats.prefetch_errors += 1
-
-    async def aclose(self) -> None:
-        for t in list(self._tasks):
-            t.cancel()

@@ -67,10 +67,9 @@ import fcntl
 import math
 import os
 import posixpath
-import socket
 import sys
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
-from dataclasses import dataclass, field
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
 from typing import Any
 
 import anyio
@@ -88,10 +87,18 @@ from aospec.integrations._mcp_common import (
     text_result,
 )
 
-from aospec._http import HttpGuard, error_response, guarded, port_number, quiet_shutdown, resolve_token
+from aospec._http import TOKEN_ENV, HttpGuard, error_response, guarded, port_number, resolve_token, serve_asgi
+from aospec.admission import Admission, AdmissionModel
 from aospec.effects import classify_command
-from aospec.errors import ConfigError, FileTooLargeError, SandboxError
+from aospec.engine import LoopClock
+from aospec.engine_config import EngineConfig
+from aospec.errors import ConfigError, FileTooLargeError, MissingDependencyError, SandboxError
+from aospec.forks import ForkEntry, Forks
+from aospec.ledger import EngineStatistics, Ledger
+from aospec.metrics import INSTALL, Metrics, metrics_served
+from aospec.protocols import SandboxCapabilities
 from aospec.types import Action, Effect
+from aospec.wrappers import SandboxWrapper
 
 __all__ = [
     "EXPORT_TOOL",
@@ -318,19 +325,30 @@ def artifact_result(ref: Any, meta: dict[str, Any] | None = None) -> types.CallT
     return result
 
 
-@dataclass
-class _Spec:
-    """One speculative call: ``action`` running in ``fork``, forked at ``origin``."""
+class _GuessTimedOut(SandboxError):
+    """A speculated call timed out: a timeout depends on the machine's load, not on the
+    state, so the fork's result is never served (the call runs on the committed sandbox)."""
 
-    action: Action
-    origin: str
-    scope: anyio.CancelScope = field(default_factory=anyio.CancelScope)
-    done: anyio.Event = field(default_factory=anyio.Event)
-    fork: Any = None
-    result: ToolOutput | None = None
-    taken: bool = False
-    prefetched: bool = False
-    lease: Any = None  # its slot of the host's speculation budget, held while it runs
+
+class _ToolSandbox(SandboxWrapper):
+    """The committed sandbox (or a fork of it) as the engine's :class:`~aospec.forks.Forks`
+    sees it: ``execute`` runs one tool call (``call``, i.e. :func:`run_call`) and keeps its
+    :class:`ToolOutput` in ``output``, which JASV then serves (each fork runs one call)."""
+
+    def __init__(self, inner: Any, call: Callable[[Any, Action], Awaitable[ToolOutput]]) -> None:
+        super().__init__(inner)
+        self._call = call
+        self.output: ToolOutput | None = None
+
+    async def fork(self) -> _ToolSandbox:
+        return _ToolSandbox(await self.inner.fork(), self._call)
+
+    async def execute(self, action: Action) -> str:
+        out = await self._call(self.inner, action)
+        if (out.result.meta or {}).get("aospec", {}).get("timed_out"):
+            raise _GuessTimedOut(f"speculative {action.tool} timed out")
+        self.output = out
+        return _text(out.result)
 
 
 @dataclass
@@ -354,7 +372,13 @@ def prefetch_cap(max_forks: int) -> int:
 
 
 class SandboxToolServer:
-    """The sandbox tools on one committed sandbox, with speculative forks (see module doc)."""
+    """The sandbox tools on one committed sandbox, with speculative forks (see module doc).
+
+    The forks are the engine's (:class:`aospec.forks.Forks`, without forks for the calls
+    themselves: a call JASV finds no fork for runs on the committed sandbox, as serial
+    execution does): the one JASV registry, launch, prioritising, commit and discard
+    aospec has. Its totals are an :class:`~aospec.ledger.EngineStatistics`
+    (:meth:`statistics`: one step per call), which ``stats`` and the metrics read."""
 
     def __init__(
         self,
@@ -365,15 +389,16 @@ class SandboxToolServer:
         max_forks: int = 4,
         workdir: str = "/",
         timeout_s: float | None = None,
-        on_commit: Callable[[Action], None] | None = None,
         artifacts: Any = None,
         max_export_bytes: int = MAX_ARTIFACT_BYTES,
         budget: Any = None,
+        metrics: Metrics | None = None,
     ) -> None:
         """``artifacts``: a started :class:`aospec.specbox.transport.ArtifactServer` to hand large
         results out of band through (and serve ``export_file`` of at most
         ``max_export_bytes``); None: every result in band, four tools. ``budget``: the host's
-        :class:`aospec.host.SpeculationBudget` (a speculative call runs only on a free slot)."""
+        :class:`aospec.host.SpeculationBudget` (a speculative call runs only on a free slot).
+        ``metrics``: where each call's latency and tool time are observed (:mod:`aospec.metrics`)."""
         self.root = root
         self.budget = budget
         self.tg = tg
@@ -383,9 +408,56 @@ class SandboxToolServer:
         self.timeout_s = timeout_s
         self.artifacts = artifacts
         self.max_export_bytes = max_export_bytes if artifacts is not None else None
+        self.metrics = metrics
         self.gate = ArrivalGate()
-        self.stats = Stats()
-        self._specs: dict[tuple[str, str], _Spec] = {}
+        self._clock = LoopClock()
+        self._ledger = ledger = Ledger(keep_events=False)
+        self._counts = Stats()
+        committed = _ToolSandbox(root, self._run)
+
+        def failed(what: str, exc: BaseException, *, warn: bool = False) -> None:
+            ledger.speculation_failed(self._clock.now_ns(), what, exc, warn=warn)
+
+        # every predicted call is launched (no pricing: admission off), within the host's
+        # speculation budget when there is one (a slot per running speculative call)
+        config = EngineConfig(max_live_forks=max(1, max_forks), admission="off")
+        admission = Admission(AdmissionModel(), config, clock=self._clock, ledger=ledger, failed=failed, budget=budget)
+        self._forks = Forks(
+            committed,
+            SandboxCapabilities.of(committed),
+            use_forks=False,
+            config=config,
+            clock=self._clock,
+            ledger=ledger,
+            task_group=tg,
+            failed=failed,
+            admission=admission,
+        )
+        self._prefetched: list[tuple[str, str]] = []  # (origin, key) of prefetched forks, oldest first
+
+    @property
+    def stats(self) -> Stats:
+        """The server's counters (in every result's ``_meta``, and ``--stats``)."""
+        s = self._ledger.statistics()
+        c = self._counts
+        return Stats(
+            calls=c.calls,
+            served_speculated=c.served_speculated,
+            ran_committed=c.ran_committed,
+            launched=s.forks_launched,
+            stale_discarded=c.stale_discarded,
+            wasted=s.forks_wasted,
+            prefetched=c.prefetched,
+            budget_refused=s.refused_budget,
+        )
+
+    def statistics(self) -> EngineStatistics:
+        """The engine totals of the calls so far (a call is a step, decoding is 0)."""
+        return self._ledger.statistics()
+
+    def live_forks(self) -> int:
+        """Speculative calls live now (running or done, not yet served or discarded)."""
+        return len(self._forks.registry)
 
     async def list_tools(self) -> list[types.Tool]:
         return [*SANDBOX_TOOLS, EXPORT_TOOL] if self.artifacts is not None else list(SANDBOX_TOOLS)
@@ -417,33 +489,52 @@ class SandboxToolServer:
         except (ValueError, TypeError) as exc:
             return error_result(f"invalid call: {exc}")
         async with self.gate:
-            self.stats.calls += 1
+            self._counts.calls += 1
+            clock, forks = self._clock, self._forks
+            emitted = clock.now_ns()
             origin = self.root.version
-            spec = self._specs.pop((origin, action.key), None)
             output: ToolOutput | None = None
-            if spec is not None:
-                spec.taken = True
-                await spec.done.wait()
-                if spec.result is not None and spec.fork is not None and self.root.version == spec.origin:
-                    await self.root.commit(spec.fork)  # JASV accepted: the fork's state is the state
-                    spec.fork = None
-                    output = spec.result
-                    self.stats.served_speculated += 1
-                    speculated = True
-                else:
-                    await self._drop(spec)
-            if output is None:
-                speculated = False
-                self.stats.ran_committed += 1
+            # JASV (the engine's): a fork of this very call, forked from the committed version
+            fork = await forks.verify(action, emitted)
+            if fork is not None:
+                fork = await forks.wait(fork)  # None: it failed (or timed out); run it here
+            if fork is not None:
+                assert isinstance(fork.sandbox, _ToolSandbox) and fork.sandbox.output is not None
+                output = fork.sandbox.output
+                committed_then_failed = await forks.commit(fork, origin, self._ledger.step)
+                if committed_then_failed is not None:
+                    raise committed_then_failed
+                self._counts.served_speculated += 1
+                start, end = fork.exec_start_ns, fork.exec_end_ns
+            else:
+                self._counts.ran_committed += 1
+                start = clock.now_ns()
                 output = await self._run(self.root, action)
+                end = clock.now_ns()
+            assert start is not None and end is not None
             result = await self._deliver(action, output)
+            now = clock.now_ns()
+            tool_ns = end - start
+            self._ledger.committed_step(
+                now,
+                action.key,
+                wait_actor_ns=0,
+                wait_tool_ns=now - emitted,
+                decode_ns=0,
+                tool_ns=tool_ns,
+                decode_waited_ns=0,
+                tool_waited_ns=max(0, min(now, end) - max(emitted, start)),
+                executed=True,
+            )
+            if self.metrics is not None:
+                self.metrics.step(now - emitted, tool_ns)
             # pruning and launching the next speculations happen after the reply is sent, in
             # a task that queues at the gate right now (so before any later call)
             self.tg.start_soon(self._after, action, _text(output.result))
             extra = {"artifacts": vars(self.artifacts.stats)} if self.artifacts is not None else {}
             return result_meta(
                 result,
-                speculated=speculated,
+                speculated=fork is not None,
                 origin=origin,
                 version=self.root.version,
                 stats=self.stats.as_dict(),
@@ -463,104 +554,54 @@ class SandboxToolServer:
         if cap == 0:
             return False
         async with self.gate:
+            registry = self._forks.registry
             version = self.root.version
-            key = (version, action.key)
-            if key in self._specs:
+            if registry.has(version, action.key):
                 return True
-            prefetched = [k for k, s in self._specs.items() if s.prefetched]
-            if len(prefetched) >= cap:
-                # the oldest prefetch makes room (dicts keep insertion order): prefetches
-                # never hold more than their share of the forks, however many arrive
-                await self._drop(self._specs.pop(prefetched[0]))
-            elif len(self._specs) >= self.max_forks:
-                victim = next((k for k, s in self._specs.items() if not s.prefetched), None)
+            self._prefetched = [k for k in self._prefetched if registry.has(*k)]
+            if len(self._prefetched) >= cap:
+                # the oldest prefetch makes room: prefetches never hold more than their share
+                # of the forks, however many arrive
+                self._evict(registry.get(*self._prefetched.pop(0)))
+            elif len(registry) >= self.max_forks:
+                victim = next((e for e in registry if (e.origin, e.action.key) not in self._prefetched), None)
                 if victim is None:
                     return False
-                await self._drop(self._specs.pop(victim))
-            spec = _Spec(action, version, prefetched=True)
-            if self.budget is not None:
-                spec.lease = self.budget.try_acquire()
-                if spec.lease is None:
-                    self.stats.budget_refused += 1
-                    return False
-            self._specs[key] = spec
-            self.stats.launched += 1
-            self.stats.prefetched += 1
-            self.tg.start_soon(self._run_spec, spec)
+                self._evict(victim)
+            if not self._forks.launch(action, 0, 1.0):
+                return False
+            self._prefetched.append((version, action.key))
+            self._counts.prefetched += 1
             return True
+
+    def _evict(self, entry: ForkEntry | None) -> None:
+        if entry is not None:
+            self._forks.registry.remove(entry)
+            self._forks.release([entry])
 
     async def _after(self, action: Action, observation: str) -> None:
         async with self.gate:
-            await self._prune()
+            # prune: forks whose origin is no longer the committed version can never pass JASV
+            version = self.root.version
+            self._counts.stale_discarded += sum(1 for e in self._forks.registry if e.origin != version)
+            self._forks.prune()
             await self._speculate(action, observation)
-
-    # -- speculation ---------------------------------------------------------------------------
-
-    async def _prune(self) -> None:
-        version = self.root.version
-        for key in [k for k in self._specs if k[0] != version]:
-            spec = self._specs.pop(key)
-            self.stats.stale_discarded += 1
-            await self._drop(spec)
-
-    async def _drop(self, spec: _Spec) -> None:
-        spec.scope.cancel()
-        if spec.done.is_set():
-            self.stats.wasted += 1
-            if spec.fork is not None:
-                fork, spec.fork = spec.fork, None
-                await fork.discard()
-        # a running spec discards its own fork when its scope is cancelled
 
     async def _speculate(self, last: Action, observation: str) -> None:
         if self.predictor is None:
             return
-        version = self.root.version
         for action in await propose(self.predictor, last, observation):
-            if len(self._specs) >= self.max_forks:
+            if len(self._forks.registry) >= self.max_forks:
                 break
-            key = (version, action.key)
-            if key in self._specs:
-                continue
-            spec = _Spec(action, version)
-            if self.budget is not None:
-                spec.lease = self.budget.try_acquire()
-                if spec.lease is None:
-                    self.stats.budget_refused += 1
-                    break
-            self._specs[key] = spec
-            self.stats.launched += 1
-            self.tg.start_soon(self._run_spec, spec)
-
-    async def _run_spec(self, spec: _Spec) -> None:
-        fork = None
-        try:
-            with spec.scope:
-                fork = await self.root.fork()
-                if fork.version != spec.origin:
-                    return  # the committed state moved before the fork was made
-                result = await self._run(fork, spec.action)
-                if (result.result.meta or {}).get("aospec", {}).get("timed_out"):
-                    return  # a timeout depends on the machine's load, not on the state: rerun
-                spec.result, spec.fork, fork = result, fork, None
-        except Exception as exc:  # a failed speculation is only a missed chance
-            print(f"aospec mcp: speculative {spec.action.tool} failed: {exc}", file=sys.stderr)
-        finally:
-            if spec.lease is not None:
-                spec.lease.release()
-            if fork is not None:
-                with anyio.CancelScope(shield=True):
-                    await fork.discard()
-            spec.done.set()
-            if spec.scope.cancel_called and spec.fork is not None:
-                with anyio.CancelScope(shield=True):
-                    await spec.fork.discard()
-                spec.fork = None
+            self._forks.launch(action, 0, 1.0)  # False when an equal one is live already
 
     async def aclose(self) -> None:
-        for spec in list(self._specs.values()):
-            await self._drop(spec)
-        self._specs.clear()
+        """Stop every speculative call and discard its fork (shielded)."""
+        live = list(self._forks.registry)
+        for entry in live:
+            self._forks.registry.remove(entry)
+        self._forks.release(live)
+        await self._forks.close()
 
 
 # -- the MCP server --------------------------------------------------------------------------
@@ -571,15 +612,21 @@ class ToolBackend:  # the structural seam between build_server and the two modes
     call: Callable[[str, dict[str, Any] | None], Awaitable[types.CallToolResult]]
 
 
-def build_server(backend: Any, name: str = "aospec") -> Any:
-    """An MCP low-level Server answering tools/list and tools/call from ``backend``."""
+def build_server(backend: Any, name: str = "aospec", metrics: Metrics | None = None) -> Any:
+    """An MCP low-level Server answering tools/list and tools/call from ``backend``; each
+    call is a request in ``metrics``, and a tool error result an error of kind ``tool``."""
     from mcp.server.lowlevel import Server
 
     async def on_list_tools(ctx: Any, params: Any) -> types.ListToolsResult:
         return types.ListToolsResult(tools=await backend.list_tools())
 
     async def on_call_tool(ctx: Any, params: types.CallToolRequestParams) -> types.CallToolResult:
-        return await backend.call(params.name, params.arguments)
+        if metrics is not None:
+            metrics.request()
+        result: types.CallToolResult = await backend.call(params.name, params.arguments)
+        if metrics is not None and result.is_error:
+            metrics.error("tool")
+        return result
 
     return Server(name, on_list_tools=on_list_tools, on_call_tool=on_call_tool)
 
@@ -669,6 +716,18 @@ def _with_prefetch(app: Any, prefetch: Callable[[str, dict[str, Any] | None], Aw
     return wrapped
 
 
+def _no_metrics(app: Any) -> Any:
+    """``app`` whose ``/metrics`` names the install of prometheus_client (501)."""
+
+    async def wrapped(scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] == "http" and scope["path"] == "/metrics":
+            await error_response(send, 501, f"metrics need prometheus_client: {INSTALL}", "not_installed")
+            return
+        await app(scope, receive, send)
+
+    return wrapped
+
+
 def _security_settings(guard: HttpGuard) -> Any:
     """The MCP SDK's own Host/Origin check of ``/mcp``, set as the guard's (which runs first)."""
     from mcp.server.transport_security import TransportSecuritySettings
@@ -689,53 +748,28 @@ async def serve_http(
     port: int,
     guard: HttpGuard,
     prefetch: Callable[[str, dict[str, Any] | None], Awaitable[bool]] | None = None,
+    metrics: Metrics | None = None,
 ) -> None:
     """Streamable HTTP at ``http://HOST:PORT/mcp`` (port 0: any free port; the URL is
     printed on stderr as ``aospec mcp: listening on URL``), every route behind ``guard``
     (:mod:`aospec._http`), until cancelled; with ``prefetch``, also ``POST /aospec/prefetch``
-    (module doc). Cancelling it cancels the calls in flight (they run in the MCP session
-    manager's task group, which runs here, not in uvicorn's lifespan task) and closes
-    every connection."""
-    import uvicorn
-
-    class _Server(uvicorn.Server):
-        @contextlib.contextmanager
-        def capture_signals(self) -> Iterator[None]:  # signals cancel the whole server (aospec.signals)
-            yield
-
+    (module doc); with ``metrics``, also ``GET /metrics`` (:mod:`aospec.metrics`). Cancelling
+    it cancels the calls in flight (they run in the MCP session manager's task group, which
+    runs here, not in uvicorn's lifespan task) and closes every connection."""
     mcp_app = server.streamable_http_app(
         host=host, transport_security=_security_settings(guard), max_request_body_size=guard.max_body
     )
-    app = guarded(mcp_app if prefetch is None else _with_prefetch(mcp_app, prefetch), guard)
-    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
-    try:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind((host, port))
-        sock.listen(128)
-        sock.setblocking(False)
-    except OSError as exc:
-        sock.close()
-        raise ConfigError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
-    bound = sock.getsockname()[1]
-    userver = _Server(uvicorn.Config(app, log_level="warning", lifespan="off"))
+    app = mcp_app if prefetch is None else _with_prefetch(mcp_app, prefetch)
+    app = metrics.asgi(app) if metrics is not None else _no_metrics(app)
     shown = f"[{host}]" if ":" in host else host
-    print(f"aospec mcp: listening on http://{shown}:{bound}/mcp", file=sys.stderr, flush=True)
-    try:
-        async with mcp_app.router.lifespan_context(mcp_app):  # the session manager: its tasks run the calls
-            try:
-                await userver.serve(sockets=[sock])
-            finally:
-                # cancelled: take no new connection or request before the session manager
-                # goes (its exit cancels the calls in flight, which ends their responses)
-                for listener in userver.servers:
-                    listener.close()
-                for connection in list(userver.server_state.connections):
-                    connection.shutdown()
-    finally:
-        quiet_shutdown()  # the requests whose calls were cancelled on the way out are no errors
-        for task in list(userver.server_state.tasks):
-            task.cancel()
-        sock.close()
+
+    def listening(bound: int) -> None:
+        print(f"aospec mcp: listening on http://{shown}:{bound}/mcp", file=sys.stderr, flush=True)
+
+    # the session manager (its tasks run the calls) lives around the serving
+    await serve_asgi(
+        guarded(app, guard), host, port, listening=listening, around=lambda: mcp_app.router.lifespan_context(mcp_app)
+    )
 
 
 @contextlib.asynccontextmanager
@@ -771,6 +805,7 @@ async def _sandbox_backend(args: argparse.Namespace) -> AsyncIterator[SandboxToo
             root,
             tg,
             predictor=predictor,
+            metrics=args.metrics,
             max_forks=args.max_forks,
             workdir=root.store.config.workdir,
             timeout_s=args.timeout,
@@ -830,12 +865,21 @@ async def _serve(args: argparse.Namespace) -> None:
         opener: Any = open_proxy(args, _predictor)
     else:
         opener = _sandbox_backend(args)
+    metrics = args.metrics
     async with opener as backend:
-        server = build_server(backend)
+        if metrics is not None and isinstance(backend, SandboxToolServer):
+            metrics.watch(backend.statistics, live_forks=backend.live_forks)
+        server = build_server(backend, metrics=metrics)
         if args.http is not None:
             prefetch = None if args.no_speculate else getattr(backend, "prefetch", None)
-            await serve_http(server, args.host, args.http, args.guard, prefetch)
-        else:
+            await serve_http(server, args.host, args.http, args.guard, prefetch, metrics)
+            return
+        if args.metrics_port is None:
+            await serve_stdio(server)
+            return
+        assert metrics is not None
+        token = os.environ.get(TOKEN_ENV, "").strip() or None
+        async with metrics_served(metrics, args.metrics_port, prog="aospec mcp", token=token):
             await serve_stdio(server)
 
 
@@ -877,6 +921,8 @@ def _usage_error(args: argparse.Namespace) -> str | None:
         return "--max-body-mb must be a finite number > 0"
     if args.http is None and args.token_file is not None:
         return "--token-file: only with --http (stdio needs no token)"
+    if args.http is not None and args.metrics_port is not None:
+        return "--metrics-port: only with stdio; over --http the metrics are GET /metrics on the server"
     return None
 
 
@@ -885,6 +931,15 @@ def _run(args: argparse.Namespace) -> int:
     if problem is not None:
         print(f"aospec mcp: {problem}", file=sys.stderr)
         return 2
+    try:
+        # over --http the metrics are served when prometheus_client is installed (else
+        # GET /metrics names the install); --metrics-port needs it
+        args.metrics = Metrics() if args.http is not None or args.metrics_port is not None else None
+    except MissingDependencyError as exc:
+        if args.metrics_port is not None:
+            print(f"aospec mcp: --metrics-port: {exc}", file=sys.stderr)
+            return 2
+        args.metrics = None
     if args.http is not None:
         try:
             token, generated = resolve_token("aospec mcp", args.host, args.token_file)
@@ -1003,6 +1058,14 @@ def register(subparsers: Any) -> None:
     p.add_argument("--predict-file", metavar="FILE", help="a JSON transition table [{after, next: [...]}]")
     p.add_argument("--train-traces", action="append", metavar="PATH", help="fit a transition table from traces")
     p.add_argument("--stats", action="store_true", help="print speculation counters on stderr at exit")
+    p.add_argument(
+        "--metrics-port",
+        type=port_number,
+        metavar="PORT",
+        help="with stdio: serve Prometheus metrics at http://127.0.0.1:PORT/metrics (0: any free port; "
+        "$AOSPEC_TOKEN, when set, is required as a bearer token); over --http they are GET /metrics on the "
+        "server. Needs prometheus_client (pip install 'aospec[metrics]')",
+    )
     p.add_argument(
         "--artifacts",
         action="store_true",

@@ -11,7 +11,8 @@ them); other requests carry the client's ``accept-encoding`` (identity when it s
 Upstream failures without a response (refused, reset, timed out) are a 502 naming the
 upstream, OpenAI-shaped.
 
-Speculation (``POST .../chat/completions`` only):
+Speculation (``POST .../chat/completions``; ``POST .../responses``, the Responses API,
+likewise on its ``input`` items, see :func:`speculable_response` and docs/integrations.md):
 
 - A request is *speculable* when its body is a JSON object without duplicate keys whose
   fields are all in :data:`KNOWN_FIELDS`, sampling is deterministic (``temperature`` 0, or
@@ -41,6 +42,10 @@ the stream (a sandbox-tool call, a ``--command-tool`` call, a ```` ```bash ```` 
 asks that server to start the call in a fork (``POST /aospec/prefetch``). The harness's own
 call is answered from the fork only when the server's JASV accepts it.
 
+Concurrency: a live request's upstream request runs in that request's task group; every
+speculation (speculative requests, action watchers, prefetches) in the task group of the
+app's ASGI lifespan, so nothing outlives the app (without a lifespan: pass-through only).
+
 Programmatic use: :func:`proxy_app` builds the ASGI app (``app.stats`` is its
 :class:`ProxyStats`, also served at ``GET /aospec/stats``); run it with any ASGI server
 (``aospec.live.serve_trace.serving(app)`` in tests).
@@ -49,8 +54,6 @@ Programmatic use: :func:`proxy_app` builds the ASGI app (``app.stats`` is its
 from __future__ import annotations
 
 import argparse
-import asyncio
-import contextlib
 import json
 import math
 import os
@@ -60,10 +63,13 @@ import time
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
+import anyio
 from aospec.integrations._proxy_actions import Prefetcher, watch
 from aospec.live.chat import ChatFormat
+from aospec.live.responses import call_of, is_reply_item, item_text, replies, task_text
 
 from aospec._http import (
     TOKEN_HEADER,
@@ -80,7 +86,15 @@ from aospec.errors import ConfigError
 from aospec.protocols import ObservationDrafter
 from aospec.types import History, Turn, canonical_json, version_hash
 
-__all__ = ["KNOWN_FIELDS", "VOLATILE_HEADERS", "ProxyStats", "SpeculatingProxy", "proxy_app", "register"]
+__all__ = [
+    "KNOWN_FIELDS",
+    "RESPONSES_FIELDS",
+    "VOLATILE_HEADERS",
+    "ProxyStats",
+    "SpeculatingProxy",
+    "proxy_app",
+    "register",
+]
 
 #: Request fields the proxy understands; a request with any other field is pass-through.
 KNOWN_FIELDS = frozenset(
@@ -109,7 +123,19 @@ VOLATILE_HEADERS = frozenset(
     {"x-stainless-retry-count", "x-stainless-read-timeout", "x-stainless-timeout", "accept-encoding"}
 )
 
+#: Responses API request fields the proxy understands (``previous_response_id``,
+#: ``conversation``, ``background``, ``prompt`` name state kept upstream: pass-through).
+RESPONSES_FIELDS = frozenset(
+    {
+        "model", "input", "instructions", "stream", "stream_options", "temperature", "seed", "top_p",
+        "max_output_tokens", "tools", "tool_choice", "parallel_tool_calls", "store", "include", "reasoning", "text",
+        "truncation", "user", "metadata", "max_tool_calls", "top_logprobs", "prompt_cache_key", "safety_identifier",
+        "service_tier",
+    }
+)  # fmt: skip
+
 _CHAT_PATHS = ("/chat/completions",)
+_RESPONSES_PATHS = ("/responses",)
 
 
 @dataclass
@@ -181,9 +207,9 @@ def _msg_digest(prev: str, message: Any) -> str:
     return version_hash(prev, canonical_json(message))
 
 
-def _digests(messages: Sequence[Any]) -> list[str]:
+def _digests(messages: Sequence[Any], kind: str = "messages") -> list[str]:
     """The digest of every prefix of ``messages`` (index L: the first L messages)."""
-    d = version_hash("messages")
+    d = version_hash(kind)
     out = [d]
     for m in messages:
         d = _msg_digest(d, m)
@@ -200,6 +226,23 @@ def speculable(body: Any) -> bool:
         return False
     if body.get("n") not in (None, 1) or isinstance(body.get("n"), bool):
         return False
+    return _deterministic(body)
+
+
+def speculable_response(body: Any) -> bool:
+    """Whether a Responses API request may be answered from a speculative one: the chat
+    rules (known fields, deterministic sampling) on ``input`` (a list of objects), and
+    ``store`` false (a speculative request must not leave a stored response upstream; the
+    API's default is true)."""
+    if not isinstance(body, dict) or not set(body) <= RESPONSES_FIELDS or _depth(body) > MAX_SPECULABLE_DEPTH:
+        return False
+    items = body.get("input")
+    if not isinstance(items, list) or not items or not all(isinstance(i, dict) for i in items):
+        return False
+    return body.get("store") is False and _deterministic(body)
+
+
+def _deterministic(body: dict[str, Any]) -> bool:
     t, seed = body.get("temperature"), body.get("seed")
     zero_t = isinstance(t, (int, float)) and not isinstance(t, bool) and t == 0
     seeded = isinstance(seed, int) and not isinstance(seed, bool)
@@ -271,6 +314,43 @@ def reply_message(body: bytes, stream: bool) -> dict[str, Any] | None:
         return None
 
 
+def response_output(body: bytes, stream: bool) -> list[dict[str, Any]] | None:
+    """The output items of a complete 200 Responses API reply (plain JSON, or the
+    ``response.completed`` event of a stream), None when it did not complete."""
+    try:
+        if stream:
+            obj = None
+            for line in body.decode("utf-8").splitlines():
+                if line.startswith("data:") and '"response.completed"' in line:
+                    event = json.loads(line[5:])
+                    if isinstance(event, dict) and event.get("type") == "response.completed":
+                        obj = event.get("response")
+        else:
+            obj = json.loads(body)
+        if not isinstance(obj, dict) or obj.get("status") != "completed" or _depth(obj) > MAX_SPECULABLE_DEPTH:
+            return None
+        output = obj.get("output")
+        if not isinstance(output, list) or not output or not all(isinstance(i, dict) for i in output):
+            return None
+        return output
+    except (ValueError, UnicodeDecodeError, RecursionError):
+        return None
+
+
+def _stream_ended(chunks: Sequence[bytes]) -> bool:
+    """Whether a stream's last event ends a whole reply: ``[DONE]`` (chat completions) or
+    ``response.completed`` (the Responses API)."""
+    if b"".join(chunks[-2:]).rstrip().endswith(b"[DONE]"):
+        return True
+    whole = b"".join(chunks).rstrip()
+    last = whole[whole.rfind(b"data:") + 5 :] if b"data:" in whole else b""
+    try:
+        event = json.loads(last)
+    except (ValueError, UnicodeDecodeError, RecursionError):
+        return False
+    return isinstance(event, dict) and event.get("type") == "response.completed"
+
+
 # -- learned message shapes --------------------------------------------------------------------
 
 _COPY = ("copy",)
@@ -308,18 +388,20 @@ def apply_shape(shape: Any, reply: Any) -> Any:
 
 @dataclass(frozen=True)
 class ObservationShape:
-    """How this harness words an observation: one message whose ``content`` is
-    ``prefix + observation + suffix``; ``slots`` maps other keys to ``"call_id"`` or
-    ``"tool_name"`` (filled from the reply's tool call), the rest constants."""
+    """How this harness words an observation: one message (or Responses item) whose
+    ``text_key`` (``content``; ``output`` for a ``function_call_output``) is ``prefix +
+    observation + suffix``; ``slots`` maps other keys to ``"call_id"`` or ``"tool_name"``
+    (filled from the reply's tool call), the rest constants."""
 
     constants: Mapping[str, Any]
     slots: Mapping[str, str]
     key_order: tuple[str, ...]
+    text_key: str = "content"
 
     def render(self, content: str, call: Mapping[str, Any] | None) -> dict[str, Any]:
         out: dict[str, Any] = {}
         for k in self.key_order:
-            if k == "content":
+            if k == self.text_key:
                 out[k] = content
             elif k in self.slots:
                 if call is None:
@@ -330,13 +412,15 @@ class ObservationShape:
         return out
 
 
-def _learn_observation(message: dict[str, Any], call: Mapping[str, Any] | None) -> ObservationShape | None:
-    if not isinstance(message.get("content"), str):
+def _learn_observation(
+    message: dict[str, Any], call: Mapping[str, Any] | None, text_key: str = "content"
+) -> ObservationShape | None:
+    if not isinstance(message.get(text_key), str):
         return None
     constants: dict[str, Any] = {}
     slots: dict[str, str] = {}
     for k, v in message.items():
-        if k == "content":
+        if k == text_key:
             continue
         if call is not None and v == call.get("id"):
             slots[k] = "call_id"
@@ -344,7 +428,7 @@ def _learn_observation(message: dict[str, Any], call: Mapping[str, Any] | None) 
             slots[k] = "tool_name"
         else:
             constants[k] = v
-    return ObservationShape(constants, slots, tuple(message))
+    return ObservationShape(constants, slots, tuple(message), text_key)
 
 
 def _wrapper(contents: Sequence[str]) -> tuple[str, str]:
@@ -388,47 +472,63 @@ def _wrapped(draft: str, prefix: str, suffix: str) -> list[str]:
 # -- upstream requests -------------------------------------------------------------------------
 
 
+class _Closed(Exception):
+    """An upstream request the proxy closed before it ended (a speculation no longer
+    wanted, a client gone, the proxy stopping)."""
+
+
 class _Upstream:
     """One upstream request being received: status, headers and raw chunks, readable from
-    the start by any number of consumers while it runs."""
+    the start by any number of consumers while it runs. :meth:`run` runs it in whichever
+    task group owns it (the request's, or the proxy's for a speculation); :meth:`cancel`
+    closes it alone."""
 
-    def __init__(self) -> None:
+    def __init__(self, method: str, url: Any, headers: list[tuple[str, str]], body: bytes) -> None:
+        self.request = (method, url, headers, body)
         self.status: int | None = None
         self.headers: list[tuple[bytes, bytes]] = []
         self.chunks: list[bytes] = []
         self.done = False
         self.error: BaseException | None = None
-        self.task: asyncio.Task[None] | None = None
-        self._changed = asyncio.Event()
+        self._scope = anyio.CancelScope()
+        self._changed = anyio.Event()
 
     def _pulse(self) -> None:
         self._changed.set()
-        self._changed = asyncio.Event()
+        self._changed = anyio.Event()
 
-    async def run(self, client: Any, method: str, url: str, headers: list[tuple[str, str]], body: bytes) -> None:
+    async def run(self, client: Any) -> None:
+        method, url, headers, body = self.request
+        ended = False
         try:
-            async with client.stream(method, url, headers=headers, content=body) as resp:
-                self.headers = [
-                    (k.lower().encode("latin-1"), v.encode("latin-1"))
-                    for k, v in resp.headers.multi_items()
-                    if k.lower() not in _DROP_RESPONSE
-                ]
-                self.status = resp.status_code
-                self._pulse()
-                async for chunk in resp.aiter_raw():
-                    self.chunks.append(chunk)
-                    self._pulse()
-        except asyncio.CancelledError:
-            self.error = asyncio.CancelledError()
-            raise
-        except Exception as exc:  # transport failures: reported to the consumer
-            self.error = exc
+            with self._scope:
+                try:
+                    async with client.stream(method, url, headers=headers, content=body) as resp:
+                        self.headers = [
+                            (k.lower().encode("latin-1"), v.encode("latin-1"))
+                            for k, v in resp.headers.multi_items()
+                            if k.lower() not in _DROP_RESPONSE
+                        ]
+                        self.status = resp.status_code
+                        self._pulse()
+                        async for chunk in resp.aiter_raw():
+                            self.chunks.append(chunk)
+                            self._pulse()
+                    ended = True
+                except Exception as exc:  # transport failures: reported to the consumer
+                    self.error = exc
         finally:
+            if not ended and self.error is None:
+                self.error = _Closed("closed by the proxy")
             self.done = True
             self._pulse()
 
     async def started(self) -> None:
         while self.status is None and not self.done:
+            await self._changed.wait()
+
+    async def wait_done(self) -> None:
+        while not self.done:
             await self._changed.wait()
 
     async def body(self) -> Any:
@@ -448,8 +548,8 @@ class _Upstream:
         return not self.done
 
     def cancel(self) -> None:
-        if self.task is not None and not self.task.done():
-            self.task.cancel()
+        """Close this request (before it starts, too)."""
+        self._scope.cancel()
 
 
 @dataclass
@@ -471,6 +571,10 @@ class _Served:
 
 @dataclass
 class _Format:
+    """How a harness appends a reply and words an observation: ``assistant`` is the shape
+    of the appended assistant message (chat), or a shape per output item type (the
+    Responses API)."""
+
     assistant: Any
     observation: ObservationShape
     tools: bool
@@ -483,6 +587,141 @@ def _error_body(status: int, message: str, code: str) -> tuple[int, list[tuple[b
 
 def _match_headers(headers: Sequence[tuple[str, str]]) -> str:
     return canonical_json(sorted([k.lower(), v] for k, v in headers if k.lower() not in VOLATILE_HEADERS))
+
+
+class _Chat:
+    """Chat completions: the conversation is ``messages``; a reply is one assistant message,
+    appended as one message and answered by one observation message."""
+
+    name = "chat"
+    key = "messages"
+    speculable = staticmethod(speculable)
+    reply = staticmethod(reply_message)
+
+    @staticmethod
+    def conversation(body: Any) -> list[Any] | None:
+        messages = body.get("messages") if isinstance(body, dict) else None
+        return messages if isinstance(messages, list) else None
+
+    @staticmethod
+    def parents(digests: list[str]) -> list[str]:
+        """The prefixes whose reply this request may follow (its last two messages)."""
+        return digests[-3:-2]
+
+    @staticmethod
+    def learn(reply: dict[str, Any], tail: list[Any]) -> _Format | None:
+        calls = reply.get("tool_calls") or []
+        if len(tail) != 2 or len(calls) > 1:
+            return None
+        appended, observation = tail
+        assistant = learn_shape(reply, appended)
+        try:
+            ok = apply_shape(assistant, reply) == appended
+        except (ValueError, KeyError):
+            ok = False
+        obs = _learn_observation(observation, calls[0] if calls else None) if isinstance(observation, dict) else None
+        return _Format(assistant, obs, bool(calls)) if ok and obs is not None else None
+
+    @staticmethod
+    def calls(reply: dict[str, Any]) -> list[Any]:
+        return reply.get("tool_calls") or []
+
+    @staticmethod
+    def text(reply: dict[str, Any]) -> str:
+        return reply.get("content") if isinstance(reply.get("content"), str) else ""
+
+    @staticmethod
+    def appended(fmt: _Format, reply: dict[str, Any]) -> list[Any]:
+        return [apply_shape(fmt.assistant, reply)]
+
+    @staticmethod
+    def turns(messages: list[Any]) -> list[tuple[str, list[Any], str]]:
+        """``(text, tool calls, observation)`` of every reply already answered."""
+        out = []
+        for i, m in enumerate(messages[:-1]):
+            obs = messages[i + 1].get("content") if isinstance(messages[i + 1], dict) else None
+            if isinstance(m, dict) and m.get("role") == "assistant" and isinstance(obs, str):
+                text = m.get("content") if isinstance(m.get("content"), str) else ""
+                out.append((text, list(m.get("tool_calls") or ()), obs))
+        return out
+
+    @staticmethod
+    def task(messages: list[Any]) -> str | None:
+        task = next((m.get("content") for m in messages if isinstance(m, dict) and m.get("role") == "user"), None)
+        return task if isinstance(task, str) else None
+
+
+class _Responses:
+    """The Responses API: the conversation is ``input``; a reply is its output items,
+    appended item by item (each output item type in one learned shape) and answered by
+    one item (a ``function_call_output``, or a user message)."""
+
+    name = "responses"
+    key = "input"
+    speculable = staticmethod(speculable_response)
+    reply = staticmethod(response_output)
+
+    @staticmethod
+    def conversation(body: Any) -> list[Any] | None:
+        items = body.get("input") if isinstance(body, dict) else None
+        return items if isinstance(items, list) else None
+
+    @staticmethod
+    def parents(digests: list[str]) -> list[str]:
+        """The prefixes whose reply this request may follow (a reply is any number of
+        items): the nearest first."""
+        return digests[-3::-1]
+
+    @staticmethod
+    def learn(reply: list[dict[str, Any]], tail: list[Any]) -> _Format | None:
+        k = len(reply)
+        if len(tail) != k + 1 or not isinstance(tail[k], dict):
+            return None
+        calls = [i for i in reply if i.get("type") == "function_call"]
+        if len(calls) > 1:
+            return None
+        shapes: dict[Any, Any] = {}
+        for item, appended in zip(reply, tail[:k], strict=True):
+            shape = learn_shape(item, appended)
+            if shapes.setdefault(item.get("type"), shape) != shape:
+                return None
+            try:
+                if apply_shape(shape, item) != appended:
+                    return None
+            except (ValueError, KeyError):
+                return None
+        answer = tail[k]
+        text_key = "output" if answer.get("type") == "function_call_output" else "content"
+        obs = _learn_observation(answer, call_of(calls[0]) if calls else None, text_key)
+        return _Format(shapes, obs, bool(calls)) if obs is not None else None
+
+    @staticmethod
+    def calls(reply: list[dict[str, Any]]) -> list[Any]:
+        return [call_of(i) for i in reply if i.get("type") == "function_call"]
+
+    @staticmethod
+    def text(reply: list[dict[str, Any]]) -> str:
+        return "".join(item_text(i) or "" for i in reply if i.get("type", "message") == "message")
+
+    @staticmethod
+    def appended(fmt: _Format, reply: list[dict[str, Any]]) -> list[Any]:
+        return [apply_shape(fmt.assistant[i.get("type")], i) for i in reply]
+
+    @staticmethod
+    def turns(items: list[Any]) -> list[tuple[str, list[Any], str]]:
+        out = []
+        for run, answer in replies(items):
+            obs = item_text(answer) if answer is not None and not is_reply_item(answer) else None
+            if obs is not None:
+                out.append((_Responses.text(run), _Responses.calls(run), obs))
+        return out
+
+    @staticmethod
+    def task(items: list[Any]) -> str | None:
+        return task_text(items) or None
+
+
+_DIALECTS = {"chat": _Chat, "responses": _Responses}
 
 
 class SpeculatingProxy:
@@ -535,8 +774,11 @@ class SpeculatingProxy:
         self._own_client = client is None
         self._served: OrderedDict[str, _Served] = OrderedDict()
         self._specs: dict[str, _Speculation] = {}
-        self._format: _Format | None = None
-        self._pending: dict[str, asyncio.Event] = {}
+        self._formats: dict[str, _Format] = {}
+        self._pending: dict[str, anyio.Event] = {}
+        # the task group of the app's lifespan: every speculation (speculative upstream
+        # requests, action watchers, prefetches) runs in it, so none outlives the app
+        self._tg: Any = None
         # which drafts hit: once only verbatim ones have, wrapped ones are not sent
         self._hits_verbatim = 0
         self._hits_wrapped = 0
@@ -548,7 +790,6 @@ class SpeculatingProxy:
                 self._prefetcher = Prefetcher(mcp, self.stats, token=mcp_token)
             except ValueError as exc:
                 raise ConfigError(f"proxy: {exc}") from None
-        self._watchers: set[asyncio.Task[None]] = set()
         self._guarded = guarded(self._serve, self.guard)
 
     # -- plumbing --------------------------------------------------------------------------
@@ -569,10 +810,8 @@ class SpeculatingProxy:
         return self._client
 
     async def aclose(self) -> None:
-        for task in list(self._watchers):
-            task.cancel()
-        if self._prefetcher is not None:
-            await self._prefetcher.aclose()
+        """Close every speculative request and the upstream client (the lifespan's end
+        does this)."""
         for spec in list(self._specs.values()):
             spec.upstream.cancel()
         self._specs.clear()
@@ -596,24 +835,33 @@ class SpeculatingProxy:
         rest = raw_path[3:] if raw_path == b"/v1" or raw_path.startswith(b"/v1/") else raw_path
         return self._base.copy_with(raw_path=self._base_path + rest + (b"?" + query if query else b""))
 
-    def _start(self, method: str, url: str, headers: list[tuple[str, str]], body: bytes) -> _Upstream:
-        up = _Upstream()
-        up.task = asyncio.ensure_future(up.run(self._http(), method, url, headers, body))
+    def _speculate_soon(self, method: str, url: Any, headers: list[tuple[str, str]], body: bytes) -> _Upstream:
+        """A speculative upstream request, started in the lifespan's task group."""
+        up = _Upstream(method, url, headers, body)
+        self._tg.start_soon(up.run, self._http())
         return up
 
     # -- ASGI ------------------------------------------------------------------------------
 
     async def __call__(self, scope: Any, receive: Callable[[], Awaitable[Any]], send: Any) -> None:
         if scope["type"] == "lifespan":
-            while True:
-                msg = await receive()
-                if msg["type"] == "lifespan.startup":
-                    await send({"type": "lifespan.startup.complete"})
-                elif msg["type"] == "lifespan.shutdown":
-                    await self.aclose()
-                    await send({"type": "lifespan.shutdown.complete"})
-                    return
+            await self._lifespan(receive, send)
+            return
         await self._guarded(scope, receive, send)
+
+    async def _lifespan(self, receive: Callable[[], Awaitable[Any]], send: Any) -> None:
+        if (await receive())["type"] != "lifespan.startup":
+            return
+        async with anyio.create_task_group() as tg:
+            self._tg = tg
+            await send({"type": "lifespan.startup.complete"})
+            while (await receive())["type"] != "lifespan.shutdown":
+                pass
+            # speculation is only a chance taken: stopping drops all of it at once
+            self._tg = None
+            tg.cancel_scope.cancel()
+        await self.aclose()
+        await send({"type": "lifespan.shutdown.complete"})
 
     async def _serve(self, scope: Any, receive: Callable[[], Awaitable[Any]], send: Any) -> None:
         """One request that passed the guard (its whole body is the first message)."""
@@ -647,126 +895,121 @@ class SpeculatingProxy:
         if self.upstream_token is not None:
             headers = [(k, v) for k, v in headers if k.lower() != "authorization"]
             headers.append(("authorization", f"Bearer {self.upstream_token}"))
-        if method == "POST" and path.endswith(_CHAT_PATHS):
-            # chat replies are read by the proxy: ask for them uncompressed
+        dialect = _Chat if path.endswith(_CHAT_PATHS) else _Responses if path.endswith(_RESPONSES_PATHS) else None
+        if method == "POST" and dialect is not None:
+            # replies the proxy reads: ask for them uncompressed
             headers = [(k, v) for k, v in headers if k.lower() != "accept-encoding"] + [("accept-encoding", "identity")]
-            await self._chat(url, headers, body, receive, send)
+            await self._conversation(dialect, url, headers, body, receive, send)
             return
         if not any(k.lower() == "accept-encoding" for k, _ in headers):
             headers.append(("accept-encoding", "identity"))  # not httpx's default: what the client accepts
-        up = self._start(method, url, headers, body)
-        await self._relay(up, receive, send)
+        await self._relay(_Upstream(method, url, headers, body), receive, send, run=True)
 
-    async def _relay(self, up: _Upstream, receive: Any, send: Any) -> bool:
-        """Send ``up``'s response to the client; True when it went out whole (every byte
-        of a 200 response sent; the client may hang up right after the last one, as SDKs
-        do after ``[DONE]``, even before the upstream has closed its response: see
-        :meth:`_ended_with_done`). A client disconnect before that cancels ``up``."""
-        gone = asyncio.Event()
-        sent_all = False
+    async def _relay(self, up: _Upstream, receive: Any, send: Any, *, run: bool = False) -> bool:
+        """Send ``up``'s response to the client (running ``up`` in this request's task group
+        when ``run``; a speculation runs in the lifespan's); True when it went out whole
+        (every byte of a 200 response sent; the client may hang up right after the last
+        one, as SDKs do after ``[DONE]``, even before the upstream has closed its response:
+        see :meth:`_ended_whole`). A client disconnect before that cancels ``up``."""
+        async with anyio.create_task_group() as tg:
+            if run:
+                tg.start_soon(up.run, self._http())
+            whole = await self._send(up, receive, send)
+        return whole
+
+    async def _send(self, up: _Upstream, receive: Any, send: Any) -> bool:
+        result: bool | None = None
+        cut = sent_all = False
         sent = 0
 
         async def listen() -> None:
-            while True:
-                msg = await receive()
-                if msg["type"] == "http.disconnect":
-                    gone.set()
-                    return
+            while (await receive())["type"] != "http.disconnect":
+                pass
+            tg.cancel_scope.cancel()
 
-        async def relay() -> bool:
-            await up.started()
-            if up.status is None:
-                self.stats.upstream_errors += 1
-                status, hdrs, data = _error_body(
-                    502, f"aospec proxy: upstream {self.upstream} failed: {up.error!r}", "upstream_unreachable"
-                )
-                await send({"type": "http.response.start", "status": status, "headers": hdrs})
-                await send({"type": "http.response.body", "body": data})
-                return False
-            await send({"type": "http.response.start", "status": up.status, "headers": up.headers})
-            async for chunk in up.body():
-                await send({"type": "http.response.body", "body": chunk, "more_body": True})
-                nonlocal sent
-                sent += 1
-            if up.error is not None:
-                self.stats.upstream_errors += 1
-                raise RuntimeError(f"upstream stream cut: {up.error!r}")  # the server aborts the response
-            nonlocal sent_all
-            sent_all = True
-            await send({"type": "http.response.body", "body": b""})
-            return up.status == 200
-
-        listener = asyncio.ensure_future(listen())
-        relayer = asyncio.ensure_future(relay())
-        waiter = asyncio.ensure_future(gone.wait())
-        try:
-            await asyncio.wait({relayer, waiter}, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            listener.cancel()
-            waiter.cancel()
-        if not relayer.done():
-            relayer.cancel()
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await relayer
-            if sent_all:
-                return up.status == 200
-            if await self._ended_with_done(up, sent):
-                return True
-            up.cancel()
-            self.stats.disconnects += 1
-            return False
-        try:
-            return relayer.result()
-        except OSError:
-            if sent_all:
-                return up.status == 200
-            if await self._ended_with_done(up, sent):
-                return True
-            up.cancel()
-            self.stats.disconnects += 1
-            return False
-
-    async def _ended_with_done(self, up: _Upstream, sent: int) -> bool:
-        """Whether a client that hung up had the whole 200 reply: every chunk received was
-        sent, the stream's last event was ``[DONE]`` (SDKs hang up right after it, maybe
-        before the upstream closes its response) and the upstream then ends cleanly with
-        nothing more."""
-        if up.status != 200 or sent != len(up.chunks) or not b"".join(up.chunks[-2:]).rstrip().endswith(b"[DONE]"):
-            return False
-        if up.task is not None and not up.done:
+        async def relay() -> None:
+            nonlocal result, cut, sent, sent_all
             try:
-                await asyncio.wait_for(asyncio.shield(up.task), 5.0)
-            except (TimeoutError, asyncio.CancelledError, Exception):
-                return False
-        return up.error is None and sent == len(up.chunks)
+                await up.started()
+                if up.status is None:
+                    self.stats.upstream_errors += 1
+                    status, hdrs, data = _error_body(
+                        502, f"aospec proxy: upstream {self.upstream} failed: {up.error!r}", "upstream_unreachable"
+                    )
+                    await send({"type": "http.response.start", "status": status, "headers": hdrs})
+                    await send({"type": "http.response.body", "body": data})
+                    result = False
+                else:
+                    await send({"type": "http.response.start", "status": up.status, "headers": up.headers})
+                    async for chunk in up.body():
+                        await send({"type": "http.response.body", "body": chunk, "more_body": True})
+                        sent += 1
+                    if up.error is not None:
+                        self.stats.upstream_errors += 1
+                        cut = True
+                    else:
+                        sent_all = True
+                        await send({"type": "http.response.body", "body": b""})
+                        result = up.status == 200
+            except OSError:  # the transport closed under a send: as a disconnect
+                pass
+            tg.cancel_scope.cancel()
 
-    # -- chat completions ------------------------------------------------------------------
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(listen)
+            tg.start_soon(relay)
+        if cut:
+            raise RuntimeError(f"upstream stream cut: {up.error!r}")  # the server aborts the response
+        if result is not None:
+            return result
+        if sent_all:
+            return up.status == 200
+        if await self._ended_whole(up, sent):
+            return True
+        up.cancel()
+        self.stats.disconnects += 1
+        return False
 
-    async def _chat(self, url: str, headers: list[tuple[str, str]], raw: bytes, receive: Any, send: Any) -> None:
+    async def _ended_whole(self, up: _Upstream, sent: int) -> bool:
+        """Whether a client that hung up had the whole 200 reply: every chunk received was
+        sent, the stream's last event ended a reply (``[DONE]``, ``response.completed``:
+        SDKs hang up right after it, maybe before the upstream closes its response) and the
+        upstream then ends cleanly with nothing more."""
+        if up.status != 200 or sent != len(up.chunks) or not _stream_ended(up.chunks):
+            return False
+        with anyio.move_on_after(5.0):
+            await up.wait_done()
+        return up.done and up.error is None and sent == len(up.chunks)
+
+    # -- conversations (chat completions, Responses) ----------------------------------------
+
+    async def _conversation(
+        self, dialect: Any, url: Any, headers: list[tuple[str, str]], raw: bytes, receive: Any, send: Any
+    ) -> None:
         self.stats.chat_requests += 1
         try:
             body = _strict_json(raw)
         except (ValueError, UnicodeDecodeError):
             body = None
-        messages = body.get("messages") if isinstance(body, dict) else None
-        shallow = isinstance(messages, list) and _depth(body) <= MAX_SPECULABLE_DEPTH
-        digests = _digests(messages) if shallow else []  # type: ignore[arg-type]
-        spec_ok = speculable(body)
+        conv = dialect.conversation(body)
+        shallow = conv is not None and _depth(body) <= MAX_SPECULABLE_DEPTH
+        digests = _digests(conv, dialect.key) if shallow else []  # type: ignore[arg-type]
+        spec_ok = dialect.speculable(body)
         if not spec_ok:
             self.stats.passthrough += 1
-            await self._answer(url, headers, raw, body, digests, None, receive, send)
+            await self._answer(dialect, url, headers, raw, body, digests, False, receive, send)
             return
         self.stats.speculable += 1
         # the reply this request follows may still be drafting its speculations (they are
         # registered right after its last byte went out): wait for them
-        parent = self._pending.get(digests[-3]) if len(digests) >= 3 else None
+        parent = next((self._pending[d] for d in dialect.parents(digests) if d in self._pending), None)
         if parent is not None:
             t0 = time.perf_counter()
             await parent.wait()
             self.stats.waited_s += time.perf_counter() - t0
-        mine = self._pending[digests[-1]] = asyncio.Event()
+        mine = self._pending[digests[-1]] = anyio.Event()
         try:
-            await self._answer(url, headers, raw, body, digests, mine, receive, send)
+            await self._answer(dialect, url, headers, raw, body, digests, True, receive, send)
         finally:
             mine.set()
             if self._pending.get(digests[-1]) is mine:
@@ -774,16 +1017,16 @@ class SpeculatingProxy:
 
     async def _answer(
         self,
-        url: str,
+        dialect: Any,
+        url: Any,
         headers: list[tuple[str, str]],
         raw: bytes,
         body: Any,
         digests: list[str],
-        pending: asyncio.Event | None,
+        spec_ok: bool,
         receive: Any,
         send: Any,
     ) -> None:
-        spec_ok = pending is not None
         hit = None
         if spec_ok:
             key = canonical_json(body) + _match_headers(headers)
@@ -803,7 +1046,7 @@ class SpeculatingProxy:
                 else:
                     self.stats.wasted += 1
         if spec_ok:
-            self._learn(body, digests)
+            self._learn(dialect, body[dialect.key], digests)
         if hit is not None:
             self._specs.pop(hit.key, None)
             self.stats.hits += 1
@@ -816,25 +1059,31 @@ class SpeculatingProxy:
         else:
             if spec_ok:
                 self.stats.misses += 1
-            up = self._start("POST", url, headers, raw)
-        if self._prefetcher is not None:
-            self._watch(up, isinstance(body, dict) and bool(body.get("stream")))
-        whole = await self._relay(up, receive, send)
+            up = _Upstream("POST", url, headers, raw)
+        stream = isinstance(body, dict) and bool(body.get("stream"))
+        if self._prefetcher is not None and self._tg is not None:
+            self._tg.start_soon(self._watch, dialect, up, stream)
+        whole = await self._relay(up, receive, send, run=hit is None)
         if whole and spec_ok:
-            reply = reply_message(b"".join(up.chunks), bool(body.get("stream")))
+            reply = dialect.reply(b"".join(up.chunks), stream)
             if reply is not None:
                 self._remember(body, headers, digests[-1], reply)
-                await self._speculate(url, body, headers, digests[-1], reply)
+                await self._speculate(dialect, url, body, headers, digests[-1], reply)
 
-    def _watch(self, up: _Upstream, stream: bool) -> None:
+    async def _watch(self, dialect: Any, up: _Upstream, stream: bool) -> None:
         """Prefetch the actions of the reply ``up`` as they complete (module doc)."""
-        prefetcher, client = self._prefetcher, self._http()
+        prefetcher, client, tg = self._prefetcher, self._http(), self._tg
         assert prefetcher is not None
-        task = asyncio.ensure_future(
-            watch(up, stream, self.command_tools, lambda tool, args: prefetcher.emit(client, tool, args))
-        )
-        self._watchers.add(task)
-        task.add_done_callback(self._watchers.discard)
+        try:
+            await watch(
+                up,
+                stream,
+                self.command_tools,
+                lambda tool, args: prefetcher.emit(tg, client, tool, args),
+                responses=dialect is _Responses,
+            )
+        except Exception:  # a watcher's failure is only a missed chance
+            self.stats.prefetch_errors += 1
 
     def _remember(
         self, body: dict[str, Any], headers: list[tuple[str, str]], digest: str, reply: dict[str, Any]
@@ -844,76 +1093,55 @@ class SpeculatingProxy:
         while len(self._served) > self.max_remembered:
             self._served.popitem(last=False)
 
-    def _learn(self, body: dict[str, Any], digests: list[str]) -> None:
+    def _learn(self, dialect: Any, conv: list[Any], digests: list[str]) -> None:
         """Learn how the harness appends a reply and words an observation from a request
-        that extends one the proxy answered."""
-        messages = body["messages"]
-        for n in range(len(messages) - 2, 0, -1):
+        that extends one the proxy answered (the nearest such)."""
+        for n in range(len(conv) - 2, 0, -1):
             parent = self._served.get(digests[n])
             if parent is None:
                 continue
-            appended, rest = messages[n], messages[n + 1 :]
-            calls = parent.reply.get("tool_calls") or []
-            if len(rest) != 1 or len(calls) > 1:
-                return
-            assistant = learn_shape(parent.reply, appended)
-            try:
-                ok = apply_shape(assistant, parent.reply) == appended
-            except (ValueError, KeyError):
-                ok = False
-            obs = _learn_observation(rest[0], calls[0] if calls else None)
-            if ok and obs is not None:
-                self._format = _Format(assistant, obs, bool(calls))
+            fmt = dialect.learn(parent.reply, conv[n:])
+            if fmt is not None:
+                self._formats[dialect.name] = fmt
                 self.stats.learned = True
             return
 
     # -- speculation -----------------------------------------------------------------------
 
-    def _history(self, messages: list[dict[str, Any]], fmt: _Format) -> History | None:
+    def _history(self, dialect: Any, conv: list[Any], fmt: _Format) -> History | None:
         """The conversation as an aospec History: the task is the first user message, an
-        observation the whole content of the message after an assistant message (as in
+        observation the whole content of the message after an assistant reply (as in
         aospec's traces, where the observation is what the model saw)."""
-        task = next((m.get("content") for m in messages if m.get("role") == "user"), None)
-        if not isinstance(task, str):
+        task = dialect.task(conv)
+        if task is None:
             return None
         chat = ChatFormat(action_format="tools" if fmt.tools else "bash")
-        turns = []
-        for i, m in enumerate(messages[:-1]):
-            if m.get("role") != "assistant":
-                continue
-            obs = messages[i + 1].get("content")
-            if not isinstance(obs, str):
-                continue
-            action = chat.parse(
-                m.get("content") if isinstance(m.get("content"), str) else "", m.get("tool_calls") or ()
-            )
-            turns.append(Turn(action, obs))
-        return History(task, tuple(turns))
+        return History(task, tuple(Turn(chat.parse(text, calls), obs) for text, calls, obs in dialect.turns(conv)))
 
     async def _speculate(
-        self, url: str, body: dict[str, Any], headers: list[tuple[str, str]], parent: str, reply: dict[str, Any]
+        self,
+        dialect: Any,
+        url: Any,
+        body: dict[str, Any],
+        headers: list[tuple[str, str]],
+        parent: str,
+        reply: Any,
     ) -> None:
-        fmt = self._format
-        if fmt is None or not self.drafters or self.max_speculative == 0:
+        fmt = self._formats.get(dialect.name)
+        if fmt is None or not self.drafters or self.max_speculative == 0 or self._tg is None:
             return
-        calls = reply.get("tool_calls") or []
+        calls = dialect.calls(reply)
         if len(calls) > 1 or bool(calls) != fmt.tools:
             return
         chat = ChatFormat(action_format="tools" if fmt.tools else "bash")
-        text = reply.get("content") if isinstance(reply.get("content"), str) else ""
-        action = chat.parse(text, calls)
+        action = chat.parse(dialect.text(reply), calls)
         try:
-            appended = apply_shape(fmt.assistant, reply)
+            appended = dialect.appended(fmt, reply)
         except (ValueError, KeyError):
             return
-        messages = body["messages"]
-        obs_contents = [
-            messages[i + 1]["content"]
-            for i, m in enumerate(messages[:-1])
-            if m.get("role") == "assistant" and isinstance(messages[i + 1].get("content"), str)
-        ]
-        prefix, suffix = _wrapper(obs_contents)
-        history = self._history(messages, fmt)
+        conv = body[dialect.key]
+        prefix, suffix = _wrapper([obs for _, _, obs in dialect.turns(conv)])
+        history = self._history(dialect, conv, fmt)
         if history is None:
             return
         best: dict[str, float] = {}
@@ -950,12 +1178,14 @@ class SpeculatingProxy:
             except ValueError:
                 return
             new_body = dict(body)
-            new_body["messages"] = [*messages, appended, obs_msg]
+            new_body[dialect.key] = [*conv, *appended, obs_msg]
             key = canonical_json(new_body) + match_headers
             if key in self._specs:
                 continue
             data = json.dumps(new_body, ensure_ascii=False).encode()
-            self._specs[key] = _Speculation(key, parent, self._start("POST", url, headers, data), i >= verbatim)
+            self._specs[key] = _Speculation(
+                key, parent, self._speculate_soon("POST", url, headers, data), i >= verbatim
+            )
             self.stats.speculated += 1
         # speculations of conversations that went away: keep the newest max_remembered
         while len(self._specs) > self.max_remembered:
@@ -979,7 +1209,8 @@ def register(subparsers: Any) -> None:
     p = subparsers.add_parser(
         "proxy",
         help="an OpenAI-compatible proxy that speculates tool observations (change only the harness's base URL)",
-        description="Forward every request to --upstream unchanged; for deterministic chat completions, draft "
+        description="Forward every request to --upstream unchanged; for deterministic chat completions (and "
+        "Responses API requests), draft "
         "the harness's next request while it runs its tool and pre-issue it upstream, answering the real request "
         "from it when they are equal. Harness base URL: http://HOST:PORT/v1, its API key the proxy's token "
         "(printed at start, or --token-file / AOSPEC_TOKEN). Stats: GET /aospec/stats. "
@@ -1110,7 +1341,7 @@ def _serve(args: argparse.Namespace) -> int:
     config = uvicorn.Config(app, log_level="warning", access_log=False, lifespan="on", timeout_graceful_shutdown=1)
     quiet_shutdown()
     try:
-        asyncio.run(uvicorn.Server(config).serve(sockets=[sock]))
+        anyio.run(partial(uvicorn.Server(config).serve, sockets=[sock]))
     except KeyboardInterrupt:
         pass
     finally:

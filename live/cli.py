@@ -16,6 +16,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from aospec._http import port_number
 from aospec.cli._common import add_format_option, print_json, print_table
 from aospec.errors import AospecError, ConfigError
 
@@ -107,6 +108,15 @@ def register(subparsers: Any) -> None:
         metavar="FILE",
         help="the speculation controller's model (JSON): loaded when the file exists, else fitted on "
         "--train-traces; saved after the run with what it learned",
+    )
+    p.add_argument(
+        "--metrics-port",
+        type=port_number,
+        default=None,
+        metavar="PORT",
+        help="serve Prometheus metrics at http://127.0.0.1:PORT/metrics while the run lasts (loopback only; 0: any "
+        "free port; $AOSPEC_TOKEN, when set, is required as a bearer token). Needs prometheus_client "
+        "(pip install 'aospec[metrics]')",
     )
     box = p.add_argument_group(
         "SpecBox layer (docs/live.md, 'SpecBox under a live run'; defaults apply when speculating, a serial run "
@@ -205,6 +215,14 @@ def _check_args(args: argparse.Namespace) -> None:
                 raise ConfigError(f"{flag} {value} needs speculation: a serial run (--no-speculate) makes no forks")
         if args.markov:
             raise ConfigError("--markov is an action drafter: a serial run (--no-speculate) drafts nothing")
+    args.metrics = None
+    if args.metrics_port is not None:
+        from aospec.metrics import Metrics
+
+        try:
+            args.metrics = Metrics()
+        except AospecError as exc:  # prometheus_client is missing: the install line
+            raise ConfigError(f"--metrics-port: {exc}") from None
     if args.router == "trained" and not args.train_traces:
         raise ConfigError("--router trained is fitted on --train-traces: give them, or use --router parse")
     if args.markov and not args.train_traces:
@@ -472,11 +490,15 @@ async def _main(args: argparse.Namespace, actor: Any, train: list[Any], state: d
                 state["recorder"] = recorder
             progress = _Progress(enabled=args.progress or sys.stderr.isatty())
 
+            metrics = args.metrics
+
             def on_step(step: Any, stats: Any) -> None:
                 box.observe(step.action)
                 if recorder is not None:
                     recorder.add(step, stats)
                 progress.update(step, stats)
+                if metrics is not None:
+                    metrics.step(step.wait_actor_ns + step.wait_tool_ns, step.tool_ns)
 
             agent = Agent(
                 actor,
@@ -493,7 +515,7 @@ async def _main(args: argparse.Namespace, actor: Any, train: list[Any], state: d
             )
             try:
                 with progress:
-                    result = await agent.run(args.task)
+                    result = await _run_agent(agent, args, actor)
             except BaseException as exc:
                 if recorder is not None:
                     cancelled = isinstance(exc, (anyio.get_cancelled_exc_class(), KeyboardInterrupt))
@@ -525,6 +547,30 @@ async def _entered(manager: Any) -> Any:
     else:
         with manager as value:
             yield value
+
+
+async def _run_agent(agent: Any, args: argparse.Namespace, actor: Any) -> Any:
+    """``agent.run(task)``, with the metrics served meanwhile (``--metrics-port``)."""
+    metrics = args.metrics
+    if metrics is None:
+        return await agent.run(args.task)
+    from aospec._http import TOKEN_ENV
+    from aospec.metrics import metrics_served
+
+    stats = getattr(actor, "stats", None)  # a chat actor's ActorStats: its requests
+    metrics.watch(
+        agent.engine.statistics,
+        live_forks=agent.engine.live_forks,
+        requests=None if stats is None else lambda: stats.requests,
+        errors=None if stats is None else lambda: {"model": stats.failed_requests},
+    )
+    token = os.environ.get(TOKEN_ENV, "").strip() or None
+    async with metrics_served(metrics, args.metrics_port, prog="aospec run", token=token):
+        try:
+            return await agent.run(args.task)
+        except Exception:
+            metrics.error("run")
+            raise
 
 
 class _Progress:

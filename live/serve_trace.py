@@ -1,12 +1,16 @@
 """``aospec serve-trace``: a recorded trajectory's replies over an OpenAI-compatible HTTP API,
 streamed at a given time per output token.
 
-The server answers ``POST /v1/chat/completions`` (streamed or not) and ``GET /v1/models``.
+The server answers ``POST /v1/chat/completions`` and ``POST /v1/responses`` (the Responses
+API: the same replies as ``message`` and ``function_call`` output items, streamed as its
+typed events; see aospec.live.responses) (streamed or not) and ``GET /v1/models``.
 A request's conversation is the trace chosen by ``--trace-id`` (or the ``X-Trace-Id``
 request header), else the only trace served, else the trace whose instruction (or task)
 text appears in the request's first user message (the longest such, so one server serves
 many conversations). Its reply is reply *i* of that trace, where *i* is the number of
-assistant messages already in the request: concurrent requests for different history
+assistant messages already in the request (for the Responses API, the number of replies
+already in its ``input``: runs of assistant message, function_call and reasoning items;
+the task text is then every user message's before the first reply): concurrent requests for different history
 lengths (provisional branches) each get the right reply, and a repeated request gets the
 same one. The reply text is the step's recorded ``reply`` when the trace has one that
 parses back to its action, else the action as a ```` ```bash ```` block; with ``tools`` in the request the action also comes as
@@ -38,6 +42,7 @@ from typing import Any
 
 import anyio
 from aospec.live.chat import ChatFormat, estimate_tokens
+from aospec.live.responses import as_items, item_text, reply_count, task_text
 
 from aospec._http import GuardMiddleware, HttpGuard, port_number, quiet_shutdown, resolve_token
 from aospec.errors import ConfigError
@@ -130,7 +135,8 @@ async def _race_disconnect(receive: Callable[[], Awaitable[Any]], work: Callable
 
 @dataclass
 class _Reply:
-    """The ASGI response of one reply: timed, and stopped when the client leaves."""
+    """The ASGI response of one chat-completions reply: timed, and stopped when the client
+    leaves. :class:`_ResponsesReply` renders the same reply as a Responses API one."""
 
     stats: ServeStats
     ttft_s: float
@@ -158,24 +164,47 @@ class _Reply:
         }
         return b"data: " + canonical_json(obj).encode() + b"\n\n"
 
+    def whole(self) -> bytes:
+        """The plain (non-streamed) response body."""
+        message: dict[str, Any] = {"role": "assistant", "content": self.text}
+        if self.calls:
+            message["tool_calls"] = [{k: v for k, v in c.items() if k != "index"} for c in self.calls]
+        obj = {
+            "id": self.rid,
+            "object": "chat.completion",
+            "created": 0,
+            "model": self.name,
+            "choices": [{"index": 0, "message": message, "logprobs": None, "finish_reason": self.finish}],
+            "usage": self.usage,
+        }
+        return canonical_json(obj).encode()
+
+    def head(self) -> bytes:
+        """The stream's first frames, before any text."""
+        return self.chunk({"role": "assistant", "content": ""})
+
+    def delta(self, piece: str) -> bytes:
+        return self.chunk({"content": piece})
+
+    def tail(self) -> bytes:
+        """The stream's last frames, after the text."""
+        tail = b""
+        if self.calls:
+            tail += self.chunk({"tool_calls": self.calls})
+        tail += self.chunk({}, self.finish)
+        if self.include_usage:
+            obj = {"id": self.rid, "object": "chat.completion.chunk", "created": 0, "model": self.name,
+                   "choices": [], "usage": self.usage}  # fmt: skip
+            tail += b"data: " + canonical_json(obj).encode() + b"\n\n"
+        return tail + b"data: [DONE]\n\n"
+
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         start = time.monotonic()
         self.stats.active += 1
 
         async def plain() -> None:
             await anyio.sleep(self.ttft_s + self.tokens * self.tpot_s)
-            message: dict[str, Any] = {"role": "assistant", "content": self.text}
-            if self.calls:
-                message["tool_calls"] = [{k: v for k, v in c.items() if k != "index"} for c in self.calls]
-            obj = {
-                "id": self.rid,
-                "object": "chat.completion",
-                "created": 0,
-                "model": self.name,
-                "choices": [{"index": 0, "message": message, "logprobs": None, "finish_reason": self.finish}],
-                "usage": self.usage,
-            }
-            data = canonical_json(obj).encode()
+            data = self.whole()
             headers = [(b"content-type", b"application/json"), (b"content-length", str(len(data)).encode())]
             await send({"type": "http.response.start", "status": 200, "headers": headers})
             await send({"type": "http.response.body", "body": data})
@@ -183,13 +212,7 @@ class _Reply:
         async def streamed() -> None:
             headers = [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache")]
             await send({"type": "http.response.start", "status": 200, "headers": headers})
-            await send(
-                {
-                    "type": "http.response.body",
-                    "body": self.chunk({"role": "assistant", "content": ""}),
-                    "more_body": True,
-                }
-            )
+            await send({"type": "http.response.body", "body": self.head(), "more_body": True})
             # The first token alone (a true time to first token), then per_chunk at a time.
             bounds = _bounds(self.tokens, self.per_chunk)
             n = len(self.text)
@@ -197,19 +220,8 @@ class _Reply:
                 piece = self.text[n * (bounds[k - 1] if k else 0) // self.tokens : n * done_tokens // self.tokens]
                 await anyio.sleep(max(0.0, start + self.ttft_s + done_tokens * self.tpot_s - time.monotonic()))
                 if piece:
-                    await send(
-                        {"type": "http.response.body", "body": self.chunk({"content": piece}), "more_body": True}
-                    )
-            tail = b""
-            if self.calls:
-                tail += self.chunk({"tool_calls": self.calls})
-            tail += self.chunk({}, self.finish)
-            if self.include_usage:
-                obj = {"id": self.rid, "object": "chat.completion.chunk", "created": 0, "model": self.name,
-                       "choices": [], "usage": self.usage}  # fmt: skip
-                tail += b"data: " + canonical_json(obj).encode() + b"\n\n"
-            tail += b"data: [DONE]\n\n"
-            await send({"type": "http.response.body", "body": tail})
+                    await send({"type": "http.response.body", "body": self.delta(piece), "more_body": True})
+            await send({"type": "http.response.body", "body": self.tail()})
 
         try:
             gone = await _race_disconnect(receive, streamed if self.stream else plain)
@@ -223,6 +235,102 @@ class _Reply:
             self.stats.log.append((self.tid, self.index, "done"))
 
 
+@dataclass
+class _ResponsesReply(_Reply):
+    """The same reply as a Responses API response (``POST /v1/responses``): an assistant
+    ``message`` item with the text (none when a tool call comes with an empty text), then
+    a ``function_call`` item per tool call; streamed as the API's typed events
+    (``response.created``, ``response.output_item.added``, ``response.output_text.delta``,
+    ``response.function_call_arguments.delta``, ``response.output_item.done``,
+    ``response.completed``, ...)."""
+
+    seq: int = 0
+
+    def _event(self, kind: str, **fields: Any) -> bytes:
+        obj = {"type": kind, "sequence_number": self.seq, **fields}
+        self.seq += 1
+        return f"event: {kind}\ndata: ".encode() + canonical_json(obj).encode() + b"\n\n"
+
+    @property
+    def _msg_id(self) -> str:
+        return f"msg_{self.tid[:24]}_{self.index}"
+
+    def _items(self) -> list[dict[str, Any]]:
+        items: list[dict[str, Any]] = []
+        if self.text or not self.calls:
+            items.append(self._message(self.text, "completed"))
+        for i, c in enumerate(self.calls):
+            items.append(self._call(i, c, c["function"]["arguments"], "completed"))
+        return items
+
+    def _message(self, text: str | None, status: str) -> dict[str, Any]:
+        content = [] if text is None else [{"type": "output_text", "text": text, "annotations": [], "logprobs": []}]
+        return {"id": self._msg_id, "type": "message", "status": status, "role": "assistant", "content": content}
+
+    def _call(self, i: int, call: dict[str, Any], arguments: str, status: str) -> dict[str, Any]:
+        return {"id": f"fc_{self.tid[:24]}_{self.index}_{i}", "type": "function_call", "status": status,
+                "call_id": call["id"], "name": call["function"]["name"], "arguments": arguments}  # fmt: skip
+
+    def _response(self, status: str, output: list[dict[str, Any]], usage: dict[str, Any] | None) -> dict[str, Any]:
+        return {"id": self.rid, "object": "response", "created_at": 0, "status": status, "model": self.name,
+                "output": output, "parallel_tool_calls": True, "tool_choice": "auto", "tools": [],
+                "error": None, "incomplete_details": None, "usage": usage}  # fmt: skip
+
+    def _usage(self) -> dict[str, Any]:
+        p, t = self.usage["prompt_tokens"], self.usage["completion_tokens"]
+        return {"input_tokens": p, "input_tokens_details": {"cached_tokens": 0}, "output_tokens": t,
+                "output_tokens_details": {"reasoning_tokens": 0}, "total_tokens": p + t}  # fmt: skip
+
+    def whole(self) -> bytes:
+        return canonical_json(self._response("completed", self._items(), self._usage())).encode()
+
+    @property
+    def _streams_text(self) -> bool:
+        return bool(self.text) or not self.calls
+
+    def head(self) -> bytes:
+        self.seq = 0
+        out = self._event("response.created", response=self._response("in_progress", [], None))
+        out += self._event("response.in_progress", response=self._response("in_progress", [], None))
+        if self._streams_text:
+            out += self._event("response.output_item.added", output_index=0, item=self._message(None, "in_progress"))
+            part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
+            out += self._event(
+                "response.content_part.added", item_id=self._msg_id, output_index=0, content_index=0, part=part
+            )
+        return out
+
+    def delta(self, piece: str) -> bytes:
+        return self._event(
+            "response.output_text.delta", item_id=self._msg_id, output_index=0, content_index=0, delta=piece,
+            logprobs=[],
+        )  # fmt: skip
+
+    def tail(self) -> bytes:
+        out = b""
+        index = 0
+        if self._streams_text:
+            done = {"type": "output_text", "text": self.text, "annotations": [], "logprobs": []}
+            out += self._event("response.output_text.done", item_id=self._msg_id, output_index=0, content_index=0,
+                               text=self.text, logprobs=[])  # fmt: skip
+            out += self._event("response.content_part.done", item_id=self._msg_id, output_index=0, content_index=0,
+                               part=done)  # fmt: skip
+            out += self._event("response.output_item.done", output_index=0, item=self._message(self.text, "completed"))
+            index = 1
+        for i, c in enumerate(self.calls):
+            item = self._call(i, c, c["function"]["arguments"], "completed")
+            out += self._event("response.output_item.added", output_index=index + i,
+                               item=self._call(i, c, "", "in_progress"))  # fmt: skip
+            out += self._event("response.function_call_arguments.delta", item_id=item["id"], output_index=index + i,
+                               delta=item["arguments"])  # fmt: skip
+            out += self._event("response.function_call_arguments.done", item_id=item["id"], output_index=index + i,
+                               name=item["name"], arguments=item["arguments"])  # fmt: skip
+            out += self._event("response.output_item.done", output_index=index + i, item=item)
+        return out + self._event(
+            "response.completed", response=self._response("completed", self._items(), self._usage())
+        )
+
+
 def _request_problem(body: Any) -> str | None:
     """What makes a chat request unservable, as one line; None when nothing does."""
     if not isinstance(body, dict) or not isinstance(body.get("messages"), list):
@@ -230,6 +338,17 @@ def _request_problem(body: Any) -> str | None:
     for key, kind, name in (("stream", bool, "true or false"), ("stream_options", dict, "an object")):
         if body.get(key) is not None and not isinstance(body[key], kind):
             return f"{key!r} must be {name}, got {_json_type(body[key])}"
+    return None
+
+
+def _responses_problem(body: Any) -> str | None:
+    """What makes a Responses request unservable, as one line; None when nothing does."""
+    if not isinstance(body, dict) or as_items(body.get("input")) is None:
+        return "the body must be a JSON object with an 'input' string or list"
+    if body.get("previous_response_id") is not None:
+        return "'previous_response_id' is not served (serve-trace keeps no responses): send the whole input"
+    if body.get("stream") is not None and not isinstance(body["stream"], bool):
+        return f"'stream' must be true or false, got {_json_type(body['stream'])}"
     return None
 
 
@@ -291,18 +410,31 @@ def serve_trace_app(
         )
 
     async def completions(request: Request) -> Any:
+        return await answer(request, responses=False)
+
+    async def responses(request: Request) -> Any:
+        return await answer(request, responses=True)
+
+    async def answer(request: Request, responses: bool) -> Any:
         stats.requests += 1
         try:
             body = await request.json()
         except (ValueError, RecursionError):  # RecursionError: nested deeper than the parser goes
             body = None
-        problem = _request_problem(body)
+        problem = _responses_problem(body) if responses else _request_problem(body)
         if problem is not None:
             stats.errors += 1
             stats.log.append((None, None, "400"))
             return _error(400, f"serve-trace: {problem}")
-        messages = [m for m in body["messages"] if isinstance(m, Mapping)]
-        first_user = next((_text_of(m.get("content")) for m in messages if m.get("role") == "user"), "")
+        if responses:
+            items = [i for i in as_items(body["input"]) or () if isinstance(i, Mapping)]
+            first_user, index = task_text(items), reply_count(items)
+            texts = [t for t in map(item_text, items) if t is not None]
+        else:
+            messages = [m for m in body["messages"] if isinstance(m, Mapping)]
+            first_user = next((_text_of(m.get("content")) for m in messages if m.get("role") == "user"), "")
+            index = sum(1 for m in messages if m.get("role") == "assistant")
+            texts = [_text_of(m.get("content")) for m in messages]
         trace = pick(first_user, request.headers.get("x-trace-id"))
         if trace is None:
             stats.errors += 1
@@ -313,14 +445,13 @@ def serve_trace_app(
                 "task text; name one with the X-Trace-Id header or --trace-id)",
                 code="trace_not_found",
             )
-        index = sum(1 for m in messages if m.get("role") == "assistant")
         if index >= len(trace.steps):
             stats.errors += 1
             stats.log.append((trace.id, index, "400"))
             return _error(
                 400,
                 f"serve-trace: trace {trace.id!r} has {len(trace.steps)} replies; this request asks for reply "
-                f"{index + 1} (it holds {index} assistant messages)",
+                f"{index + 1} (it holds {index} {'replies' if responses else 'assistant messages'})",
                 code="trace_exhausted",
             )
         step = trace.steps[index]
@@ -340,13 +471,14 @@ def serve_trace_app(
             else []
         )
         finish = "tool_calls" if calls else "stop"
-        prompt_tokens = estimate_tokens("".join(_text_of(m.get("content")) for m in messages))
+        prompt_tokens = estimate_tokens("".join(texts))
         usage = {"prompt_tokens": prompt_tokens, "completion_tokens": tokens, "total_tokens": prompt_tokens + tokens}
-        rid = f"chatcmpl-{trace.id[:32]}-{index}"
+        rid = f"{'resp' if responses else 'chatcmpl'}-{trace.id[:32]}-{index}"
         name = body.get("model") if isinstance(body.get("model"), str) else model
         stream = bool(body.get("stream"))
         include_usage = bool((body.get("stream_options") or {}).get("include_usage")) if stream else False
-        return _Reply(
+        kind = _ResponsesReply if responses else _Reply
+        return kind(
             stats,
             ttft_s,
             tpot_s,
@@ -372,6 +504,8 @@ def serve_trace_app(
         routes=[
             Route("/v1/chat/completions", completions, methods=["POST"]),
             Route("/chat/completions", completions, methods=["POST"]),
+            Route("/v1/responses", responses, methods=["POST"]),
+            Route("/responses", responses, methods=["POST"]),
             Route("/v1/models", models, methods=["GET"]),
             Route("/models", models, methods=["GET"]),
         ],
@@ -419,11 +553,11 @@ def _bind(host: str, port: int, prog: str = "serve-trace") -> socket.socket:
     return sock
 
 
-def _uvicorn_server(app: Any, **kw: Any) -> Any:
+def _uvicorn_server(app: Any, lifespan: str = "off", **kw: Any) -> Any:
     import uvicorn
 
     config = uvicorn.Config(
-        app, log_level="warning", access_log=False, lifespan="off", timeout_graceful_shutdown=1, **kw
+        app, log_level="warning", access_log=False, lifespan=lifespan, timeout_graceful_shutdown=1, **kw
     )
     return uvicorn.Server(config)
 
@@ -433,9 +567,10 @@ def serving(
     app: Any, *, host: str = "127.0.0.1", port: int = 0, startup_timeout_s: float = 30.0
 ) -> Iterator[TraceServer]:
     """Run any ASGI ``app`` with uvicorn in a thread (its own event loop) on ``host:port``
-    (0: a free port) until the block ends."""
+    (0: a free port) until the block ends. The app's lifespan runs when it has one (the
+    proxy keeps its speculation there)."""
     sock = _bind(host, port)
-    server = _uvicorn_server(app)
+    server = _uvicorn_server(app, lifespan="auto")
     failure: list[BaseException] = []
 
     def run() -> None:
@@ -491,8 +626,8 @@ def register(subparsers: Any) -> None:
     p = subparsers.add_parser(
         "serve-trace",
         help="serve a recorded trajectory's replies as an OpenAI-compatible chat endpoint at a given TPOT",
-        description="Serve recorded replies over POST /v1/chat/completions (streamed or not) and GET /v1/models: "
-        "reply i of the matching trace for a request holding i assistant messages, streamed so that it takes "
+        description="Serve recorded replies over POST /v1/chat/completions and POST /v1/responses (streamed or "
+        "not) and GET /v1/models: reply i of the matching trace for a request holding i replies, streamed so that it takes "
         "about ttft + output_tokens * tpot. Stops on Ctrl-C or SIGTERM. "
         "Example: aospec serve-trace --bundled --tpot-ms 20 --port 8000",
     )

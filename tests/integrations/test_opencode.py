@@ -1,0 +1,72 @@
+"""opencode through aospec (issue 26 #1): ``opencode run`` (npm ``opencode-ai``), configured
+only by its own opencode.json -- serve-trace as an OpenAI-compatible provider
+(``@ai-sdk/openai-compatible``, built into opencode), ``aospec mcp`` as its one MCP server,
+its own bash/read/edit/write tools off -- with HOME and the XDG directories in a temporary
+directory and the start-up fetches turned off (scripts/bench_harnesses.py,
+``OPENCODE_OFFLINE``). The whole run is made in a network namespace that has only
+loopback (``unshare -n``), so it proves opencode needs nothing off the host. Serial
+(``aospec mcp --no-speculate``, a local server opencode starts) and speculating (``aospec
+mcp --http``, a remote one) must give the same tool outputs, final files and requests
+upstream, and the speculating one must serve calls from forks. Needs root, overlayfs and
+opencode (``.ci/run`` installs it)."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "scripts"))
+import bench_harnesses as bh  # noqa: E402  (the harness driver the bench measures)
+
+if shutil.which("opencode") is None:
+    pytest.skip(
+        f"opencode is not installed: npm install -g opencode-ai@{bh.OPENCODE_VERSION} (.ci/run installs it)",
+        allow_module_level=True,
+    )
+
+
+def test_opencode_gets_the_same_result_through_aospec_offline(mcp_state_root: Path) -> None:
+    if os.geteuid() != 0 or shutil.which("unshare") is None or shutil.which("ip") is None:
+        pytest.skip("the offline run needs root, unshare and ip (a network namespace with only loopback)")
+    script = ROOT / "scripts" / "bench_harnesses.py"
+    r = subprocess.run(
+        [
+            "unshare",
+            "-n",
+            "sh",
+            "-c",
+            'ip link set lo up && exec "$0" "$@"',
+            sys.executable,
+            str(script),
+            "--check",
+            "--tpot-ms",
+            "2",
+        ],
+        env={**os.environ, "AOSPEC_STATE_ROOT": str(mcp_state_root)},
+        capture_output=True,
+        text=True,
+        timeout=900,
+        stdin=subprocess.DEVNULL,
+    )
+    assert r.returncode == 0, r.stderr[-3000:]
+    seen = json.loads(r.stdout)
+    serial, spec = seen["serial"][0], seen["aospec"][0]
+    calls = [name for name, _ in bh.agents_calls() if name != "count_words"]
+    assert [t[0] for t in serial["tool_outputs"]] == [f"aospec_{n}" for n in calls]  # every call went to aospec mcp
+    assert all(status == "completed" for _, status, _ in serial["tool_outputs"])
+    assert serial["tool_outputs"][-1][2] == bh.FINAL_FILES  # the final files, as cat prints them
+    assert spec["tool_outputs"] == serial["tool_outputs"]
+    assert spec["final_output"] == serial["final_output"] == "Done: x is 10."
+    # one request per reply, plus opencode's title request (served the first reply's text)
+    assert len(serial["requests"]) == len(calls) + 2
+    assert spec["requests"] == serial["requests"]  # byte for byte what the upstream saw
+    assert seen["identical"] is True
+    assert spec["metrics"]["aospec_requests_total"] == len(calls)
+    assert spec["metrics"]['aospec_speculations_hit_total{kind="action"}'] >= 1  # calls served from forks
