@@ -834,7 +834,15 @@ class Forks:
                 step=step,
             ) from exc
         self._ledger.fork_committed(self._clock.now_ns(), fork.action.key)
-        self._committed_writes(origin, self._sandbox.version, writes)
+        try:
+            after = self._sandbox.version
+        except Exception as exc:
+            # the step is committed; only read-set validation needed the version: without
+            # it no fork from before now can be revalidated, so it stops (plain JASV)
+            self._failed("reading the committed version after a commit", exc)
+            self._readsets = None
+        else:
+            self._committed_writes(origin, after, writes)
         return None
 
     def prune(self) -> None:

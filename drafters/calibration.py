@@ -252,10 +252,15 @@ def _level(key: tuple[str, str, str]) -> int:
 def _run(coro: Any) -> Any:
     """The result of a drafter coroutine that never suspends (the non-LM drafters), else
     of running it on anyio."""
+    import anyio
+
     try:
         coro.send(None)
     except StopIteration as stop:
         return stop.value
+    except anyio.NoEventLoopError:
+        # it needs an event loop (a model drafter's worker thread) before its first suspension
+        raise _Suspends from None
     coro.close()
     raise _Suspends
 
