@@ -16,7 +16,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from aospec.cli._common import add_format_option, print_json, print_table
+from aospec.cli._common import add_alias, add_format_option, print_json, print_table
 from aospec.errors import AospecError, ConfigError
 
 __all__ = ["register"]
@@ -43,7 +43,10 @@ def register(subparsers: Any) -> None:
     p.add_argument(
         "--api-key-env", default=None, metavar="VAR", help="environment variable holding the API key (default OPENAI_API_KEY)"
     )
-    p.add_argument("--sandbox", default="overlay", choices=("overlay", "docker"), help="sandbox backend (default overlay)")
+    p.add_argument(
+        "--backend", dest="sandbox", default="overlay", choices=("overlay", "docker"), help="sandbox backend (default overlay)"
+    )
+    add_alias(p, "--sandbox", "--backend")
     p.add_argument("--base", default="busybox", help="base filesystem: busybox (default), debootstrap[:SUITE], image:NAME, a directory")
     p.add_argument(
         "--speculate",
@@ -383,7 +386,7 @@ async def _main(args: argparse.Namespace, actor: Any, train: list[Any], state: d
     import dataclasses
 
     import anyio
-    from aospec.live.agent import Agent, default_drafters
+    from aospec.live.agent import OBSERVATION_FORMAT, Agent, default_drafters
     from aospec.live.record import TraceRecorder
     from aospec.live.specbox_layer import open_specbox
     from aospec.runtime import SandboxConfig, open_sandbox
@@ -417,7 +420,9 @@ async def _main(args: argparse.Namespace, actor: Any, train: list[Any], state: d
             budget = _speculation_budget(args)
             if budget is not None:
                 kernel_budget = _kernel_budget(budget)
-        config = SandboxConfig(backend=args.sandbox, base=args.base, timeout_s=args.command_timeout)
+        config = SandboxConfig(
+            backend=args.sandbox, base=args.base, timeout_s=args.command_timeout, formatter=OBSERVATION_FORMAT
+        )
         async with (
             _entered(kernel_budget),
             open_sandbox(config) as raw_sandbox,

@@ -98,7 +98,7 @@ async def test_proxy_of_the_sandbox_server_over_http(mcp_state_root: Path, mcp_c
     log = tmp_path / "upstream.log"
     with open(log, "wb") as err:
         up = subprocess.Popen(
-            [AOSPEC, "mcp", "--http", "0", "--no-speculate", "--timeout", "600"],
+            [AOSPEC, "mcp", "--http", "0", "--no-speculate", "--command-timeout", "600"],
             stdin=subprocess.DEVNULL,
             stdout=subprocess.DEVNULL,
             stderr=err,

@@ -13,7 +13,7 @@ pytestmark = pytest.mark.anyio
 
 TRANSPORTS = ["stdio", "http"]
 #: A bash timeout far above any command here, so a loaded test machine cannot change results.
-SLOW_OK = ["--timeout", "600"]
+SLOW_OK = ["--command-timeout", "600"]
 
 W = "/tmp/w"
 #: A scripted session: setup, repeated reads, edits, writes, errors, a failing command.

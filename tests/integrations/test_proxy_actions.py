@@ -66,7 +66,7 @@ async def mcp_http(tmp_path: Path, state: Path, args: list[str]) -> AsyncIterato
     log = tmp_path / f"mcp-{os.urandom(4).hex()}.log"
     with open(log, "wb") as err:
         proc = subprocess.Popen(
-            [AOSPEC, "mcp", "--http", "0", "--timeout", "600", *args],
+            [AOSPEC, "mcp", "--http", "0", "--command-timeout", "600", *args],
             stdin=subprocess.DEVNULL,
             stdout=subprocess.DEVNULL,
             stderr=err,
