@@ -144,6 +144,7 @@ def core_only(installed: Path, tmp_path_factory: pytest.TempPathFactory) -> Path
     return venv / "bin" / "python"
 
 
+@pytest.mark.slow
 def test_the_core_install_runs_the_bundled_sweep_and_names_the_extra_each_other_verb_needs(
     core_only: Path, tmp_path: Path
 ) -> None:

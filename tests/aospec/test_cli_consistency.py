@@ -70,6 +70,7 @@ def test_an_old_spelling_means_the_new_one_and_says_so(capsys: pytest.CaptureFix
         add_alias(parser, "--old", "--nope")
 
 
+@pytest.mark.slow
 def test_a_sweep_with_the_old_spellings_gives_the_same_results(tmp_path: Path) -> None:
     common = ["--bundled", "--policies", "serial,aospec", "--jobs", "1", "--no-progress", "--format", "jsonl"]
     new = subprocess.run([AOSPEC, "sweep", *common, "--tpot-ms", "10", "--out", str(tmp_path / "a")],
@@ -135,6 +136,7 @@ def test_an_unwritable_working_directory_is_one_line_naming_the_path(tmp_path: P
     assert "Traceback" not in proc.stderr
 
 
+@pytest.mark.slow
 def test_the_sweep_table_fits_100_columns(tmp_path: Path) -> None:
     proc = subprocess.run([AOSPEC, "sweep", "--bundled", "--jobs", "2", "--no-progress", "--out", str(tmp_path)],
                           capture_output=True, text=True, timeout=600)

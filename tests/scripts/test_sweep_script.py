@@ -10,9 +10,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
+@pytest.mark.slow
 def test_sweep_sh_replays_the_bundled_traces_with_the_options_given(tmp_path: Path) -> None:
     work = tmp_path / "repo"
     (work / "scripts").mkdir(parents=True)
