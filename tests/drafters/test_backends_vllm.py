@@ -48,6 +48,7 @@ def trained(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 # ----------------------------------------------------------------- resolution
 
 
+@pytest.mark.slow
 def test_lora_result_runs_as_its_base_plus_the_adapter(trained: dict[str, Path]) -> None:
     out = trained["lora"]
     spec = resolve_model(str(out))

@@ -206,6 +206,7 @@ def _pid_with_mark(mark: str) -> int:
     raise LookupError(mark)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGHUP])
 @pytest.mark.parametrize("transport", ["stdio", "http"])
 async def test_a_signal_stops_the_server_with_a_call_in_flight_and_leaks_nothing(

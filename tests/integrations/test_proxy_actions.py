@@ -147,6 +147,7 @@ async def harness(base_url: str, mcp_url: str, *, tools: bool, stream: bool) -> 
     return seen, metas
 
 
+@pytest.mark.slow
 @pytest.mark.anyio
 @pytest.mark.parametrize(("tools", "stream"), [(True, True), (False, True), (False, False)])
 async def test_action_speculation_is_lossless_and_hits(

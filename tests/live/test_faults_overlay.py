@@ -139,6 +139,7 @@ async def run_killing(needle: str | None, *, drafters: bool, once: bool = False)
     return result
 
 
+@pytest.mark.slow
 def test_killing_a_speculative_fork_from_outside_only_costs_speed(overlay_dirs: Path) -> None:
     serial = anyio.run(lambda: run_killing(None, drafters=False))
     spec = anyio.run(lambda: run_killing("echo wrong", drafters=True))
