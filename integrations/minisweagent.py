@@ -20,7 +20,7 @@ What the engine sees. A step's action is the reply's command (``Action.bash``), 
 ``Action.none()`` for a reply without commands or one that raised ``FormatError``, or, for a
 reply with several commands, one ``mswea_actions`` action running them in order. Its
 observation is the environment's output dict, encoded without loss
-(:func:`encode_outputs`): the runtime's mini-swe-agent text (``<returncode>N</returncode>``
+(:func:`encode_outputs`): mini-swe-agent 1.7's text, as the runtime's ``mini-swe-agent`` formatter writes it (``<returncode>N</returncode>``
 then ``<output>``) when the output is an ordinary one, so the observation drafters'
 drafts can match it byte for byte, JSON otherwise (timeouts, several commands).
 """

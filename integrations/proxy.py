@@ -1238,7 +1238,10 @@ def register(subparsers: Any) -> None:
         help=f"the largest request body (default {MAX_BODY_BYTES >> 20})",
     )
     p.add_argument("--max-speculative", type=int, default=2, help="speculative upstream requests in flight (default 2)")
-    p.add_argument("--train", nargs="*", default=[], help="traces to fit the drafters on (any format aospec reads)")
+    p.add_argument("--train-traces", dest="train", nargs="*", default=[], help="traces to fit the drafters on (any format aospec reads)")
+    from aospec.cli import add_alias
+
+    add_alias(p, "--train", "--train-traces")
     p.add_argument("--bundled", action="store_true", help="fit the drafters on the bundled tb1 sample too")
     p.add_argument("--no-speculate", action="store_true", help="pure pass-through")
     p.add_argument(

@@ -13,6 +13,9 @@ from one step to the next, as in mini-swe-agent.
   (:class:`FormatErrorSandbox`) answers it with the chat format's ``format_error``
   instead, in the committed sandbox and in every fork alike, so the observation the actor
   sees (and the trace records) is the same in serial and speculative runs.
+- **Observations** are mini-swe-agent 1.7's text (:data:`OBSERVATION_FORMAT`, which the
+  harness asks its sandbox for: ``SandboxConfig(formatter=OBSERVATION_FORMAT)``; the
+  runtime itself favours no harness).
 - **Stops** when a command's output submits (:func:`submission`, mini-swe-agent's rule),
   at the step limit, or on an error (the exception propagates after the steps committed
   so far were reported to ``on_step``).
@@ -31,11 +34,13 @@ from one step to the next, as in mini-swe-agent.
 
 from __future__ import annotations
 
-import re
 import time
+import warnings
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, cast
+
+from aospec.runtime.observation import CommandResult, MiniSweAgentFormatter
 
 from aospec.admission import AdmissionModel
 from aospec.engine import Engine
@@ -50,46 +55,57 @@ from aospec.types import Action, History, Trace
 from aospec.wrappers import SandboxWrapper
 
 __all__ = [
+    "OBSERVATION_FORMAT",
     "SUBMIT_MARKERS",
     "Agent",
     "AgentResult",
     "Drafters",
     "FormatErrorSandbox",
+    "ObservationFormatWarning",
     "StepRecord",
     "default_drafters",
     "serial_config",
     "submission",
+    "submitted",
 ]
 
 #: First output line that ends the run: mini-swe-agent 2.x's marker and 1.x's.
 SUBMIT_MARKERS = ("COMPLETE_TASK_AND_SUBMIT_FINAL_OUTPUT", "MINI_SWE_AGENT_FINAL_OUTPUT")
 
-# The mini-swe-agent 1.7 observation the runtime's default formatter writes
-# (runtime/observation.py): the return code, then the output, or for a long output a
-# warning and the output's head.
-_OBS = re.compile(r"\A<returncode>(-?\d+)</returncode>\n(?:<warning>.*?</warning>\n?)?<(output|output_head)>\n", re.DOTALL)
+#: The observation format of this agent's sandbox (``SandboxConfig(formatter=...)``):
+#: mini-swe-agent 1.7's text, as in the tb1 traces the drafters learn from. The harness
+#: chooses it (the runtime's default is the raw output) and reads submissions back with
+#: its inverse (:func:`submission`).
+OBSERVATION_FORMAT = "mini-swe-agent"
 
 
-def submission(observation: str) -> str | None:
-    """The submission when ``observation`` (the runtime's mini-swe-agent formatting of a
-    command's result) submits, else None.
+class ObservationFormatWarning(UserWarning):
+    """A command's observation is not in the agent's format (:data:`OBSERVATION_FORMAT`)."""
+
+
+def submitted(result: CommandResult) -> str | None:
+    """The submission when the command ``result`` submits, else None.
 
     mini-swe-agent 2.x's rule (``environments/local.py``, ``_check_finished``): the
     command's output, leading whitespace stripped, has as its first line (stripped)
     ``COMPLETE_TASK_AND_SUBMIT_FINAL_OUTPUT`` and the command exited 0; the submission is
     the rest of the output. 1.x's marker ``MINI_SWE_AGENT_FINAL_OUTPUT`` is accepted the same
-    way. A timed-out command never submits (its observation has no return code).
+    way. A timed-out command never submits.
     """
-    m = _OBS.match(observation)
-    if m is None or int(m.group(1)) != 0:
+    if result.timed_out or result.returncode != 0:
         return None
-    body = observation[m.end() :]
-    end = body.rfind("</output>") if m.group(2) == "output" else body.find("\n</output_head>")
-    output = body[:end] if end >= 0 else body
-    lines = output.lstrip().splitlines(keepends=True)
+    lines = result.output.lstrip().splitlines(keepends=True)
     if lines and lines[0].strip() in SUBMIT_MARKERS:
         return "".join(lines[1:])
     return None
+
+
+def submission(observation: str) -> str | None:
+    """The submission when ``observation`` (a command's result in this agent's format,
+    :data:`OBSERVATION_FORMAT`) submits, else None: :func:`submitted` on the result the
+    format's inverse reads back (a format error or any other text never submits)."""
+    result = MiniSweAgentFormatter.parse(observation)
+    return None if result is None else submitted(result)
 
 
 @dataclass(frozen=True)
@@ -156,6 +172,10 @@ class FormatErrorSandbox(SandboxWrapper):
 
     def _forwarded_cache_hit_ns(self) -> int | None:
         return None if self._answered_here else super()._forwarded_cache_hit_ns()
+
+    def answered(self, observation: str) -> bool:
+        """Whether ``observation`` is this wrapper's own answer (the format error)."""
+        return observation == self.format_error
 
     async def execute(self, action: Action) -> str:
         if action.is_none or action.command is None:
@@ -354,6 +374,7 @@ class Agent:
         self.speculate = speculate
         self.step_limit = step_limit
         self.stop_on_no_action = stop_on_no_action
+        self._warned_format = False
         self.on_step = on_step
         self.record_access = record_access
         routing: dict[str, Any] = {}
@@ -425,7 +446,10 @@ class Agent:
                 if self.on_step is not None:
                     self.on_step(step, after)
                 if not action.is_none:
-                    sub = submission(observation)
+                    result = MiniSweAgentFormatter.parse(observation)
+                    if result is None and not self.sandbox.answered(observation):
+                        self._warn_foreign_format()
+                    sub = None if result is None else submitted(result)
                     if sub is not None:
                         exit_reason = "submitted"
                         break
@@ -446,6 +470,17 @@ class Agent:
             speculate=self.speculate,
             cache_counts=self.cache_counts(),
         )
+
+    def _warn_foreign_format(self) -> None:
+        if not self._warned_format:
+            self._warned_format = True
+            warnings.warn(
+                "a command's observation is not in the agent's format (mini-swe-agent text): no submission can be "
+                f"seen, so the run ends at the step limit; open the sandbox with formatter={OBSERVATION_FORMAT!r} "
+                "(aospec.live.agent.OBSERVATION_FORMAT)",
+                ObservationFormatWarning,
+                stacklevel=3,
+            )
 
     def cache_counts(self) -> dict[str, int] | None:
         """The sandbox's result-cache counters (``aospec.specbox.cache.CachedSandbox``), or None."""

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from aospec._http import port_number
-from aospec.cli._common import add_format_option, print_json, print_table
+from aospec.cli._common import add_alias, add_format_option, print_json, print_table
 from aospec.errors import AospecError, ConfigError
 
 __all__ = ["register"]
@@ -44,7 +44,10 @@ def register(subparsers: Any) -> None:
     p.add_argument(
         "--api-key-env", default=None, metavar="VAR", help="environment variable holding the API key (default OPENAI_API_KEY)"
     )
-    p.add_argument("--sandbox", default="overlay", choices=("overlay", "docker"), help="sandbox backend (default overlay)")
+    p.add_argument(
+        "--backend", dest="sandbox", default="overlay", choices=("overlay", "docker"), help="sandbox backend (default overlay)"
+    )
+    add_alias(p, "--sandbox", "--backend")
     p.add_argument("--base", default="busybox", help="base filesystem: busybox (default), debootstrap[:SUITE], image:NAME, a directory")
     p.add_argument(
         "--speculate",
@@ -414,7 +417,7 @@ async def _main(args: argparse.Namespace, actor: Any, train: list[Any], state: d
     import dataclasses
 
     import anyio
-    from aospec.live.agent import Agent, default_drafters
+    from aospec.live.agent import OBSERVATION_FORMAT, Agent, default_drafters
     from aospec.live.record import TraceRecorder
     from aospec.live.specbox_layer import open_specbox
     from aospec.runtime import SandboxConfig, open_sandbox
@@ -453,6 +456,7 @@ async def _main(args: argparse.Namespace, actor: Any, train: list[Any], state: d
             base=args.base,
             timeout_s=args.command_timeout,
             read_sets="all" if args.record_read_sets else "auto",
+            formatter=OBSERVATION_FORMAT,
         )
         if args.speculate and args.sandbox == "overlay":
             from aospec.runtime.overlay import read_sets_on

@@ -28,9 +28,11 @@ __all__ = [
     "drafter_failure_note",
     "drafter_sections",
     "markdown_summary",
+    "legend_outside",
     "print_drafter_tables",
     "print_table",
     "read_results",
+    "saving_figure",
     "state_model_caption",
     "write_report",
     "write_summary",
@@ -251,26 +253,52 @@ def print_drafter_tables(summaries: Sequence[PolicySummary]) -> None:
 
 
 def print_table(summaries: Sequence[PolicySummary]) -> None:
-    """The summary table on stdout (rich; in column groups that fit a narrow terminal)."""
+    """The summary table on stdout (rich; at most 100 columns wide for the usual policies, in
+    column groups that fit a narrower terminal)."""
+    from rich import box
     from rich.table import Table
 
     from aospec.cli import print_table as print_fitted
 
     model = summaries[0].state_model if summaries else ""
+    traces = sorted({s.traces for s in summaries})
+    n = f"{traces[0]} traces" if len(traces) == 1 else "traces per row in summary.md"
     table = Table(
-        title=f"aospec replay (state model: {model}): saving vs serial per policy and TPOT",
+        title=f"aospec replay (state model: {model}): saving vs serial per policy and TPOT in ms, {n}",
         caption=state_model_caption(summaries),
+        box=box.SIMPLE_HEAD,
+        show_edge=False,
+        padding=(0, 1, 0, 0),
     )
     header = _header(summaries)
-    for h in header:
-        table.add_column(h, justify="left" if h == "policy" else "right")
+    # The terminal's table: short headers (summary.md has the long ones), and the trace count
+    # in the title when every row has the same, so that it fits 100 columns
+    shown = [i for i, h in enumerate(header) if not (h == "traces" and len(traces) == 1)]
+    for i in shown:
+        h = header[i]
+        if h == "policy":
+            table.add_column(h, justify="left", overflow="fold", max_width=28)
+        else:
+            table.add_column(_SHORT.get(h, h), justify="right")
     last = None
     for s in summaries:
         if last is not None and s.tpot_ms != last:
             table.add_section()
         last = s.tpot_ms
-        table.add_row(*_row(s, header))
+        row = _row(s, header)
+        table.add_row(*(row[i] for i in shown))
     print_fitted(table, key_columns=2)
+
+
+#: The terminal table's headers (:func:`print_table`), by summary.md's.
+_SHORT = {
+    "TPOT ms": "TPOT",
+    "mean saving": "saving",
+    "hidden tool s": "hidden s",
+    "action hit": "act hit",
+    "wasted tool s": "wasted s",
+    "canonical hit": "canon hit",
+}
 
 
 def _plots(summaries: Sequence[PolicySummary], out: Path) -> list[Path]:
@@ -285,19 +313,9 @@ def _plots(summaries: Sequence[PolicySummary], out: Path) -> list[Path]:
     focus = _focus_tpot(summaries)
     written: list[Path] = []
 
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    for p in policies:
-        xs = [t for t in tpots if (p, t) in by]
-        ax.plot(xs, [100 * by[(p, t)].mean_saving for t in xs], marker="o", label=p)
-    ax.set_xlabel("TPOT (ms per output token)")
-    ax.set_ylabel("mean end-to-end saving vs serial (%)")
-    ax.invert_xaxis()
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
-    ax.set_title("Saving vs model speed")
-    fig.tight_layout()
+    fig = saving_figure(summaries)
     written.append(out / PLOTS[0])
-    fig.savefig(written[-1], dpi=120)
+    fig.savefig(written[-1], dpi=120, bbox_inches="tight")
     plt.close(fig)
 
     def bars(values: dict[str, list[float]], labels: Sequence[str], ylabel: str, title: str, name: str) -> None:
@@ -311,10 +329,10 @@ def _plots(summaries: Sequence[PolicySummary], out: Path) -> list[Path]:
         ax.set_title(title)
         ax.grid(axis="y", alpha=0.3)
         if len(labels) > 1:
-            ax.legend(fontsize=8)
+            legend_outside(ax)
         fig.tight_layout()
         written.append(out / name)
-        fig.savefig(written[-1], dpi=120)
+        fig.savefig(written[-1], dpi=120, bbox_inches="tight")
         plt.close(fig)
 
     at = [by.get((p, focus)) for p in policies]
@@ -361,16 +379,50 @@ def _plots(summaries: Sequence[PolicySummary], out: Path) -> list[Path]:
     return written
 
 
+def legend_outside(ax: Any) -> Any:
+    """The axes' legend to the right of its plotting area, where it covers no point or bar."""
+    return ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.02, 1.0), borderaxespad=0.0)
+
+
+def saving_figure(summaries: Sequence[PolicySummary]) -> Any:
+    """Mean saving vs TPOT per policy: the x ticks are the TPOTs the sweep measured (the
+    fastest model on the right), the legend outside the plotting area."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    policies = list(dict.fromkeys(s.policy for s in summaries))
+    tpots = sorted({s.tpot_ms for s in summaries}, reverse=True)
+    by = {(s.policy, s.tpot_ms): s for s in summaries}
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    for p in policies:
+        xs = [t for t in tpots if (p, t) in by]
+        ax.plot(xs, [100 * by[(p, t)].mean_saving for t in xs], marker="o", label=p)
+    ax.set_xticks(tpots, [f"{t:g}" for t in tpots])
+    ax.set_xlabel("TPOT (ms per output token)")
+    ax.set_ylabel("mean end-to-end saving vs serial (%)")
+    ax.invert_xaxis()
+    ax.grid(alpha=0.3)
+    legend_outside(ax)
+    ax.set_title("Saving vs model speed")
+    fig.tight_layout()
+    return fig
+
+
 def _accuracy_plot(at: Sequence[PolicySummary], path: Path) -> Path:
     """Action accuracy vs width and distance, observation exact hits by call length."""
     import matplotlib.pyplot as plt
     from aospec.replay.accuracy import CALL_BUCKET_LABELS, DISTANCES, WIDTHS
 
     fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
+    # one colour per policy in all three panels, so that one legend (below them) names them all
+    color = {s.policy: f"C{i % 10}" for i, s in enumerate(at)}
     act = [s for s in at if s.action_accuracy_by_width]
     for s in act:
-        axes[0].plot(WIDTHS, [100 * x for x in s.action_accuracy_by_width], marker="o", ms=3, label=s.policy)
-        axes[1].plot(DISTANCES, [100 * x for x in s.action_accuracy_by_distance], marker="o", ms=3, label=s.policy)
+        c = color[s.policy]
+        axes[0].plot(WIDTHS, [100 * x for x in s.action_accuracy_by_width], marker="o", ms=3, color=c, label=s.policy)
+        axes[1].plot(DISTANCES, [100 * x for x in s.action_accuracy_by_distance], marker="o", ms=3, color=c, label=s.policy)
     axes[0].set_xscale("log", base=2)
     axes[0].set_xlabel("width (targets)")
     axes[0].set_ylabel("next-action accuracy (%)")
@@ -380,17 +432,24 @@ def _accuracy_plot(at: Sequence[PolicySummary], path: Path) -> Path:
     width = 0.8 / max(1, len(obs))
     for k, s in enumerate(obs):
         vals = [0.0 if math.isnan(x) else 100 * x for x in s.obs_exact_by_length]
-        axes[2].bar([i + k * width for i in range(len(CALL_BUCKET_LABELS))], vals, width, label=s.policy)
+        axes[2].bar(
+            [i + k * width for i in range(len(CALL_BUCKET_LABELS))], vals, width, color=color[s.policy], label=s.policy
+        )
     axes[2].set_xticks([i + width * (len(obs) - 1) / 2 for i in range(len(CALL_BUCKET_LABELS))], CALL_BUCKET_LABELS)
     axes[2].set_ylabel("observation exact hits (%)")
     axes[2].set_xlabel("recorded call length")
     for ax, title in zip(axes, ("Action accuracy vs width", "Action accuracy vs distance", "Observation exact hits"), strict=True):
         ax.set_title(title)
         ax.grid(alpha=0.3)
-        if ax.get_legend_handles_labels()[0]:
-            ax.legend(fontsize=7)
+    named: dict[str, Any] = {}
+    for ax in axes:
+        for handle, label in zip(*ax.get_legend_handles_labels(), strict=True):
+            named.setdefault(label, handle)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    if named:
+        fig.legend(list(named.values()), list(named), fontsize=8, loc="upper center", ncol=min(5, len(named)),
+                   bbox_to_anchor=(0.5, 0.0))
+    fig.savefig(path, dpi=120, bbox_inches="tight")
     plt.close(fig)
     return path
 

@@ -10,7 +10,7 @@ import shlex
 import sys
 from typing import Any
 
-from aospec.cli._common import add_format_option, print_fields, print_json
+from aospec.cli._common import add_alias, add_format_option, print_fields, print_json
 from aospec.errors import ConfigError
 
 __all__ = ["register"]
@@ -63,7 +63,10 @@ def register(subparsers: Any) -> None:
         "--base", default="busybox", help="base: busybox, debootstrap[:SUITE][+PKG,...], image:NAME or a directory"
     )
     e.add_argument("--network", action="store_true", help="allow network access (default: none)")
-    e.add_argument("--timeout", type=float, default=30.0, help="seconds before the command is killed (default 30)")
+    e.add_argument(
+        "--command-timeout", dest="timeout", type=float, default=30.0, help="seconds before the command is killed (default 30)"
+    )
+    add_alias(e, "--timeout", "--command-timeout")
     e.add_argument("--workdir", default="/", help="working directory inside the sandbox")
     e.add_argument("--env", action="append", default=[], metavar="K=V", help="environment variable (repeatable)")
     e.add_argument("--bind", action="append", default=[], metavar="SRC:DST[:rw]", help="bind a host path (repeatable)")
@@ -160,7 +163,7 @@ def _exec(args: argparse.Namespace) -> int:
             raise ConfigError(f"--env {item!r}: expected K=V")
         env[k] = v
     for flag, value in (
-        ("--timeout", args.timeout),
+        ("--command-timeout", args.timeout),
         ("--memory", args.memory),
         ("--cpus", args.cpus),
         ("--pids", args.pids),

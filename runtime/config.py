@@ -99,7 +99,9 @@ class SandboxConfig:
     ``state_dir``: where layers, HEAD and mounts live. None: a private directory removed
     on close. Given: a persistent store reopened (and recovered) by the next open.
     ``timeout_s`` is the default per-command timeout; ``formatter`` turns a bash result
-    into the observation text (``mini-swe-agent``, ``raw`` or a dotted path).
+    into the text ``execute`` returns: ``raw`` (the default: the output alone, favouring
+    no harness), ``mini-swe-agent`` (a harness's template, see
+    ``aospec.runtime.observation``) or a dotted path.
     ``compact_at`` bounds the depth of a layer stack; frozen changes stay in memory
     (tmpfs) until they exceed ``memory_layers_bytes`` (0: always on disk); ``durable``
     keeps the committed state on disk and fsyncs it (survives power loss, slower).
@@ -132,7 +134,7 @@ class SandboxConfig:
     env: Mapping[str, str] = field(default_factory=lambda: DEFAULT_ENV)
     binds: tuple[Bind, ...] = ()
     cap_add: tuple[str, ...] = ()
-    formatter: str = "mini-swe-agent"
+    formatter: str = "raw"
     max_output_bytes: int = 8 * MiB
     durable: bool = False
     compact_at: int = 16

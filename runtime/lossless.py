@@ -270,7 +270,8 @@ class LosslessCase:
         if name not in SANDBOX_CONFIGS:
             raise ValueError(f"unknown sandbox configuration {name!r}; known: {', '.join(SANDBOX_CONFIGS)}")
         return SandboxConfig(
-            backend="overlay", base="busybox", timeout_s=self.timeout_s, state_dir=state_dir, **SANDBOX_CONFIGS[name]
+            backend="overlay", base="busybox", timeout_s=self.timeout_s, state_dir=state_dir,
+            formatter="mini-swe-agent", **SANDBOX_CONFIGS[name]
         )
 
     def to_json(self) -> dict[str, Any]:

@@ -1,12 +1,17 @@
 """Command results and how they become observation text.
 
-A formatter is anything with ``format(action, result) -> str``; ``mini-swe-agent`` (the
-default) reproduces mini-swe-agent 1.7's templates byte for byte, so observations match
-recorded traces; ``raw`` returns the output alone.
+``run`` gives a :class:`CommandResult`; ``execute`` gives text, rendered by the sandbox's
+formatter: anything with ``format(action, result) -> str``. The runtime favours no harness:
+its default, ``raw``, is the output alone (and a timeout marker). A harness that wants its
+own text chooses its formatter (``SandboxConfig(formatter=...)``) and owns how that text
+reads back: ``mini-swe-agent`` reproduces mini-swe-agent 1.7's templates byte for byte (so
+observations match recorded tb1 traces; ``aospec run``'s agent uses it), and
+:meth:`MiniSweAgentFormatter.parse` is its inverse.
 """
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
@@ -78,8 +83,22 @@ _TOO_LONG = (
 )
 
 
+#: What :meth:`MiniSweAgentFormatter.format` writes for a finished command: the return
+#: code, then the output, or for a long output a warning and the output's head.
+_FINISHED = re.compile(
+    r"\A<returncode>(-?\d+)</returncode>\n(?:<warning>.*?</warning>\n?)?<(output|output_head)>\n", re.DOTALL
+)
+_TIMED_OUT = re.compile(
+    r"\AThe last command <command>.*?</command> timed out and has been killed\.\n"
+    r"The output of the command was:\n <output>\n(.*)\n</output>\n"
+    r"Please try another command and make sure to avoid those requiring interactive input\.\Z",
+    re.DOTALL,
+)
+
+
 class MiniSweAgentFormatter:
-    """mini-swe-agent 1.7's ``action_observation_template`` and ``timeout_template``."""
+    """mini-swe-agent 1.7's ``action_observation_template`` and ``timeout_template``, and
+    their inverse (:meth:`parse`)."""
 
     def __init__(self, max_chars: int = 10000) -> None:
         self.max_chars = max_chars
@@ -103,6 +122,24 @@ class MiniSweAgentFormatter:
             f"<elided_chars>\n{elided} characters elided\n</elided_chars>\n"
             f"<output_tail>\n{out[-half:]}\n</output_tail>"
         )
+
+    @staticmethod
+    def parse(observation: str) -> CommandResult | None:
+        """The result :meth:`format` rendered as ``observation`` (None when it is not such a
+        text: a format error, another harness's text). Of an elided output only the head
+        comes back (``truncated``); a timed-out command comes back with return code 124;
+        the duration is not in the text (0)."""
+        m = _FINISHED.match(observation)
+        if m is not None:
+            body = observation[m.end() :]
+            head = m.group(2) == "output_head"
+            end = body.find("\n</output_head>") if head else body.rfind("</output>")
+            output = body[:end] if end >= 0 else body
+            return CommandResult(int(m.group(1)), output, timed_out=False, duration_s=0.0, truncated=head)
+        m = _TIMED_OUT.match(observation)
+        if m is not None:
+            return CommandResult(TIMEOUT_RETURNCODE, m.group(1), timed_out=True, duration_s=0.0, limits_hit=("timeout",))
+        return None
 
 
 def _short(out: str) -> str:

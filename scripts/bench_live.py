@@ -245,6 +245,7 @@ async def run_agent(
         binds=(Bind(str(staged[traj.project]), f"/src/{traj.project}"),),
         env=env,
         timeout_s=300,
+        formatter="mini-swe-agent",  # the agent's observation format (aospec.live.agent)
     )
     async with open_sandbox(cfg) as sb:
         store_id = str(getattr(getattr(sb, "store", None), "id", ""))

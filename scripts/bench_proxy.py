@@ -145,7 +145,7 @@ def action_trace(trace: Trace, steps: int, min_tool_s: float, max_tool_s: float,
 def mcp_server() -> Iterator[str]:
     """``aospec mcp --http 0`` on a fresh sandbox, its own predictor off; yields its URL."""
     with tempfile.TemporaryDirectory() as state:
-        cmd = [AOSPEC, "mcp", "--http", "0", "--predict", "table", "--timeout", "600"]
+        cmd = [AOSPEC, "mcp", "--http", "0", "--predict", "table", "--command-timeout", "600"]
         env = {**ENV, "AOSPEC_STATE_ROOT": state}
         proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env)
         try:
@@ -311,7 +311,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                             process(["serve-trace", str(tmp / "served.jsonl"), "--tpot-ms", str(tpot), "--port", "0"])
                         )
                         if drafters is not None:
-                            extra = ["--no-speculate"] if not drafters else ["--train", str(tmp / "train.jsonl")]
+                            extra = ["--no-speculate"] if not drafters else ["--train-traces", str(tmp / "train.jsonl")]
                             url = stack.enter_context(process(["proxy", "--upstream", url, "--port", "0", *extra]))
                     else:
                         up = stack.enter_context(serving(serve_trace_app([trace], tpot)))

@@ -163,7 +163,7 @@ async def _mcp_server(extra: list[str], transport: str) -> Any:
 
     stack = contextlib.AsyncExitStack()
     command = str(AOSPEC_BIN) if AOSPEC_BIN.exists() else "aospec"
-    argv = ["mcp", "--no-speculate", "--timeout", "600", *extra]
+    argv = ["mcp", "--no-speculate", "--command-timeout", "600", *extra]
     if transport == "stdio":
         params = StdioServerParameters(command=command, args=[*argv, "--stdio"], env=dict(os.environ))
         read, write = await stack.enter_async_context(stdio_client(params))

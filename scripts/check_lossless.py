@@ -463,7 +463,7 @@ async def _server_run(
     actor = OpenAIChatActor(base_url, model, chat_format=ChatFormat(system_template=_SERVER_SYSTEM),
                             sampling={"temperature": 0, "max_tokens": max_tokens}, timeout_s=300)
     try:
-        async with open_sandbox(SandboxConfig(backend="overlay", timeout_s=10)) as sb:
+        async with open_sandbox(SandboxConfig(backend="overlay", timeout_s=10, formatter="mini-swe-agent")) as sb:
             drafters = None if truth is None else _truth_drafters(seed, truth)
             agent = Agent(actor, sb, speculate=truth is not None, drafters=drafters, step_limit=steps)
             result = await agent.run(task)

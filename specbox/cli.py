@@ -1,7 +1,7 @@
 """``aospec routers``: fit the intent routers and the Markov prefetcher on training traces and
 score them on held-out traces.
 
-    aospec routers eval --train DIR --eval DIR [--format table|json|jsonl] [--gamma N]
+    aospec routers eval --train-traces DIR --eval DIR [--format table|json|jsonl] [--gamma N]
     aospec routers eval PATH... [--bundled] [--eval-fraction 0.5] [--seed 0]   # split by task
     aospec routers eval ... --gamma-sweep                                    # keyword router, gamma 1..4
 
@@ -21,7 +21,7 @@ import math
 import sys
 from typing import Any
 
-from aospec.cli import add_format_option, print_records, print_table
+from aospec.cli import add_alias, add_format_option, print_records, print_table
 from aospec.errors import ConfigError
 
 __all__ = ["register"]
@@ -38,17 +38,18 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
         "eval",
         help="fit on training traces, score on held-out traces",
         description=(
-            "Fit the keyword and TF-IDF routers and the Markov prefetcher on --train and score them on --eval "
+            "Fit the keyword and TF-IDF routers and the Markov prefetcher on --train-traces and score them on --eval "
             "(or split PATH.../--bundled by task: --eval-fraction of the tasks held out). Each step's reply is "
             "streamed as tokens (GPT-2's pre-tokeniser split; tool calls as a name delta then argument tokens); "
             "a router is judged on what it fired before the stream's last token."
         ),
     )
-    ev.add_argument("paths", nargs="*", metavar="PATH", help="traces to split by task (instead of --train/--eval)")
+    ev.add_argument("paths", nargs="*", metavar="PATH", help="traces to split by task (instead of --train-traces/--eval)")
     ev.add_argument(
         "--bundled", action="store_true", help="also read the tb1 sample bundled with aospec (split by task)"
     )
-    ev.add_argument("--train", nargs="+", metavar="PATH", help="training traces (files or directories)")
+    ev.add_argument("--train-traces", dest="train", nargs="+", metavar="PATH", help="training traces (files or directories)")
+    add_alias(ev, "--train", "--train-traces")
     ev.add_argument("--eval", nargs="+", metavar="PATH", dest="eval_paths", help="evaluation traces")
     ev.add_argument(
         "--eval-fraction", type=float, default=0.5, help="share of tasks held out when splitting (default 0.5)"
@@ -91,14 +92,14 @@ def _load(paths: list[str], args: argparse.Namespace) -> list[Any]:
 def _split(args: argparse.Namespace) -> tuple[list[Any], list[Any], dict[str, Any]]:
     if args.train or args.eval_paths:
         if not (args.train and args.eval_paths):
-            raise ConfigError("give both --train and --eval (or PATH.../--bundled to split by task)")
+            raise ConfigError("give both --train-traces and --eval (or PATH.../--bundled to split by task)")
         if args.paths or args.bundled:
-            raise ConfigError("give either --train/--eval or PATH.../--bundled, not both")
+            raise ConfigError("give either --train-traces/--eval or PATH.../--bundled, not both")
         train, evals = _load(args.train, args), _load(args.eval_paths, args)
         shared = sorted({t.task for t in train} & {t.task for t in evals})
         if shared:
             print(
-                f"aospec: warning: {len(shared)} task(s) are in both --train and --eval (e.g. {shared[0]!r}); "
+                f"aospec: warning: {len(shared)} task(s) are in both --train-traces and --eval (e.g. {shared[0]!r}); "
                 "the scores are not on unseen tasks",
                 file=sys.stderr,
             )

@@ -39,6 +39,10 @@ MAX_NOT_RUN = 8
 BLOCK_TIMEOUT_S = 600  # a hang guard per block, not a performance assertion
 #: Pages whose every block needs something, marked or not (sandboxes need root).
 PAGE_NEEDS = {"docs/runtime.md": ("root",)}
+#: Pages whose blocks run in seconds: the fast tier (``scripts/test.sh --fast``, ``-m "not
+#: slow"``) runs their blocks; every other page's runnable blocks are marked ``slow`` (a
+#: page's blocks run in order, each after the earlier ones, so a page is fast or slow whole).
+FAST_PAGES = frozenset({"docs/cli.md", "docs/trace-format.md", "docs/architecture.md"})
 #: Blocks (page, first line) that do not run as written yet, with why; a listed block
 #: that is gone or marked fails test_pending_blocks_still_exist_unmarked.
 PENDING: dict[tuple[str, str], str] = {}
@@ -170,7 +174,12 @@ def _page(pages: dict[Path, _Page], page: Path, tmp_path_factory: pytest.TempPat
 
 
 @pytest.mark.timeout(3 * BLOCK_TIMEOUT_S)  # run alone, a block first runs its page's earlier blocks
-@pytest.mark.parametrize("block", [b for b in BLOCKS if b.lang in RUN], ids=lambda b: b.id)
+def _param(block: Block) -> object:
+    slow = _name(block.page) not in FAST_PAGES or block.needs
+    return pytest.param(block, marks=pytest.mark.slow if slow else (), id=block.id)
+
+
+@pytest.mark.parametrize("block", [_param(b) for b in BLOCKS if b.lang in RUN])
 def test_code_block_runs_as_written(block: Block, pages: dict[Path, _Page],
                                     tmp_path_factory: pytest.TempPathFactory) -> None:
     if block.not_run is not None:

@@ -99,3 +99,75 @@ def test_a_project_with_its_own_training_runtime_and_integrations_folders_runs_a
     assert Path(where).is_relative_to(installed) and module == "aospec.integrations.minisweagent"
     proc = run("-m", "aospec", "traces", "stats", "--bundled", "--format", "json")
     assert proc.returncode == 0, proc.stderr[-2000:]
+
+
+def _requirements(dist: str, extras: frozenset[str] = frozenset()) -> list[str]:
+    """The distributions ``dist`` requires (with ``extras``), by normalised name."""
+    import re
+    from importlib import metadata
+
+    from packaging.requirements import Requirement
+
+    out = []
+    for spec in metadata.requires(dist) or []:
+        req = Requirement(spec)
+        if req.marker is not None and not any(req.marker.evaluate({"extra": e}) for e in (*extras, "")):
+            continue
+        out.append(re.sub(r"[-_.]+", "-", req.name).lower())
+    return out
+
+
+@pytest.fixture(scope="module")
+def core_only(installed: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A fresh venv holding aospec's wheel and its core dependencies only (no extra): each
+    installed distribution's files linked in from this environment, so it is fast and needs
+    no package index. Returns its python."""
+    from importlib import metadata
+
+    venv = tmp_path_factory.mktemp("core") / "venv"
+    subprocess.run([sys._base_executable, "-m", "venv", "--without-pip", str(venv)], check=True, timeout=120)  # type: ignore[attr-defined]
+    (site,) = (venv / "lib").glob("python*/site-packages")
+    wanted, seen = _requirements("aospec"), set()
+    while wanted:
+        name = wanted.pop()
+        if name in seen:
+            continue
+        seen.add(name)
+        dist = metadata.distribution(name)
+        root = Path(dist.locate_file(""))
+        for top in {Path(str(f)).parts[0] for f in dist.files or [] if not str(f).startswith("..")}:
+            if not (site / top).exists() and (root / top).exists():
+                (site / top).symlink_to(root / top)
+        wanted.extend(_requirements(name))
+    for entry in installed.iterdir():
+        (site / entry.name).symlink_to(entry)
+    return venv / "bin" / "python"
+
+
+@pytest.mark.slow
+def test_the_core_install_runs_the_bundled_sweep_and_names_the_extra_each_other_verb_needs(
+    core_only: Path, tmp_path: Path
+) -> None:
+    def aospec(*argv: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [str(core_only), "-m", "aospec", *argv], cwd=tmp_path, capture_output=True, text=True, timeout=600,
+            env={k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")},
+        )
+
+    probe = subprocess.run([str(core_only), "-c", "import httpx"], capture_output=True, text=True)
+    assert probe.returncode != 0, "the core-only environment has httpx: not core only"
+    # the README's first command, on the core install
+    done = aospec("sweep", "--bundled", "--policies", "serial,aospec", "--tpot-ms", "10", "--jobs", "1", "--no-progress")
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert (tmp_path / "results" / "summary.jsonl").is_file()
+    for argv, extra in (
+        (["run", "fix it", "--model", "http://127.0.0.1:9/v1"], "live"),
+        (["serve-trace", "--bundled", "--tpot-ms", "10"], "live"),
+        (["proxy", "--upstream", "http://127.0.0.1:9/v1"], "live"),
+        (["mcp", "--stdio"], "integrations"),
+    ):
+        proc = aospec(*argv)
+        assert proc.returncode == 2, f"aospec {argv[0]}: {proc.stderr[-2000:]}"
+        lines = proc.stderr.strip().splitlines()
+        assert len(lines) == 1 and "Traceback" not in proc.stderr, f"aospec {argv[0]}:\n{proc.stderr[-2000:]}"
+        assert f"pip install 'aospec[{extra}]'" in lines[0] and f"aospec {argv[0]}" in lines[0], lines[0]

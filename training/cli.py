@@ -13,7 +13,8 @@ import argparse
 import shutil
 from pathlib import Path
 
-from aospec.cli import add_format_option, print_json, print_table
+from aospec.cli import add_alias, add_format_option, print_json, print_table
+from aospec.errors import ConfigError
 
 __all__ = ["register"]
 
@@ -29,7 +30,9 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
             "--enable-lora, or full weights) and report top-1/top-5 exact match on the held-out tasks."
         ),
     )
-    p.add_argument("--traces", nargs="+", required=True, metavar="PATH", help="trace files or directories")
+    # required, checked in _train: the deprecated --traces satisfies it too
+    p.add_argument("--train-traces", dest="traces", nargs="+", metavar="PATH", help="trace files or directories (required)")
+    add_alias(p, "--traces", "--train-traces")
     p.add_argument("--base-model", default="tiny", metavar="SHAPE|NAME|PATH",
                    help="tiny/small/qwen3-0.6b (random init, tokenizer trained on the traces), smollm2 (pretrained, "
                    "the models extra), a .gguf file or a local model dir")
@@ -84,6 +87,9 @@ def _threads(requested: int | None) -> int:
 
 def _run(args: argparse.Namespace) -> int:
     import sys
+
+    if not args.traces:
+        raise ConfigError("--train-traces PATH... is required: the traces to train on")
 
     from aospec.drafters.model import check_model_spec, fix_modes, is_shape, resolve_device
     from aospec.training.trainer import TrainConfig, train

@@ -10,6 +10,12 @@ The dispatcher imports nothing above the engine: running a verb loads only that 
 entry point; ``aospec --help`` loads them all. Handlers import heavy packages inside
 themselves, so help stays fast.
 
+A verb whose optional dependency is missing (``aospec run`` without httpx, ``aospec mcp``
+without the MCP SDK) ends with one line naming the install (:func:`aospec._lazy.missing_extra`),
+whether the import fails when the verb loads or when it runs; a mistyped option prints the
+verb's usage, not the top level's; a file the verb cannot write (an unwritable working
+directory) is one error line naming it.
+
 Every verb runs inside :func:`aospec.signals.interrupt_on_signals`: SIGTERM and SIGHUP
 take SIGINT's path (``KeyboardInterrupt``, or the cancellation asyncio, trio or uvicorn
 start on SIGINT), so a verb that cleans up on Ctrl-C cleans up on ``kill`` too.
@@ -21,19 +27,23 @@ The output helpers a verb needs (``add_format_option``, ``print_json``, ``print_
 from __future__ import annotations
 
 import argparse
+import errno
+import os
 import signal
 import sys
 from collections.abc import Iterable, Sequence
 from importlib.metadata import EntryPoint, entry_points
 
 from aospec import __version__
-from aospec.cli._common import add_format_option, print_fields, print_json, print_records, print_table
+from aospec._lazy import missing_extra
+from aospec.cli._common import add_alias, add_format_option, print_fields, print_json, print_records, print_table
 from aospec.errors import AospecError
 from aospec.signals import interrupt_on_signals, interrupting_signal
 
 __all__ = [
     "COMMANDS_GROUP",
     "CommandLoadError",
+    "add_alias",
     "add_format_option",
     "build_parser",
     "command_entry_points",
@@ -83,6 +93,9 @@ def _register(ep: EntryPoint, sub: argparse._SubParsersAction) -> None:  # type:
     try:
         register = ep.load()
     except Exception as exc:
+        missing = missing_extra(exc, purpose=f"aospec {ep.name}")
+        if missing is not None:
+            raise CommandLoadError(str(missing)) from None
         raise CommandLoadError(f"command {ep.name!r} could not be loaded ({where}): {type(exc).__name__}: {exc}") from None
     if not callable(register):
         raise CommandLoadError(f"command {ep.name!r}: {where} is not a register(subparsers) callable")
@@ -128,6 +141,15 @@ def _verb(argv: Sequence[str]) -> str | None:
     return None
 
 
+def _innermost(parser: argparse.ArgumentParser, argv: Sequence[str]) -> argparse.ArgumentParser:
+    """The parser of the (sub)command ``argv`` names: ``aospec sandbox exec ...`` -> exec's."""
+    for a in argv:
+        subs = [x for x in parser._actions if isinstance(x, argparse._SubParsersAction)]
+        if subs and a in subs[0].choices:
+            parser = subs[0].choices[a]
+    return parser
+
+
 def main(argv: Sequence[str] | None = None, *, commands: Iterable[EntryPoint] | None = None) -> int:
     """Run ``aospec`` with ``argv`` (default: ``sys.argv[1:]``) over ``commands`` (default:
     the installed ``aospec.commands`` entry points); returns the exit status."""
@@ -144,12 +166,29 @@ def main(argv: Sequence[str] | None = None, *, commands: Iterable[EntryPoint] | 
             return 2
     else:
         parser = build_parser(eps)
-    args = parser.parse_args(argv)
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:
+        # argparse leaves a subcommand's unknown options to the top-level parser, whose usage
+        # says nothing about the verb: the verb's own parser reports them
+        _innermost(parser, argv).error(f"unrecognized arguments: {' '.join(unknown)}")
     try:
         with interrupt_on_signals():  # SIGTERM and SIGHUP clean up as Ctrl-C does (aospec.signals)
             return int(args.func(args) or 0)
     except AospecError as exc:
         print(f"aospec: error: {exc}", file=sys.stderr)
+        return 2
+    except ImportError as exc:
+        missing = missing_extra(exc, purpose=f"aospec {args.command}")
+        if missing is None:
+            raise
+        print(f"aospec: error: {missing}", file=sys.stderr)
+        return 2
+    except OSError as exc:
+        if exc.errno not in (errno.EACCES, errno.EPERM, errno.EROFS):
+            raise
+        # e.g. results/ in an unwritable working directory: one line naming the path
+        where = f"cannot access {os.path.abspath(exc.filename)}: " if isinstance(exc.filename, str) else ""
+        print(f"aospec: error: {where}{exc.strerror or exc} (for output, --out chooses another place)", file=sys.stderr)
         return 2
     except KeyboardInterrupt as exc:
         signum = interrupting_signal(exc)

@@ -4,16 +4,36 @@ add verbs): the ``--format`` option, JSON output, and tables that fit the termin
 from __future__ import annotations
 
 import argparse
+import copy
 import dataclasses
 import json
 import sys
 from collections.abc import Iterable
 from typing import Any
 
-__all__ = ["add_format_option", "print_fields", "print_json", "print_records", "print_table"]
+__all__ = ["add_alias", "add_format_option", "print_fields", "print_json", "print_records", "print_table"]
 
 #: Width of one group of a table too wide for the terminal is at least this.
 _MIN_GROUP_WIDTH = 40
+
+
+def add_alias(parser: argparse.ArgumentParser, old: str, new: str) -> None:
+    """Accept ``old``, an option's deprecated spelling, as ``new`` (an option ``parser`` has):
+    hidden from help, the same action and destination, and a one-line warning on stderr
+    naming ``new`` when used. Kept for one release after the rename (docs/cli.md)."""
+    action = next((a for a in parser._actions if new in a.option_strings), None)
+    if action is None:
+        raise ValueError(f"{parser.prog}: no option {new} to alias as {old}")
+    alias = copy.copy(action)
+    alias.option_strings, alias.help, alias.default, alias.required = [old], argparse.SUPPRESS, argparse.SUPPRESS, False
+    cls = type(action)
+
+    def call(self: argparse.Action, parser: argparse.ArgumentParser, namespace: Any, values: Any, option: Any = None) -> None:
+        print(f"aospec: warning: {old} is deprecated, use {new}", file=sys.stderr)
+        cls.__call__(self, parser, namespace, values, option)
+
+    alias.__class__ = type(f"Deprecated{cls.__name__}", (cls,), {"__call__": call})
+    parser._add_action(alias)
 
 
 def add_format_option(parser: argparse.ArgumentParser, *, records: bool = False) -> None:

@@ -19,8 +19,10 @@ from aospec.replay._input import MAX_FILE_BYTES
 
 from aospec.errors import ConfigError, TraceImportError
 
-__all__ = ["add_input_limits", "add_trace_inputs", "load_trace_inputs", "trace_sources"]
+__all__ = ["INPUT_FORMATS", "add_input_format", "add_input_limits", "add_trace_inputs", "load_trace_inputs", "trace_sources"]
 
+#: The choices of ``--input-format``.
+INPUT_FORMATS = ("auto", "aospec", "tb1", "mini-swe-agent", "tau-bench")
 #: Default of ``--max-file-mb``.
 _DEFAULT_MAX_FILE_MB = MAX_FILE_BYTES // 2**20
 #: Skipped files named one per line on stderr before the rest are only counted.
@@ -46,6 +48,16 @@ def trace_sources(args: argparse.Namespace, *extra: Sequence[Any], missing: str)
     if not sources:
         raise ConfigError(missing)
     return sources
+
+
+def add_input_format(parser: argparse.ArgumentParser) -> None:
+    """``--input-format``: the format of every trace input (default: detect each file)."""
+    parser.add_argument(
+        "--input-format",
+        choices=INPUT_FORMATS,
+        default="auto",
+        help="format of the inputs (default: detect each file)",
+    )
 
 
 def add_input_limits(parser: argparse.ArgumentParser) -> None:
@@ -83,7 +95,7 @@ def load_trace_inputs(
         from aospec.replay.sweep import TraceRef
 
         def keep(trace: Any, file: Any) -> Any:
-            return TraceRef.of(trace, file, max_file_bytes=max_bytes)
+            return TraceRef.of(trace, file, format, max_file_bytes=max_bytes)
 
     try:
         loaded = import_traces(paths, format, max_file_bytes=max_bytes, skip_invalid=args.skip_invalid, keep=keep)

@@ -10,9 +10,9 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from aospec.replay.cli import add_input_limits, add_trace_inputs, load_trace_inputs, trace_sources
+from aospec.replay.cli import add_input_format, add_input_limits, add_trace_inputs, load_trace_inputs, trace_sources
 
-from aospec.cli import add_format_option, print_records, print_table
+from aospec.cli import add_alias, add_format_option, print_records, print_table
 
 __all__ = ["host_model", "register_replay", "register_sweep", "slow_policy_note"]
 
@@ -53,12 +53,14 @@ def _register(sub: argparse._SubParsersAction, name: str, helptext: str) -> None
     )
     p.add_argument("--eval", action="append", default=[], metavar="DIR", help="evaluation traces (repeatable)")
     p.add_argument(
-        "--train",
+        "--train-traces",
+        dest="train",
         action="append",
         default=[],
         metavar="DIR",
         help="training traces for the drafters (repeatable); without it: leave-one-task-out",
     )
+    add_alias(p, "--train", "--train-traces")
     p.add_argument(
         "--policies",
         default=_DefaultPolicies(),
@@ -66,8 +68,13 @@ def _register(sub: argparse._SubParsersAction, name: str, helptext: str) -> None
     )
     if name == "sweep":
         p.add_argument(
-            "--tpots", default="20,15,10,5,1", help="comma-separated ms per output token (default 20,15,10,5,1)"
+            "--tpot-ms",
+            dest="tpots",
+            default="20,15,10,5,1",
+            metavar="MS[,MS...]",
+            help="comma-separated ms per output token (default 20,15,10,5,1)",
         )
+        add_alias(p, "--tpots", "--tpot-ms")
         p.add_argument("--out", default="results", metavar="DIR", help="output directory (default ./results)")
     else:
         p.add_argument("--tpot-ms", type=float, default=10.0, help="ms per output token (default 10)")
@@ -137,6 +144,7 @@ def _register(sub: argparse._SubParsersAction, name: str, helptext: str) -> None
         "(0..1; default 1: CPU-bound)",
     )
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    add_input_format(p)
     add_input_limits(p)
     add_format_option(p, records=True)
     p.set_defaults(func=_sweep if name == "sweep" else _replay)
@@ -205,19 +213,19 @@ def _load(args: argparse.Namespace) -> tuple[list[Any], list[Any] | None, str, i
     from aospec.errors import ConfigError
 
     sources = trace_sources(args, args.eval, missing="no traces: give PATH..., --eval DIR or --bundled")
-    loaded = load_trace_inputs(sources, args, as_refs=True)
+    loaded = load_trace_inputs(sources, args, format=args.input_format, as_refs=True)
     eval_traces = list(loaded.traces)
     paths = dict(loaded.paths)
     skipped = len(loaded.skipped)
     train = None
     if args.train:
-        loaded = load_trace_inputs(args.train, args)
+        loaded = load_trace_inputs(args.train, args, format=args.input_format)
         train, skipped = list(loaded.traces), skipped + len(loaded.skipped)
     if train is not None:
         overlap = {t.id for t in train} & {t.id for t in eval_traces}
         if overlap:
             raise ConfigError(
-                f"{len(overlap)} trace(s) are in both --train and the evaluation set, e.g. {sorted(overlap)[0]!r}"
+                f"{len(overlap)} trace(s) are in both --train-traces and the evaluation set, e.g. {sorted(overlap)[0]!r}"
             )
     split = "given training set" if train is not None else "leave-one-task-out"
     return eval_traces, train, split, skipped, paths
@@ -361,7 +369,7 @@ def _sweep(args: argparse.Namespace) -> int:
     )
     from aospec.replay.report import print_table as print_summary_table
 
-    tpots = _floats(args.tpots, "--tpots")
+    tpots = _floats(args.tpots, "--tpot-ms")
     out = Path(args.out)
     with ResultsFile(out / "results.jsonl") as results:
         # each trace's records reach the file (flushed) as it finishes; on an error the

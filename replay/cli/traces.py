@@ -16,13 +16,11 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from aospec.replay.cli import add_input_limits, add_trace_inputs, load_trace_inputs, trace_sources
+from aospec.replay.cli import add_input_format, add_input_limits, add_trace_inputs, load_trace_inputs, trace_sources
 
 from aospec.cli import add_format_option, print_json, print_table
 
 __all__ = ["register"]
-
-_INPUT_FORMATS = ("auto", "aospec", "tb1", "mini-swe-agent", "tau-bench")
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -64,12 +62,7 @@ def _add_inputs(parser: argparse.ArgumentParser) -> None:
         paths_help="trace files or directories (searched recursively)",
         bundled_help="also read the tb1 sample bundled with aospec",
     )
-    parser.add_argument(
-        "--input-format",
-        choices=_INPUT_FORMATS,
-        default="auto",
-        help="format of the inputs (default: detect each file)",
-    )
+    add_input_format(parser)
     add_input_limits(parser)
 
 

@@ -161,7 +161,7 @@ async def mcp_run(
     from aospec.integrations.mcp_server import SandboxToolServer, _text, read_only
     from aospec.runtime import Bind, SandboxConfig, open_sandbox
 
-    cfg = SandboxConfig(base=base, binds=(Bind(str(project), f"/src/{traj.project}"),), env=env, timeout_s=300)
+    cfg = SandboxConfig(base=base, binds=(Bind(str(project), f"/src/{traj.project}"),), env=env, timeout_s=300, formatter="mini-swe-agent")
     predictor = None
     if speculate:  # aospec mcp's default (--speculate 2, --predict auto) with --train-traces
         parts: list[Any] = [drafter_from_traces([train_path], 2)] if train_path else []

@@ -1,7 +1,7 @@
 """Issue 9, items 9-11 through the real ``aospec`` entry point: every bad input is one line
 (or one summarised list) on stderr naming file[:line][:field], exit status 2, no traceback
 and no hang; ``--skip-invalid`` skips and counts; drafter failures are never silent;
-``--tpots`` values are distinct and positive."""
+``--tpot-ms`` values are distinct and positive."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ from aospec.cli import main
 
 TESTS = Path(__file__).resolve().parents[1]
 TB1_TRIAL = next((TESTS / "replay" / "data" / "tb1" / "2025-08-15__16-23-45").glob("*.jsonl"))
-QUICK = ["--policies", "serial,aospec", "--tpots", "10", "--jobs", "1", "--no-progress"]
+QUICK = ["--policies", "serial,aospec", "--tpot-ms", "10", "--jobs", "1", "--no-progress"]
 
 FAILING_DRAFTER = '''
 from aospec.errors import DrafterError
@@ -159,7 +159,7 @@ def test_skip_invalid_in_traces_stats_and_convert(tmp_path: Path, capsys: pytest
 def test_a_drafter_that_cannot_be_built_stops_the_sweep_before_it_starts(tmp_path: Path) -> None:
     out = tmp_path / "out"
     proc = _aospec(
-        "sweep", "--bundled", "--out", str(out), "--policies", "serial,aospec:obs_drafter=lm", "--tpots", "10",
+        "sweep", "--bundled", "--out", str(out), "--policies", "serial,aospec:obs_drafter=lm", "--tpot-ms", "10",
         "--no-progress", "--drafter-options", '{"lm": {"model": "/nonexistent"}}',
     )  # fmt: skip
     (line,) = _fails_cleanly(proc, "model '/nonexistent' is neither a shape")
@@ -173,7 +173,7 @@ def test_failing_drafter_calls_are_counted_in_results_summary_and_table(
     monkeypatch.syspath_prepend(str(tmp_path))
     out = tmp_path / "out"
     policies = "serial,aospec:obs_drafter=patterns,aospec:obs_drafter=failing_drafter.AlwaysFails+patterns"
-    args = ["sweep", "--bundled", "--out", str(out), "--policies", policies, "--tpots", "10", "--jobs", "1"]
+    args = ["sweep", "--bundled", "--out", str(out), "--policies", policies, "--tpot-ms", "10", "--jobs", "1"]
     assert main([*args, "--no-progress"]) == 0
     captured = capsys.readouterr()
     warning = [line for line in captured.err.splitlines() if line.startswith("aospec: warning: ")]
@@ -209,18 +209,18 @@ def test_a_sweep_without_drafter_failures_shows_no_failure_column(
 @pytest.mark.parametrize(
     ("tpots", "message"),
     [
-        ("10,10", "--tpots: 10 listed twice (each value once)"),
-        ("20,10,20.0", "--tpots: 20 listed twice (each value once)"),
-        ("10,0", "--tpots: expected positive finite numbers, got '10,0'"),
-        ("10,nan", "--tpots: expected positive finite numbers, got '10,nan'"),
-        ("inf", "--tpots: expected positive finite numbers, got 'inf'"),
-        ("-5", "--tpots: expected positive finite numbers, got '-5'"),
+        ("10,10", "--tpot-ms: 10 listed twice (each value once)"),
+        ("20,10,20.0", "--tpot-ms: 20 listed twice (each value once)"),
+        ("10,0", "--tpot-ms: expected positive finite numbers, got '10,0'"),
+        ("10,nan", "--tpot-ms: expected positive finite numbers, got '10,nan'"),
+        ("inf", "--tpot-ms: expected positive finite numbers, got 'inf'"),
+        ("-5", "--tpot-ms: expected positive finite numbers, got '-5'"),
     ],
 )
 def test_tpots_must_be_distinct_positive_and_finite(
     tpots: str, message: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    assert main(["sweep", "--bundled", "--tpots", tpots, "--out", str(tmp_path / "o"), "--no-progress"]) == 2
+    assert main(["sweep", "--bundled", "--tpot-ms", tpots, "--out", str(tmp_path / "o"), "--no-progress"]) == 2
     (line,) = capsys.readouterr().err.splitlines()
     assert line == f"aospec: error: {message}" and not (tmp_path / "o").exists()
 

@@ -59,7 +59,7 @@ def _needs_overlay():
 async def _run(speculate: bool, seed: int) -> tuple[History, str, str]:
     actor = ScriptedActor.hashing(POOL, seed=seed, delay_s=0.01)
     rng = random.Random(seed)
-    async with open_sandbox(backend="overlay", base="busybox", timeout_s=10) as sb:
+    async with open_sandbox(backend="overlay", base="busybox", timeout_s=10, formatter="mini-swe-agent") as sb:
         await sb.execute(Action.bash("mkdir -p /work && echo zero > /work/a"))
         if not speculate:
             history = await Engine(actor, sb).run(History("live"), steps=STEPS)
@@ -103,7 +103,7 @@ async def test_engine_run_cancelled_midway_leaves_no_forks_behind(monkeypatch, t
     # a private state root: the shared one may hold other sessions' mounts
     monkeypatch.setenv("AOSPEC_STATE_ROOT", str(tmp_path / "state"))
     actor = ScriptedActor.hashing(POOL, seed=7, delay_s=0.02)
-    async with open_sandbox(backend="overlay", base="busybox", timeout_s=10) as sb:
+    async with open_sandbox(backend="overlay", base="busybox", timeout_s=10, formatter="mini-swe-agent") as sb:
         await sb.execute(Action.bash("mkdir -p /work && echo zero > /work/a"))
         engine = Engine(
             actor,

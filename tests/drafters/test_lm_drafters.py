@@ -51,6 +51,7 @@ def test_drafters_are_registered_and_implement_the_seams() -> None:
     assert isinstance(act, ActionDrafter) and isinstance(act, Trainable)
 
 
+@pytest.mark.slow
 def test_fit_learns_the_observations_of_held_out_tasks(split) -> None:
     train, evals = split
     untrained = LMObservationDrafter(model="tiny", fit_steps=0, **OPTIONS)
@@ -74,6 +75,7 @@ def test_fit_learns_the_observations_of_held_out_tasks(split) -> None:
     assert anyio.run(trained.draft, history, action, 0) == []
 
 
+@pytest.mark.slow
 def test_observation_probabilities_are_the_backend_sequence_probabilities(split) -> None:
     train, _ = split
     drafter = LMObservationDrafter(model="tiny", fit_steps=0, prior=False, **OPTIONS)
@@ -90,6 +92,7 @@ def test_observation_probabilities_are_the_backend_sequence_probabilities(split)
         assert d.tokens == c.tokens
 
 
+@pytest.mark.slow
 def test_fit_sets_the_frequency_prior_the_drafts_are_interpolated_with(split) -> None:
     train, _ = split
     drafter = LMObservationDrafter(model="tiny", fit_steps=0, **OPTIONS)
@@ -104,6 +107,7 @@ def test_fit_sets_the_frequency_prior_the_drafts_are_interpolated_with(split) ->
     assert common[0] in {d.text for d in drafts}
 
 
+@pytest.mark.slow
 def test_action_drafter_proposes_ranked_targets_within_width_and_depth(split) -> None:
     train, evals = split
     drafter = LMActionDrafter(model="tiny", fit_steps=20, depth=2, **OPTIONS)

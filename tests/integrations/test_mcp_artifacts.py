@@ -19,7 +19,7 @@ from aospec.specbox.transport import INLINE_THRESHOLD, ArtifactClient, ArtifactR
 pytestmark = pytest.mark.anyio
 
 TRANSPORTS = ["stdio", "http"]
-SLOW_OK = ["--timeout", "600"]
+SLOW_OK = ["--command-timeout", "600"]
 AOSPEC = str(Path(sys.executable).with_name("aospec"))
 
 #: A UTF-8 text file of 200000 bytes (over the inline threshold, under read_file's 1 MiB).

@@ -22,7 +22,7 @@ from tests.integrations.conftest import AOSPEC, mcp_http_server, mcp_session
 
 pytestmark = pytest.mark.anyio
 
-SLOW_OK = ["--timeout", "600"]
+SLOW_OK = ["--command-timeout", "600"]
 TOKEN = "t0ken-for-the-tests"
 
 
@@ -131,8 +131,8 @@ def _options_error(*args: str, stdin: Any = subprocess.DEVNULL) -> subprocess.Co
 @pytest.mark.parametrize(
     ("args", "says"),
     [
-        (["--timeout", "nan"], "--timeout must be a finite number"),
-        (["--timeout", "-1"], "--timeout must be a finite number"),
+        (["--command-timeout", "nan"], "--command-timeout must be a finite number"),
+        (["--command-timeout", "-1"], "--command-timeout must be a finite number"),
         (["--max-forks", "-1"], "--max-forks and --speculate must be >= 0"),
         (["--speculate", "-3"], "--max-forks and --speculate must be >= 0"),
         (["--http", "99999"], "a port is 0 to 65535"),
@@ -206,6 +206,7 @@ def _pid_with_mark(mark: str) -> int:
     raise LookupError(mark)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGHUP])
 @pytest.mark.parametrize("transport", ["stdio", "http"])
 async def test_a_signal_stops_the_server_with_a_call_in_flight_and_leaks_nothing(

@@ -89,6 +89,7 @@ async def test_colliding_tool_names_are_namespaced(mcp_connect: Any, tmp_path: P
         assert is_error and "unknown tool" in text
 
 
+@pytest.mark.slow
 async def test_proxy_of_the_sandbox_server_over_http(mcp_state_root: Path, mcp_connect: Any, tmp_path: Path) -> None:
     """The proxy (stdio) in front of ``aospec mcp --http`` (streamable HTTP on loopback):
     read_file is trusted, bash is not; a write through bash is never answered stale."""
@@ -98,7 +99,7 @@ async def test_proxy_of_the_sandbox_server_over_http(mcp_state_root: Path, mcp_c
     log = tmp_path / "upstream.log"
     with open(log, "wb") as err:
         up = subprocess.Popen(
-            [AOSPEC, "mcp", "--http", "0", "--no-speculate", "--timeout", "600"],
+            [AOSPEC, "mcp", "--http", "0", "--no-speculate", "--command-timeout", "600"],
             stdin=subprocess.DEVNULL,
             stdout=subprocess.DEVNULL,
             stderr=err,

@@ -13,7 +13,7 @@ pytestmark = pytest.mark.anyio
 
 TRANSPORTS = ["stdio", "http"]
 #: A bash timeout far above any command here, so a loaded test machine cannot change results.
-SLOW_OK = ["--timeout", "600"]
+SLOW_OK = ["--command-timeout", "600"]
 
 W = "/tmp/w"
 #: A scripted session: setup, repeated reads, edits, writes, errors, a failing command.
@@ -93,6 +93,7 @@ async def test_tools_list_has_the_sandbox_tools_with_annotations(
     assert tools["edit_file"].input_schema["required"] == ["path", "old_str", "new_str"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("transport", TRANSPORTS)
 async def test_speculation_is_lossless(mcp_state_root: Path, mcp_connect: Any, transport: str, tmp_path: Path) -> None:
     table = tmp_path / "table.json"
@@ -120,6 +121,7 @@ async def test_speculation_is_lossless(mcp_state_root: Path, mcp_connect: Any, t
     assert serial[0][13][1] == ["conf\nnotes\n[exit status 3]"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("transport", TRANSPORTS)
 async def test_a_fork_with_a_stale_origin_is_never_served(
     mcp_state_root: Path, mcp_connect: Any, transport: str, tmp_path: Path

@@ -148,6 +148,7 @@ def test_observation_encoding_round_trips() -> None:
     assert action_of({"extra": {"actions": [{"command": "ls"}]}}).command == "ls"
 
 
+@pytest.mark.slow
 def test_speculative_agent_is_lossless_against_mini_swe_agent(aospec_dirs: Path, drafters: Any, tmp_path: Path) -> None:
     cwd = tmp_path / "task"  # the same absolute path on the host (a) and in the sandboxes (b, c)
     cwd.mkdir()
@@ -276,6 +277,7 @@ def _docker_skip_reason() -> str | None:
     return None if driver == "overlay2" else f"the Docker daemon uses storage driver {driver!r}, not overlay2"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("backend", ["overlay", pytest.param("docker", marks=pytest.mark.docker)])
 def test_environment_mirrors_the_local_environment(aospec_dirs: Path, tmp_path: Path, backend: str) -> None:
     """Output dicts equal LocalEnvironment's: exit codes, stderr, CRLF, timeouts, submission."""
@@ -453,6 +455,7 @@ def test_a_second_run_of_the_same_agent_continues_the_scripted_model(aospec_dirs
     assert runs[0][1][1][-3]["extra"]["raw_output"] == "a\n"  # the second run's `ls`
 
 
+@pytest.mark.slow
 def test_repeated_test_runs_overlap_with_the_model(aospec_dirs: Path, drafters: Any) -> None:
     """A task that runs its (1 s) tests three times, with a 0.4 s model: the speculative run
     reuses forks and drafts and stays lossless. Wall times are printed, not asserted (the

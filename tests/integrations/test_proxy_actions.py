@@ -66,7 +66,7 @@ async def mcp_http(tmp_path: Path, state: Path, args: list[str]) -> AsyncIterato
     log = tmp_path / f"mcp-{os.urandom(4).hex()}.log"
     with open(log, "wb") as err:
         proc = subprocess.Popen(
-            [AOSPEC, "mcp", "--http", "0", "--timeout", "600", *args],
+            [AOSPEC, "mcp", "--http", "0", "--command-timeout", "600", *args],
             stdin=subprocess.DEVNULL,
             stdout=subprocess.DEVNULL,
             stderr=err,
@@ -147,6 +147,7 @@ async def harness(base_url: str, mcp_url: str, *, tools: bool, stream: bool) -> 
     return seen, metas
 
 
+@pytest.mark.slow
 @pytest.mark.anyio
 @pytest.mark.parametrize(("tools", "stream"), [(True, True), (False, True), (False, False)])
 async def test_action_speculation_is_lossless_and_hits(

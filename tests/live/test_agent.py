@@ -4,16 +4,24 @@ speculative and serial runs commit the same trajectory, version and files."""
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Iterator
 from pathlib import Path
 
 import anyio
 import pytest
 from aospec.live.actors import OpenAIChatActor
-from aospec.live.agent import Agent, Drafters, default_drafters, submission
+from aospec.live.agent import (
+    OBSERVATION_FORMAT,
+    Agent,
+    Drafters,
+    ObservationFormatWarning,
+    default_drafters,
+    submission,
+)
 from aospec.live.chat import DEFAULT_FORMAT_ERROR, ChatFormat
 from aospec.live.record import TraceRecorder, step_of
-from aospec.runtime import open_sandbox
+from aospec.runtime import MiniSweAgentFormatter, open_sandbox
 from aospec.runtime._fs import mounts_under
 from aospec.runtime.host import host_support
 from aospec.runtime.lossless import snapshot_sandbox
@@ -23,6 +31,7 @@ from hypothesis import strategies as st
 from aospec.protocols import ActionDraft, ObservationDraft
 from aospec.testing import InMemorySandbox, ScriptedActionDrafter, ScriptedActor, ScriptedObservationDrafter
 from aospec.types import Action, History, Step, Trace
+from aospec.wrappers import SandboxWrapper
 
 # ----------------------------------------------------------------------------- fixtures
 
@@ -153,7 +162,7 @@ def demo_trace() -> Trace:
 async def _live_run(base_url: str, speculate: bool, train: list[Trace], record: Path) -> tuple:
     actor = OpenAIChatActor(base_url, "demo", retries=0)
     try:
-        async with open_sandbox(backend="overlay", base="busybox", timeout_s=120) as sb:
+        async with open_sandbox(backend="overlay", base="busybox", timeout_s=120, formatter=OBSERVATION_FORMAT) as sb:
             rec = TraceRecorder(record, task=DEMO_TASK, actor_model="demo")
             agent = Agent(actor, sb, speculate=speculate, drafters=default_drafters(train), on_step=rec.add)
             result = await agent.run(DEMO_TASK)
@@ -207,7 +216,7 @@ POOL = [
 
 async def _scripted_run(seed: int, speculate: bool, train: list[Trace], record: Path) -> tuple:
     actor = ScriptedActor.hashing([Action.bash(c) for c in POOL], seed=seed, delay_s=0.03)
-    async with open_sandbox(backend="overlay", base="busybox", timeout_s=120) as sb:
+    async with open_sandbox(backend="overlay", base="busybox", timeout_s=120, formatter=OBSERVATION_FORMAT) as sb:
         rec = TraceRecorder(record, task=f"random {seed}", actor_model="scripted", trace_id=f"r{seed}-{speculate}")
         agent = Agent(actor, sb, speculate=speculate, drafters=default_drafters(train), step_limit=7, on_step=rec.add)
         result = await agent.run(f"random {seed}")
@@ -227,3 +236,28 @@ def test_lossless_on_random_tasks(overlay_state, tmp_path, seed: int, train_on_s
     assert spec.final_version == serial.final_version
     assert spec_files == serial_files
     assert [step_of(s).version_after for s in spec.steps] == [step_of(s).version_after for s in serial.steps]
+
+
+class _RawText(SandboxWrapper):
+    """A sandbox in another harness's format: the output alone (the runtime's default)."""
+
+    async def execute(self, action: Action) -> str:
+        text = await self.inner.execute(action)
+        result = MiniSweAgentFormatter.parse(text)
+        return text if result is None else result.output
+
+    async def fork(self) -> _RawText:
+        return _RawText(await self.inner.fork())
+
+
+@pytest.mark.anyio
+async def test_a_sandbox_in_another_format_is_named_once_not_silently_run_to_the_limit() -> None:
+    actor = _FormattedActor(_scripted, 0.0)
+    with pytest.warns(ObservationFormatWarning, match="formatter='mini-swe-agent'") as caught:
+        result = await Agent(actor, _RawText(InMemorySandbox()), speculate=False, step_limit=len(SCRIPT) + 2).run("t")
+    assert result.exit_reason == "step_limit"  # the submission is not seen in raw text
+    assert len([w for w in caught if w.category is ObservationFormatWarning]) == 1
+    # the format error (the agent's own answer) is not another format
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", ObservationFormatWarning)
+        assert (await Agent(actor, InMemorySandbox(), speculate=False).run("t")).exit_reason == "submitted"

@@ -146,7 +146,7 @@ async def open_box(backend: str) -> AsyncIterator[Box]:
     from aospec.runtime._fs import mounts_under
     from aospec.runtime.processes import marked_processes
 
-    async with open_sandbox(SandboxConfig(backend="overlay", base="busybox", timeout_s=20)) as sb:
+    async with open_sandbox(SandboxConfig(backend="overlay", base="busybox", timeout_s=20, formatter="mini-swe-agent")) as sb:
         store_id, path = sb.store.id, sb.store.path
         yield Box(backend, sb)
     # Nothing of the session is left: no mount, no sandbox process, no state directory.

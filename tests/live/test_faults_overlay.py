@@ -107,7 +107,7 @@ async def run_killing(needle: str | None, *, drafters: bool, once: bool = False)
     def observe(history: History, action: Action) -> list[ObservationDraft]:
         return [ObservationDraft("<returncode>0</returncode>\n<output>\n</output>", 0.5)]
 
-    async with open_sandbox(SandboxConfig(backend="overlay", base="busybox", timeout_s=20)) as sb:
+    async with open_sandbox(SandboxConfig(backend="overlay", base="busybox", timeout_s=20, formatter="mini-swe-agent")) as sb:
         store_id, path = sb.store.id, sb.store.path
         engine = Engine(
             script_actor(),
@@ -139,6 +139,7 @@ async def run_killing(needle: str | None, *, drafters: bool, once: bool = False)
     return result
 
 
+@pytest.mark.slow
 def test_killing_a_speculative_fork_from_outside_only_costs_speed(overlay_dirs: Path) -> None:
     serial = anyio.run(lambda: run_killing(None, drafters=False))
     spec = anyio.run(lambda: run_killing("echo wrong", drafters=True))

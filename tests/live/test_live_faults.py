@@ -19,7 +19,7 @@ from typing import Any
 import anyio
 import pytest
 from aospec.live.actors import OpenAIChatActor
-from aospec.live.agent import Agent, Drafters, default_drafters
+from aospec.live.agent import OBSERVATION_FORMAT, Agent, Drafters, default_drafters
 from aospec.live.chat import ChatFormat
 from aospec.live.record import TraceRecorder
 from aospec.live.serve_trace import serve_trace_app
@@ -131,7 +131,7 @@ async def _run(
 ) -> tuple[Any, OpenAIChatActor]:
     actor = OpenAIChatActor(base_url, "demo", timeout_s=timeout_s, retries=2, backoff_s=0.01)
     try:
-        async with open_sandbox(backend="overlay", base="busybox", timeout_s=120) as sb:
+        async with open_sandbox(backend="overlay", base="busybox", timeout_s=120, formatter=OBSERVATION_FORMAT) as sb:
             rec = TraceRecorder(record, task=TASK, actor_model="demo")
             agent = Agent(actor, sb, speculate=speculate, drafters=drafters, on_step=rec.add)
             result = await agent.run(TASK)

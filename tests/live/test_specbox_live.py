@@ -13,7 +13,7 @@ from pathlib import Path
 import anyio
 import pytest
 from aospec.live.actors import OpenAIChatActor
-from aospec.live.agent import Agent, FormatErrorSandbox, default_drafters
+from aospec.live.agent import OBSERVATION_FORMAT, Agent, FormatErrorSandbox, default_drafters
 from aospec.live.chat import ChatFormat
 from aospec.live.record import TraceRecorder
 from aospec.live.specbox_layer import TRAINED_MIN_PRIOR, SpecBoxOptions, build_router, deterministic_reads, open_specbox
@@ -204,7 +204,7 @@ async def _run(
     summary, route events with the number of replies finished when each fired, actor)."""
     async with (
         OpenAIChatActor(base_url, "demo", retries=0) as actor,
-        open_sandbox(backend="overlay", base="busybox", timeout_s=120) as sb,
+        open_sandbox(backend="overlay", base="busybox", timeout_s=120, formatter=OBSERVATION_FORMAT) as sb,
         open_specbox(sb, options, train) as box,
     ):
         events: list[tuple[str, int]] = []

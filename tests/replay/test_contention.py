@@ -316,7 +316,7 @@ def test_without_cores_replay_output_is_byte_identical_to_the_saved_bundled_swee
     serial,aospec`` wrote before contention existed; a change that is meant to change replay results
     regenerates it with that command (``--out tests/replay/data/bundled-sweep``, keeping the two jsonl files)."""
     out = tmp_path / "out"
-    args = ["sweep", "--bundled", "--jobs", "1", "--tpots", "10,1", "--policies", "serial,aospec"]
+    args = ["sweep", "--bundled", "--jobs", "1", "--tpot-ms", "10,1", "--policies", "serial,aospec"]
     assert cli_main([*args, "--no-progress", "--out", str(out)]) == 0
     for name in ("results.jsonl", "summary.jsonl"):
         assert (out / name).read_bytes() == (DATA / "bundled-sweep" / name).read_bytes(), name
@@ -325,7 +325,7 @@ def test_without_cores_replay_output_is_byte_identical_to_the_saved_bundled_swee
 
 def test_sweep_with_cores_names_its_host_in_the_summary(tmp_path: Path, capsys) -> None:
     out = tmp_path / "out"
-    args = ["sweep", "--bundled", "--jobs", "1", "--tpots", "10", "--policies", "serial,aospec"]
+    args = ["sweep", "--bundled", "--jobs", "1", "--tpot-ms", "10", "--policies", "serial,aospec"]
     assert cli_main([*args, "--cores", "2", "--background-load", "2", "--no-progress", "--out", str(out)]) == 0
     md = (out / "summary.md").read_text()
     assert "- host model: 2 cores, 2 background processes;" in md

@@ -44,7 +44,7 @@ def sweep_output(tmp_path_factory: pytest.TempPathFactory) -> Path:
     # An observation drafter, an action drafter and canonical acceptance: every counter is
     # exercised (the keys do not depend on the policy, but this keeps it honest).
     done = subprocess.run(
-        [str(aospec), "sweep", "--bundled", "--policies", "serial,aospec:accept=canonical", "--tpots", "10",
+        [str(aospec), "sweep", "--bundled", "--policies", "serial,aospec:accept=canonical", "--tpot-ms", "10",
          "--jobs", "1", "--no-progress", "--out", str(out)],
         capture_output=True, text=True,
     )

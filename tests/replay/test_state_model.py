@@ -238,7 +238,7 @@ def aospec_cli(*args: str) -> subprocess.CompletedProcess[str]:
 @pytest.mark.parametrize(("flag", "expected"), [(None, "recorded"), ("blind", "blind"), ("effects", "effects")])
 def test_sweep_reports_its_state_model(recorded_file: Path, tmp_path: Path, flag: str | None, expected: str) -> None:
     out = tmp_path / "out"
-    args = ["sweep", str(recorded_file), "--policies", "serial,ceiling", "--tpots", "10", "--jobs", "1",
+    args = ["sweep", str(recorded_file), "--policies", "serial,ceiling", "--tpot-ms", "10", "--jobs", "1",
             "--no-progress", "--out", str(out)]
     if flag:
         args += ["--state-model", flag]
@@ -254,7 +254,7 @@ def test_sweep_reports_its_state_model(recorded_file: Path, tmp_path: Path, flag
 
 
 def test_recorded_on_traces_without_versions_is_one_clear_error(tmp_path: Path) -> None:
-    done = aospec_cli("sweep", "--bundled", "--state-model", "recorded", "--policies", "serial", "--tpots", "10",
+    done = aospec_cli("sweep", "--bundled", "--state-model", "recorded", "--policies", "serial", "--tpot-ms", "10",
                       "--no-progress", "--out", str(tmp_path / "o"))
     assert done.returncode == 2
     lines = done.stderr.strip().splitlines()

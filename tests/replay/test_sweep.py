@@ -98,7 +98,7 @@ def test_sweep_cli_prints_one_json_object_per_policy_and_tpot(tmp_path, capsys, 
             "--bundled",
             "--policies",
             "serial,aospec,aospec:rank=likelihood",
-            "--tpots",
+            "--tpot-ms",
             "10,1",
             "--jobs",
             "1",
@@ -142,7 +142,7 @@ def test_replay_cli_with_train_and_eval_prints_per_trace_results(tmp_path, capsy
     code = cli_main(
         [
             "replay",
-            "--train",
+            "--train-traces",
             str(train_dir),
             "--eval",
             str(eval_dir),
@@ -164,7 +164,7 @@ def test_cli_errors_are_one_line(capsys):
     assert cli_main(["sweep", "--bundled", "--policies", "aospec:budget=3", "--no-progress"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("aospec: error: policy 'aospec:budget=3': unknown key 'budget'")
-    assert cli_main(["sweep", "--bundled", "--tpots", "10,x"]) == 2
+    assert cli_main(["sweep", "--bundled", "--tpot-ms", "10,x"]) == 2
     assert "expected comma-separated numbers" in capsys.readouterr().err
     assert cli_main(["replay", "--policies", "serial"]) == 2
     assert "no traces" in capsys.readouterr().err

@@ -28,7 +28,7 @@ def _children(pid: int) -> set[int]:
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGHUP, signal.SIGINT])
 def test_a_signal_ends_a_sweep_as_ctrl_c_does(tmp_path: Path, sig: int) -> None:
     out = tmp_path / "results"
-    argv = [sys.executable, "-m", "aospec", "sweep", "--bundled", "--tpots", "20,15,10,5,1", "--no-progress",
+    argv = [sys.executable, "-m", "aospec", "sweep", "--bundled", "--tpot-ms", "20,15,10,5,1", "--no-progress",
             "--policies", "serial,aospec", "--jobs", "2", "--out", str(out)]  # fmt: skip
     proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:

@@ -42,7 +42,7 @@ def _lines(results) -> list[str]:
 
 
 def _sweep(tmp_path: Path, *args: str) -> int:
-    return cli_main(["sweep", "--bundled", "--tpots", "10", "--no-progress", "--out", str(tmp_path), *args])
+    return cli_main(["sweep", "--bundled", "--tpot-ms", "10", "--no-progress", "--out", str(tmp_path), *args])
 
 
 def test_the_streamed_results_file_and_summary_equal_the_in_memory_sweep(tmp_path, reference, capsys):

@@ -58,7 +58,7 @@ def opener(request: pytest.FixtureRequest) -> Opener:
     kind = request.param
     if kind in ("overlay", "docker"):
         request.getfixturevalue("overlay" if kind == "overlay" else "docker_backend")  # skips when unavailable
-        return lambda: open_sandbox(SandboxConfig(backend=kind, timeout_s=20))
+        return lambda: open_sandbox(SandboxConfig(backend=kind, timeout_s=20, formatter="mini-swe-agent"))
     if kind == "memory":
         return lambda: _held(InMemorySandbox())
     world = ReplayWorld(_recording(), VirtualClock())
@@ -196,8 +196,13 @@ async def test_sandbox_satisfies_the_protocol(sandbox: Sandbox) -> None:
     await fork.discard()
 
 
-async def test_execute_returns_the_mini_swe_agent_observation(sandbox) -> None:
-    obs = await sandbox.execute(Action.bash("echo out; echo err >&2; exit 3"))
+async def test_execute_returns_the_raw_output_by_default(sandbox) -> None:
+    assert await sandbox.execute(Action.bash("echo out; echo err >&2; exit 3")) == "out\nerr\n"
+
+
+async def test_execute_returns_the_mini_swe_agent_observation_when_asked(backend: str) -> None:
+    async with open_sandbox(SandboxConfig(backend=backend, formatter="mini-swe-agent")) as sb:
+        obs = await sb.execute(Action.bash("echo out; echo err >&2; exit 3"))
     assert obs == "<returncode>3</returncode>\n<output>\nout\nerr\n</output>"
 
 
@@ -233,7 +238,7 @@ async def test_timeout_kills_the_command_and_says_so(sandbox) -> None:
 
 
 async def test_timeout_observation_matches_mini_swe_agent(backend: str) -> None:
-    async with open_sandbox(SandboxConfig(backend=backend, timeout_s=1)) as sb:
+    async with open_sandbox(SandboxConfig(backend=backend, timeout_s=1, formatter="mini-swe-agent")) as sb:
         obs = await sb.execute(Action.bash("echo partial; sleep 20"))
     assert obs == (
         "The last command <command>echo partial; sleep 20</command> timed out and has been killed.\n"
@@ -298,7 +303,7 @@ async def test_commit_of_a_fork_of_a_fork_is_allowed(sandbox) -> None:
 
 
 async def test_commit_rejects_a_sandbox_that_is_not_a_descendant(backend: str) -> None:
-    async with open_sandbox(SandboxConfig(backend=backend)) as one:
+    async with open_sandbox(SandboxConfig(backend=backend, formatter="mini-swe-agent")) as one:
         fork = await one.fork()
         other = await one.fork()
         with pytest.raises(SandboxError, match="not forked from"):
@@ -369,10 +374,10 @@ async def test_serial_and_forked_shell_changes_reach_the_same_version(backend: s
         "rm -rf /app && mkdir /app && echo v2 > /app/main",
         "chmod 700 /app",
     ]
-    async with open_sandbox(SandboxConfig(backend=backend)) as serial:
+    async with open_sandbox(SandboxConfig(backend=backend, formatter="mini-swe-agent")) as serial:
         for s in steps:
             await serial.run(s)
-        async with open_sandbox(SandboxConfig(backend=backend)) as forked:
+        async with open_sandbox(SandboxConfig(backend=backend, formatter="mini-swe-agent")) as forked:
             for s in steps:
                 fork = await forked.fork()
                 await fork.run(s)
@@ -420,6 +425,6 @@ async def test_cancelling_a_command_kills_it_and_keeps_the_version_true(sandbox)
 async def test_a_command_may_run_longer_than_idle_worker_threads_live(backend: str) -> None:
     # anyio retires idle worker threads after 10 s; a sandbox must not die with the
     # thread that happened to start it
-    async with open_sandbox(SandboxConfig(backend=backend)) as sb:
+    async with open_sandbox(SandboxConfig(backend=backend, formatter="mini-swe-agent")) as sb:
         result = await sb.run("sleep 12; echo survived", timeout=60)
     assert (result.returncode, result.output) == (0, "survived\n")

@@ -310,7 +310,7 @@ async def test_missing_bind_source_is_named_before_running(backend: str, tmp_pat
 
 
 @pytest.mark.parametrize(
-    "args", [["--timeout", "0"], ["--timeout", "-1"], ["--cpus", "-2"], ["--pids", "0"], ["--memory", "0"]]
+    "args", [["--command-timeout", "0"], ["--command-timeout", "-1"], ["--cpus", "-2"], ["--pids", "0"], ["--memory", "0"]]
 )
 def test_bad_limit_flags_are_one_error_line(overlay: str, args: list[str]) -> None:
     proc = aospec("exec", *args, "--", "true")
@@ -320,9 +320,9 @@ def test_bad_limit_flags_are_one_error_line(overlay: str, args: list[str]) -> No
 
 
 def test_a_timeout_reports_the_status_it_exits_with(overlay: str) -> None:
-    proc = aospec("exec", "--timeout", "1", "--", "sleep 10")
+    proc = aospec("exec", "--command-timeout", "1", "--", "sleep 10")
     assert proc.returncode == 124 and "exit 124 (timed out)" in proc.stderr
-    proc = aospec("exec", "--timeout", "1", "--format", "json", "--", "sleep 10")
+    proc = aospec("exec", "--command-timeout", "1", "--format", "json", "--", "sleep 10")
     data = json.loads(proc.stdout)
     assert (proc.returncode, data["returncode"], data["timed_out"]) == (124, 124, True)
 

@@ -1,10 +1,11 @@
-"""The default formatter reproduces mini-swe-agent 1.7's templates exactly (rendered here
-with jinja2, as mini-swe-agent does), so observations match recorded traces."""
+"""The mini-swe-agent formatter reproduces mini-swe-agent 1.7's templates exactly (rendered here
+with jinja2, as mini-swe-agent does), so observations match recorded traces; its parse reads
+them back; the runtime's default favours no harness."""
 
 from __future__ import annotations
 
 import pytest
-from aospec.runtime import CommandResult, MiniSweAgentFormatter, RawFormatter, get_formatter
+from aospec.runtime import CommandResult, MiniSweAgentFormatter, RawFormatter, SandboxConfig, get_formatter
 
 from aospec.errors import ConfigError
 from aospec.types import Action
@@ -72,3 +73,37 @@ def test_formatters_are_chosen_by_name_or_dotted_path() -> None:
     assert get_formatter(custom) is custom
     with pytest.raises(ConfigError, match="unknown observation formatter 'nope'"):
         get_formatter("nope")
+
+
+def test_the_runtime_default_is_the_raw_output() -> None:
+    assert SandboxConfig().formatter == "raw"
+    result = CommandResult(returncode=3, output="out\n", timed_out=False, duration_s=0.1)
+    assert get_formatter(SandboxConfig().formatter).format(Action.bash("x"), result) == "out\n"
+
+
+@pytest.mark.parametrize(
+    "result",
+    [
+        CommandResult(0, "", timed_out=False, duration_s=0.0),
+        CommandResult(2, "one\ntwo\n", timed_out=False, duration_s=0.0),
+        CommandResult(-9, "</output>\n<returncode>1</returncode>", timed_out=False, duration_s=0.0),
+        CommandResult(124, "partial\n", timed_out=True, duration_s=0.0, limits_hit=("timeout",)),
+    ],
+)
+def test_parse_reads_back_what_format_wrote(result: CommandResult) -> None:
+    text = MiniSweAgentFormatter().format(Action.bash("cmd"), result)
+    assert MiniSweAgentFormatter.parse(text) == result
+
+
+def test_parse_of_an_elided_output_keeps_its_head_and_says_so() -> None:
+    long = "head line\n" + "x" * 20000
+    back = MiniSweAgentFormatter.parse(
+        MiniSweAgentFormatter().format(Action.bash("c"), CommandResult(0, long, timed_out=False, duration_s=0.0))
+    )
+    assert back is not None and back.truncated and back.returncode == 0
+    assert back.output == long[:5000]
+
+
+@pytest.mark.parametrize("text", ["", "out\n", "Please always provide EXACTLY ONE action", "<returncode>x</returncode>"])
+def test_parse_of_other_text_is_none(text: str) -> None:
+    assert MiniSweAgentFormatter.parse(text) is None

@@ -35,7 +35,7 @@ def test_exec_prints_the_output_and_exits_with_the_commands_status(backend: str)
 
 
 def test_exec_applies_the_isolation_defaults_and_options(overlay: str) -> None:
-    proc = aospec("exec", "--timeout", "1", "--", "sleep 10")
+    proc = aospec("exec", "--command-timeout", "1", "--", "sleep 10")
     assert proc.returncode == 124 and "timed out" in proc.stderr
     proc = aospec(
         "exec", "--pids", "16", "--memory", "64M", "--env", "A=b", "--workdir", "/tmp", "--", "echo $A $(pwd)"

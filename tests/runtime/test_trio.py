@@ -19,7 +19,7 @@ def anyio_backend() -> str:
 async def test_execute_fork_commit_and_timeout_under_trio(backend: str) -> None:
     import trio
 
-    async with open_sandbox(SandboxConfig(backend=backend, timeout_s=1)) as sb:
+    async with open_sandbox(SandboxConfig(backend=backend, timeout_s=1, formatter="mini-swe-agent")) as sb:
         fork = await sb.fork()
         assert (
             await fork.execute(Action.bash("echo hi > /tmp/x; cat /tmp/x"))

@@ -91,18 +91,18 @@ def backend(cluster: RaySandboxCluster) -> str:
 
 @pytest.fixture
 def opener(cluster: RaySandboxCluster):  # type: ignore[no-untyped-def]
-    return lambda: cluster.open(SandboxConfig(timeout_s=20))
+    return lambda: cluster.open(SandboxConfig(timeout_s=20, formatter="mini-swe-agent"))
 
 
 @pytest.fixture
 async def any_sandbox(cluster: RaySandboxCluster) -> AsyncIterator[Sandbox]:
-    async with cluster.open(SandboxConfig(timeout_s=20)) as sb:
+    async with cluster.open(SandboxConfig(timeout_s=20, formatter="mini-swe-agent")) as sb:
         yield sb
 
 
 @pytest.fixture
 async def sandbox(cluster: RaySandboxCluster) -> AsyncIterator[RaySandbox]:
-    async with open_sandbox(SandboxConfig(backend=RAY_BACKEND, timeout_s=20)) as sb:
+    async with open_sandbox(SandboxConfig(backend=RAY_BACKEND, timeout_s=20, formatter="mini-swe-agent")) as sb:
         yield sb
 
 
@@ -207,7 +207,7 @@ async def _engine_run(sb: Sandbox, seed: int, speculate: bool) -> tuple[History,
 
 @pytest.mark.parametrize("seed", [1, 2])
 async def test_an_engine_run_on_ray_equals_the_same_run_on_the_local_backend(cluster, seed: int) -> None:
-    async with open_sandbox(backend="overlay", timeout_s=10) as local:
+    async with open_sandbox(backend="overlay", timeout_s=10, formatter="mini-swe-agent") as local:
         serial = await _engine_run(local, seed, speculate=False)
     async with cluster.open(timeout_s=10) as remote:
         on_ray = await _engine_run(remote, seed, speculate=True)

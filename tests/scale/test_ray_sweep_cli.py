@@ -18,7 +18,7 @@ FAULTY = "aospec.replay.faults.FaultyObservationDrafter"
 
 def _sweep(out: Path, *args: str) -> int:
     return cli_main(
-        ["sweep", "--bundled", "--policies", "serial,aospec", "--tpots", "20,1", "--no-progress", "--out", str(out), *args]
+        ["sweep", "--bundled", "--policies", "serial,aospec", "--tpot-ms", "20,1", "--no-progress", "--out", str(out), *args]
     )
 
 
@@ -40,7 +40,7 @@ def test_a_trace_failing_twice_on_ray_is_reported_and_the_finished_ones_kept(loc
             "--bundled",
             "--policies",
             f"serial,aospec:obs_drafter={FAULTY}",
-            "--tpots",
+            "--tpot-ms",
             "10",
             "--executor",
             "ray",

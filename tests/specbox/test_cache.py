@@ -365,7 +365,7 @@ def test_overlay_results_from_the_cache_are_never_stale(ops: list[tuple[str, int
     from aospec.runtime import open_sandbox
 
     async def main() -> None:
-        async with open_sandbox(backend="overlay", timeout_s=20) as inner:
+        async with open_sandbox(backend="overlay", timeout_s=20, formatter="mini-swe-agent") as inner:
             await inner.execute(Action.bash("mkdir -p /w && echo 0 > /w/a"))
             root = CachedSandbox(inner, deterministic=shell_commands("cat", "ls", "wc"))
             await _check_never_stale(root, [*ops, ("exec", 0, OV_READS[0]), ("exec", 0, OV_READS[0])])

@@ -47,7 +47,7 @@ def test_eval_json_has_one_record_per_router_and_assembly(
     split_dirs: tuple[Path, Path], capsys: pytest.CaptureFixture[str]
 ) -> None:
     train, evals = split_dirs
-    rc, out, err = _run(["routers", "eval", "--train", str(train), "--eval", str(evals), "--format", "json"], capsys)
+    rc, out, err = _run(["routers", "eval", "--train-traces", str(train), "--eval", str(evals), "--format", "json"], capsys)
     assert rc == 0, err
     records = json.loads(out)
     names = [r["router"] for r in records]
@@ -76,19 +76,19 @@ def test_eval_json_has_one_record_per_router_and_assembly(
 
 def test_eval_jsonl_and_table(split_dirs: tuple[Path, Path], capsys: pytest.CaptureFixture[str]) -> None:
     train, evals = split_dirs
-    rc, out, _ = _run(["routers", "eval", "--train", str(train), "--eval", str(evals), "--format", "jsonl"], capsys)
+    rc, out, _ = _run(["routers", "eval", "--train-traces", str(train), "--eval", str(evals), "--format", "jsonl"], capsys)
     assert rc == 0
     lines = [json.loads(line) for line in out.splitlines()]
     assert len(lines) == 9
-    rc, out, _ = _run(["routers", "eval", "--train", str(train), "--eval", str(evals)], capsys)
+    rc, out, _ = _run(["routers", "eval", "--train-traces", str(train), "--eval", str(evals)], capsys)
     assert rc == 0 and "micro_f1" in out and "union+parse" in out
 
 
 def test_shared_tasks_are_warned_about(split_dirs: tuple[Path, Path], capsys: pytest.CaptureFixture[str]) -> None:
     train, _ = split_dirs
-    rc, out, err = _run(["routers", "eval", "--train", str(train), "--eval", str(train), "--format", "json"], capsys)
+    rc, out, err = _run(["routers", "eval", "--train-traces", str(train), "--eval", str(train), "--format", "json"], capsys)
     assert rc == 0
-    assert "in both --train and --eval" in err
+    assert "in both --train-traces and --eval" in err
     assert json.loads(out)[0]["shared_tasks"] > 0
 
 
@@ -107,7 +107,7 @@ def test_bundled_split_by_task_and_gamma_sweep(capsys: pytest.CaptureFixture[str
     ("argv", "message"),
     [
         (["routers", "eval"], "no traces"),
-        (["routers", "eval", "--train", "x.jsonl"], "give both --train and --eval"),
+        (["routers", "eval", "--train-traces", "x.jsonl"], "give both --train-traces and --eval"),
         (["routers", "eval", "/nonexistent/traces"], "no such file"),
         (["routers", "eval", "--bundled", "--gamma", "0"], "--gamma must be >= 1"),
         (["routers", "eval", "--bundled", "--max-file-mb", "-1"], "--max-file-mb"),
@@ -124,5 +124,5 @@ def test_bad_input_is_one_error_line(argv: list[str], message: str, capsys: pyte
 def test_malformed_trace_file_is_an_error(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"type": "trace", "schema": 1}\n')
-    rc, _, err = _run(["routers", "eval", "--train", str(bad), "--eval", str(bad)], capsys)
+    rc, _, err = _run(["routers", "eval", "--train-traces", str(bad), "--eval", str(bad)], capsys)
     assert rc == 2 and "bad.jsonl" in err and "Traceback" not in err

@@ -55,7 +55,7 @@ def test_first_actions_are_distinct_ranked_by_samples_then_merged_with_the_prior
 
 def test_train_reports_and_saves_the_prior_and_never_scores_below_it(tmp_path: Path, capsys) -> None:
     out = tmp_path / "model"
-    code = main(["train", "--traces", str(bundled_traces_path()), "--base-model", "tiny", "--out", str(out),
+    code = main(["train", "--train-traces", str(bundled_traces_path()), "--base-model", "tiny", "--out", str(out),
                  "--full", "--format", "json", *FAST])
     assert code == 0
     summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])

@@ -20,7 +20,7 @@ FAST = ["--steps", "4", "--batch-size", "4", "--prompt-tokens", "128", "--target
 
 
 def run(capsys, *args: str) -> tuple[int, str, str]:
-    code = main(["train", "--traces", str(bundled_traces_path()), *args])
+    code = main(["train", "--train-traces", str(bundled_traces_path()), *args])
     out, err = capsys.readouterr()
     return code, out, err
 
@@ -116,7 +116,7 @@ def test_mistakes_give_one_line_errors(tmp_path: Path, capsys) -> None:
     assert run(capsys, "--out", str(done), *FAST)[0] == 0
     code, _, err = run(capsys, "--out", str(done), *FAST)
     assert code == 2 and "already holds a trained model" in err
-    code = main(["train", "--traces", str(tmp_path / "missing"), "--out", str(tmp_path / "x"), *FAST])
+    code = main(["train", "--train-traces", str(tmp_path / "missing"), "--out", str(tmp_path / "x"), *FAST])
     err = capsys.readouterr().err
     assert code == 2 and "missing" in err
     code, _, err = run(capsys, "--out", str(tmp_path / "y"), "--eval-tasks", "no-such-task", *FAST)
