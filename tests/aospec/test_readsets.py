@@ -221,6 +221,10 @@ def rebased(s1: Fs, sf: Fs, fork: WriteSet) -> Fs:
     out = dict(s1)
     for p in sorted(fork.changed | fork.touched, key=lambda p: p.split("/")):
         if p in sf:
+            if sf[p][0] != "d":
+                # a non-directory in an upper hides everything below it in the lowers
+                for q in below(out, p):
+                    del out[q]
             out[p] = sf[p]
         else:
             for q in below(out, p):

@@ -615,8 +615,9 @@ def test_a_speculative_fork_that_fails_on_a_wrong_guess_only_costs_speed(backend
     assert out.injected
     if kind in ("error", "unexpected"):
         assert out.failures >= len(out.injected)
-    elif kind == "late":
-        assert out.failures > 0  # (a fork pruned while its command ran never gets to fail)
+    # (a late fault strikes after the command ran: a wrong guess is usually pruned by then,
+    # so whether any is counted depends on timing; the count of late faults is asserted in
+    # test_a_fork_of_the_emitted_action_that_fails_once_is_run_again)
 
 
 @pytest.mark.parametrize("kind", ["error", "unexpected", "late"])
