@@ -87,6 +87,7 @@ __all__ = [
     "CostModel",
     "Decision",
     "HitModel",
+    "SavableHitModel",
     "cpu_price",
     "forks_to_run",
     "host_config",
@@ -196,6 +197,13 @@ class HitModel(Protocol):
     def p_hit(self, candidate: Candidate) -> float: ...
 
     def observe(self, candidate: Candidate, hit: bool) -> None: ...
+
+
+@runtime_checkable
+class SavableHitModel(HitModel, Protocol):
+    """A :class:`HitModel` that can be saved with an :class:`AdmissionModel`."""
+
+    def to_json(self) -> Any: ...
 
 
 class BetaHitModel:
@@ -448,10 +456,10 @@ class CostModel:
 
 
 def step_cpu_s(step: Step) -> float | None:
-    """The CPU time a recorded step's command used (s), when the trace recorded it: a
-    ``cpu_s`` field of the step (live recordings carry it, docs/trace-format.md), else
+    """The CPU time a recorded step's command used (s), when the trace recorded it: the
+    step's ``tool_cpu_s`` (aospec's recorder writes it, docs/trace-format.md), else
     ``extra["cpu_s"]``; None when unknown or not a number >= 0."""
-    value = getattr(step, "cpu_s", None)
+    value: object = step.tool_cpu_s
     if value is None:
         value = step.extra.get("cpu_s") if isinstance(step.extra, Mapping) else None
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
@@ -480,12 +488,11 @@ class AdmissionModel:
 
     def to_json(self) -> dict[str, Any]:
         hits = self.hits
-        to_json = getattr(hits, "to_json", None)
-        if not callable(to_json):
+        if not isinstance(hits, SavableHitModel):
             raise ConfigError(
                 f"admission model: its hit model {type(hits).__name__} has no to_json(); it cannot be saved"
             )
-        return {"format": MODEL_FORMAT, "version": _MODEL_VERSION, "hits": to_json(), "costs": self.costs.to_json()}
+        return {"format": MODEL_FORMAT, "version": _MODEL_VERSION, "hits": hits.to_json(), "costs": self.costs.to_json()}
 
     @classmethod
     def from_json(cls, obj: Any, where: str = "admission model") -> AdmissionModel:

@@ -2,13 +2,15 @@
 
 A :class:`Branch` is one decode of the next action from a history: the verified one (level
 0, ``B``), or one that ends in drafted observations (a provisional continuation, one of some
-branch's ``P``). :class:`aospec.session.Session` grows, adopts, promotes and cancels them;
-:class:`aospec.drafting.Drafting` drafts for them.
+branch's ``P``). :class:`aospec.session.Session` grows and adopts them; a branch seals,
+rebases, promotes and cancels its own subtree; :class:`aospec.drafting.Drafting` drafts for
+them.
 """
 
 from __future__ import annotations
 
 import enum
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import anyio
@@ -103,3 +105,48 @@ class Branch:
             if self._waiter is None:
                 self._waiter = anyio.Event()
             await self._waiter.wait()
+
+    def seal(self) -> bool:
+        """The real observation of this branch's action has arrived: no continuation starts
+        after it. True when drafting was still running (it lost the race and is cancelled)."""
+        lost = self.state is BranchState.DRAFTING
+        if lost:
+            # Why: drafting that finishes after the real observation lost the race; its
+            # continuations could only ever be discarded.
+            assert self.draft_task is not None
+            self.draft_task.cancel()
+        if self.state in (BranchState.DECODED, BranchState.DRAFTING):
+            self.state = BranchState.SEALED
+        return lost
+
+    def rebase(self, history: History) -> None:
+        """Give this branch (and its subtree) ``history`` in place of the one it started on."""
+        self.history = history
+        if self.continuations and self.action is not None:
+            for text, child in self.continuations.items():
+                child.rebase(history.extend(self.action, text))
+
+    def promote(self, obs_depth: int, predict: Callable[[Branch], None]) -> None:
+        """Shift the subtree one level towards the verified history; ``predict`` starts
+        drafting on the branches that now fall within ``obs_depth`` and have decoded."""
+        self.level -= 1
+        if self.continuations:
+            for child in self.continuations.values():
+                child.promote(obs_depth, predict)
+        elif 0 < self.level < obs_depth and self.state is BranchState.DECODED:
+            predict(self)
+
+    def cancel(self, now_ns: int, cancelled: Callable[[Branch, int], None]) -> None:
+        """Stop this branch and its subtree (their histories never happened); each branch
+        stopped here is passed to ``cancelled`` with the decode time it spent (ns)."""
+        if self.state is BranchState.CANCELLED:
+            return
+        self.state = BranchState.CANCELLED
+        if self.decode_task is not None:
+            self.decode_task.cancel()
+        if self.draft_task is not None:
+            self.draft_task.cancel()
+        cancelled(self, (self.decoded_ns if self.action is not None else now_ns) - self.started_ns)
+        for child in self.continuations.values():
+            child.cancel(now_ns, cancelled)
+        self.continuations = {}

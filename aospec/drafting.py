@@ -67,8 +67,9 @@ Source = tuple[str, Callable[[], AsyncIterator[object]]]
 
 
 class Drafting:
-    """The drafter calls of one run (see the module docstring). ``routed_on``: router events
-    launch routed targets; ``provisional_targets_on``: provisional branches launch theirs."""
+    """The drafter calls of one run (see the module docstring), and EVD's tool times.
+    ``targets_on``: action drafting is on (then, with a router, router events may launch
+    routed targets); ``provisional_targets_on``: provisional branches launch theirs."""
 
     def __init__(
         self,
@@ -86,7 +87,7 @@ class Drafting:
         canonicalizer: ObservationCanonicalizer | None,
         forks: Forks,
         failed: Failed,
-        routed_on: bool,
+        targets_on: bool,
         provisional_targets_on: bool,
     ) -> None:
         self._observation_drafters = tuple(zip(observation_drafters, capabilities.streaming_drafters, strict=True))
@@ -105,7 +106,11 @@ class Drafting:
         self._canon = canonicalizer
         self._forks = forks
         self._failed = failed
-        self._routed_on = routed_on
+        # Routed targets are action drafting: off with fork_width 0 (then forks may be off
+        # too, and nothing may fork the committed sandbox while the step runs on it).
+        self._routed_on = (
+            self.router is not None and targets_on and config.routed_width > 0 and bool(self._routed_drafters)
+        )
         self._provisional_targets_on = provisional_targets_on
         self._targets: TaskHandle[None] | None = None
         """The target-drafting task of the current boundary (cancelled at the next one)."""
@@ -224,6 +229,25 @@ class Drafting:
             self._failed("canonicalising the observation", exc)
             return None
         return next((t for t, c in continuations.items() if c.canonical_form == form), None)
+
+    def tool_if_hit(self, draft: ObservationDraft) -> float | None:
+        """EVD's tool time (s) of the step should ``draft`` be its observation; None without
+        EVD or while it knows nothing yet."""
+        if self._evd is None:
+            return None
+        try:
+            return self._evd.tool_time(draft) or None  # 0: EVD knows nothing yet
+        except Exception as exc:
+            self._failed("EVD's tool time of a draft", exc)
+            return None
+
+    def learn_tool_time(self, action: Action, observation: str, tool_ns: int) -> None:
+        """EVD learns a committed step's tool time (a failure only costs ranking)."""
+        if self._evd is not None and not action.is_none:
+            try:
+                self._evd.observe(action, observation, tool_ns * 1e-9)
+            except Exception as exc:
+                self._failed("learning the step's tool time (EVD)", exc)  # it only ranks drafts
 
     # ------------------------------------------------------------------ targets
 

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from aospec.errors import AospecError, EngineError
 from aospec.types import Action
 
-__all__ = ["EngineStatistics", "EventKind", "Ledger", "SpeculationEvent", "label", "short"]
+__all__ = ["EngineStatistics", "EventKind", "Ledger", "SpeculationEvent", "StepTimes", "label", "short"]
 
 _log = logging.getLogger("aospec.engine")
 
@@ -29,6 +29,59 @@ def short(text: str, n: int = 60) -> str:
 def label(action: Action) -> str:
     """An action in a message: its command (else its key), cut to 60 characters."""
     return short(action.command if action.command is not None else action.key)
+
+
+def _overlap(a0: int, a1: int, b0: int, b1: int) -> int:
+    """Length of the intersection of the intervals [a0, a1] and [b0, b1]."""
+    return max(0, min(a1, b1) - max(a0, b0))
+
+
+@dataclass(frozen=True, slots=True)
+class StepTimes:
+    """One committed step's times (ns), the keywords of :meth:`Ledger.committed_step`."""
+
+    wait_actor_ns: int
+    wait_tool_ns: int
+    decode_ns: int
+    tool_ns: int
+    decode_waited_ns: int
+    tool_waited_ns: int
+
+    @classmethod
+    def measure(
+        cls,
+        *,
+        boundary_ns: int,
+        emitted_ns: int,
+        now_ns: int,
+        decode: tuple[int, int],
+        tool_ns: int,
+        tool_start_ns: int | None,
+    ) -> StepTimes:
+        """The times of a step whose action was decoded over ``decode`` (start, end) and
+        emitted at ``emitted_ns`` after the boundary ``boundary_ns``, and whose tool ran
+        ``tool_ns`` from ``tool_start_ns`` (None: it did not run), committed at ``now_ns``."""
+        tool_waited = 0
+        if tool_start_ns is not None:
+            tool_waited = _overlap(emitted_ns, now_ns, tool_start_ns, tool_start_ns + tool_ns)
+        return cls(
+            wait_actor_ns=emitted_ns - boundary_ns,
+            wait_tool_ns=now_ns - emitted_ns,
+            decode_ns=decode[1] - decode[0],
+            tool_ns=tool_ns,
+            decode_waited_ns=_overlap(boundary_ns, emitted_ns, *decode),
+            tool_waited_ns=tool_waited,
+        )
+
+    @property
+    def hidden_ns(self) -> int:
+        """Decode and tool time that speculation hid (that fell outside the step's waits)."""
+        return self.decode_ns - self.decode_waited_ns + self.tool_ns - self.tool_waited_ns
+
+    @property
+    def overhead_ns(self) -> int:
+        """The step's waits beyond its own decode and tool time."""
+        return self.wait_actor_ns - self.decode_waited_ns + self.wait_tool_ns - self.tool_waited_ns
 
 
 class EventKind(enum.Enum):

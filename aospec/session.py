@@ -33,7 +33,7 @@ script P of the paper; docs/engine.md has the table), and the names used here:
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any, cast
 
 from aospec.admission import PROVISIONAL, Admission, AdmissionModel
@@ -43,7 +43,7 @@ from aospec.engine_config import EngineConfig
 from aospec.errors import EngineError, FailedAfterCommitError, StateUnknownError
 from aospec.evd import EVDSession
 from aospec.forks import ForkEntry, Forks
-from aospec.ledger import EngineStatistics, Ledger, label, short
+from aospec.ledger import EngineStatistics, Ledger, StepTimes, label, short
 from aospec.protocols import (
     ActionDrafter,
     Actor,
@@ -68,11 +68,6 @@ if TYPE_CHECKING:
 __all__ = ["MAX_DRAFTS_PER_CALL", "Branch", "BranchState", "Session"]
 
 
-def _overlap(a0: int, a1: int, b0: int, b1: int) -> int:
-    """Length of the intersection of the intervals [a0, a1] and [b0, b1]."""
-    return max(0, min(a1, b1) - max(a0, b0))
-
-
 @dataclass(eq=False, slots=True)
 class _Run:
     """Everything one run holds beside its forks and drafting; each field says the
@@ -82,7 +77,6 @@ class _Run:
     """Owns every speculative task of the run (decodes, drafting, target drafting, forks);
     cancelled when the run ends, so no task outlives it."""
     ledger: Ledger
-    evd: EVDSession | None
     history: History
     """``H``: the verified history; it holds committed turns only."""
     boundary_ns: int
@@ -133,7 +127,7 @@ class Session:
         self._targets_on = config.fork_width > 0 and bool(action_drafters)
         self._provisional_targets_on = config.provisional_targets and self._obs_on
         self._use_forks = self._targets_on or self._provisional_targets_on
-        self._run = _Run(task_group, ledger, evd, history, clock.now_ns())
+        self._run = _Run(task_group, ledger, history, clock.now_ns())
 
         def failed(what: str, exc: BaseException, *, warn: bool = False) -> None:
             ledger.speculation_failed(clock.now_ns(), what, exc, warn=warn)
@@ -151,15 +145,6 @@ class Session:
         admission.boundary(self._run.boundary_ns)
         common = {"config": config, "clock": clock, "ledger": ledger, "task_group": task_group, "failed": failed}
         self._forks = Forks(sandbox, capabilities.sandbox, use_forks=self._use_forks, admission=admission, **common)
-        # Routed targets are action drafting: off with fork_width 0 (then forks may be off
-        # too, and nothing may fork the committed sandbox while the step runs on it).
-        routed_on = (
-            router is not None
-            and capabilities.streaming_actor
-            and self._targets_on
-            and config.routed_width > 0
-            and bool(capabilities.routed_drafters)
-        )
         self._drafting = Drafting(
             observation_drafters=observation_drafters,
             action_drafters=action_drafters,
@@ -169,7 +154,7 @@ class Session:
             evd=evd,
             canonicalizer=canonicalizer,
             forks=self._forks,
-            routed_on=routed_on,
+            targets_on=self._targets_on,
             provisional_targets_on=self._provisional_targets_on,
             **common,
         )
@@ -287,7 +272,8 @@ class Session:
         # serve this action (counted once the step is committed)?
         cache_hit_ns = forks.cache_hit_ns(fork)
 
-        self._seal(branch)
+        if branch.seal():
+            run.ledger.drafting_lost(self._clock.now_ns(), "drafting lost the race")
         before = run.history
         late_error = await forks.commit(fork, origin, len(before))
         try:
@@ -344,38 +330,20 @@ class Session:
         now = self._clock.now_ns()
         if cache_hit_ns is not None:
             ledger.cache_hit(now, action.key, cache_hit_ns)
-        tool_ns = fork.tool_ns(now)
-        tool_waited = 0
-        if fork.exec_start_ns is not None:
-            end = fork.exec_end_ns if fork.exec_end_ns is not None else now
-            tool_waited = _overlap(emitted_ns, now, fork.exec_start_ns, end)
-        decode_ns = branch.decoded_ns - branch.started_ns
-        decode_waited = _overlap(run.boundary_ns, emitted_ns, branch.started_ns, branch.decoded_ns)
-        wait_actor, wait_tool = emitted_ns - run.boundary_ns, now - emitted_ns
-        ledger.committed_step(
-            now,
-            action.key,
-            wait_actor_ns=wait_actor,
-            wait_tool_ns=wait_tool,
-            decode_ns=decode_ns,
-            tool_ns=tool_ns,
-            decode_waited_ns=decode_waited,
-            tool_waited_ns=tool_waited,
-            executed=not action.is_none,
+        times = StepTimes.measure(
+            boundary_ns=run.boundary_ns,
+            emitted_ns=emitted_ns,
+            now_ns=now,
+            decode=(branch.started_ns, branch.decoded_ns),
+            tool_ns=fork.tool_ns(now),
+            tool_start_ns=fork.exec_start_ns,
         )
+        ledger.committed_step(now, action.key, **asdict(times), executed=not action.is_none)
         self._admission.committed(
-            action,
-            decode_ns=decode_ns,
-            hidden_ns=decode_ns - decode_waited + tool_ns - tool_waited,
-            overhead_ns=wait_actor - decode_waited + wait_tool - tool_waited,
-            changed=changed,
+            action, decode_ns=times.decode_ns, hidden_ns=times.hidden_ns, overhead_ns=times.overhead_ns, changed=changed
         )
         self._admission.boundary(now)
-        if run.evd is not None and not action.is_none:
-            try:
-                run.evd.observe(action, observation, tool_ns * 1e-9)
-            except Exception as exc:
-                self._speculation_failed("learning the step's tool time (EVD)", exc)  # it only ranks drafts
+        self._drafting.learn_tool_time(action, observation, times.tool_ns)
         run.boundary_ns = now
         run.pending = None
 
@@ -404,17 +372,6 @@ class Session:
         continuations ``P`` (see :meth:`_start_continuations`)."""
         branch.state = BranchState.DRAFTING
         branch.draft_task = self._run.task_group.start_soon(self._draft, branch)
-
-    def _seal(self, branch: Branch) -> None:
-        """The real observation of ``B``'s action has arrived: no continuation starts after it."""
-        if branch.state is BranchState.DRAFTING:
-            # Why: drafting that finishes after the real observation lost the race; its
-            # continuations could only ever be discarded.
-            assert branch.draft_task is not None
-            branch.draft_task.cancel()
-            self._run.ledger.drafting_lost(self._clock.now_ns(), "drafting lost the race")
-        if branch.state in (BranchState.DECODED, BranchState.DRAFTING):
-            branch.state = BranchState.SEALED
 
     def _adopt(self, branch: Branch, observation: str, now: int) -> Branch | None:
         """*Adopt the matching continuation* ``B'``: the one whose draft equals
@@ -446,10 +403,10 @@ class Session:
             # decoding on the draft's bytes (the opt-in approximation), but the committed
             # history, and every history drafted or decoded from here on, holds the real one.
             assert branch.action is not None
-            self._rebase(keep, branch.history.extend(branch.action, observation))
+            keep.rebase(branch.history.extend(branch.action, observation))
         else:
             self._run.ledger.draft_hit(now, short(observation))
-        self._promote(keep)
+        keep.promote(self._config.obs_depth, self._predict_observations)
         return keep
 
     # ------------------------------------------------------------------ the branch tree
@@ -500,14 +457,8 @@ class Session:
         assert action is not None
         now = self._clock.now_ns()
         admission = self._admission
-        evd = run.evd
         for d, form in self._drafting.pick(drafts, branch.continuations):
-            t_hit = None
-            if evd is not None:
-                try:
-                    t_hit = evd.tool_time(d) or None  # 0: EVD knows nothing yet
-                except Exception as exc:
-                    self._speculation_failed("EVD's tool time of a draft", exc)
+            t_hit = self._drafting.tool_if_hit(d)
             decision = admission.branch(action, source=source, level=branch.level + 1, score=d.probability, tool_if_hit_s=t_hit)
             if not decision.launch:
                 branch.refused[d.text] = decision
@@ -530,38 +481,14 @@ class Session:
             run.successor = None
         run.history = history
 
-    def _rebase(self, branch: Branch, history: History) -> None:
-        """Give ``branch`` (and its subtree) ``history`` in place of the one it started on."""
-        branch.history = history
-        if branch.continuations and branch.action is not None:
-            for text, child in branch.continuations.items():
-                self._rebase(child, history.extend(branch.action, text))
-
-    def _promote(self, branch: Branch) -> None:
-        """Shift a subtree one level towards the verified history; branches that now fall
-        within ``obs_depth`` and have decoded start drafting."""
-        branch.level -= 1
-        if branch.continuations:
-            for child in branch.continuations.values():
-                self._promote(child)
-        elif 0 < branch.level < self._config.obs_depth and branch.state is BranchState.DECODED:
-            self._predict_observations(branch)
-
     def _cancel(self, branch: Branch, now: int) -> None:
         """Stop ``branch`` and its subtree: their histories never happened."""
-        if branch.state is BranchState.CANCELLED:
-            return
-        branch.state = BranchState.CANCELLED
-        if branch.decode_task is not None:
-            branch.decode_task.cancel()
-        if branch.draft_task is not None:
-            branch.draft_task.cancel()
-        decoded = (branch.decoded_ns if branch.action is not None else now) - branch.started_ns
-        self._run.ledger.draft_cancelled(now, short(branch.draft.text) if branch.draft else "", decoded)
-        self._admission.wasted_decode(decoded)
-        for child in branch.continuations.values():
-            self._cancel(child, now)
-        branch.continuations = {}
+
+        def cancelled(b: Branch, decoded_ns: int) -> None:
+            self._run.ledger.draft_cancelled(now, short(b.draft.text) if b.draft else "", decoded_ns)
+            self._admission.wasted_decode(decoded_ns)
+
+        branch.cancel(now, cancelled)
 
     # ------------------------------------------------------------------ the end
 
