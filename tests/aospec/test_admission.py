@@ -483,3 +483,12 @@ def test_a_pool_prices_its_forks_through_the_same_controller(tmp_path):
     assert (stats.admitted, stats.refused_price, stats.refused_budget) == (1, 1, 1)
     assert engine.admission_model.hits.outcomes(Candidate("pool", "pool", "pytest", 0, 0.8)) == (1.0, 1.0)
     assert budget.held() == 0
+
+
+def test_a_steps_recorded_cpu_time_is_read_from_tool_cpu_s_then_extra() -> None:
+    from aospec.admission import step_cpu_s
+    from aospec.types import Action, Step
+
+    assert step_cpu_s(Step(Action.bash("make"), "", 1, tool_duration_s=1.0, tool_cpu_s=0.5)) == 0.5
+    assert step_cpu_s(Step(Action.bash("make"), "", 1, tool_duration_s=1.0, extra={"cpu_s": 0.25})) == 0.25
+    assert step_cpu_s(Step(Action.bash("ls"), "", 1, tool_duration_s=1.0, extra={"cpu_s": "lots"})) is None
