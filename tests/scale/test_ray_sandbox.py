@@ -102,7 +102,7 @@ async def any_sandbox(cluster: RaySandboxCluster) -> AsyncIterator[Sandbox]:
 
 @pytest.fixture
 async def sandbox(cluster: RaySandboxCluster) -> AsyncIterator[RaySandbox]:
-    async with open_sandbox(SandboxConfig(backend=RAY_BACKEND, timeout_s=20, formatter="mini-swe-agent")) as sb:
+    async with open_sandbox(SandboxConfig(backend=RAY_BACKEND, timeout_s=20)) as sb:
         yield sb
 
 
@@ -207,7 +207,7 @@ async def _engine_run(sb: Sandbox, seed: int, speculate: bool) -> tuple[History,
 
 @pytest.mark.parametrize("seed", [1, 2])
 async def test_an_engine_run_on_ray_equals_the_same_run_on_the_local_backend(cluster, seed: int) -> None:
-    async with open_sandbox(backend="overlay", timeout_s=10, formatter="mini-swe-agent") as local:
+    async with open_sandbox(backend="overlay", timeout_s=10) as local:
         serial = await _engine_run(local, seed, speculate=False)
     async with cluster.open(timeout_s=10) as remote:
         on_ray = await _engine_run(remote, seed, speculate=True)

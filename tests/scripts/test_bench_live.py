@@ -36,7 +36,9 @@ def _needs_overlay() -> None:
 
 
 def _bench(*args: str, tmp_path: Path) -> subprocess.CompletedProcess[str]:
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    # a private state root: the leak check counts every state dir and mount under it, and
+    # other tests (and other aospec users of the host) use the default one
+    env = dict(os.environ, PYTHONPATH=str(ROOT), AOSPEC_STATE_ROOT=str(tmp_path / "state-root"))
     return subprocess.run(
         [sys.executable, str(ROOT / "scripts" / "bench_live.py"), *TINY, *args],
         capture_output=True,
