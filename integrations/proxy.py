@@ -115,6 +115,9 @@ _DROP_REQUEST = frozenset(
 MAX_SPECULABLE_DEPTH = 64
 #: The largest request body (``--max-body-mb``): a long conversation, images included.
 MAX_BODY_BYTES = 32 << 20
+#: the largest upstream response the proxy holds (it keeps each one to serve it again, or to
+#: answer from a speculation): a larger one ends as an upstream error, never an unbounded buffer
+MAX_RESPONSE_BYTES = 64 << 20
 #: Response headers never forwarded (hop-by-hop, or the proxy's server sets its own).
 _DROP_RESPONSE = frozenset({"connection", "keep-alive", "transfer-encoding", "date", "server"})
 #: Headers that differ between attempts of the same request (the openai SDK's retry
@@ -477,14 +480,21 @@ class _Closed(Exception):
     wanted, a client gone, the proxy stopping)."""
 
 
+class _TooLarge(Exception):
+    """An upstream response past :data:`MAX_RESPONSE_BYTES` (``max_response_bytes``)."""
+
+
 class _Upstream:
     """One upstream request being received: status, headers and raw chunks, readable from
     the start by any number of consumers while it runs. :meth:`run` runs it in whichever
     task group owns it (the request's, or the proxy's for a speculation); :meth:`cancel`
     closes it alone."""
 
-    def __init__(self, method: str, url: Any, headers: list[tuple[str, str]], body: bytes) -> None:
+    def __init__(
+        self, method: str, url: Any, headers: list[tuple[str, str]], body: bytes, *, limit: int = MAX_RESPONSE_BYTES
+    ) -> None:
         self.request = (method, url, headers, body)
+        self.limit = limit
         self.status: int | None = None
         self.headers: list[tuple[bytes, bytes]] = []
         self.chunks: list[bytes] = []
@@ -511,7 +521,13 @@ class _Upstream:
                         ]
                         self.status = resp.status_code
                         self._pulse()
+                        size = 0
                         async for chunk in resp.aiter_raw():
+                            size += len(chunk)
+                            if size > self.limit:
+                                raise _TooLarge(
+                                    f"the upstream response is larger than {self.limit} bytes (the proxy's limit)"
+                                )
                             self.chunks.append(chunk)
                             self._pulse()
                     ended = True
@@ -748,6 +764,7 @@ class SpeculatingProxy:
         guard: HttpGuard | None = None,
         upstream_token: str | None = None,
         mcp_token: str | None = None,
+        max_response_bytes: int = MAX_RESPONSE_BYTES,
     ) -> None:
         import httpx
 
@@ -768,6 +785,9 @@ class SpeculatingProxy:
         self.upstream_token = upstream_token
         self.drafters = tuple(drafters or ())
         self.max_speculative = max_speculative
+        if max_response_bytes < 1:
+            raise ConfigError("proxy: max_response_bytes must be >= 1")
+        self.max_response_bytes = max_response_bytes
         self.timeout_s = timeout_s
         self.stats = ProxyStats()
         self._client = client
@@ -837,7 +857,7 @@ class SpeculatingProxy:
 
     def _speculate_soon(self, method: str, url: Any, headers: list[tuple[str, str]], body: bytes) -> _Upstream:
         """A speculative upstream request, started in the lifespan's task group."""
-        up = _Upstream(method, url, headers, body)
+        up = _Upstream(method, url, headers, body, limit=self.max_response_bytes)
         self._tg.start_soon(up.run, self._http())
         return up
 
@@ -903,7 +923,7 @@ class SpeculatingProxy:
             return
         if not any(k.lower() == "accept-encoding" for k, _ in headers):
             headers.append(("accept-encoding", "identity"))  # not httpx's default: what the client accepts
-        await self._relay(_Upstream(method, url, headers, body), receive, send, run=True)
+        await self._relay(_Upstream(method, url, headers, body, limit=self.max_response_bytes), receive, send, run=True)
 
     async def _relay(self, up: _Upstream, receive: Any, send: Any, *, run: bool = False) -> bool:
         """Send ``up``'s response to the client (running ``up`` in this request's task group
@@ -1059,7 +1079,7 @@ class SpeculatingProxy:
         else:
             if spec_ok:
                 self.stats.misses += 1
-            up = _Upstream("POST", url, headers, raw)
+            up = _Upstream("POST", url, headers, raw, limit=self.max_response_bytes)
         stream = isinstance(body, dict) and bool(body.get("stream"))
         if self._prefetcher is not None and self._tg is not None:
             self._tg.start_soon(self._watch, dialect, up, stream)
@@ -1237,6 +1257,13 @@ def register(subparsers: Any) -> None:
         metavar="MB",
         help=f"the largest request body (default {MAX_BODY_BYTES >> 20})",
     )
+    p.add_argument(
+        "--max-response-mb",
+        type=float,
+        default=MAX_RESPONSE_BYTES / (1 << 20),
+        metavar="MB",
+        help=f"the largest upstream response the proxy holds; a larger one ends as an error (default {MAX_RESPONSE_BYTES >> 20})",
+    )
     p.add_argument("--max-speculative", type=int, default=2, help="speculative upstream requests in flight (default 2)")
     p.add_argument("--train-traces", dest="train", nargs="*", default=[], help="traces to fit the drafters on (any format aospec reads)")
     from aospec.cli import add_alias
@@ -1303,6 +1330,8 @@ def _serve(args: argparse.Namespace) -> int:
 
     if not (math.isfinite(args.max_body_mb) and args.max_body_mb > 0):
         raise ConfigError("proxy: --max-body-mb must be a finite number > 0")
+    if not (math.isfinite(args.max_response_mb) and args.max_response_mb * (1 << 20) >= 1):
+        raise ConfigError("proxy: --max-response-mb must be a finite number > 0")
     if args.max_speculative < 0:
         raise ConfigError("proxy: --max-speculative must be >= 0")
     token, generated = resolve_token("proxy", args.host, args.token_file)
@@ -1320,6 +1349,7 @@ def _serve(args: argparse.Namespace) -> int:
         mcp=mcp,
         command_tools=args.command_tool,
         guard=HttpGuard.for_bind(args.host, token, int(args.max_body_mb * (1 << 20))),
+        max_response_bytes=int(args.max_response_mb * (1 << 20)),
         upstream_token=os.environ.get(UPSTREAM_TOKEN_ENV, "").strip() or None,
         mcp_token=mcp_token,
     )

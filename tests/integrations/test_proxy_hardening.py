@@ -213,3 +213,30 @@ def test_a_signal_stops_the_command_cleanly_with_a_request_in_flight(sig: int) -
                 proc.wait()
     assert proc.returncode == 0, err
     assert "aospec proxy: stopped" in err and "Traceback" not in err
+
+
+def test_an_upstream_response_past_the_limit_is_an_error_not_an_unbounded_buffer(servers) -> None:
+    """A hostile or broken upstream streaming without end: the proxy holds at most
+    ``max_response_bytes`` of one response (it keeps responses to serve them again)."""
+    from starlette.responses import StreamingResponse
+
+    async def flood(request: Request) -> StreamingResponse:
+        async def chunks() -> Any:
+            for _ in range(64):  # 4 MiB in 64 KiB chunks
+                yield b"x" * (64 << 10)
+
+        return StreamingResponse(chunks(), media_type="application/octet-stream")
+
+    async def small(request: Request) -> JSONResponse:
+        return JSONResponse({"ok": True})
+
+    upstream = servers(Starlette(routes=[Route("/v1/flood", flood, methods=["POST"]), Route("/v1/small", small, methods=["POST"])]))
+    proxy = servers(proxy_app(f"http://127.0.0.1:{upstream.port}/v1", max_response_bytes=1 << 20))
+    try:
+        r = httpx.post(f"{proxy.url}/v1/flood", content=b"{}", timeout=30)
+    except httpx.RemoteProtocolError:
+        pass  # cut mid-stream: the client sees that the response did not end (never a silent partial body)
+    else:
+        assert r.status_code == 502, (r.status_code, len(r.content))
+    r = httpx.post(f"{proxy.url}/v1/small", content=b"{}", timeout=30)
+    assert r.status_code == 200 and r.json() == {"ok": True}  # the proxy goes on serving
