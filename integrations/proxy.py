@@ -605,6 +605,12 @@ def _match_headers(headers: Sequence[tuple[str, str]]) -> str:
     return canonical_json(sorted([k.lower(), v] for k, v in headers if k.lower() not in VOLATILE_HEADERS))
 
 
+def _list_field(body: Any, key: str) -> list[Any] | None:
+    """``body[key]`` when ``body`` is an object and that field a list (a conversation), else None."""
+    value = body.get(key) if isinstance(body, dict) else None
+    return value if isinstance(value, list) else None
+
+
 class _Chat:
     """Chat completions: the conversation is ``messages``; a reply is one assistant message,
     appended as one message and answered by one observation message."""
@@ -616,8 +622,7 @@ class _Chat:
 
     @staticmethod
     def conversation(body: Any) -> list[Any] | None:
-        messages = body.get("messages") if isinstance(body, dict) else None
-        return messages if isinstance(messages, list) else None
+        return _list_field(body, "messages")
 
     @staticmethod
     def parents(digests: list[str]) -> list[str]:
@@ -679,8 +684,7 @@ class _Responses:
 
     @staticmethod
     def conversation(body: Any) -> list[Any] | None:
-        items = body.get("input") if isinstance(body, dict) else None
-        return items if isinstance(items, list) else None
+        return _list_field(body, "input")
 
     @staticmethod
     def parents(digests: list[str]) -> list[str]:
