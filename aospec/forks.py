@@ -656,6 +656,12 @@ class Forks:
         step = self._ledger.step
         self._admission.resolve(step, version, action.key)
         fork = self.registry.take(action, version)
+        if fork is not None and fork.running and fork.sandbox is None:
+            # Why: it has not forked yet (queued behind other guesses' forks, one of which may
+            # never return): waiting gains nothing over the step's own fork, which does not
+            # queue behind guesses, and could wait forever.
+            self.release([fork])
+            fork = None
         if self._readsets is not None and (fork is None or fork.running):
             # A finished fork that read-set validation accepts beats waiting for one still
             # running from the committed version (released: it can never be used after this step).

@@ -25,7 +25,7 @@ from typing import Any
 from aospec.runtime._state import RecoveryReport, default_state_root
 from aospec.runtime.bases import BaseFS, build_base, cache_dir, open_base
 from aospec.runtime.budget import (
-    SpeculationBudget,
+    KernelBudget,
     clear_speculation_budget,
     set_speculation_budget,
     speculation_budget,
@@ -58,7 +58,7 @@ __all__ = [
     "RecoveryReport",
     "SandboxConfig",
     "SandboxStatistics",
-    "SpeculationBudget",
+    "KernelBudget",
     "UpperTracker",
     "base_version",
     "build_base",

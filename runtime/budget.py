@@ -31,7 +31,7 @@ from aospec.runtime.host import host_support
 
 from aospec.errors import ConfigError, SandboxError
 
-__all__ = ["SpeculationBudget", "clear_speculation_budget", "set_speculation_budget", "speculation_budget"]
+__all__ = ["KernelBudget", "clear_speculation_budget", "set_speculation_budget", "speculation_budget"]
 
 #: The smallest budget a command can run in: a CPU quota under 10 ms per 100 ms period,
 #: or memory under 32 MiB, starves every guess (and the kernel refuses quotas under 1 ms).
@@ -41,7 +41,7 @@ _UNLIMITED_V1 = 1 << 62  # v1 reports "no limit" as a huge page-rounded number
 
 
 @dataclass(frozen=True, slots=True)
-class SpeculationBudget:
+class KernelBudget:
     """The host's speculation budget as the kernel holds it.
 
     ``cores`` / ``memory_bytes``: the limits (None: unlimited); ``enforced``: which of
@@ -58,7 +58,7 @@ class SpeculationBudget:
     memory_used_bytes: int | None = None
 
 
-def set_speculation_budget(*, cores: float | None = None, memory_bytes: int | None = None) -> SpeculationBudget:
+def set_speculation_budget(*, cores: float | None = None, memory_bytes: int | None = None) -> KernelBudget:
     """Give speculation on this host at most ``cores`` CPUs and ``memory_bytes`` of memory
     (None: that resource unlimited), shared by every session and process; returns the
     budget as set. Raises ConfigError (one line) for a budget that cannot be met: no
@@ -71,7 +71,7 @@ def set_speculation_budget(*, cores: float | None = None, memory_bytes: int | No
     _check(cores, memory_bytes)
     _, cgroups = host_support()
     if cgroups is None:
-        return SpeculationBudget(cores, memory_bytes, (), _note(set()))
+        return KernelBudget(cores, memory_bytes, (), _note(set()))
     made = []
     for cs, root in cgroups._hierarchy_roots():
         if not cgroups._pooled(cs):
@@ -102,7 +102,7 @@ def set_speculation_budget(*, cores: float | None = None, memory_bytes: int | No
     return budget
 
 
-def speculation_budget() -> SpeculationBudget | None:
+def speculation_budget() -> KernelBudget | None:
     """The host's speculation budget now (None: none is set, or no cgroups here)."""
     _, cgroups = host_support()
     if cgroups is None or not cgroups.pool_exists():
@@ -119,7 +119,7 @@ def speculation_budget() -> SpeculationBudget | None:
         if "memory" in cs:
             enforced.add("memory")
             memory = _read_memory(d, cgroups.version)
-    return SpeculationBudget(
+    return KernelBudget(
         cores, memory, tuple(sorted(enforced)), _note(enforced), _cpu_used(cgroups), _memory_used(cgroups)
     )
 

