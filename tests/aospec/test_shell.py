@@ -173,7 +173,10 @@ def test_lexing_work_does_not_grow_with_a_words_length(shape: str) -> None:
         return _python_lines(lambda: (classify_command.__wrapped__(line), program_label.__wrapped__(line)))
 
     classify(1 << 10)  # warm: a regular expression compiled (or evicted from re's cache) by other tests
-    assert classify(1 << 16) == classify(1 << 10)
+    # The same work up to a few lines (a cache or the collector running in one call and not
+    # the other); a lexer that steps per character would run some 60,000 lines more.
+    small, big = classify(1 << 10), classify(1 << 16)
+    assert big <= small + 64, (small, big)
 
 
 def test_a_multi_mib_word_is_lexed_whole() -> None:
