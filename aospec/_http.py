@@ -231,8 +231,9 @@ class GuardMiddleware:
         await self._guarded(scope, receive, send)
 
 
-def guarded(app: Any, guard: HttpGuard) -> Any:
-    """``app`` behind ``guard`` (module doc)."""
+def guarded(app: Any, guard: HttpGuard, *, refused: Callable[[int], None] | None = None) -> Any:
+    """``app`` behind ``guard`` (module doc); ``refused(status)``, when given, is called for
+    every request the guard refuses (a server's metrics count them)."""
 
     async def wrapped(scope: dict[str, Any], receive: Receive, send: Send) -> None:
         if scope["type"] == "websocket":  # no aospec server speaks websocket
@@ -241,10 +242,12 @@ def guarded(app: Any, guard: HttpGuard) -> Any:
         if scope["type"] != "http":
             await app(scope, receive, send)
             return
-        refused = guard.refusal(scope["headers"])
-        if refused is not None:
-            extra = [(b"www-authenticate", b"Bearer")] if refused[0] == 401 else []
-            await error_response(send, *refused, extra)
+        refusal = guard.refusal(scope["headers"])
+        if refusal is not None:
+            extra = [(b"www-authenticate", b"Bearer")] if refusal[0] == 401 else []
+            if refused is not None:
+                refused(refusal[0])
+            await error_response(send, *refusal, extra)
             return
         too_big = (
             413,
@@ -253,11 +256,15 @@ def guarded(app: Any, guard: HttpGuard) -> Any:
         )
         declared = next((v for k, v in scope["headers"] if k.lower() == b"content-length"), None)
         if declared is not None and declared.strip().isdigit() and int(declared) > guard.max_body:
+            if refused is not None:
+                refused(413)
             await error_response(send, *too_big)
             return
         try:
             body = await read_body(receive, guard.max_body)
         except BodyTooLarge:
+            if refused is not None:
+                refused(413)
             await error_response(send, *too_big)
             return
         if body is None:

@@ -5,11 +5,16 @@ at scrape time, from what the engine counts already: every watched source's
 :class:`~aospec.ledger.EngineStatistics` (``aospec mcp``'s server, ``aospec run``'s engine)
 and its live forks; nothing here counts a speculation a second time. What the statistics do
 not hold -- requests, errors, and the latency of each step -- a caller reports with
-:meth:`Metrics.request`, :meth:`Metrics.error` and :meth:`Metrics.step`.
+:meth:`Metrics.request`, :meth:`Metrics.error` and :meth:`Metrics.step`. ``aospec proxy``
+(integrations/proxy.py) watches its own statistics in the same vocabulary: a model request
+answered is a step, a speculative upstream request on a drafted observation an
+``observation`` speculation (docs/integrations.md, Metrics).
 
 ============================================  =====================================================
 ``aospec_requests_total``                     requests served or sent (MCP ``tools/call``;
-                                              ``aospec run``: model requests)
+                                              ``aospec run``: model requests); by ``endpoint``
+                                              where a watched source counts by endpoint
+                                              (``aospec proxy``)
 ``aospec_errors_total{kind}``                 ``tool`` (a tool error result), ``request`` (a
                                               malformed request), ``model`` (a failed model
                                               request), ``run`` (a run that failed),
@@ -28,14 +33,16 @@ not hold -- requests, errors, and the latency of each step -- a caller reports w
                                               ``decode``: decoding of cancelled continuations
 ``aospec_live_forks``                         speculative forks alive now (gauge)
 ``aospec_step_seconds``                       each committed step's latency (histogram)
-``aospec_tool_call_seconds``                  each committed step's tool time (histogram)
+``aospec_tool_call_seconds``                  each committed step's tool time (histogram; steps
+                                              whose tool time the caller knows)
 ============================================  =====================================================
 
 ``prometheus_client`` is an optional dependency (``pip install 'aospec[metrics]'``); without
 it, building a :class:`Metrics` raises :class:`~aospec.errors.MissingDependencyError` naming
 that install. :func:`serve_metrics` serves ``GET /metrics`` on a loopback port behind the
-guard every aospec server has (:mod:`aospec._http`); :meth:`Metrics.asgi` is the same route
-for a server that has its own (``aospec mcp --http``).
+guard every aospec server has (:mod:`aospec._http`); :func:`metrics_route` is the same route
+for a server that has its own (``aospec mcp --http``, ``aospec proxy``), a 501 naming the
+install when there are no metrics.
 """
 
 from __future__ import annotations
@@ -54,7 +61,7 @@ import anyio.abc
 from aospec.errors import MissingDependencyError, single_leaf
 from aospec.ledger import EngineStatistics
 
-__all__ = ["INSTALL", "Metrics", "metrics_served", "serve_metrics"]
+__all__ = ["INSTALL", "Metrics", "metrics_route", "metrics_served", "serve_metrics"]
 
 #: The install line a missing ``prometheus_client`` names.
 INSTALL = "pip install 'aospec[metrics]'"
@@ -75,7 +82,7 @@ def _prometheus() -> Any:
 class _Source:
     statistics: Callable[[], EngineStatistics]
     live_forks: Callable[[], int] | None
-    requests: Callable[[], int] | None
+    requests: Callable[[], int | Mapping[str, int]] | None
     errors: Callable[[], Mapping[str, int]] | None
 
 
@@ -103,13 +110,13 @@ class Metrics:
         statistics: Callable[[], EngineStatistics],
         *,
         live_forks: Callable[[], int] | None = None,
-        requests: Callable[[], int] | None = None,
+        requests: Callable[[], int | Mapping[str, int]] | None = None,
         errors: Callable[[], Mapping[str, int]] | None = None,
     ) -> None:
         """Read the totals of an engine (or a server on the engine's forks) at every scrape:
         ``statistics()`` its :class:`~aospec.ledger.EngineStatistics`, ``live_forks()`` its
-        live forks; ``requests()`` and ``errors()`` (by kind) counters it keeps itself. Every
-        watched source adds to the same metrics."""
+        live forks; ``requests()`` (a total, or totals by endpoint) and ``errors()`` (by
+        kind) counters it keeps itself. Every watched source adds to the same metrics."""
         self._sources.append(_Source(statistics, live_forks, requests, errors))
 
     def request(self) -> None:
@@ -120,11 +127,13 @@ class Metrics:
         """One error of ``kind`` (module doc)."""
         self._errors[kind] = self._errors.get(kind, 0) + 1
 
-    def step(self, latency_ns: int, tool_ns: int) -> None:
+    def step(self, latency_ns: int, tool_ns: int | None) -> None:
         """A committed step took ``latency_ns`` from being asked for to being answered, of
-        which the tool ran ``tool_ns`` (in its fork: possibly before it was asked for)."""
+        which the tool ran ``tool_ns`` (in its fork: possibly before it was asked for; None
+        where the caller does not see the tool, as ``aospec proxy``)."""
         self._step.observe(latency_ns * _S)
-        self._tool.observe(tool_ns * _S)
+        if tool_ns is not None:
+            self._tool.observe(tool_ns * _S)
 
     def render(self) -> tuple[bytes, str]:
         """``(body, content type)`` of a scrape, in the Prometheus text format."""
@@ -155,15 +164,17 @@ class Metrics:
 
     # -- what a scrape reads -------------------------------------------------------------------
 
-    def _totals(self) -> tuple[EngineStatistics | None, int, int, dict[str, int]]:
+    def _totals(self) -> tuple[EngineStatistics | None, int, dict[str, int], dict[str, int]]:
         stats: list[EngineStatistics] = []
-        forks, requests, errors = 0, self._requests, dict(self._errors)
+        forks, requests, errors = 0, {"": self._requests}, dict(self._errors)
         for source in self._sources:
             stats.append(source.statistics())
             if source.live_forks is not None:
                 forks += source.live_forks()
             if source.requests is not None:
-                requests += source.requests()
+                counts = source.requests()
+                for endpoint, n in counts.items() if isinstance(counts, Mapping) else [("", counts)]:
+                    requests[endpoint] = requests.get(endpoint, 0) + n
             if source.errors is not None:
                 for kind, n in source.errors().items():
                     errors[kind] = errors.get(kind, 0) + n
@@ -186,7 +197,14 @@ class _Collector:
         from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
         s, forks, requests, errors = self._metrics._totals()
-        yield CounterMetricFamily("aospec_requests", "Requests served or sent", value=requests)
+        if any(requests):  # a source counts by endpoint (the rest as "": Prometheus reads it as no label)
+            req = CounterMetricFamily("aospec_requests", "Requests served or sent, by endpoint", labels=["endpoint"])
+            for endpoint, n in sorted(requests.items()):
+                if endpoint or n:
+                    req.add_metric([endpoint], n)
+            yield req
+        else:
+            yield CounterMetricFamily("aospec_requests", "Requests served or sent", value=requests.get("", 0))
         err = CounterMetricFamily("aospec_errors", "Errors, by kind", labels=["kind"])
         for kind in sorted({"tool", "speculation", *errors}):
             err.add_metric([kind], errors.get(kind, 0))
@@ -223,6 +241,23 @@ class _Collector:
         wasted.add_metric(["tool"], s.wasted_tool_ns * _S)
         wasted.add_metric(["decode"], s.wasted_decode_ns * _S)
         yield wasted
+
+
+def metrics_route(app: Any, metrics: Metrics | None) -> Any:
+    """``app`` with ``GET /metrics``: ``metrics``' scrape (:meth:`Metrics.asgi`), or, with
+    ``metrics`` None (``prometheus_client`` is not installed), a 501 naming the install
+    (:data:`INSTALL`). Put it behind the server's guard (:func:`aospec._http.guarded`)."""
+    if metrics is not None:
+        return metrics.asgi(app)
+    from aospec._http import error_response
+
+    async def no_metrics(scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] == "http" and scope["path"] == "/metrics":
+            await error_response(send, 501, f"metrics need prometheus_client: {INSTALL}", "not_installed")
+            return
+        await app(scope, receive, send)
+
+    return no_metrics
 
 
 @asynccontextmanager

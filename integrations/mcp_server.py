@@ -95,7 +95,7 @@ from aospec.engine_config import EngineConfig
 from aospec.errors import ConfigError, FileTooLargeError, MissingDependencyError, SandboxError
 from aospec.forks import ForkEntry, Forks
 from aospec.ledger import EngineStatistics, Ledger
-from aospec.metrics import INSTALL, Metrics, metrics_served
+from aospec.metrics import Metrics, metrics_route, metrics_served
 from aospec.protocols import SandboxCapabilities
 from aospec.types import Action, Effect
 from aospec.wrappers import SandboxWrapper
@@ -716,18 +716,6 @@ def _with_prefetch(app: Any, prefetch: Callable[[str, dict[str, Any] | None], Aw
     return wrapped
 
 
-def _no_metrics(app: Any) -> Any:
-    """``app`` whose ``/metrics`` names the install of prometheus_client (501)."""
-
-    async def wrapped(scope: Any, receive: Any, send: Any) -> None:
-        if scope["type"] == "http" and scope["path"] == "/metrics":
-            await error_response(send, 501, f"metrics need prometheus_client: {INSTALL}", "not_installed")
-            return
-        await app(scope, receive, send)
-
-    return wrapped
-
-
 def _security_settings(guard: HttpGuard) -> Any:
     """The MCP SDK's own Host/Origin check of ``/mcp``, set as the guard's (which runs first)."""
     from mcp.server.transport_security import TransportSecuritySettings
@@ -760,7 +748,7 @@ async def serve_http(
         host=host, transport_security=_security_settings(guard), max_request_body_size=guard.max_body
     )
     app = mcp_app if prefetch is None else _with_prefetch(mcp_app, prefetch)
-    app = metrics.asgi(app) if metrics is not None else _no_metrics(app)
+    app = metrics_route(app, metrics)
     shown = f"[{host}]" if ":" in host else host
 
     def listening(bound: int) -> None:

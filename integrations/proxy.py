@@ -49,11 +49,16 @@ app's ASGI lifespan, so nothing outlives the app (without a lifespan: pass-throu
 Programmatic use: :func:`proxy_app` builds the ASGI app (``app.stats`` is its
 :class:`ProxyStats`, also served at ``GET /aospec/stats``); run it with any ASGI server
 (``aospec.live.serve_trace.serving(app)`` in tests).
+
+Metrics: ``GET /metrics`` (behind the same guard) is the Prometheus scrape of ``app.metrics``
+(:mod:`aospec.metrics`, which reads :meth:`SpeculatingProxy.statistics` at each scrape),
+or a 501 naming the install when ``prometheus_client`` is missing.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import os
@@ -82,7 +87,9 @@ from aospec._http import (
     resolve_token,
     token_of,
 )
-from aospec.errors import ConfigError
+from aospec.errors import ConfigError, MissingDependencyError
+from aospec.ledger import EngineStatistics
+from aospec.metrics import Metrics, metrics_route
 from aospec.protocols import ObservationDrafter
 from aospec.types import History, Turn, canonical_json, version_hash
 
@@ -146,7 +153,13 @@ class ProxyStats:
     """What the proxy has done. ``hits`` counts requests answered from a speculative
     request (``midstream_hits`` those whose speculative reply was still streaming);
     ``speculated`` the speculative upstream requests issued, ``cancelled`` those closed
-    unused, ``wasted`` those that finished unused."""
+    unused, ``wasted`` those that finished unused. ``hidden_s``: upstream time of the hits'
+    speculative requests before their real request arrived (generation the harness did not
+    wait for); ``wasted_s``: upstream time of the cancelled and wasted ones.
+    ``upstream_errors``: upstream requests that failed without a whole response (a 502, a
+    cut stream); ``error_replies``: upstream responses with an error status (relayed as
+    they are); ``refused``: requests the proxy refused itself (its guard's 401, 403, 413 and
+    421, a request target it does not forward)."""
 
     requests: int = 0
     chat_requests: int = 0
@@ -159,11 +172,15 @@ class ProxyStats:
     cancelled: int = 0
     wasted: int = 0
     upstream_errors: int = 0
+    error_replies: int = 0
+    refused: int = 0
     disconnects: int = 0
     learned: bool = False
     drafter_errors: int = 0
     drafting_s: float = 0.0
     waited_s: float = 0.0
+    hidden_s: float = 0.0
+    wasted_s: float = 0.0
     actions_prefetched: int = 0
     prefetch_refused: int = 0
     prefetch_errors: int = 0
@@ -500,6 +517,8 @@ class _Upstream:
         self.chunks: list[bytes] = []
         self.done = False
         self.error: BaseException | None = None
+        self.started_at: float | None = None  # time.perf_counter() when it went upstream
+        self.ended_at: float | None = None
         self._scope = anyio.CancelScope()
         self._changed = anyio.Event()
 
@@ -510,6 +529,7 @@ class _Upstream:
     async def run(self, client: Any) -> None:
         method, url, headers, body = self.request
         ended = False
+        self.started_at = time.perf_counter()
         try:
             with self._scope:
                 try:
@@ -536,6 +556,7 @@ class _Upstream:
         finally:
             if not ended and self.error is None:
                 self.error = _Closed("closed by the proxy")
+            self.ended_at = time.perf_counter()
             self.done = True
             self._pulse()
 
@@ -562,6 +583,14 @@ class _Upstream:
     @property
     def in_flight(self) -> bool:
         return not self.done
+
+    def ran_s(self, until: float | None = None) -> float:
+        """Seconds this request ran upstream: from its start to its end (now, while in
+        flight), or to ``until`` when earlier; 0 before it started."""
+        if self.started_at is None:
+            return 0.0
+        end = self.ended_at if self.ended_at is not None else time.perf_counter()
+        return max(0.0, (end if until is None else min(end, until)) - self.started_at)
 
     def cancel(self) -> None:
         """Close this request (before it starts, too)."""
@@ -616,6 +645,7 @@ class _Chat:
     appended as one message and answered by one observation message."""
 
     name = "chat"
+    endpoint = "chat/completions"  # the label of its requests in the metrics
     key = "messages"
     speculable = staticmethod(speculable)
     reply = staticmethod(reply_message)
@@ -678,6 +708,7 @@ class _Responses:
     one item (a ``function_call_output``, or a user message)."""
 
     name = "responses"
+    endpoint = "responses"
     key = "input"
     speculable = staticmethod(speculable_response)
     reply = staticmethod(response_output)
@@ -752,7 +783,12 @@ class SpeculatingProxy:
     checks and :data:`MAX_BODY_BYTES`, no token) checks every request first. A token the
     client sent for the proxy (``Authorization: Bearer`` or ``X-Aospec-Token``) is never
     forwarded; ``upstream_token`` (``$AOSPEC_UPSTREAM_TOKEN`` for ``aospec proxy``) goes
-    upstream as ``Authorization: Bearer``. ``mcp_token`` is the ``--mcp`` server's token."""
+    upstream as ``Authorization: Bearer``. ``mcp_token`` is the ``--mcp`` server's token.
+
+    ``metrics`` (:class:`aospec.metrics.Metrics`; default: one of its own, none without
+    ``prometheus_client``) is served at ``GET /metrics``, behind the guard too; it watches
+    :meth:`statistics`, the requests by endpoint and the errors by kind, and gets each
+    model request's latency."""
 
     def __init__(
         self,
@@ -769,6 +805,7 @@ class SpeculatingProxy:
         upstream_token: str | None = None,
         mcp_token: str | None = None,
         max_response_bytes: int = MAX_RESPONSE_BYTES,
+        metrics: Metrics | None = None,
     ) -> None:
         import httpx
 
@@ -794,6 +831,8 @@ class SpeculatingProxy:
         self.max_response_bytes = max_response_bytes
         self.timeout_s = timeout_s
         self.stats = ProxyStats()
+        # requests by endpoint, for the metrics (every label there from the first scrape)
+        self._requests = dict.fromkeys((_Chat.endpoint, _Responses.endpoint, "aospec/stats", "other"), 0)
         self._client = client
         self._own_client = client is None
         self._served: OrderedDict[str, _Served] = OrderedDict()
@@ -814,7 +853,66 @@ class SpeculatingProxy:
                 self._prefetcher = Prefetcher(mcp, self.stats, token=mcp_token)
             except ValueError as exc:
                 raise ConfigError(f"proxy: {exc}") from None
-        self._guarded = guarded(self._serve, self.guard)
+        if metrics is None:
+            try:
+                metrics = Metrics()
+            except MissingDependencyError:  # GET /metrics names the install
+                metrics = None
+        self.metrics = metrics
+        if metrics is not None:
+            metrics.watch(
+                self.statistics,
+                live_forks=self.live_speculations,
+                requests=lambda: dict(self._requests),
+                errors=lambda: {
+                    "upstream": self.stats.upstream_errors,
+                    "model": self.stats.error_replies,
+                    "request": self.stats.refused,
+                    "disconnect": self.stats.disconnects,
+                },
+            )
+        self._guarded = guarded(metrics_route(self._serve, metrics), self.guard, refused=self._refused)
+
+    # -- statistics ------------------------------------------------------------------------
+
+    def statistics(self) -> EngineStatistics:
+        """:attr:`stats` in the engine's vocabulary, which :mod:`aospec.metrics` reads: a
+        model request answered (chat completions, Responses) is a step; a speculative
+        upstream request on a drafted observation a draft started, answering the real
+        request a draft hit, cancelled or wasted a draft cancelled; the upstream time hits
+        hid is decoding hidden, that of the others decoding wasted; a failed drafter or
+        prefetch a speculative failure. Tool time and forks are 0 here: the harness runs its
+        tools (with ``--mcp``, that server counts its forks in its own metrics)."""
+        s = self.stats
+        zero = dict.fromkeys((f.name for f in dataclasses.fields(EngineStatistics)), 0)
+        return EngineStatistics(
+            **{
+                **zero,
+                "steps": s.chat_requests,
+                "drafts_started": s.speculated,
+                "drafts_hit": s.hits,
+                "drafts_cancelled": s.cancelled + s.wasted,
+                "speculative_failures": s.drafter_errors + s.prefetch_errors,
+                "decode_hidden_ns": round(s.hidden_s * 1e9),
+                "wasted_decode_ns": round(s.wasted_s * 1e9),
+            }
+        )
+
+    def live_speculations(self) -> int:
+        """Speculative upstream requests in flight now."""
+        return sum(1 for spec in self._specs.values() if spec.upstream.in_flight)
+
+    def _refused(self, status: int) -> None:
+        self.stats.refused += 1
+
+    def _drop(self, spec: _Speculation) -> None:
+        """Account for a speculative request no request will use (closing it if in flight)."""
+        if spec.upstream.in_flight:
+            spec.upstream.cancel()
+            self.stats.cancelled += 1
+        else:
+            self.stats.wasted += 1
+        self.stats.wasted_s += spec.upstream.ran_s()
 
     # -- plumbing --------------------------------------------------------------------------
 
@@ -892,11 +990,16 @@ class SpeculatingProxy:
         if scope["type"] != "http":
             return
         self.stats.requests += 1
+        method, path = scope["method"], scope["path"]
+        dialect = _Chat if path.endswith(_CHAT_PATHS) else _Responses if path.endswith(_RESPONSES_PATHS) else None
+        if method != "POST":
+            dialect = None
+        stats_route = method == "GET" and path == "/aospec/stats"
+        self._requests[dialect.endpoint if dialect is not None else "aospec/stats" if stats_route else "other"] += 1
         msg = await receive()
         if msg["type"] != "http.request":
             return
         body = msg.get("body", b"")
-        method, path = scope["method"], scope["path"]
         if method == "GET" and path == "/aospec/stats":
             data = json.dumps(self.stats.to_json()).encode()
             await send(
@@ -907,6 +1010,7 @@ class SpeculatingProxy:
         try:
             url = self._url(scope.get("raw_path") or path.encode(), scope.get("query_string", b""))
         except ValueError as exc:
+            self.stats.refused += 1
             await error_response(send, 400, f"aospec proxy: {exc}", "bad_target")
             return
         _, used = token_of(scope["headers"]) if self.guard.token is not None else (None, None)
@@ -919,8 +1023,7 @@ class SpeculatingProxy:
         if self.upstream_token is not None:
             headers = [(k, v) for k, v in headers if k.lower() != "authorization"]
             headers.append(("authorization", f"Bearer {self.upstream_token}"))
-        dialect = _Chat if path.endswith(_CHAT_PATHS) else _Responses if path.endswith(_RESPONSES_PATHS) else None
-        if method == "POST" and dialect is not None:
+        if dialect is not None:
             # replies the proxy reads: ask for them uncompressed
             headers = [(k, v) for k, v in headers if k.lower() != "accept-encoding"] + [("accept-encoding", "identity")]
             await self._conversation(dialect, url, headers, body, receive, send)
@@ -964,6 +1067,8 @@ class SpeculatingProxy:
                     await send({"type": "http.response.body", "body": data})
                     result = False
                 else:
+                    if up.status >= 400:
+                        self.stats.error_replies += 1
                     await send({"type": "http.response.start", "status": up.status, "headers": up.headers})
                     async for chunk in up.body():
                         await send({"type": "http.response.body", "body": chunk, "more_body": True})
@@ -1011,6 +1116,23 @@ class SpeculatingProxy:
         self, dialect: Any, url: Any, headers: list[tuple[str, str]], raw: bytes, receive: Any, send: Any
     ) -> None:
         self.stats.chat_requests += 1
+        arrived = time.perf_counter()
+        try:
+            await self._converse(dialect, url, headers, raw, arrived, receive, send)
+        finally:
+            if self.metrics is not None:
+                self.metrics.step(round((time.perf_counter() - arrived) * 1e9), None)
+
+    async def _converse(
+        self,
+        dialect: Any,
+        url: Any,
+        headers: list[tuple[str, str]],
+        raw: bytes,
+        arrived: float,
+        receive: Any,
+        send: Any,
+    ) -> None:
         try:
             body = _strict_json(raw)
         except (ValueError, UnicodeDecodeError):
@@ -1021,7 +1143,7 @@ class SpeculatingProxy:
         spec_ok = dialect.speculable(body)
         if not spec_ok:
             self.stats.passthrough += 1
-            await self._answer(dialect, url, headers, raw, body, digests, False, receive, send)
+            await self._answer(dialect, url, headers, raw, body, digests, False, arrived, receive, send)
             return
         self.stats.speculable += 1
         # the reply this request follows may still be drafting its speculations (they are
@@ -1033,7 +1155,7 @@ class SpeculatingProxy:
             self.stats.waited_s += time.perf_counter() - t0
         mine = self._pending[digests[-1]] = anyio.Event()
         try:
-            await self._answer(dialect, url, headers, raw, body, digests, True, receive, send)
+            await self._answer(dialect, url, headers, raw, body, digests, True, arrived, receive, send)
         finally:
             mine.set()
             if self._pending.get(digests[-1]) is mine:
@@ -1048,6 +1170,7 @@ class SpeculatingProxy:
         body: Any,
         digests: list[str],
         spec_ok: bool,
+        arrived: float,
         receive: Any,
         send: Any,
     ) -> None:
@@ -1064,16 +1187,13 @@ class SpeculatingProxy:
         for k, spec in list(self._specs.items()):
             if spec.parent in prefixes and (hit is None or spec is not hit):
                 del self._specs[k]
-                if spec.upstream.in_flight:
-                    spec.upstream.cancel()
-                    self.stats.cancelled += 1
-                else:
-                    self.stats.wasted += 1
+                self._drop(spec)
         if spec_ok:
             self._learn(dialect, body[dialect.key], digests)
         if hit is not None:
             self._specs.pop(hit.key, None)
             self.stats.hits += 1
+            self.stats.hidden_s += hit.upstream.ran_s(until=arrived)
             if hit.wrapped:
                 self._hits_wrapped += 1
             else:
@@ -1213,12 +1333,7 @@ class SpeculatingProxy:
             self.stats.speculated += 1
         # speculations of conversations that went away: keep the newest max_remembered
         while len(self._specs) > self.max_remembered:
-            old = self._specs.pop(next(iter(self._specs)))
-            if old.upstream.in_flight:
-                old.upstream.cancel()
-                self.stats.cancelled += 1
-            else:
-                self.stats.wasted += 1
+            self._drop(self._specs.pop(next(iter(self._specs))))
 
 
 def proxy_app(upstream: str, **kw: Any) -> SpeculatingProxy:
@@ -1237,7 +1352,8 @@ def register(subparsers: Any) -> None:
         "Responses API requests), draft "
         "the harness's next request while it runs its tool and pre-issue it upstream, answering the real request "
         "from it when they are equal. Harness base URL: http://HOST:PORT/v1, its API key the proxy's token "
-        "(printed at start, or --token-file / AOSPEC_TOKEN). Stats: GET /aospec/stats. "
+        "(printed at start, or --token-file / AOSPEC_TOKEN). Stats: GET /aospec/stats; Prometheus metrics: GET "
+        "/metrics, behind the same token (needs prometheus_client: pip install 'aospec[metrics]'). "
         "Example: aospec proxy --upstream http://127.0.0.1:8000/v1 --port 8001",
     )
     p.add_argument("--upstream", required=True, help="the upstream API root, e.g. http://127.0.0.1:8000/v1")
