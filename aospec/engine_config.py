@@ -76,6 +76,11 @@ class EngineConfig:
       records what speculative commands read (:class:`aospec.protocols.ReadSetSandbox`), a
       fork from an older origin is reused when nothing committed since touched what it read
       or wrote, and rebased onto the committed state. Without the capability it does nothing.
+    - ``steps_in_place``: with speculation on, run each committed step directly on the
+      committed sandbox, as serial execution does, where the sandbox keeps forking guesses
+      at the state before a running command (``forks_during_execute``: the overlay backend);
+      no fork and no commit on the critical path. False (or a sandbox without it): each
+      step runs in a fresh fork that is then committed.
     """
 
     branch_budget: int = 5
@@ -94,6 +99,7 @@ class EngineConfig:
     decode_price: float = 0.0
     guard_window: int = 16
     read_sets: bool = True
+    steps_in_place: bool = True
 
     def __post_init__(self) -> None:
         for name in (

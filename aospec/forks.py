@@ -263,9 +263,12 @@ class ForkRegistry:
 class Forks:
     """The committed sandbox and its forks in one run (``F``; see the module docstring).
 
-    ``use_forks``: speculation is on, so the committed sandbox is kept idle (it only forks
-    and commits) and each step runs in a fork; else each step runs on the committed sandbox
-    itself, as serial execution does. ``capabilities`` are the committed sandbox's;
+    ``use_forks``: speculation is on, so guesses fork the committed sandbox; each step runs
+    on the committed sandbox itself where the sandbox keeps forking guesses at the state
+    before a running command (``forks_during_execute``, ``EngineConfig.steps_in_place``),
+    else in a fork of it that is then committed (the committed sandbox only forks and
+    commits). Without forks each step runs on the committed sandbox itself, as serial
+    execution does. ``capabilities`` are the committed sandbox's;
     ``failed(what, exc, warn=False)`` counts a speculative failure; ``admission`` is the
     run's speculation controller.
     """
@@ -286,6 +289,8 @@ class Forks:
         self._sandbox = sandbox
         self._caps = capabilities
         self._use_forks = use_forks
+        self._in_place = config.steps_in_place and capabilities.forks_during_execute
+        """With forks: each committed step runs on the committed sandbox itself (:meth:`execute`)."""
         self._config = config
         self._clock = clock
         self._ledger = ledger
@@ -309,6 +314,8 @@ class Forks:
         # step's own fork or commit queued behind a burst of guesses' forks was most of a
         # step's overhead in live runs.
         self._gate = anyio.Lock()
+        self._forking: ForkEntry | None = None
+        """The guess whose fork of the committed sandbox is in flight (it holds ``_gate``)."""
         self._critical = 0
         self._critical_done = anyio.Event()
         self._admission = admission
@@ -330,6 +337,11 @@ class Forks:
         if use_forks and config.read_sets and capabilities.read_sets:
             try:
                 self._readsets = ReadSetValidator(sandbox.version)
+                if self._in_place:
+                    # the steps run on the root itself: it keeps their write sets
+                    record = getattr(sandbox, "record_writes", None)
+                    if callable(record):
+                        record()
             except Exception as exc:
                 failed("reading the committed version", exc)
 
@@ -521,7 +533,11 @@ class Forks:
                 await self._critical_done.wait()
             if fork.state is ForkState.RELEASED or self._sandbox.version != fork.origin:
                 return None
-            return await self._sandbox.fork()
+            self._forking = fork
+            try:
+                return await self._sandbox.fork()
+            finally:
+                self._forking = None
 
     async def _prioritize(self, fork: ForkEntry, *, foreground: bool) -> None:
         """Run ``fork``'s commands at foreground or background priority, where its sandbox
@@ -656,10 +672,10 @@ class Forks:
         step = self._ledger.step
         self._admission.resolve(step, version, action.key)
         fork = self.registry.take(action, version)
-        if fork is not None and fork.running and fork.sandbox is None:
-            # Why: it has not forked yet (queued behind other guesses' forks, one of which may
-            # never return): waiting gains nothing over the step's own fork, which does not
-            # queue behind guesses, and could wait forever.
+        if fork is not None and fork.running and fork.sandbox is None and self._forking not in (None, fork):
+            # Why: it has not forked yet and waits behind another guess's fork, which may never
+            # return: waiting gains nothing over running the step now, which does not queue
+            # behind guesses, and could wait forever.
             self.release([fork])
             fork = None
         if self._readsets is not None and (fork is None or fork.running):
@@ -699,37 +715,15 @@ class Forks:
         return None if fork.state is ForkState.FAILED else fork
 
     async def execute(self, action: Action, step: int) -> ForkEntry:
-        """*Execute*: run the emitted action (step ``step`` of the verified history) now, in
-        a fresh fork when speculation needs the committed sandbox kept idle (:meth:`commit`
-        commits it), else on the committed sandbox itself."""
+        """*Execute*: run the emitted action (step ``step`` of the verified history) now: on
+        the committed sandbox itself, as serial execution does, without speculation or where
+        the sandbox keeps forking guesses at the state before a running command
+        (``forks_during_execute``: no fork and no commit on the critical path); else in a
+        fresh fork, which :meth:`commit` commits (the committed sandbox stays idle)."""
         clock = self._clock
         fork = ForkEntry(action, offset=0, probability=1.0, launched_ns=clock.now_ns(), speculative=False)
-        if not self._use_forks:
-            origin = self._sandbox.version
-            cpu0 = self._cpu_of(self._sandbox, self._caps)
-            fork.exec_start_ns = clock.now_ns()
-            try:
-                fork.observation = await self._sandbox.execute(action)
-            except Exception as exc:
-                # Without forks the step runs on the committed sandbox itself, as serial
-                # execution does: what a failed command left there stays.
-                try:
-                    moved = self._sandbox.version != origin
-                except Exception:
-                    moved = True
-                if moved:
-                    raise StateUnknownError(
-                        f"step {step} ({label(action)!r}) failed on the committed sandbox itself (no forks) after "
-                        f"changing it ({type(exc).__name__}: {exc}): the committed sandbox holds changes the "
-                        "verified history does not",
-                        step=step,
-                    ) from exc
-                raise
-            fork.exec_end_ns = clock.now_ns()
-            cpu1 = self._cpu_of(self._sandbox, self._caps)
-            cpu = cpu1 - cpu0 if cpu0 is not None and cpu1 is not None and cpu1 >= cpu0 else None
-            self._admission.executed(action, fork.exec_end_ns - fork.exec_start_ns, cpu)
-            fork.finish(ForkState.IDLE)
+        if not self._use_forks or self._in_place:
+            await self._execute_in_place(fork, step)
             return fork
         with self._verified_path():
             sandbox = await self._sandbox.fork()
@@ -754,6 +748,41 @@ class Forks:
         self._admission.executed(action, fork.exec_end_ns - fork.exec_start_ns, fork.cpu_ns)
         fork.finish(ForkState.IDLE)
         return fork
+
+    async def _execute_in_place(self, fork: ForkEntry, step: int) -> None:
+        """Run ``fork``'s action on the committed sandbox itself (:meth:`execute`)."""
+        action, clock = fork.action, self._clock
+        origin = self._sandbox.version
+        cpu0 = self._cpu_of(self._sandbox, self._caps)
+        # Why: the guesses yield to the command the agent waits on (paused while it is CPU-bound).
+        watcher = self._watch(self._sandbox, self._caps) if self._use_forks else None
+        fork.exec_start_ns = clock.now_ns()
+        try:
+            fork.observation = await self._sandbox.execute(action)
+        except Exception as exc:
+            # On the committed sandbox itself, as serial execution runs it: what a failed
+            # command left there stays.
+            try:
+                moved = self._sandbox.version != origin
+            except Exception:
+                moved = True
+            if moved:
+                raise StateUnknownError(
+                    f"step {step} ({label(action)!r}) failed on the committed sandbox itself after changing it "
+                    f"({type(exc).__name__}: {exc}): the committed sandbox holds changes the verified history "
+                    "does not",
+                    step=step,
+                ) from exc
+            raise
+        finally:
+            if watcher is not None:
+                watcher.cancel()
+        fork.exec_end_ns = clock.now_ns()
+        cpu1 = self._cpu_of(self._sandbox, self._caps)
+        cpu = cpu1 - cpu0 if cpu0 is not None and cpu1 is not None and cpu1 >= cpu0 else None
+        fork.cpu_ns = cpu
+        self._admission.executed(action, fork.exec_end_ns - fork.exec_start_ns, cpu)
+        fork.finish(ForkState.IDLE)
 
     def cache_hit_ns(self, fork: ForkEntry) -> int | None:
         """The tool time the result cache of the sandbox that executed ``fork`` (its own, or
@@ -783,10 +812,12 @@ class Forks:
         (StateUnknownError)."""
         fork.state = ForkState.COMMITTED
         self.step_access = None
-        if fork.sandbox is None:
+        if fork.sandbox is None:  # it ran on the committed sandbox itself
             if self.record_access:
                 self.step_access = await self._access_of(self._sandbox, self._caps, None)
-            return None  # it ran on the committed sandbox itself
+            if self._readsets is not None:
+                await self._committed_in_place(origin)
+            return None
         sandbox = fork.sandbox
         self._idle.discard(fork)
         target: str | None = None
@@ -850,6 +881,29 @@ class Forks:
         else:
             self._committed_writes(origin, after, writes)
         return None
+
+    async def _committed_in_place(self, origin: str) -> None:
+        """Read-set validation learns what a step run on the committed sandbox itself
+        changed: its write set (the root's, :meth:`_root_writes`), when a live fork from an
+        older version may ask."""
+        try:
+            after = self._sandbox.version
+        except Exception as exc:
+            self._failed("reading the committed version after a step", exc)
+            self._readsets = None
+            return
+        # (a step that kept the version changed nothing a version names: JASV takes forks
+        # from it as they are)
+        writes: WriteSet | None = WriteSet() if after == origin else None
+        if after != origin and any(f.traced for f in self.registry):
+            if self.step_access is not None and self.step_access[1] is not None:
+                writes = self.step_access[1]
+            elif self._caps.read_sets:
+                try:
+                    writes = await cast(ReadSetSandbox, self._sandbox).write_set()
+                except Exception as exc:
+                    self._failed("the write set of the committed step", exc)
+        self._committed_writes(origin, after, writes)
 
     def prune(self) -> None:
         """*Prune invalid forks*: those whose origin is not the committed version (with

@@ -407,14 +407,16 @@ def _is(obj: object, protocol: type) -> bool:
 class SandboxCapabilities:
     """The optional capabilities of one sandbox, found once: ``prioritized``
     (:class:`PrioritizedSandbox`), ``pausable`` (:class:`PausableSandbox`), ``metered``
-    (:class:`MeteredSandbox`), ``caching`` (:class:`CachingSandbox`) and ``read_sets``
-    (:class:`ReadSetSandbox`). A sandbox whose check raises has none of them."""
+    (:class:`MeteredSandbox`), ``caching`` (:class:`CachingSandbox`), ``read_sets``
+    (:class:`ReadSetSandbox`) and ``forks_during_execute`` (a fork taken while a command
+    runs is at the state before it). A sandbox whose check raises has none of them."""
 
     prioritized: bool = False
     caching: bool = False
     pausable: bool = False
     metered: bool = False
     read_sets: bool = False
+    forks_during_execute: bool = False
 
     @classmethod
     def of(cls, sandbox: object) -> SandboxCapabilities:
@@ -424,7 +426,19 @@ class SandboxCapabilities:
             pausable=_is(sandbox, PausableSandbox),
             metered=_is(sandbox, MeteredSandbox),
             read_sets=_is(sandbox, ReadSetSandbox),
+            forks_during_execute=_forks_during_execute(sandbox),
         )
+
+
+def _forks_during_execute(sandbox: object) -> bool:
+    """Whether ``sandbox`` declares (``forks_during_execute = True``) that a fork taken
+    while a command runs on it is at the state before that command, and that its version
+    moves only once the command is done (``aospec.runtime.OverlaySandbox``): then the
+    engine runs a committed step on it directly, with no fork and no commit."""
+    try:
+        return getattr(sandbox, "forks_during_execute", False) is True
+    except Exception:
+        return False
 
 
 @dataclass(frozen=True, slots=True)

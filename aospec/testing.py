@@ -78,10 +78,17 @@ class InMemorySandbox:
 
     ``op_delay_s`` is slept before each command runs (plus whatever ``sleep`` asks for), so
     executions take real (or virtual) time. ``stats`` of the root counts forks opened and
-    released, so tests can check nothing leaks.
+    released, so tests can check nothing leaks. Forking while a command runs is an error
+    (the engine must keep the committed sandbox idle) unless ``forks_during_execute``: then
+    such a fork is at the state before the command, as the overlay backend's are (a command
+    applies its changes and moves the version at once, when it is done), and the engine
+    runs its steps on the committed sandbox itself.
     """
 
-    def __init__(self, files: Mapping[str, str] | None = None, *, op_delay_s: float = 0.0) -> None:
+    def __init__(
+        self, files: Mapping[str, str] | None = None, *, op_delay_s: float = 0.0, forks_during_execute: bool = False
+    ) -> None:
+        self.forks_during_execute = forks_during_execute
         self._files: dict[str, str] = dict(files or {})
         self._version = version_hash("root", canonical_json(sorted(self._files.items())))
         self.op_delay_s = op_delay_s
@@ -191,9 +198,10 @@ class InMemorySandbox:
 
     async def fork(self) -> Self:
         self._check()
-        if self._busy:
+        if self._busy and not self.forks_during_execute:
             raise SandboxError("fork while an execute is in flight")
         child = type(self).__new__(type(self))
+        child.forks_during_execute = self.forks_during_execute
         child._files = dict(self._files)
         child._version = self._version
         child.op_delay_s = self.op_delay_s

@@ -598,10 +598,18 @@ class ReadSetOverlaySandbox(OverlaySandbox):
             raise SandboxError("a traced speculative command timed out: its result is not used")
         return result
 
+    _record_writes = False
+
+    def record_writes(self) -> None:
+        """From now on the committed root keeps each command's write set
+        (:meth:`write_set`): for an engine that runs its steps on the root itself while
+        forks from older versions wait for read-set validation."""
+        self._record_writes = True
+
     def _changes_recorded(self, layer: Layer) -> None:
         # the root freezes its upper right after each command: with every command traced
-        # (recordings), its write set is read while the upper still shows it
-        if self.is_root and self.store.config.read_sets == "all":
+        # (recordings), or when asked, its write set is read while the upper still shows it
+        if self.is_root and (self._record_writes or self.store.config.read_sets == "all"):
             self._root_writes = write_set(self.tracker, layer, self._lower_view())
 
     def _command_tracer(self, cwd: str) -> CommandTrace | None:

@@ -19,6 +19,7 @@ asserted: hangs are shown harmless by runs that finish (pytest-timeout guards).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 from collections.abc import AsyncIterator, Callable, Sequence
@@ -75,6 +76,9 @@ CONFIG = EngineConfig(
     branch_budget=2, draft_candidates=3, obs_depth=2, fork_width=3, depth=2, max_live_forks=8, admission="off"
 )
 SERIAL = EngineConfig(branch_budget=0, fork_width=0)
+#: each committed step in a fresh fork that is then committed, on every backend
+FORK_STEPS = dataclasses.replace(CONFIG, steps_in_place=False)
+IN_PLACE = ("memory-in-place", "overlay")
 
 
 def make_actor() -> ScriptedActor:
@@ -110,7 +114,9 @@ def overlay_dirs(tmp_path_factory: pytest.TempPathFactory) -> Any:
     assert not mounts_under(str(state))
 
 
-@pytest.fixture(params=["memory", pytest.param("overlay", marks=pytest.mark.root)])
+#: "memory-in-place": the in-memory sandbox with ``forks_during_execute``, whose steps the
+#: engine runs on the committed sandbox itself, as it does the overlay backend's
+@pytest.fixture(params=["memory", "memory-in-place", pytest.param("overlay", marks=pytest.mark.root)])
 def backend(request: pytest.FixtureRequest) -> str:
     if request.param == "overlay":
         request.getfixturevalue("overlay_dirs")
@@ -125,22 +131,22 @@ class Box:
     sandbox: Any
 
     async def state(self) -> tuple[str, Any]:
-        if self.backend == "memory":
+        if self.backend.startswith("memory"):
             return self.sandbox.version, self.sandbox.files
         from aospec.runtime.lossless import snapshot_sandbox
 
         return self.sandbox.version, await snapshot_sandbox(self.sandbox)
 
     def live_forks(self) -> int:
-        if self.backend == "memory":
+        if self.backend.startswith("memory"):
             return int(self.sandbox.live_forks)
         return len(self.sandbox.store.live) - 1  # the committed sandbox itself is live
 
 
 @asynccontextmanager
 async def open_box(backend: str) -> AsyncIterator[Box]:
-    if backend == "memory":
-        yield Box(backend, InMemorySandbox(op_delay_s=OP_DELAY_S))
+    if backend.startswith("memory"):
+        yield Box(backend, InMemorySandbox(op_delay_s=OP_DELAY_S, forks_during_execute=backend == "memory-in-place"))
         return
     from aospec.runtime import SandboxConfig, open_sandbox
     from aospec.runtime._fs import mounts_under
@@ -683,13 +689,47 @@ def test_a_discard_that_fails_only_costs_speed(backend: str, kind: str) -> None:
 
 @pytest.mark.parametrize("kind", ["error", "unexpected", "late"])
 def test_a_step_whose_execution_fails_ends_the_run_cleanly(backend: str, kind: str) -> None:
+    # The step runs in a fork (FORK_STEPS): whatever the failed command did is discarded with it.
     ref = reference(backend)
     k = 4
     step = (ref.states[k][0], ref.history.turns[k].action.key)
     fault = Fault("execute", kind, on="fork", when=lambda c: c.action is not None and (c.origin, c.action.key) == step)
-    out = run(backend, faults=[fault])
+    out = run(backend, faults=[fault], config=FORK_STEPS)
     assert assert_clean_failure(backend, out, error_class(kind, SandboxError)) == k
     assert any(f"step {k}" in note for note in out.error.__notes__)  # type: ignore[union-attr]
+
+
+@pytest.mark.parametrize("kind", ["error", "unexpected", "late"])
+def test_a_step_run_in_place_that_fails_ends_the_run_and_says_what_the_sandbox_holds(backend: str, kind: str) -> None:
+    # With speculation on, the step runs on the committed sandbox itself (steps_in_place),
+    # as serial execution runs it, while guesses keep forking it: a failure is what serial
+    # execution's would be, and no guess is left behind.
+    if backend not in IN_PLACE:
+        pytest.skip("this sandbox cannot be forked while a command runs: its steps run in forks")
+    ref = reference(backend)
+    k = next(i for i in range(2, STEPS) if ref.states[i + 1][0] != ref.states[i][0])  # a step that changes the state
+    step = (ref.states[k][0], ref.history.turns[k].action.key)
+    fault = Fault(
+        "execute", kind, on="committed", when=lambda c: c.action is not None and (c.origin, c.action.key) == step
+    )
+
+    def wrong(history: History) -> list[ActionDraft]:  # guesses that keep forking, none of them right
+        return [ActionDraft(Action.bash(f"cat guess-{len(history)}"), 0, 0.5)]
+
+    out = run(backend, faults=[fault], obs=None, act=[ScriptedActionDrafter(wrong)])
+    assert out.failures == 0 and any(e.kind is EventKind.FORK for e in out.events), "no guess was forked"
+    assert out.injected, "the step did not run on the committed sandbox"
+    assert ref.prefix(out.history) == k
+    assert out.live_forks == out.held and out.hanging == 0
+    if kind == "late":
+        # the command ran, then the backend failed: its changes are in the committed
+        # sandbox but not in the history, and the error says so
+        assert type(out.error) is StateUnknownError
+        assert out.state == ref.states[k + 1]
+        assert "holds changes the verified history does not" in str(out.error)
+    else:
+        assert type(out.error) is error_class(kind, SandboxError)
+        assert out.state == ref.states[k]
 
 
 @pytest.mark.parametrize("kind", ["error", "unexpected", "late"])
@@ -733,9 +773,20 @@ def test_a_commit_that_fails_ends_the_run_with_nothing_committed_lost(backend: s
 
 @pytest.mark.parametrize("kind", ["error", "unexpected", "late"])
 def test_forking_the_committed_sandbox_that_always_fails_ends_the_run_cleanly(backend: str, kind: str) -> None:
-    out = run(backend, faults=[Fault("fork", kind, on="committed", when=lambda c: c.n >= 3)])
+    # Each step needs a fork of the committed sandbox (FORK_STEPS): the run cannot go on.
+    out = run(backend, faults=[Fault("fork", kind, on="committed", when=lambda c: c.n >= 3)], config=FORK_STEPS)
     k = assert_clean_failure(backend, out, error_class(kind, SandboxError))
     assert k < STEPS
+
+
+@pytest.mark.parametrize("kind", ["error", "unexpected", "late"])
+def test_forking_that_always_fails_only_costs_speed_when_steps_run_in_place(backend: str, kind: str) -> None:
+    # Steps run on the committed sandbox itself: only the guesses need forks.
+    if backend not in IN_PLACE:
+        pytest.skip("this sandbox cannot be forked while a command runs: its steps run in forks")
+    out = run(backend, faults=[Fault("fork", kind, on="committed", when=lambda c: c.n >= 3)])
+    assert_lossless(backend, out)
+    assert len(out.injected) > 3 and out.failures >= len(out.injected)
 
 
 @pytest.mark.parametrize("kind", ["error", "unexpected"])
