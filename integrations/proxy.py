@@ -69,7 +69,7 @@ from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from functools import partial
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import anyio
 from aospec.integrations._proxy_actions import Prefetcher, watch
@@ -92,6 +92,9 @@ from aospec.ledger import EngineStatistics
 from aospec.metrics import Metrics, metrics_route
 from aospec.protocols import ObservationDrafter
 from aospec.types import History, Turn, canonical_json, version_hash
+
+if TYPE_CHECKING:
+    from aospec.host import SpeculationBudget, SpeculationLease
 
 __all__ = [
     "KNOWN_FIELDS",
@@ -159,7 +162,8 @@ class ProxyStats:
     ``upstream_errors``: upstream requests that failed without a whole response (a 502, a
     cut stream); ``error_replies``: upstream responses with an error status (relayed as
     they are); ``refused``: requests the proxy refused itself (its guard's 401, 403, 413 and
-    421, a request target it does not forward)."""
+    421, a request target it does not forward); ``budget_refused``: speculative requests
+    not issued because every slot of the host's speculation budget was held."""
 
     requests: int = 0
     chat_requests: int = 0
@@ -174,6 +178,7 @@ class ProxyStats:
     upstream_errors: int = 0
     error_replies: int = 0
     refused: int = 0
+    budget_refused: int = 0
     disconnects: int = 0
     learned: bool = False
     drafter_errors: int = 0
@@ -806,6 +811,7 @@ class SpeculatingProxy:
         mcp_token: str | None = None,
         max_response_bytes: int = MAX_RESPONSE_BYTES,
         metrics: Metrics | None = None,
+        budget: SpeculationBudget | None = None,
     ) -> None:
         import httpx
 
@@ -826,6 +832,10 @@ class SpeculatingProxy:
         self.upstream_token = upstream_token
         self.drafters = tuple(drafters or ())
         self.max_speculative = max_speculative
+        self.budget = budget
+        """The host's speculation budget (``--speculation-budget``): each speculative upstream
+        request holds one of its slots while in flight (what serving it costs a model server
+        on this host), shared with every aospec session of the host; None: no budget."""
         if max_response_bytes < 1:
             raise ConfigError("proxy: max_response_bytes must be >= 1")
         self.max_response_bytes = max_response_bytes
@@ -957,10 +967,21 @@ class SpeculatingProxy:
         rest = raw_path[3:] if raw_path == b"/v1" or raw_path.startswith(b"/v1/") else raw_path
         return self._base.copy_with(raw_path=self._base_path + rest + (b"?" + query if query else b""))
 
-    def _speculate_soon(self, method: str, url: Any, headers: list[tuple[str, str]], body: bytes) -> _Upstream:
-        """A speculative upstream request, started in the lifespan's task group."""
+    def _speculate_soon(
+        self, method: str, url: Any, headers: list[tuple[str, str]], body: bytes, lease: SpeculationLease | None = None
+    ) -> _Upstream:
+        """A speculative upstream request, started in the lifespan's task group (holding
+        ``lease``, a slot of the host's budget, until it ends)."""
         up = _Upstream(method, url, headers, body, limit=self.max_response_bytes)
-        self._tg.start_soon(up.run, self._http())
+
+        async def run(client: Any) -> None:
+            try:
+                await up.run(client)
+            finally:
+                if lease is not None:
+                    lease.release()
+
+        self._tg.start_soon(run, self._http())
         return up
 
     # -- ASGI ------------------------------------------------------------------------------
@@ -1326,9 +1347,15 @@ class SpeculatingProxy:
             key = canonical_json(new_body) + match_headers
             if key in self._specs:
                 continue
+            lease = None
+            if self.budget is not None:
+                lease = self.budget.try_acquire()
+                if lease is None:  # every slot of the host's budget is held: no more guesses now
+                    self.stats.budget_refused += 1
+                    break
             data = json.dumps(new_body, ensure_ascii=False).encode()
             self._specs[key] = _Speculation(
-                key, parent, self._speculate_soon("POST", url, headers, data), i >= verbatim
+                key, parent, self._speculate_soon("POST", url, headers, data, lease), i >= verbatim
             )
             self.stats.speculated += 1
         # speculations of conversations that went away: keep the newest max_remembered
@@ -1385,6 +1412,13 @@ def register(subparsers: Any) -> None:
         help=f"the largest upstream response the proxy holds; a larger one ends as an error (default {MAX_RESPONSE_BYTES >> 20})",
     )
     p.add_argument("--max-speculative", type=int, default=2, help="speculative upstream requests in flight (default 2)")
+    p.add_argument(
+        "--speculation-budget",
+        default=None,
+        metavar="CORES[,MEMORY]",
+        help="speculative upstream requests in flight on this host, in cores (and memory: 4G), shared by every "
+        "aospec session of the host: each holds a slot (default: none)",
+    )
     p.add_argument("--train-traces", dest="train", nargs="*", default=[], help="traces to fit the drafters on (any format aospec reads)")
     from aospec.cli import add_alias
 
@@ -1462,8 +1496,16 @@ def _serve(args: argparse.Namespace) -> int:
             "proxy: --mcp needs that server's token: --mcp-token-file FILE or AOSPEC_MCP_TOKEN (or AOSPEC_TOKEN, "
             "when the proxy and the server share one)"
         )
+    budget = None
+    if args.speculation_budget is not None and not args.no_speculate:
+        from aospec.host import SpeculationBudget, parse_budget
+
+        budget = SpeculationBudget(*parse_budget(args.speculation_budget))
+        for note in budget.notes:
+            print(f"aospec proxy: note: {note}", file=sys.stderr)
     app = proxy_app(
         args.upstream,
+        budget=budget,
         drafters=(),
         max_speculative=args.max_speculative,
         mcp=mcp,

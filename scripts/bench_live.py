@@ -197,6 +197,18 @@ class SandboxCpu:
 
 children_cpu_s = SandboxCpu()
 
+#: The speculation controller's model fitted on the training runs (``aospec run
+#: --train-traces``' calibration, :func:`aospec.replay.calibrate.fit_admission`), as JSON:
+#: each speculative run starts from a copy of it and learns on from there. None
+#: (``--no-calibration``): each run starts from the uncalibrated prior.
+CALIBRATION: Any = None
+
+
+def calibrated_model() -> Any:
+    from aospec.admission import AdmissionModel
+
+    return AdmissionModel.from_json(CALIBRATION) if CALIBRATION is not None else None
+
 
 def peak_rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
@@ -283,6 +295,7 @@ async def run_agent(
                 step_limit=len(traj.steps) + 2,
                 router=box.router,
                 on_step=on_step,
+                admission_model=calibrated_model() if speculate else None,
             )
             cpu0 = children_cpu_s()
             marks.append(cpu0)
@@ -958,6 +971,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     ap.add_argument("--no-bytecode-check", action="store_true", help="skip the bytecode-cache measurement")
     ap.add_argument(
+        "--no-calibration",
+        action="store_true",
+        help="speculative runs start from the controller's uncalibrated prior, not from its model fitted on the "
+        "training runs (what aospec run --train-traces does)",
+    )
+    ap.add_argument(
         "--train-traces",
         action="append",
         default=None,
@@ -1030,6 +1049,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         log(f"drafters fitted on {len(train)} training runs + {len(extra_train)} traces of {paths or 'nothing'}")
         train = [*train, *extra_train]
         drafters = default_drafters(train, policy=args.policy)
+        if not args.no_calibration:
+            from aospec.replay.calibrate import fit_admission
+
+            global CALIBRATION
+            CALIBRATION = fit_admission(train, policy=args.policy).to_json()
+            log(f"speculation controller calibrated on the same {len(train)} traces (aospec run --train-traces)")
         specbox = router = None
         if args.specbox:
             from aospec.live.specbox_layer import SpecBoxOptions, build_router

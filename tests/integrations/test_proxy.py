@@ -141,6 +141,39 @@ def test_replies_identical_and_speculation_hits(servers, traces, tools, stream) 
     assert stats["hits"] == s.hits
 
 
+def test_the_hosts_speculation_budget_holds_back_speculative_requests(servers, traces, tmp_path) -> None:
+    """``--speculation-budget``: each speculative upstream request holds a slot of the host's
+    budget while in flight. With the only slot held by another session of the host nothing
+    is speculated (and the harness sees the same replies); once it is free, speculation
+    resumes, and every slot is given back when the requests end."""
+    from aospec.host import SpeculationBudget
+
+    trace = traces[1]
+    steps = 6
+    up = servers(serve_trace_app([trace], 1.0))
+    direct = run_harness(up.base_url, trace, tools=True, stream=True, steps=steps)
+    budget = SpeculationBudget(1, directory=tmp_path, host_cores=8)
+    other = SpeculationBudget(1, directory=tmp_path, host_cores=8).try_acquire()  # another session's guess
+    assert other is not None
+    proxy = proxy_app(up.base_url, drafters=[TruthDrafter(trace)], max_speculative=2, budget=budget)
+    px = servers(proxy)
+    assert run_harness(px.base_url, trace, tools=True, stream=True, steps=steps) == direct
+    assert proxy.stats.speculated == 0 and proxy.stats.hits == 0
+    assert proxy.stats.budget_refused >= steps - 2
+    other.release()
+    proxy2 = proxy_app(up.base_url, drafters=[TruthDrafter(trace)], max_speculative=2, budget=budget)
+    px2 = servers(proxy2)
+    assert run_harness(px2.base_url, trace, tools=True, stream=True, steps=steps) == direct
+    # one slot: one speculative request in flight at a time, the right draft second
+    assert proxy2.stats.speculated > 0 and proxy2.stats.budget_refused > 0
+    _wait_idle(proxy2, up)
+    deadline = time.monotonic() + 30
+    while (lease := budget.try_acquire()) is None and time.monotonic() < deadline:
+        time.sleep(0.05)  # the last speculative request's task gives its slot back as it ends
+    assert lease is not None, "a slot of the budget was never given back"
+    lease.release()
+
+
 def test_default_drafters_stay_lossless(servers, traces) -> None:
     """The real drafters (patterns + cache, fit on the other traces): whatever they hit,
     the harness sees exactly what it sees without the proxy."""
