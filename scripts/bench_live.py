@@ -204,6 +204,10 @@ children_cpu_s = SandboxCpu()
 CALIBRATION: Any = None
 
 
+#: ``--speculation-budget``: the host's budget every speculative session shares (None: none).
+BUDGET: Any = None
+
+
 def calibrated_model() -> Any:
     from aospec.admission import AdmissionModel
 
@@ -296,6 +300,7 @@ async def run_agent(
                 router=box.router,
                 on_step=on_step,
                 admission_model=calibrated_model() if speculate else None,
+                budget=BUDGET if speculate else None,
             )
             cpu0 = children_cpu_s()
             marks.append(cpu0)
@@ -971,6 +976,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     ap.add_argument("--no-bytecode-check", action="store_true", help="skip the bytecode-cache measurement")
     ap.add_argument(
+        "--speculation-budget",
+        default=None,
+        metavar="CORES[,MEMORY]",
+        help="the host's speculation budget the speculative sessions share (aospec run --speculation-budget; "
+        "default: none)",
+    )
+    ap.add_argument(
         "--no-calibration",
         action="store_true",
         help="speculative runs start from the controller's uncalibrated prior, not from its model fitted on the "
@@ -1049,6 +1061,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         log(f"drafters fitted on {len(train)} training runs + {len(extra_train)} traces of {paths or 'nothing'}")
         train = [*train, *extra_train]
         drafters = default_drafters(train, policy=args.policy)
+        if args.speculation_budget is not None:
+            from aospec.host import SpeculationBudget, parse_budget
+
+            global BUDGET
+            BUDGET = SpeculationBudget(*parse_budget(args.speculation_budget))
+            for note in BUDGET.notes:
+                log(f"note: {note}")
         if not args.no_calibration:
             from aospec.replay.calibrate import fit_admission
 
