@@ -11,16 +11,28 @@ Harnesses:
   ``OpenAIChatCompletionsModel`` on an ``AsyncOpenAI`` client pointed at serve-trace, the
   sandbox tools of ``aospec mcp`` through the SDK's ``MCPServerStdio``, and one function
   tool of its own (``count_words``, run in process).
+- ``opencode``: ``opencode run`` (npm ``opencode-ai``), configured only by its
+  opencode.json: serve-trace as an OpenAI-compatible provider, ``aospec mcp`` as its MCP
+  server (serial: ``--no-speculate``, a local server; speculating: ``--http``, a remote
+  one), HOME/XDG in a temporary directory, start-up fetches off (``OPENCODE_OFFLINE``).
+- ``opencode-proxy``: the same with opencode's provider at ``aospec proxy`` (its own
+  process, loopback, port 0; the proxy's token as opencode's API key) in front of
+  serve-trace, ``aospec mcp --http`` as its tools, and the proxy's ``--mcp`` at that server
+  (``--command-tool aospec_bash``: the proxy starts each ``aospec_bash`` call in a fork as
+  soon as its reply holds it; ``--no-prefetch`` leaves that off). It shares its serial runs
+  with ``opencode``.
 
 Usage (root and overlayfs, for the sandbox)::
 
-  .venv/bin/python scripts/bench_harnesses.py [--tpot-ms 20,10,1] [--repeats 3] [--json]
+  .venv/bin/python scripts/bench_harnesses.py [--harness H,...] [--tpot-ms 20,10,1] [--repeats 3] [--json]
 
 Each row: the median wall time of the task without speculation (``aospec mcp
 --no-speculate``: serial execution, the reference) and with it (``aospec mcp
 --train-traces`` of the task's own recorded trajectory: the history action drafter, so
-every call the model makes next is a prediction -- an upper bound on the hit rate), and
-the saving. Timing figures on a shared machine are noisy.
+every call the model makes next is a prediction -- an upper bound on the hit rate; for
+``opencode-proxy``, the same behind the proxy), and the saving; opencode rows also carry
+(``--json``) the MCP server's calls, speculations and hits and the proxy's counters. Timing
+figures on a shared machine are noisy.
 """
 
 from __future__ import annotations
@@ -32,14 +44,15 @@ import statistics
 import sys
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 import anyio
 
 AOSPEC = str(Path(sys.executable).with_name("aospec"))
-HARNESSES = ("openai-agents", "opencode")
+HARNESSES = ("openai-agents", "opencode", "opencode-proxy")
 #: The opencode release .ci/run installs (npm ``opencode-ai``) and the tests were run with.
 OPENCODE_VERSION = "1.18.33"
 #: What keeps opencode off the network at start-up (each checked to exist in its binary):
@@ -199,17 +212,18 @@ def opencode_trace(tool_s: float = TOOL_S, output_tokens: int = 40) -> Any:
     return Trace("opencode-task", "agents", "opencode", "serve-trace", "scripts", tuple(steps), instruction=TASK)
 
 
-def opencode_config(base_url: str, mcp: dict[str, Any]) -> dict[str, Any]:
-    """opencode.json: serve-trace as an OpenAI-compatible provider (the provider package
-    ``@ai-sdk/openai-compatible`` is built into opencode), ``mcp`` as its one MCP server,
-    and its own file and shell tools off, so every tool call goes through aospec."""
+def opencode_config(base_url: str, mcp: dict[str, Any], api_key: str = "not-needed") -> dict[str, Any]:
+    """opencode.json: serve-trace (or ``aospec proxy`` in front of it) at ``base_url`` as an
+    OpenAI-compatible provider (the provider package ``@ai-sdk/openai-compatible`` is built
+    into opencode; it sends ``api_key`` as ``Authorization: Bearer``), ``mcp`` as its one MCP
+    server, and its own file and shell tools off, so every tool call goes through aospec."""
     return {
         "$schema": "https://opencode.ai/config.json",
         "provider": {
             "servetrace": {
                 "npm": "@ai-sdk/openai-compatible",
                 "name": "serve-trace",
-                "options": {"baseURL": base_url, "apiKey": "not-needed"},
+                "options": {"baseURL": base_url, "apiKey": api_key},
                 "models": {"serve-trace": {"name": "serve-trace"}},
             }
         },
@@ -222,10 +236,13 @@ def opencode_config(base_url: str, mcp: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def run_opencode(base_url: str, mcp: dict[str, Any], work: Path, env: dict[str, str] | None = None) -> dict[str, Any]:
+def run_opencode(
+    base_url: str, mcp: dict[str, Any], work: Path, env: dict[str, str] | None = None, *, api_key: str = "not-needed"
+) -> dict[str, Any]:
     """One headless ``opencode run`` of the task in ``work`` (its project directory and its
     HOME/XDG directories, emptied first: a directory this function made), with the MCP
-    server ``mcp`` (opencode's ``mcp`` entry: ``local`` or ``remote``). Returns the tool
+    server ``mcp`` (opencode's ``mcp`` entry: ``local`` or ``remote``) and its provider's
+    API key ``api_key`` (the token of an ``aospec proxy`` at ``base_url``). Returns the tool
     outputs, the final text, the task's wall time (``wall_s``, from opencode's first event to
     its last) and the process's (``process_s``, start-up included)."""
     import shutil
@@ -236,7 +253,7 @@ def run_opencode(base_url: str, mcp: dict[str, Any], work: Path, env: dict[str, 
     project, home = work / "project", work / "home"
     project.mkdir(parents=True)
     home.mkdir()
-    (project / "opencode.json").write_text(json.dumps(opencode_config(base_url, mcp), indent=2))
+    (project / "opencode.json").write_text(json.dumps(opencode_config(base_url, mcp, api_key), indent=2))
     run_env = {
         "PATH": os.environ.get("PATH", "/usr/bin:/bin"),
         "HOME": str(home),
@@ -274,69 +291,123 @@ def run_opencode(base_url: str, mcp: dict[str, Any], work: Path, env: dict[str, 
     }
 
 
-def compare_opencode(tpot_ms: float, tmp: Path, *, repeats: int = 1) -> dict[str, Any]:
-    """opencode on the task: serial (``aospec mcp --no-speculate`` as a local MCP server it
-    starts) vs speculating (``aospec mcp --http`` as a remote one, with the task's recorded
-    trajectory as training traces), each ``repeats`` times; returns what each saw (tool
-    outputs, the requests serve-trace got, sorted: opencode's title request runs beside the
-    first one), the speculating server's metrics and the median wall times."""
+@contextmanager
+def aospec_server(argv: Sequence[str], log: Path, marker: str, env: dict[str, str]) -> Iterator[str]:
+    """Run ``aospec ARGV`` (a server on loopback, port 0) with stdout and stderr to ``log``
+    until the block ends; yields the address it prints after ``marker`` (``aospec mcp
+    --http``: ``listening on URL`` on stderr; ``aospec proxy``: ``aospec proxy at URL`` on
+    stdout)."""
     import subprocess
 
+    with log.open("wb") as out:
+        proc = subprocess.Popen(
+            [AOSPEC, *argv], stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT, env=env
+        )
+    try:
+        url = None
+        for _ in range(3000):
+            if marker in (text := log.read_text()):
+                url = text.split(marker, 1)[1].split()[0]
+                break
+            if proc.poll() is not None:
+                raise RuntimeError(f"aospec {argv[0]} did not start: {text}")
+            time.sleep(0.1)
+        if url is None:
+            raise RuntimeError(f"aospec {argv[0]} printed no {marker!r} in 300 s: {log.read_text()}")
+        yield url
+    finally:
+        proc.terminate()
+        proc.wait(timeout=120)
+
+
+def mcp_metrics(url: str, token: str) -> dict[str, float]:
+    """The request and speculation counters of the ``aospec mcp --http`` server at ``url``."""
+    import httpx
+
+    scraped = httpx.get(url.removesuffix("/mcp") + "/metrics", headers={"Authorization": f"Bearer {token}"})
+    scraped.raise_for_status()
+    return {
+        line.split(" ")[0]: float(line.split(" ")[1])
+        for line in scraped.text.splitlines()
+        if line.startswith(("aospec_requests_total", "aospec_speculations_launched_total", "aospec_speculations_hit_total"))
+    }
+
+
+#: The modes :func:`compare_opencode` runs: serial (the reference), ``aospec mcp --http``
+#: speculating, and the same behind ``aospec proxy`` as opencode's provider.
+OPENCODE_MODES = ("serial", "aospec", "proxy")
+
+
+def compare_opencode(
+    tpot_ms: float,
+    tmp: Path,
+    *,
+    repeats: int = 1,
+    modes: Sequence[str] = ("serial", "aospec"),
+    prefetch: bool = True,
+) -> dict[str, Any]:
+    """opencode on the task, each of ``modes`` ``repeats`` times: ``serial`` (``aospec mcp
+    --no-speculate`` as a local MCP server it starts; the reference), ``aospec`` (``aospec
+    mcp --http`` as a remote one, with the task's recorded trajectory as training traces)
+    and ``proxy`` (that server, and opencode's provider at an ``aospec proxy`` in front of
+    serve-trace, with the proxy's token as its API key; with ``prefetch``, ``--mcp`` at the
+    same server and ``--command-tool aospec_bash``: the proxy starts each ``aospec_bash``
+    call in a fork as its reply streams). Returns what each run saw (tool outputs, the
+    requests serve-trace got, sorted: opencode's title request runs beside the first one),
+    the speculating server's metrics, the proxy's ``/aospec/stats``, and the median wall
+    time of each mode (``MODE_s``)."""
+    import httpx
     from aospec.live.serve_trace import serve_trace_app, serving
 
-    modes = mcp_modes(tmp)
-    out: dict[str, Any] = {"serial": [], "aospec": []}
+    if "serial" not in modes or not set(modes) <= set(OPENCODE_MODES):
+        raise ValueError(f"modes: serial and any of {OPENCODE_MODES[1:]}, got {modes}")
+    args = mcp_modes(tmp)
+    out: dict[str, Any] = {mode: [] for mode in modes}
     for _ in range(repeats):
-        recorder = RecordRequests(serve_trace_app([opencode_trace()], tpot_ms))
-        with serving(recorder) as server:
-            local = {"type": "local", "command": [AOSPEC, "mcp", *modes["serial"]], "enabled": True}
-            if "AOSPEC_STATE_ROOT" in os.environ:
-                local["environment"] = {"AOSPEC_STATE_ROOT": os.environ["AOSPEC_STATE_ROOT"]}
-            run = run_opencode(server.base_url, local, tmp / "opencode")
-        out["serial"].append({**run, "requests": sorted(b.decode() for b in recorder.bodies)})
-        token = "bench-" + os.urandom(8).hex()
-        log = tmp / "mcp-http.log"
-        with log.open("wb") as err:
-            mcp = subprocess.Popen(
-                [AOSPEC, "mcp", "--http", "0", *modes["aospec"]],
-                stdin=subprocess.DEVNULL,
-                stdout=subprocess.DEVNULL,
-                stderr=err,
-                env={**os.environ, "AOSPEC_TOKEN": token},
-            )
-        try:
-            url = None
-            for _ in range(3000):
-                if "listening on " in (text := log.read_text()):
-                    url = text.split("listening on ", 1)[1].split()[0]
-                    break
-                if mcp.poll() is not None:
-                    raise RuntimeError(f"aospec mcp --http did not start: {text}")
-                time.sleep(0.1)
-            assert url is not None
+        for mode in modes:
             recorder = RecordRequests(serve_trace_app([opencode_trace()], tpot_ms))
-            with serving(recorder) as server:
+            if mode == "serial":
+                with serving(recorder) as server:
+                    local = {"type": "local", "command": [AOSPEC, "mcp", *args["serial"]], "enabled": True}
+                    if "AOSPEC_STATE_ROOT" in os.environ:
+                        local["environment"] = {"AOSPEC_STATE_ROOT": os.environ["AOSPEC_STATE_ROOT"]}
+                    run = run_opencode(server.base_url, local, tmp / "opencode")
+                out[mode].append({**run, "requests": sorted(b.decode() for b in recorder.bodies)})
+                continue
+            token = "bench-" + os.urandom(8).hex()
+            mcp_env = {**os.environ, "AOSPEC_TOKEN": token}
+            with (
+                aospec_server(["mcp", "--http", "0", *args["aospec"]], tmp / "mcp-http.log", "listening on ", mcp_env) as url,
+                serving(recorder) as server,
+            ):
                 remote = {"type": "remote", "url": url, "headers": {"Authorization": f"Bearer {token}"}, "enabled": True}
-                run = run_opencode(server.base_url, remote, tmp / "opencode")  # the same path: it is in the prompt
-            import httpx
-
-            scraped = httpx.get(url.removesuffix("/mcp") + "/metrics", headers={"Authorization": f"Bearer {token}"})
-            metrics = {
-                line.split(" ")[0]: float(line.split(" ")[1])
-                for line in scraped.text.splitlines()
-                if line.startswith(("aospec_requests_total", "aospec_speculations_hit_total"))
-            }
-        finally:
-            mcp.terminate()
-            mcp.wait(timeout=120)
-        out["aospec"].append({**run, "requests": sorted(b.decode() for b in recorder.bodies), "metrics": metrics})
+                extra: dict[str, Any] = {}
+                if mode == "aospec":
+                    run = run_opencode(server.base_url, remote, tmp / "opencode")  # the same path: it is in the prompt
+                else:
+                    proxy_token = "bench-proxy-" + os.urandom(8).hex()
+                    proxy_args = ["proxy", "--upstream", server.base_url, "--port", "0"]
+                    if prefetch:
+                        proxy_args += ["--mcp", url, "--command-tool", "aospec_bash"]
+                    proxy_env = {**os.environ, "AOSPEC_TOKEN": proxy_token, "AOSPEC_MCP_TOKEN": token}
+                    with aospec_server(proxy_args, tmp / "proxy.log", "aospec proxy at ", proxy_env) as proxy_url:
+                        run = run_opencode(proxy_url, remote, tmp / "opencode", api_key=proxy_token)
+                        got = httpx.get(
+                            proxy_url.removesuffix("/v1") + "/aospec/stats",
+                            headers={"Authorization": f"Bearer {proxy_token}"},
+                        )
+                        got.raise_for_status()
+                        extra["proxy_stats"] = got.json()
+                metrics = mcp_metrics(url, token)
+            out[mode].append({**run, "requests": sorted(b.decode() for b in recorder.bodies), "metrics": metrics, **extra})
     first = out["serial"][0]
-    out["identical"] = all(
-        (r["tool_outputs"], r["final_output"], r["requests"]) == (first["tool_outputs"], first["final_output"], first["requests"])
-        for r in out["serial"] + out["aospec"]
-    )
-    out["serial_s"] = statistics.median(r["wall_s"] for r in out["serial"])
-    out["aospec_s"] = statistics.median(r["wall_s"] for r in out["aospec"])
+    reference = (first["tool_outputs"], first["final_output"], first["requests"])
+    out["identical_by_mode"] = {
+        mode: all((r["tool_outputs"], r["final_output"], r["requests"]) == reference for r in out[mode]) for mode in modes
+    }
+    out["identical"] = all(out["identical_by_mode"].values())
+    for mode in modes:
+        out[f"{mode}_s"] = statistics.median(r["wall_s"] for r in out[mode])
     return out
 
 
@@ -389,6 +460,22 @@ def _row(harness: str, tpot: float, repeats: int, serial: float, spec: float, ag
     }
 
 
+def _speculation(runs: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """What aospec did in an opencode mode's runs (the last run's counters): the MCP server's
+    calls, speculations and hits, and the proxy's requests, speculative requests, hits and
+    prefetched actions."""
+    last = runs[-1]
+    m, p = last.get("metrics", {}), last.get("proxy_stats")
+    out: dict[str, Any] = {}
+    if m:
+        out["mcp_calls"] = int(m.get("aospec_requests_total", 0))
+        out["mcp_launched"] = int(sum(v for k, v in m.items() if k.startswith("aospec_speculations_launched_total")))
+        out["mcp_hits"] = int(sum(v for k, v in m.items() if k.startswith("aospec_speculations_hit_total")))
+    if p:
+        out |= {f"proxy_{k}": p[k] for k in ("chat_requests", "speculable", "speculated", "hits", "actions_prefetched", "prefetch_refused")}
+    return out
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--harness", default="all", help=f"comma-separated: {', '.join(HARNESSES)}, or all (default)")
@@ -398,6 +485,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--check",
         action="store_true",
         help="opencode only: one run per mode at the first TPOT, everything each saw printed as JSON (the test's driver)",
+    )
+    ap.add_argument(
+        "--proxy",
+        action="store_true",
+        help="with --check: serial and through aospec proxy (the proxy mode) instead of serial and aospec mcp --http",
+    )
+    ap.add_argument(
+        "--no-prefetch",
+        action="store_true",
+        help="opencode through the proxy: without --mcp (no action prefetch; observation speculation only)",
     )
     ap.add_argument("--json", action="store_true", help="print the rows as JSON")
     args = ap.parse_args(argv)
@@ -411,19 +508,28 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.repeats < 1:
         ap.error("--repeats must be >= 1")
     with tempfile.TemporaryDirectory(prefix="aospec-bench-harness-") as tmp:
+        prefetch = not args.no_prefetch
         if args.check:
-            print(json.dumps(compare_opencode(tpots[0], Path(tmp)), indent=2))
+            modes = ("serial", "proxy") if args.proxy else ("serial", "aospec")
+            print(json.dumps(compare_opencode(tpots[0], Path(tmp), modes=modes, prefetch=prefetch), indent=2))
             return 0
         rows = []
+        # opencode and opencode-proxy share their serial runs: one compare_opencode per TPOT
+        opencode = {"opencode": "aospec", "opencode-proxy": "proxy"}
         for tpot in tpots:
-            for harness in which:
-                if harness == "openai-agents":
-                    row = measure_agents_sdk(tpot, args.repeats, Path(tmp))
-                else:
-                    o = compare_opencode(tpot, Path(tmp), repeats=args.repeats)
-                    row = _row("opencode", tpot, args.repeats, o["serial_s"], o["aospec_s"], o["identical"])
-                print(json.dumps(row), file=sys.stderr)
-                rows.append(row)
+            if "openai-agents" in which:
+                rows.append(measure_agents_sdk(tpot, args.repeats, Path(tmp)))
+                print(json.dumps(rows[-1]), file=sys.stderr)
+            if wanted := [h for h in which if h in opencode]:
+                modes = ("serial", *(opencode[h] for h in wanted))
+                o = compare_opencode(tpot, Path(tmp), repeats=args.repeats, modes=modes, prefetch=prefetch)
+                for h in wanted:
+                    mode = opencode[h]
+                    rows.append(
+                        _row(h, tpot, args.repeats, o["serial_s"], o[f"{mode}_s"], o["identical_by_mode"][mode])
+                        | _speculation(o[mode])
+                    )
+                    print(json.dumps(rows[-1]), file=sys.stderr)
     if args.json:
         print(json.dumps(rows, indent=2))
     else:

@@ -7,8 +7,11 @@ directory and the start-up fetches turned off (scripts/bench_harnesses.py,
 loopback (``unshare -n``), so it proves opencode needs nothing off the host. Serial
 (``aospec mcp --no-speculate``, a local server opencode starts) and speculating (``aospec
 mcp --http``, a remote one) must give the same tool outputs, final files and requests
-upstream, and the speculating one must serve calls from forks. Needs root, overlayfs and
-opencode (``.ci/run`` installs it)."""
+upstream, and the speculating one must serve calls from forks. Through ``aospec proxy``
+as opencode's provider (in front of serve-trace; ``--mcp`` at the ``aospec mcp --http``
+server opencode uses, ``--command-tool aospec_bash``) opencode must get the same again, and
+the proxy's ``/aospec/stats`` must count what it did. Needs root, overlayfs and opencode
+(``.ci/run`` installs it)."""
 
 from __future__ import annotations
 
@@ -18,6 +21,7 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -32,7 +36,9 @@ if shutil.which("opencode") is None:
     )
 
 
-def test_opencode_gets_the_same_result_through_aospec_offline(mcp_state_root: Path) -> None:
+def _check_offline(mcp_state_root: Path, *flags: str) -> dict[str, Any]:
+    """``scripts/bench_harnesses.py --check FLAGS`` in a network namespace with only
+    loopback: what each mode's opencode run saw."""
     if os.geteuid() != 0 or shutil.which("unshare") is None or shutil.which("ip") is None:
         pytest.skip("the offline run needs root, unshare and ip (a network namespace with only loopback)")
     script = ROOT / "scripts" / "bench_harnesses.py"
@@ -48,6 +54,7 @@ def test_opencode_gets_the_same_result_through_aospec_offline(mcp_state_root: Pa
             "--check",
             "--tpot-ms",
             "2",
+            *flags,
         ],
         env={**os.environ, "AOSPEC_STATE_ROOT": str(mcp_state_root)},
         capture_output=True,
@@ -56,17 +63,55 @@ def test_opencode_gets_the_same_result_through_aospec_offline(mcp_state_root: Pa
         stdin=subprocess.DEVNULL,
     )
     assert r.returncode == 0, r.stderr[-3000:]
-    seen = json.loads(r.stdout)
-    serial, spec = seen["serial"][0], seen["aospec"][0]
-    calls = [name for name, _ in bh.agents_calls() if name != "count_words"]
-    assert [t[0] for t in serial["tool_outputs"]] == [f"aospec_{n}" for n in calls]  # every call went to aospec mcp
+    return json.loads(r.stdout)
+
+
+#: The task's MCP calls, as opencode names them (``SERVER_TOOL``).
+CALLS = [f"aospec_{name}" for name, _ in bh.agents_calls() if name != "count_words"]
+
+
+def _assert_serial_reference(serial: dict[str, Any]) -> None:
+    assert [t[0] for t in serial["tool_outputs"]] == CALLS  # every call went to aospec mcp
     assert all(status == "completed" for _, status, _ in serial["tool_outputs"])
     assert serial["tool_outputs"][-1][2] == bh.FINAL_FILES  # the final files, as cat prints them
-    assert spec["tool_outputs"] == serial["tool_outputs"]
-    assert spec["final_output"] == serial["final_output"] == "Done: x is 10."
+    assert serial["final_output"] == "Done: x is 10."
     # one request per reply, plus opencode's title request (served the first reply's text)
-    assert len(serial["requests"]) == len(calls) + 2
+    assert len(serial["requests"]) == len(CALLS) + 2
+
+
+def test_opencode_gets_the_same_result_through_aospec_offline(mcp_state_root: Path) -> None:
+    seen = _check_offline(mcp_state_root)
+    serial, spec = seen["serial"][0], seen["aospec"][0]
+    _assert_serial_reference(serial)
+    assert spec["tool_outputs"] == serial["tool_outputs"]
+    assert spec["final_output"] == serial["final_output"]
     assert spec["requests"] == serial["requests"]  # byte for byte what the upstream saw
     assert seen["identical"] is True
-    assert spec["metrics"]["aospec_requests_total"] == len(calls)
+    assert spec["metrics"]["aospec_requests_total"] == len(CALLS)
     assert spec["metrics"]['aospec_speculations_hit_total{kind="action"}'] >= 1  # calls served from forks
+
+
+def test_opencode_gets_the_same_result_through_aospec_proxy_offline(mcp_state_root: Path) -> None:
+    seen = _check_offline(mcp_state_root, "--proxy")
+    serial, proxied = seen["serial"][0], seen["proxy"][0]
+    _assert_serial_reference(serial)
+    assert proxied["tool_outputs"] == serial["tool_outputs"]  # the final files included
+    assert proxied["final_output"] == serial["final_output"]
+    # what serve-trace received through the proxy, byte for byte what it received directly
+    assert proxied["requests"] == serial["requests"]
+    assert seen["identical"] is True
+    stats = proxied["proxy_stats"]
+    # every model request went through the proxy: the task's and the title's
+    assert stats["chat_requests"] == len(CALLS) + 2
+    assert stats["upstream_errors"] == stats["error_replies"] == stats["refused"] == 0
+    # opencode sends no temperature or seed for this model, so no request is deterministic
+    # enough to speculate: every one passes through, and nothing speculative went upstream
+    assert stats["passthrough"] == stats["chat_requests"] and stats["speculable"] == 0
+    assert stats["speculated"] == stats["hits"] == 0
+    # --mcp with --command-tool aospec_bash: each aospec_bash call was sent to the MCP server
+    # to start in a fork as its reply streamed (aospec_read_file and the other prefixed
+    # sandbox tools are not among the names the proxy maps)
+    bash_calls = sum(1 for name in CALLS if name == "aospec_bash")
+    assert stats["actions_prefetched"] == bash_calls
+    assert stats["prefetch_errors"] == 0
+    assert proxied["metrics"]["aospec_requests_total"] == len(CALLS)
