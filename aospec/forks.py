@@ -816,7 +816,7 @@ class Forks:
             if self.record_access:
                 self.step_access = await self._access_of(self._sandbox, self._caps, None)
             if self._readsets is not None:
-                await self._committed_in_place(origin)
+                await self._committed_in_place(fork, origin)
             return None
         sandbox = fork.sandbox
         self._idle.discard(fork)
@@ -871,39 +871,38 @@ class Forks:
                 step=step,
             ) from exc
         self._ledger.fork_committed(self._clock.now_ns(), fork.action.key)
-        try:
-            after = self._sandbox.version
-        except Exception as exc:
-            # the step is committed; only read-set validation needed the version: without
-            # it no fork from before now can be revalidated, so it stops (plain JASV)
-            self._failed("reading the committed version after a commit", exc)
-            self._readsets = None
-        else:
+        # the step is committed; only read-set validation needs the version now
+        after = self._version_after("a commit")
+        if after is not None:
             self._committed_writes(origin, after, writes)
         return None
 
-    async def _committed_in_place(self, origin: str) -> None:
-        """Read-set validation learns what a step run on the committed sandbox itself
-        changed: its write set (the root's, :meth:`_root_writes`), when a live fork from an
-        older version may ask."""
-        try:
-            after = self._sandbox.version
-        except Exception as exc:
-            self._failed("reading the committed version after a step", exc)
-            self._readsets = None
+    async def _committed_in_place(self, fork: ForkEntry, origin: str) -> None:
+        """Read-set validation learns what ``fork``'s step, run on the committed sandbox
+        itself, changed (the root's write set, :meth:`_step_writes`)."""
+        after = self._version_after("a step")
+        if after is None:
             return
-        # (a step that kept the version changed nothing a version names: JASV takes forks
-        # from it as they are)
-        writes: WriteSet | None = WriteSet() if after == origin else None
-        if after != origin and any(f.traced for f in self.registry):
-            if self.step_access is not None and self.step_access[1] is not None:
-                writes = self.step_access[1]
-            elif self._caps.read_sets:
-                try:
-                    writes = await cast(ReadSetSandbox, self._sandbox).write_set()
-                except Exception as exc:
-                    self._failed("the write set of the committed step", exc)
+        if after == origin:
+            # a step that kept the version changed nothing a version names: JASV takes forks
+            # from it as they are
+            writes: WriteSet | None = WriteSet()
+        elif self.step_access is not None and self.step_access[1] is not None:
+            writes = self.step_access[1]
+        else:
+            writes = await self._step_writes(fork)
         self._committed_writes(origin, after, writes)
+
+    def _version_after(self, what: str) -> str | None:
+        """The committed version after ``what`` was committed; None when it cannot be read:
+        then no fork from before now can be revalidated, so read-set validation stops
+        (plain JASV)."""
+        try:
+            return self._sandbox.version
+        except Exception as exc:
+            self._failed(f"reading the committed version after {what}", exc)
+            self._readsets = None
+            return None
 
     def prune(self) -> None:
         """*Prune invalid forks*: those whose origin is not the committed version (with
@@ -968,16 +967,18 @@ class Forks:
         return None
 
     async def _step_writes(self, fork: ForkEntry) -> WriteSet | None:
-        """The write set of the step about to be committed from ``fork`` when a live fork
-        from an older origin may need it, else None (nothing will ask)."""
+        """The write set of the step committed from ``fork`` (its sandbox's, or the committed
+        sandbox's when it ran there) when a live fork from an older origin may need it, else
+        None (nothing will ask)."""
         if self._readsets is None or not any(f.traced for f in self.registry):
             return None
         if fork.writes is not None:
             return fork.writes
-        if not fork.capabilities.read_sets:
+        sandbox, caps = (self._sandbox, self._caps) if fork.sandbox is None else (fork.sandbox, fork.capabilities)
+        if not caps.read_sets:
             return None
         try:
-            return await cast(ReadSetSandbox, fork.sandbox).write_set()
+            return await cast(ReadSetSandbox, sandbox).write_set()
         except Exception as exc:
             self._failed(f"the write set of step {short(fork.action.key)}", exc)
             return None
