@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+import anyio
 import pytest
 
 pytestmark = pytest.mark.anyio
@@ -57,10 +58,14 @@ def _meta(result: Any) -> dict[str, Any]:
     return result.meta["aospec"]
 
 
-async def _run_script(session: Any, script: list[tuple[str, dict[str, Any]]]) -> tuple[list[Any], list[Any]]:
-    """(what the client sees: text and isError per call; aospec's meta per call)."""
+async def _run_script(
+    session: Any, script: list[tuple[str, dict[str, Any]]], *, decode_s: float = 0.0
+) -> tuple[list[Any], list[Any]]:
+    """(what the client sees: text and isError per call; aospec's meta per call).
+    ``decode_s``: a pause before each call, as an agent's model decodes between calls."""
     seen, metas = [], []
     for name, args in script:
+        await anyio.sleep(decode_s)
         result = await session.call_tool(name, args, read_timeout_seconds=300)
         seen.append((name, [c.text for c in result.content], result.is_error))
         metas.append(_meta(result))
@@ -104,8 +109,11 @@ async def test_speculation_is_lossless(mcp_state_root: Path, mcp_connect: Any, t
         "serial": [*SLOW_OK, "--no-speculate"],
         "speculative": [*SLOW_OK, "--predict", "both", "--predict-file", str(table), "--speculate", "3"],
     }.items():
+        # Why the pause: a guess that has not forked when its call arrives is not waited for
+        # (running the call then is as fast), so without one, a call right after the reply
+        # is served from a fork only if the host forks fast enough.
         async with mcp_connect(args, transport, env=env) as session:
-            seen, metas = await _run_script(session, [*SCRIPT, SNAPSHOT])
+            seen, metas = await _run_script(session, [*SCRIPT, SNAPSHOT], decode_s=0.25)
         runs[mode] = (seen, [m["version"] for m in metas], metas)
     serial, spec = runs["serial"], runs["speculative"]
     assert spec[0] == serial[0]  # every result, errors included, and the final files
