@@ -118,8 +118,14 @@ async def test_prefetches_cannot_pin_the_forks(mcp_state_root: Path, tmp_path: P
             assert r.json() == {"launched": True}
         read = {"path": "/etc/passwd"}
         first = await s.call_tool("read_file", read, read_timeout_seconds=300)
-        again = await s.call_tool("read_file", read, read_timeout_seconds=300)
-        assert again.content == first.content
+        for _ in range(20):
+            # Why a few tries: a guess that has not forked when its call arrives (the four
+            # prefetches fork first) is not waited for; each call predicts the next one.
+            await anyio.sleep(0.1)
+            again = await s.call_tool("read_file", read, read_timeout_seconds=300)
+            assert again.content == first.content
+            if again.meta["aospec"]["speculated"]:
+                break
         assert again.meta["aospec"]["speculated"] is True  # prediction still had forks
         assert again.meta["aospec"]["stats"]["prefetched"] == 4
 
