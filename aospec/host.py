@@ -16,6 +16,12 @@
   never holds slots. The kernel-enforced part (a cgroup with a CPU quota and a memory
   limit for all speculative work) belongs to the runtime; this is the count every session
   sees.
+- :func:`host_budget`: what ``--speculation-budget`` means where it is not given. ``aospec
+  run`` and ``aospec mcp`` default to ``auto``: one slot per two cores this process may use
+  (at least one), shared as above, because sessions that each price their guesses alone
+  drown a busy host (docs/live-benchmark.md: eight sessions on two cores lost 44-119%
+  without a shared budget, 8-13% with one slot). ``none`` turns the host budget off;
+  ``AOSPEC_SPECULATION_BUDGET`` sets the default for every aospec process of a host.
 """
 
 from __future__ import annotations
@@ -36,8 +42,12 @@ from aospec.protocols import HostSnapshot
 
 __all__ = [
     "BUDGET_DIRECTORY",
+    "BUDGET_ENV",
     "ProcHostMonitor",
     "SpeculationBudget",
+    "auto_budget_cores",
+    "check_budget",
+    "host_budget",
     "SpeculationLease",
     "StaticHostMonitor",
     "parse_budget",
@@ -216,22 +226,70 @@ def _stall_share(before: int | None, after: int | None, wall_us: float) -> float
 _UNITS = {"": 1, "b": 1, "k": 1 << 10, "kb": 1 << 10, "m": 1 << 20, "mb": 1 << 20, "g": 1 << 30, "gb": 1 << 30}
 
 
-def parse_budget(text: str) -> tuple[float, int | None]:
+#: The environment variable that sets the default of ``--speculation-budget`` for every aospec
+#: process that reads it (``auto``, ``none`` or ``CORES[,MEMORY]``).
+BUDGET_ENV = "AOSPEC_SPECULATION_BUDGET"
+
+#: The words ``--speculation-budget`` takes besides ``CORES[,MEMORY]``.
+BUDGET_WORDS = ("auto", "none")
+
+
+def auto_budget_cores(cores: float | None = None) -> float:
+    """The ``auto`` budget: one speculative fork per two of the ``cores`` this process may use
+    (:func:`process_cores` by default), at least one."""
+    available = process_cores() if cores is None else cores
+    return float(max(1, math.floor(available / 2)))
+
+
+def _budget_spec(text: str | None, default: str, env: dict[str, str] | None) -> tuple[str, str]:
+    """(the budget ``text`` names, where it came from): ``text``, else :data:`BUDGET_ENV`,
+    else ``default``."""
+    if text is not None:
+        return text, "--speculation-budget"
+    value = (os.environ if env is None else env).get(BUDGET_ENV, "").strip()
+    return (value, BUDGET_ENV) if value else (default, "--speculation-budget")
+
+
+def check_budget(text: str | None, *, default: str = "auto", env: dict[str, str] | None = None) -> None:
+    """ConfigError naming the option or variable when the budget ``text`` names (see
+    :func:`host_budget`) is not ``auto``, ``none`` or ``CORES[,MEMORY]``."""
+    spec, where = _budget_spec(text, default, env)
+    if spec.strip().lower() not in BUDGET_WORDS:
+        parse_budget(spec, where=where)
+
+
+def host_budget(
+    text: str | None, *, default: str = "auto", env: dict[str, str] | None = None
+) -> SpeculationBudget | None:
+    """The host's budget a ``--speculation-budget`` value names: ``text``, or where it is None
+    the :data:`BUDGET_ENV` variable, or ``default``. ``auto``: :func:`auto_budget_cores`;
+    ``none``: no host budget (None); else ``CORES[,MEMORY]`` (:func:`parse_budget`)."""
+    spec, where = _budget_spec(text, default, env)
+    word = spec.strip().lower()
+    if word == "none":
+        return None
+    if word == "auto":
+        return SpeculationBudget(auto_budget_cores())
+    return SpeculationBudget(*parse_budget(spec, where=where))
+
+
+def parse_budget(text: str, *, where: str = "--speculation-budget") -> tuple[float, int | None]:
     """``CORES[,MEMORY]`` (``2``, ``1.5,4G``, ``0.5,512M``) -> (cores, memory bytes or None);
-    ConfigError naming the part that is wrong."""
+    ConfigError naming the part that is wrong (``where``: the option or variable it came
+    from)."""
     cores_text, _, memory_text = text.partition(",")
     try:
         cores = float(cores_text)
     except ValueError:
-        raise ConfigError(f"--speculation-budget {text!r}: CORES must be a number (e.g. 2 or 1.5,4G)") from None
+        raise ConfigError(f"{where} {text!r}: CORES must be a number (e.g. 2 or 1.5,4G), or auto or none") from None
     if not math.isfinite(cores) or cores < 0:
-        raise ConfigError(f"--speculation-budget {text!r}: CORES must be >= 0 (0: no speculation)")
+        raise ConfigError(f"{where} {text!r}: CORES must be >= 0 (0: no speculation)")
     if not memory_text:
         return cores, None
     m = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([a-zA-Z]*)\s*", memory_text)
     unit = m.group(2).lower() if m else ""
     if m is None or unit not in _UNITS:
-        raise ConfigError(f"--speculation-budget {text!r}: MEMORY must be bytes with an optional K, M or G (e.g. 4G)")
+        raise ConfigError(f"{where} {text!r}: MEMORY must be bytes with an optional K, M or G (e.g. 4G)")
     return cores, int(float(m.group(1)) * _UNITS[unit])
 
 

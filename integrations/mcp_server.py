@@ -814,13 +814,14 @@ async def _sandbox_backend(args: argparse.Namespace) -> AsyncIterator[SandboxToo
 
 
 def _budget(args: argparse.Namespace) -> Any:
-    """The host's speculation budget of ``--speculation-budget`` (None without it)."""
-    if args.speculation_budget is None or args.no_speculate:
+    """The host's speculation budget of ``--speculation-budget`` (:func:`aospec.host.host_budget`:
+    auto where it is not given; None for none or without speculation)."""
+    if args.no_speculate:
         return None
-    from aospec.host import SpeculationBudget, parse_budget
+    from aospec.host import host_budget
 
-    budget = SpeculationBudget(*parse_budget(args.speculation_budget))
-    for note in budget.notes:
+    budget = host_budget(args.speculation_budget)
+    for note in budget.notes if budget is not None else ():
         print(f"aospec mcp: note: {note}", file=sys.stderr)
     return budget
 
@@ -944,11 +945,11 @@ def _run(args: argparse.Namespace) -> int:
             )
     if args.upstream and not args.trust and not args.no_speculate:
         print("aospec mcp: note: no --trust file, so no upstream tool is speculated", file=sys.stderr)
-    if args.speculation_budget is not None:
-        from aospec.host import parse_budget
+    if not args.no_speculate:
+        from aospec.host import check_budget
 
         try:
-            parse_budget(args.speculation_budget)
+            check_budget(args.speculation_budget)
         except ConfigError as exc:
             print(f"aospec mcp: {exc}", file=sys.stderr)
             return 2
@@ -1038,7 +1039,8 @@ def register(subparsers: Any) -> None:
         default=None,
         metavar="CORES[,MEMORY]",
         help="speculative calls running at once on this host, in cores (and memory: 4G), shared by every aospec "
-        "session of the host (default: none)",
+        "session of the host; auto (the default, or $AOSPEC_SPECULATION_BUDGET): one per two cores; none: no "
+        "host budget",
     )
     p.add_argument(
         "--predict",

@@ -1417,7 +1417,8 @@ def register(subparsers: Any) -> None:
         default=None,
         metavar="CORES[,MEMORY]",
         help="speculative upstream requests in flight on this host, in cores (and memory: 4G), shared by every "
-        "aospec session of the host: each holds a slot (default: none)",
+        "aospec session of the host: each holds a slot; auto: one per two cores (default: none, or "
+        "$AOSPEC_SPECULATION_BUDGET)",
     )
     p.add_argument("--train-traces", dest="train", nargs="*", default=[], help="traces to fit the drafters on (any format aospec reads)")
     from aospec.cli import add_alias
@@ -1497,11 +1498,13 @@ def _serve(args: argparse.Namespace) -> int:
             "when the proxy and the server share one)"
         )
     budget = None
-    if args.speculation_budget is not None and not args.no_speculate:
-        from aospec.host import SpeculationBudget, parse_budget
+    if not args.no_speculate:
+        from aospec.host import host_budget
 
-        budget = SpeculationBudget(*parse_budget(args.speculation_budget))
-        for note in budget.notes:
+        # none by default: the proxy's guesses are requests to the upstream model, which
+        # spends its CPU elsewhere ($AOSPEC_SPECULATION_BUDGET still applies)
+        budget = host_budget(args.speculation_budget, default="none")
+        for note in budget.notes if budget is not None else ():
             print(f"aospec proxy: note: {note}", file=sys.stderr)
     app = proxy_app(
         args.upstream,

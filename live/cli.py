@@ -103,7 +103,8 @@ def register(subparsers: Any) -> None:
         default=None,
         metavar="CORES[,MEMORY]",
         help="the most speculative forks running at once on this host, in cores (and memory: 4G), shared by "
-        "every aospec session of the host (default: none; 0: no speculative forks)",
+        "every aospec session of the host; auto (the default, or $AOSPEC_SPECULATION_BUDGET): one per two cores; "
+        "none: no host budget; 0: no speculative forks",
     )
     p.add_argument(
         "--calibration",
@@ -238,12 +239,11 @@ def _check_args(args: argparse.Namespace) -> None:
 
         args.drafter_options = _drafter_options(args.drafter_options)
         check_drafter_names([parse_policy(args.policy)])
-    if args.speculation_budget is not None:
-        from aospec.host import parse_budget
+    from aospec.host import check_budget
 
-        parse_budget(args.speculation_budget)
-        if not args.speculate:
-            raise ConfigError("--speculation-budget needs speculation: a serial run (--no-speculate) makes no forks")
+    check_budget(args.speculation_budget)
+    if args.speculation_budget is not None and not args.speculate:
+        raise ConfigError("--speculation-budget needs speculation: a serial run (--no-speculate) makes no forks")
     if args.calibration is not None:
         if not args.speculate:
             raise ConfigError("--calibration is the speculation controller's: a serial run (--no-speculate) has none")
@@ -368,16 +368,32 @@ def _admission_model(args: argparse.Namespace, train: list[Any]) -> Any:
 
 
 def _speculation_budget(args: argparse.Namespace) -> Any:
-    """The host's budget of ``--speculation-budget`` (None without it); its notes go to stderr."""
-    if args.speculation_budget is None:
-        return None
-    from aospec.host import SpeculationBudget, parse_budget
+    """The host's budget of ``--speculation-budget`` (:func:`aospec.host.host_budget`: auto
+    where it is not given; None for none); its notes go to stderr."""
+    from aospec.host import host_budget
 
-    cores, memory = parse_budget(args.speculation_budget)
-    budget = SpeculationBudget(cores, memory)
-    for note in budget.notes:
+    budget = host_budget(args.speculation_budget)
+    for note in budget.notes if budget is not None else ():
         _warn(note)
     return budget
+
+
+def _budget_text(args: argparse.Namespace) -> str:
+    """The budget that applies, as given: ``--speculation-budget``, else
+    $AOSPEC_SPECULATION_BUDGET, else ``auto``."""
+    from aospec.host import BUDGET_ENV
+
+    if args.speculation_budget is not None:
+        return str(args.speculation_budget)
+    return os.environ.get(BUDGET_ENV, "").strip() or "auto"
+
+
+def _explicit_budget(args: argparse.Namespace) -> bool:
+    """A budget in cores given on the command line (or $AOSPEC_SPECULATION_BUDGET): only
+    then does the run also set the kernel-enforced part (auto is the shared slots alone)."""
+    from aospec.host import BUDGET_WORDS
+
+    return _budget_text(args).strip().lower() not in BUDGET_WORDS
 
 
 @contextlib.contextmanager
@@ -449,7 +465,7 @@ async def _main(args: argparse.Namespace, actor: Any, train: list[Any], state: d
             # host-aware defaults: width, depth and live forks follow the cores and the load now
             drafters = dataclasses.replace(drafters, config=host_config(drafters.config, host.snapshot()))
             budget = _speculation_budget(args)
-            if budget is not None:
+            if budget is not None and _explicit_budget(args):
                 kernel_budget = _kernel_budget(budget)
         config = SandboxConfig(
             backend=args.sandbox,
@@ -485,7 +501,7 @@ async def _main(args: argparse.Namespace, actor: Any, train: list[Any], state: d
                         "base": args.base,
                         "model": args.model if args.model.startswith(("http://", "https://")) else _model_name(args),
                         "step_limit": args.step_limit,
-                        "speculation_budget": args.speculation_budget,
+                        "speculation_budget": _budget_text(args),
                         "specbox": box.summary(),
                         "version_start": sandbox.version,
                         "exit_reason": "running",

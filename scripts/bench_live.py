@@ -84,6 +84,8 @@ from aospec.runtime import Bind, SandboxConfig, default_state_root, open_sandbox
 from bench_live.load import background_load
 from bench_live.tasks import MEASURED, QUICK, TRAINING, Trajectory
 
+from aospec.errors import ConfigError
+from aospec.host import check_budget, host_budget
 from aospec.types import Action, Step, Trace
 
 TPOTS_MS = (20.0, 10.0, 1.0)
@@ -361,12 +363,14 @@ def replay_prediction(
     from aospec.replay.policies import parse_policies
     from aospec.replay.sweep import replay_together, replay_trace
 
-    policies = parse_policies(f"serial,{policy}")
-    name = policies[1].name
+    # --policy serial: the speculative runs' engine with the serial policy (its overhead alone)
+    policies = parse_policies("serial" if policy.strip() == "serial" else f"serial,{policy}")
+    name = policies[-1].name
     serial = spec = 0
     for batch in batches:
         if host is not None and len(batch) > 1:
-            s_res, p_res = replay_together(batch, policies, tpot_ms, drafters, host, state_model="recorded")
+            s_res, *rest = replay_together(batch, policies, tpot_ms, drafters, host, state_model="recorded")
+            p_res = rest[0] if rest else s_res
             serial += sum(r.latency_ns for r in s_res)
             spec += sum(r.latency_ns for r in p_res)
             continue
@@ -980,7 +984,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         default=None,
         metavar="CORES[,MEMORY]",
         help="the host's speculation budget the speculative sessions share (aospec run --speculation-budget; "
-        "default: none)",
+        "default: auto, as aospec run: one slot per two cores; none: no host budget)",
     )
     ap.add_argument(
         "--no-calibration",
@@ -1015,6 +1019,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--plot", default=None, help="write a PNG plot here")
     ap.add_argument("--out", default=None, help="keep the recorded traces (JSONL) in this directory")
     args = ap.parse_args(argv)
+    try:
+        check_budget(args.speculation_budget)
+    except ConfigError as exc:
+        ap.error(str(exc))
     if args.integrations and args.quick:
         if "--tpots" not in (argv if argv is not None else sys.argv):
             args.tpots = "10"
@@ -1061,13 +1069,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         log(f"drafters fitted on {len(train)} training runs + {len(extra_train)} traces of {paths or 'nothing'}")
         train = [*train, *extra_train]
         drafters = default_drafters(train, policy=args.policy)
-        if args.speculation_budget is not None:
-            from aospec.host import SpeculationBudget, parse_budget
-
-            global BUDGET
-            BUDGET = SpeculationBudget(*parse_budget(args.speculation_budget))
-            for note in BUDGET.notes:
-                log(f"note: {note}")
+        global BUDGET
+        BUDGET = host_budget(args.speculation_budget)  # auto unless given: aospec run's default
+        for note in BUDGET.notes if BUDGET is not None else ():
+            log(f"note: {note}")
+        log(f"host speculation budget: {'none' if BUDGET is None else f'{BUDGET.slots} slot(s)'}")
         if not args.no_calibration:
             from aospec.replay.calibrate import fit_admission
 

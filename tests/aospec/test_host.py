@@ -10,7 +10,16 @@ from pathlib import Path
 import pytest
 
 from aospec.errors import ConfigError
-from aospec.host import ProcHostMonitor, SpeculationBudget, parse_budget, process_cores
+from aospec.host import (
+    BUDGET_ENV,
+    ProcHostMonitor,
+    SpeculationBudget,
+    auto_budget_cores,
+    check_budget,
+    host_budget,
+    parse_budget,
+    process_cores,
+)
 from aospec.protocols import HostMonitor
 
 
@@ -101,6 +110,23 @@ def test_budgets_parse_with_one_clear_error():
     for bad, needle in [("x", "CORES must be a number"), ("-2", ">= 0"), ("1,4T", "MEMORY"), ("inf", ">= 0")]:
         with pytest.raises(ConfigError, match=needle):
             parse_budget(bad)
+
+
+def test_the_default_budget_is_one_slot_per_two_cores_and_the_environment_sets_it(monkeypatch):
+    monkeypatch.setattr("aospec.host.process_cores", lambda *a, **k: 5.0)
+    assert auto_budget_cores() == 2.0 and auto_budget_cores(1) == 1.0 and auto_budget_cores(16) == 8.0
+    assert host_budget(None, env={}).cores == 2.0  # auto where nothing is given
+    assert host_budget(None, env={}, default="none") is None  # the proxy's default
+    assert host_budget(None, env={BUDGET_ENV: "none"}) is None
+    assert host_budget(None, env={BUDGET_ENV: "1"}).slots == 1
+    assert host_budget("NONE", env={BUDGET_ENV: "2"}) is None  # the option beats the variable
+    assert host_budget("auto", env={BUDGET_ENV: "none"}).cores == 2.0
+    check_budget("auto")
+    check_budget(None, env={BUDGET_ENV: "0.5,1G"})
+    with pytest.raises(ConfigError, match=f"^{BUDGET_ENV} 'lots': CORES must be a number"):
+        check_budget(None, env={BUDGET_ENV: "lots"})
+    with pytest.raises(ConfigError, match=r"^--speculation-budget 'lots'"):
+        check_budget("lots", env={BUDGET_ENV: "none"})
 
 
 def test_a_budget_that_cannot_be_met_is_lowered_with_a_note(tmp_path):

@@ -255,3 +255,27 @@ async def test_a_host_budget_of_no_cores_starts_no_speculative_call(mcp_state_ro
     assert seen == serial
     assert not any(m["speculated"] for m in metas)
     assert metas[-1]["stats"]["launched"] == 0 and metas[-1]["stats"]["budget_refused"] > 0
+
+
+async def test_by_default_the_host_budget_holds_one_call_per_two_cores(
+    mcp_state_root: Path, mcp_connect: Any, tmp_path: Path
+) -> None:
+    """No --speculation-budget: auto (aospec.host.host_budget), shared by every aospec process
+    of the host; none turns it off. Three calls predicted at once after the first read."""
+    from aospec.host import auto_budget_cores
+
+    slots = int(auto_budget_cores())
+    if slots >= 3:
+        pytest.skip(f"the default gives this host {slots} slots: three guesses at once are never refused")
+    table = tmp_path / "table.json"
+    table.write_text(json.dumps(TABLE))
+    predict = ["--predict", "both", "--predict-file", str(table), "--speculate", "3"]
+    env = {"AOSPEC_STATE_ROOT": str(mcp_state_root)}
+    stats = {}
+    for budget in ("", "none"):  # "": the variable unset, so the default applies
+        async with mcp_connect([*SLOW_OK, *predict], "stdio", env={**env, "AOSPEC_SPECULATION_BUDGET": budget}) as s:
+            seen, metas = await _run_script(s, SCRIPT[:6], decode_s=0.25)
+        stats[budget or "default"] = (seen, metas[-1]["stats"])
+    assert stats["default"][0] == stats["none"][0]  # the same results either way
+    assert stats["default"][1]["budget_refused"] > 0 and stats["default"][1]["launched"] > 0
+    assert stats["none"][1]["budget_refused"] == 0

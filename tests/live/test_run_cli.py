@@ -243,6 +243,13 @@ def test_speculation_budget_and_calibration_usage_errors_are_one_line_and_exit_2
     assert not_a_model.read_text() == '{"mine": true}'  # never rewritten
 
 
+def test_a_default_budget_that_is_no_budget_names_its_variable(capsys, monkeypatch) -> None:
+    monkeypatch.setenv("AOSPEC_SPECULATION_BUDGET", "lots")
+    code, _out, err = _run(capsys, TASK, "--model", "http://127.0.0.1:9/v1")
+    assert code == 2 and "AOSPEC_SPECULATION_BUDGET 'lots': CORES must be a number" in err, err
+    assert len(err.strip().splitlines()) == 1 and "Traceback" not in err
+
+
 @pytest.mark.root
 def test_run_reports_the_controller_and_keeps_its_calibration(overlay_state, serve_traces, capsys, tmp_path) -> None:
     server = serve_traces([demo_trace()], tpot_ms=1.0)
