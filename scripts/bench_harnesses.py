@@ -18,7 +18,8 @@ Harnesses:
 - ``opencode-proxy``: the same with opencode's provider at ``aospec proxy`` (its own
   process, loopback, port 0; the proxy's token as opencode's API key) in front of
   serve-trace, ``aospec mcp --http`` as its tools, and the proxy's ``--mcp`` at that server
-  (``--command-tool aospec_bash``: the proxy starts each ``aospec_bash`` call in a fork as
+  (``--mcp-tool-prefix aospec_``, the prefix opencode gives the tools of its ``aospec``
+  server: the proxy starts each ``aospec_bash``, ``aospec_read_file``, ... call in a fork as
   soon as its reply holds it; ``--no-prefetch`` leaves that off). It shares its serial runs
   with ``opencode``.
 
@@ -64,6 +65,8 @@ OPENCODE_OFFLINE = {
     "OPENCODE_DISABLE_LSP_DOWNLOAD": "1",
     "OPENCODE_DISABLE_SHARE": "1",
 }
+#: The opencode.json ``mcp`` key of aospec's server, and so the prefix of its tools there.
+OPENCODE_MCP_KEY = "aospec"
 TASK = "Set up /tmp/a/conf, bump x to 10, leave a note, and show the final files."
 #: Seconds each of the task's shell commands takes (a build or a test run, scaled down).
 TOOL_S = 0.3
@@ -201,10 +204,13 @@ async def run_agents_sdk(
 def opencode_trace(tool_s: float = TOOL_S, output_tokens: int = 40) -> Any:
     """The task for opencode: the MCP calls of :func:`agents_calls` under the names opencode
     gives an MCP server's tools (``SERVER_TOOL``: ``aospec_bash``, ...)."""
+    from aospec.integrations._proxy_actions import opencode_tool_prefix
+
     from aospec.types import Action, Step, Trace
 
+    prefix = opencode_tool_prefix(OPENCODE_MCP_KEY)
     steps = [
-        Step(action=Action(f"aospec_{name}", args), observation="", output_tokens=output_tokens, reply=f"Next: {name}.")
+        Step(action=Action(prefix + name, args), observation="", output_tokens=output_tokens, reply=f"Next: {name}.")
         for name, args in agents_calls(tool_s)
         if name != "count_words"
     ]
@@ -229,8 +235,10 @@ def opencode_config(base_url: str, mcp: dict[str, Any], api_key: str = "not-need
         },
         "model": "servetrace/serve-trace",
         "small_model": "servetrace/serve-trace",
-        "mcp": {"aospec": mcp},
-        "tools": {name: False for name in ("bash", "edit", "write", "read", "patch", "glob", "grep", "list", "webfetch")},
+        "mcp": {OPENCODE_MCP_KEY: mcp},
+        "tools": {
+            name: False for name in ("bash", "edit", "write", "read", "patch", "glob", "grep", "list", "webfetch")
+        },
         "autoupdate": False,
         "share": "disabled",
     }
@@ -329,7 +337,9 @@ def mcp_metrics(url: str, token: str) -> dict[str, float]:
     return {
         line.split(" ")[0]: float(line.split(" ")[1])
         for line in scraped.text.splitlines()
-        if line.startswith(("aospec_requests_total", "aospec_speculations_launched_total", "aospec_speculations_hit_total"))
+        if line.startswith(
+            ("aospec_requests_total", "aospec_speculations_launched_total", "aospec_speculations_hit_total")
+        )
     }
 
 
@@ -351,12 +361,13 @@ def compare_opencode(
     mcp --http`` as a remote one, with the task's recorded trajectory as training traces)
     and ``proxy`` (that server, and opencode's provider at an ``aospec proxy`` in front of
     serve-trace, with the proxy's token as its API key; with ``prefetch``, ``--mcp`` at the
-    same server and ``--command-tool aospec_bash``: the proxy starts each ``aospec_bash``
-    call in a fork as its reply streams). Returns what each run saw (tool outputs, the
+    same server and ``--mcp-tool-prefix aospec_``: the proxy starts each call of that
+    server's tools in a fork as its reply streams). Returns what each run saw (tool outputs, the
     requests serve-trace got, sorted: opencode's title request runs beside the first one),
     the speculating server's metrics, the proxy's ``/aospec/stats``, and the median wall
     time of each mode (``MODE_s``)."""
     import httpx
+    from aospec.integrations._proxy_actions import opencode_tool_prefix
     from aospec.live.serve_trace import serve_trace_app, serving
 
     if "serial" not in modes or not set(modes) <= set(OPENCODE_MODES):
@@ -377,10 +388,17 @@ def compare_opencode(
             token = "bench-" + os.urandom(8).hex()
             mcp_env = {**os.environ, "AOSPEC_TOKEN": token}
             with (
-                aospec_server(["mcp", "--http", "0", *args["aospec"]], tmp / "mcp-http.log", "listening on ", mcp_env) as url,
+                aospec_server(
+                    ["mcp", "--http", "0", *args["aospec"]], tmp / "mcp-http.log", "listening on ", mcp_env
+                ) as url,
                 serving(recorder) as server,
             ):
-                remote = {"type": "remote", "url": url, "headers": {"Authorization": f"Bearer {token}"}, "enabled": True}
+                remote = {
+                    "type": "remote",
+                    "url": url,
+                    "headers": {"Authorization": f"Bearer {token}"},
+                    "enabled": True,
+                }
                 extra: dict[str, Any] = {}
                 if mode == "aospec":
                     run = run_opencode(server.base_url, remote, tmp / "opencode")  # the same path: it is in the prompt
@@ -388,7 +406,8 @@ def compare_opencode(
                     proxy_token = "bench-proxy-" + os.urandom(8).hex()
                     proxy_args = ["proxy", "--upstream", server.base_url, "--port", "0"]
                     if prefetch:
-                        proxy_args += ["--mcp", url, "--command-tool", "aospec_bash"]
+                        prefix = opencode_tool_prefix(OPENCODE_MCP_KEY)
+                        proxy_args += ["--mcp", url, "--mcp-tool-prefix", prefix]
                     proxy_env = {**os.environ, "AOSPEC_TOKEN": proxy_token, "AOSPEC_MCP_TOKEN": token}
                     with aospec_server(proxy_args, tmp / "proxy.log", "aospec proxy at ", proxy_env) as proxy_url:
                         run = run_opencode(proxy_url, remote, tmp / "opencode", api_key=proxy_token)
@@ -399,11 +418,14 @@ def compare_opencode(
                         got.raise_for_status()
                         extra["proxy_stats"] = got.json()
                 metrics = mcp_metrics(url, token)
-            out[mode].append({**run, "requests": sorted(b.decode() for b in recorder.bodies), "metrics": metrics, **extra})
+            out[mode].append(
+                {**run, "requests": sorted(b.decode() for b in recorder.bodies), "metrics": metrics, **extra}
+            )
     first = out["serial"][0]
     reference = (first["tool_outputs"], first["final_output"], first["requests"])
     out["identical_by_mode"] = {
-        mode: all((r["tool_outputs"], r["final_output"], r["requests"]) == reference for r in out[mode]) for mode in modes
+        mode: all((r["tool_outputs"], r["final_output"], r["requests"]) == reference for r in out[mode])
+        for mode in modes
     }
     out["identical"] = all(out["identical_by_mode"].values())
     for mode in modes:
@@ -445,7 +467,9 @@ def measure_agents_sdk(tpot: float, repeats: int, tmp: Path) -> dict[str, Any]:
             key = (out["final_output"], json.dumps(out["tool_outputs"]), tuple(recorder.bodies))
             reference = reference or key
             agree &= key == reference
-    return _row("openai-agents", tpot, repeats, statistics.median(walls["serial"]), statistics.median(walls["aospec"]), agree)
+    return _row(
+        "openai-agents", tpot, repeats, statistics.median(walls["serial"]), statistics.median(walls["aospec"]), agree
+    )
 
 
 def _row(harness: str, tpot: float, repeats: int, serial: float, spec: float, agree: bool) -> dict[str, Any]:
@@ -472,12 +496,17 @@ def _speculation(runs: Sequence[dict[str, Any]]) -> dict[str, Any]:
         out["mcp_launched"] = int(sum(v for k, v in m.items() if k.startswith("aospec_speculations_launched_total")))
         out["mcp_hits"] = int(sum(v for k, v in m.items() if k.startswith("aospec_speculations_hit_total")))
     if p:
-        out |= {f"proxy_{k}": p[k] for k in ("chat_requests", "speculable", "speculated", "hits", "actions_prefetched", "prefetch_refused")}
+        out |= {
+            f"proxy_{k}": p[k]
+            for k in ("chat_requests", "speculable", "speculated", "hits", "actions_prefetched", "prefetch_refused")
+        }
     return out
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--harness", default="all", help=f"comma-separated: {', '.join(HARNESSES)}, or all (default)")
     ap.add_argument("--tpot-ms", default="20,10,1", help="comma-separated TPOTs (default 20,10,1)")
     ap.add_argument("--repeats", type=int, default=3, help="runs per mode and TPOT (default 3; the median is kept)")
