@@ -47,6 +47,7 @@ import tempfile
 import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -145,12 +146,13 @@ async def run_agents_sdk(
     *,
     mcp_url: str | None = None,
     token: str | None = None,
+    stderr_log: Path | None = None,
 ) -> dict[str, Any]:
     """One run of the task by the OpenAI Agents SDK: its model at ``base_url`` (serve-trace),
-    its MCP server ``aospec mcp MCP_ARGS`` over stdio (environment ``env``), or, with
-    ``mcp_url``, a running ``aospec mcp --http`` over streamable HTTP (sending ``token``).
-    Returns the final output, every tool output (the last: the final files) and the wall
-    time of the task."""
+    its MCP server ``aospec mcp MCP_ARGS`` over stdio (environment ``env``; its stderr
+    appended to ``stderr_log`` when given), or, with ``mcp_url``, a running ``aospec mcp
+    --http`` over streamable HTTP (sending ``token``). Returns the final output, every tool
+    output (the last: the final files) and the wall time of the task."""
     from agents import (
         Agent,
         OpenAIChatCompletionsModel,
@@ -180,7 +182,11 @@ async def run_agents_sdk(
             client_session_timeout_seconds=300,
         )
     else:
-        params = {"command": AOSPEC, "args": ["mcp", *mcp_args], "env": env if env is not None else dict(os.environ)}
+        command, cmd_args = AOSPEC, ["mcp", *mcp_args]
+        if stderr_log is not None:  # the same process (exec), its stderr (--stats) kept
+            keep = 'log=$1; shift; exec "$@" 2>>"$log"'
+            command, cmd_args = "/bin/sh", ["-c", keep, "sh", str(stderr_log), AOSPEC, *cmd_args]
+        params = {"command": command, "args": cmd_args, "env": env if env is not None else dict(os.environ)}
         server = MCPServerStdio(params=params, name="aospec", client_session_timeout_seconds=300)  # type: ignore[arg-type]
     async with server:
         t0 = time.monotonic()  # the task, not the server's start (a sandbox made once per session)
@@ -450,26 +456,44 @@ def mcp_modes(tmp: Path, tool_s: float = TOOL_S) -> dict[str, list[str]]:
     }
 
 
+def _mcp_stats(stderr_log: Path) -> dict[str, Any]:
+    """The counters ``aospec mcp --stats`` printed last in ``stderr_log`` (``{}``: none)."""
+    import ast
+
+    text = stderr_log.read_text() if stderr_log.exists() else ""
+    lines = [ln for ln in text.splitlines() if ln.startswith("aospec mcp: {")]
+    return ast.literal_eval(lines[-1].removeprefix("aospec mcp: ")) if lines else {}
+
+
 def measure_agents_sdk(tpot: float, repeats: int, tmp: Path) -> dict[str, Any]:
-    """The OpenAI Agents SDK row at ``tpot``: median wall times, and whether every run agreed."""
+    """The OpenAI Agents SDK row at ``tpot``: median wall times, whether every run agreed,
+    and the speculating server's calls, speculations and calls served from forks (its last
+    run's ``--stats``)."""
     from aospec.live.serve_trace import serve_trace_app, serving
 
     modes = mcp_modes(tmp)
     walls: dict[str, list[float]] = {m: [] for m in modes}
     reference = None
     agree = True
+    stats: dict[str, Any] = {}
     for _ in range(repeats):
         for mode, args in modes.items():
             recorder = RecordRequests(serve_trace_app([agents_trace()], tpot))
+            log = tmp / f"agents-mcp-{mode}.log"
+            log.unlink(missing_ok=True)
             with serving(recorder) as server:
-                out = anyio.run(run_agents_sdk, server.base_url, args, dict(os.environ))
+                out = anyio.run(partial(run_agents_sdk, server.base_url, args, dict(os.environ), stderr_log=log))
             walls[mode].append(out["wall_s"])
             key = (out["final_output"], json.dumps(out["tool_outputs"]), tuple(recorder.bodies))
             reference = reference or key
             agree &= key == reference
-    return _row(
-        "openai-agents", tpot, repeats, statistics.median(walls["serial"]), statistics.median(walls["aospec"]), agree
-    )
+            if mode == "aospec":
+                stats = _mcp_stats(log)
+    serial, spec = statistics.median(walls["serial"]), statistics.median(walls["aospec"])
+    row = _row("openai-agents", tpot, repeats, serial, spec, agree)
+    if stats:
+        row |= {"mcp_calls": stats["calls"], "mcp_launched": stats["launched"], "mcp_hits": stats["served_speculated"]}
+    return row
 
 
 def _row(harness: str, tpot: float, repeats: int, serial: float, spec: float, agree: bool) -> dict[str, Any]:
@@ -501,6 +525,42 @@ def _speculation(runs: Sequence[dict[str, Any]]) -> dict[str, Any]:
             for k in ("chat_requests", "speculable", "speculated", "hits", "actions_prefetched", "prefetch_refused")
         }
     return out
+
+
+def harness_missing(harness: str) -> str | None:
+    """Why ``harness`` cannot run here (its install is missing: one line naming it), or None."""
+    import importlib.util
+    import shutil
+
+    if harness == "openai-agents" and importlib.util.find_spec("agents") is None:
+        return "the OpenAI Agents SDK is not installed (pip install openai-agents)"
+    if harness in ("opencode", "opencode-proxy") and shutil.which("opencode") is None:
+        return f"opencode is not installed (npm install -g opencode-ai@{OPENCODE_VERSION}; .ci/run installs it)"
+    return None
+
+
+def measure(
+    which: Sequence[str], tpot: float, repeats: int, tmp: Path, *, prefetch: bool = True, log: Any = None
+) -> list[dict[str, Any]]:
+    """The rows of ``which`` (of :data:`HARNESSES`) at ``tpot``, ``repeats`` runs per mode
+    each (the median kept); ``opencode`` and ``opencode-proxy`` share their serial runs.
+    ``log(row)`` is called as each row is done."""
+    rows = []
+    if "openai-agents" in which:
+        rows.append(measure_agents_sdk(tpot, repeats, tmp))
+        if log is not None:
+            log(rows[-1])
+    opencode = {"opencode": "aospec", "opencode-proxy": "proxy"}
+    if wanted := [h for h in which if h in opencode]:
+        modes = ("serial", *(opencode[h] for h in wanted))
+        o = compare_opencode(tpot, tmp, repeats=repeats, modes=modes, prefetch=prefetch)
+        for h in wanted:
+            mode = opencode[h]
+            row = _row(h, tpot, repeats, o["serial_s"], o[f"{mode}_s"], o["identical_by_mode"][mode])
+            rows.append(row | _speculation(o[mode]))
+            if log is not None:
+                log(rows[-1])
+    return rows
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -543,22 +603,18 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(json.dumps(compare_opencode(tpots[0], Path(tmp), modes=modes, prefetch=prefetch), indent=2))
             return 0
         rows = []
-        # opencode and opencode-proxy share their serial runs: one compare_opencode per TPOT
-        opencode = {"opencode": "aospec", "opencode-proxy": "proxy"}
+        for h in [h for h in which if harness_missing(h)]:
+            print(f"skip {h}: {harness_missing(h)}", file=sys.stderr)
+        present = [h for h in which if not harness_missing(h)]
         for tpot in tpots:
-            if "openai-agents" in which:
-                rows.append(measure_agents_sdk(tpot, args.repeats, Path(tmp)))
-                print(json.dumps(rows[-1]), file=sys.stderr)
-            if wanted := [h for h in which if h in opencode]:
-                modes = ("serial", *(opencode[h] for h in wanted))
-                o = compare_opencode(tpot, Path(tmp), repeats=args.repeats, modes=modes, prefetch=prefetch)
-                for h in wanted:
-                    mode = opencode[h]
-                    rows.append(
-                        _row(h, tpot, args.repeats, o["serial_s"], o[f"{mode}_s"], o["identical_by_mode"][mode])
-                        | _speculation(o[mode])
-                    )
-                    print(json.dumps(rows[-1]), file=sys.stderr)
+            rows += measure(
+                present,
+                tpot,
+                args.repeats,
+                Path(tmp),
+                prefetch=prefetch,
+                log=lambda r: print(json.dumps(r), file=sys.stderr),
+            )
     if args.json:
         print(json.dumps(rows, indent=2))
     else:
