@@ -31,9 +31,12 @@ Each row: the median wall time of the task without speculation (``aospec mcp
 --no-speculate``: serial execution, the reference) and with it (``aospec mcp
 --train-traces`` of the task's own recorded trajectory: the history action drafter, so
 every call the model makes next is a prediction -- an upper bound on the hit rate; for
-``opencode-proxy``, the same behind the proxy), and the saving; opencode rows also carry
-(``--json``) the MCP server's calls, speculations and hits and the proxy's counters. Timing
-figures on a shared machine are noisy.
+``opencode-proxy``, the same behind the proxy), and the saving; each row also carries
+(``--json``) the speculating MCP server's calls, speculations and hits (its ``/metrics``;
+the Agents SDK's stdio server: its ``--stats``) and ``opencode-proxy`` the proxy's counters.
+A harness whose install is missing is skipped with one line (:func:`harness_missing`).
+:func:`measure` makes the rows; ``scripts/bench_live.py --integrations`` uses it too.
+Timing figures on a shared machine are noisy.
 """
 
 from __future__ import annotations
