@@ -11,7 +11,11 @@ usual. The proxy never changes a byte of what the harness receives.
 Actions (``actions_of``):
 
 - a tool call whose name is one of the MCP server's sandbox tools (``bash``,
-  ``read_file``, ``write_file``, ``edit_file``): that call with its JSON arguments;
+  ``read_file``, ``write_file``, ``edit_file``): that call with its JSON arguments; with a
+  tool prefix (``--mcp-tool-prefix PREFIX``: the harness names that server's tools
+  ``PREFIX + tool``, as opencode names them ``SERVER_tool``, see :func:`opencode_tool_prefix`),
+  only ``PREFIX + tool`` is, as ``tool``, and a bare ``bash`` is not (it is another tool's:
+  opencode's own, or another server's);
 - a tool call named a declared command tool (``--command-tool NAME``) whose arguments are
   exactly ``{"command": str}``: ``bash`` with that command;
 - a ```` ```bash ```` block in the reply's text (mini-swe-agent style; the first closed
@@ -32,7 +36,7 @@ from collections.abc import Iterable, Sequence
 from typing import Any
 from urllib.parse import urlsplit
 
-__all__ = ["MCP_TOOLS", "ActionWatcher", "ResponsesActionWatcher", "prefetch_url"]
+__all__ = ["MCP_TOOLS", "ActionWatcher", "ResponsesActionWatcher", "opencode_tool_prefix", "prefetch_url"]
 
 #: The sandbox tools of ``aospec mcp`` (calls with these names go to it as they are).
 MCP_TOOLS = frozenset({"bash", "read_file", "write_file", "edit_file"})
@@ -48,8 +52,20 @@ def prefetch_url(mcp_url: str) -> str:
     return f"{parts.scheme}://{parts.netloc}/aospec/prefetch"
 
 
-def map_call(name: str, raw_args: str, command_tools: Iterable[str]) -> tuple[str, dict[str, Any]] | None:
-    """The MCP call a harness makes for tool call ``name(raw_args)``, None when none."""
+def opencode_tool_prefix(server_key: str) -> str:
+    """The prefix opencode (1.18.33) gives the tools of the MCP server its opencode.json
+    names ``server_key`` (``"mcp": {server_key: {...}}``): the key with every character but
+    ASCII letters, digits, ``_`` and ``-`` replaced by ``_``, then ``_`` (``aospec`` ->
+    ``aospec_``: its tools are ``aospec_bash``, ``aospec_read_file``, ...)."""
+    return re.sub(r"[^a-zA-Z0-9_-]", "_", server_key) + "_"
+
+
+def map_call(
+    name: str, raw_args: str, command_tools: Iterable[str], tool_prefix: str = ""
+) -> tuple[str, dict[str, Any]] | None:
+    """The MCP call a harness makes for tool call ``name(raw_args)``, None when none; with
+    ``tool_prefix``, the harness calls the MCP server's tools ``tool_prefix + tool`` and only
+    those names are its sandbox tools (module doc)."""
     try:
         args = json.loads(raw_args) if raw_args.strip() else {}
     except ValueError:
@@ -60,8 +76,11 @@ def map_call(name: str, raw_args: str, command_tools: Iterable[str]) -> tuple[st
         if set(args) == {"command"} and isinstance(args["command"], str):
             return "bash", {"command": args["command"]}
         return None
-    if name in MCP_TOOLS:
-        return name, args
+    if not name.startswith(tool_prefix):
+        return None
+    tool = name[len(tool_prefix) :]
+    if tool in MCP_TOOLS:
+        return tool, args
     return None
 
 
@@ -69,9 +88,10 @@ class ActionWatcher:
     """Reads one reply's bytes as they arrive and calls ``emit(tool, arguments)`` for each
     action once it is complete (module doc)."""
 
-    def __init__(self, stream: bool, command_tools: Sequence[str], emit: Any) -> None:
+    def __init__(self, stream: bool, command_tools: Sequence[str], emit: Any, tool_prefix: str = "") -> None:
         self.stream = stream
         self.command_tools = tuple(command_tools)
+        self.tool_prefix = tool_prefix
         self._emit = emit
         self._emitted: set[str] = set()
         self._buf = b""
@@ -94,7 +114,7 @@ class ActionWatcher:
             return
         self._sent.add(index)
         name, raw = self._calls[index]
-        call = map_call(name, raw, self.command_tools)
+        call = map_call(name, raw, self.command_tools, self.tool_prefix)
         if call is not None:
             self.emit(*call)
 
@@ -219,14 +239,16 @@ class ResponsesActionWatcher(ActionWatcher):
             self._item(i, item)
 
 
-async def watch(up: Any, stream: bool, command_tools: Sequence[str], emit: Any, *, responses: bool = False) -> None:
+async def watch(
+    up: Any, stream: bool, command_tools: Sequence[str], emit: Any, *, responses: bool = False, tool_prefix: str = ""
+) -> None:
     """Run an :class:`ActionWatcher` (a :class:`ResponsesActionWatcher` for a Responses API
     reply) over upstream request ``up`` (integrations/proxy.py's ``_Upstream``) until it
     ends; only a 200 reply is read."""
     await up.started()
     if up.status != 200:
         return
-    w = (ResponsesActionWatcher if responses else ActionWatcher)(stream, command_tools, emit)
+    w = (ResponsesActionWatcher if responses else ActionWatcher)(stream, command_tools, emit, tool_prefix)
     async for chunk in up.body():
         w.feed(chunk)
     if up.error is None:

@@ -38,9 +38,10 @@ likewise on its ``input`` items, see :func:`speculable_response` and docs/integr
 Action speculation (``--mcp URL``, see ``integrations/_proxy_actions.py``): while any chat
 completion's 200 reply goes to the harness, the proxy reads it too, and as soon as an
 action the harness executes through the ``aospec mcp --http`` server at URL is complete in
-the stream (a sandbox-tool call, a ``--command-tool`` call, a ```` ```bash ```` block), it
-asks that server to start the call in a fork (``POST /aospec/prefetch``). The harness's own
-call is answered from the fork only when the server's JASV accepts it.
+the stream (a sandbox-tool call, named ``PREFIX + tool`` with ``--mcp-tool-prefix PREFIX``
+as opencode names an MCP server's tools; a ``--command-tool`` call; a ```` ```bash ````
+block), it asks that server to start the call in a fork (``POST /aospec/prefetch``). The
+harness's own call is answered from the fork only when the server's JASV accepts it.
 
 Concurrency: a live request's upstream request runs in that request's task group; every
 speculation (speculative requests, action watchers, prefetches) in the task group of the
@@ -806,6 +807,7 @@ class SpeculatingProxy:
         max_remembered: int = 1024,
         mcp: str | None = None,
         command_tools: Sequence[str] = (),
+        mcp_tool_prefix: str = "",
         guard: HttpGuard | None = None,
         upstream_token: str | None = None,
         mcp_token: str | None = None,
@@ -857,6 +859,8 @@ class SpeculatingProxy:
         self._hits_wrapped = 0
         self.max_remembered = max_remembered
         self.command_tools = tuple(command_tools)
+        # how the harness names the --mcp server's tools (opencode: ``SERVER_tool``)
+        self.mcp_tool_prefix = mcp_tool_prefix
         self._prefetcher: Prefetcher | None = None
         if mcp is not None:
             try:
@@ -1246,6 +1250,7 @@ class SpeculatingProxy:
                 self.command_tools,
                 lambda tool, args: prefetcher.emit(tg, client, tool, args),
                 responses=dialect is _Responses,
+                tool_prefix=self.mcp_tool_prefix,
             )
         except Exception:  # a watcher's failure is only a missed chance
             self.stats.prefetch_errors += 1
@@ -1420,7 +1425,13 @@ def register(subparsers: Any) -> None:
         "aospec session of the host: each holds a slot; auto: one per two cores (default: none, or "
         "$AOSPEC_SPECULATION_BUDGET)",
     )
-    p.add_argument("--train-traces", dest="train", nargs="*", default=[], help="traces to fit the drafters on (any format aospec reads)")
+    p.add_argument(
+        "--train-traces",
+        dest="train",
+        nargs="*",
+        default=[],
+        help="traces to fit the drafters on (any format aospec reads)",
+    )
     from aospec.cli import add_alias
 
     add_alias(p, "--train", "--train-traces")
@@ -1443,6 +1454,15 @@ def register(subparsers: Any) -> None:
         default=[],
         metavar="NAME",
         help="a tool whose calls (argument `command`) the harness runs as the MCP server's bash; repeatable",
+    )
+    p.add_argument(
+        "--mcp-tool-prefix",
+        default="",
+        metavar="PREFIX",
+        help="the harness names the --mcp server's tools PREFIX+TOOL (PREFIX+bash, PREFIX+read_file, ...): only "
+        "those are prefetched as that server's tools, a bare `bash` is not. opencode: its opencode.json `mcp` key "
+        '(characters other than letters, digits, _ and - as _) and _, e.g. aospec_ for "mcp": {"aospec": ...} '
+        "(default: none, the tools' own names)",
     )
     p.set_defaults(func=_serve)
 
@@ -1490,6 +1510,8 @@ def _serve(args: argparse.Namespace) -> int:
     if args.max_speculative < 0:
         raise ConfigError("proxy: --max-speculative must be >= 0")
     token, generated = resolve_token("proxy", args.host, args.token_file)
+    if args.mcp_tool_prefix and not args.mcp:
+        raise ConfigError("proxy: --mcp-tool-prefix names the tools of the --mcp server: give --mcp URL too")
     mcp = None if args.no_speculate else args.mcp
     mcp_token = _mcp_token(args) if mcp else None
     if mcp and mcp_token is None:
@@ -1513,6 +1535,7 @@ def _serve(args: argparse.Namespace) -> int:
         max_speculative=args.max_speculative,
         mcp=mcp,
         command_tools=args.command_tool,
+        mcp_tool_prefix=args.mcp_tool_prefix,
         guard=HttpGuard.for_bind(args.host, token, int(args.max_body_mb * (1 << 20))),
         max_response_bytes=int(args.max_response_mb * (1 << 20)),
         upstream_token=os.environ.get(UPSTREAM_TOKEN_ENV, "").strip() or None,

@@ -18,7 +18,8 @@ Harnesses:
 - ``opencode-proxy``: the same with opencode's provider at ``aospec proxy`` (its own
   process, loopback, port 0; the proxy's token as opencode's API key) in front of
   serve-trace, ``aospec mcp --http`` as its tools, and the proxy's ``--mcp`` at that server
-  (``--command-tool aospec_bash``: the proxy starts each ``aospec_bash`` call in a fork as
+  (``--mcp-tool-prefix aospec_``, the prefix opencode gives the tools of its ``aospec``
+  server: the proxy starts each ``aospec_bash``, ``aospec_read_file``, ... call in a fork as
   soon as its reply holds it; ``--no-prefetch`` leaves that off). It shares its serial runs
   with ``opencode``.
 
@@ -30,9 +31,12 @@ Each row: the median wall time of the task without speculation (``aospec mcp
 --no-speculate``: serial execution, the reference) and with it (``aospec mcp
 --train-traces`` of the task's own recorded trajectory: the history action drafter, so
 every call the model makes next is a prediction -- an upper bound on the hit rate; for
-``opencode-proxy``, the same behind the proxy), and the saving; opencode rows also carry
-(``--json``) the MCP server's calls, speculations and hits and the proxy's counters. Timing
-figures on a shared machine are noisy.
+``opencode-proxy``, the same behind the proxy), and the saving; each row also carries
+(``--json``) the speculating MCP server's calls, speculations and hits (its ``/metrics``;
+the Agents SDK's stdio server: its ``--stats``) and ``opencode-proxy`` the proxy's counters.
+A harness whose install is missing is skipped with one line (:func:`harness_missing`).
+:func:`measure` makes the rows; ``scripts/bench_live.py --integrations`` uses it too.
+Timing figures on a shared machine are noisy.
 """
 
 from __future__ import annotations
@@ -46,6 +50,7 @@ import tempfile
 import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -64,6 +69,8 @@ OPENCODE_OFFLINE = {
     "OPENCODE_DISABLE_LSP_DOWNLOAD": "1",
     "OPENCODE_DISABLE_SHARE": "1",
 }
+#: The opencode.json ``mcp`` key of aospec's server, and so the prefix of its tools there.
+OPENCODE_MCP_KEY = "aospec"
 TASK = "Set up /tmp/a/conf, bump x to 10, leave a note, and show the final files."
 #: Seconds each of the task's shell commands takes (a build or a test run, scaled down).
 TOOL_S = 0.3
@@ -142,12 +149,13 @@ async def run_agents_sdk(
     *,
     mcp_url: str | None = None,
     token: str | None = None,
+    stderr_log: Path | None = None,
 ) -> dict[str, Any]:
     """One run of the task by the OpenAI Agents SDK: its model at ``base_url`` (serve-trace),
-    its MCP server ``aospec mcp MCP_ARGS`` over stdio (environment ``env``), or, with
-    ``mcp_url``, a running ``aospec mcp --http`` over streamable HTTP (sending ``token``).
-    Returns the final output, every tool output (the last: the final files) and the wall
-    time of the task."""
+    its MCP server ``aospec mcp MCP_ARGS`` over stdio (environment ``env``; its stderr
+    appended to ``stderr_log`` when given), or, with ``mcp_url``, a running ``aospec mcp
+    --http`` over streamable HTTP (sending ``token``). Returns the final output, every tool
+    output (the last: the final files) and the wall time of the task."""
     from agents import (
         Agent,
         OpenAIChatCompletionsModel,
@@ -177,7 +185,11 @@ async def run_agents_sdk(
             client_session_timeout_seconds=300,
         )
     else:
-        params = {"command": AOSPEC, "args": ["mcp", *mcp_args], "env": env if env is not None else dict(os.environ)}
+        command, cmd_args = AOSPEC, ["mcp", *mcp_args]
+        if stderr_log is not None:  # the same process (exec), its stderr (--stats) kept
+            keep = 'log=$1; shift; exec "$@" 2>>"$log"'
+            command, cmd_args = "/bin/sh", ["-c", keep, "sh", str(stderr_log), AOSPEC, *cmd_args]
+        params = {"command": command, "args": cmd_args, "env": env if env is not None else dict(os.environ)}
         server = MCPServerStdio(params=params, name="aospec", client_session_timeout_seconds=300)  # type: ignore[arg-type]
     async with server:
         t0 = time.monotonic()  # the task, not the server's start (a sandbox made once per session)
@@ -201,10 +213,13 @@ async def run_agents_sdk(
 def opencode_trace(tool_s: float = TOOL_S, output_tokens: int = 40) -> Any:
     """The task for opencode: the MCP calls of :func:`agents_calls` under the names opencode
     gives an MCP server's tools (``SERVER_TOOL``: ``aospec_bash``, ...)."""
+    from aospec.integrations._proxy_actions import opencode_tool_prefix
+
     from aospec.types import Action, Step, Trace
 
+    prefix = opencode_tool_prefix(OPENCODE_MCP_KEY)
     steps = [
-        Step(action=Action(f"aospec_{name}", args), observation="", output_tokens=output_tokens, reply=f"Next: {name}.")
+        Step(action=Action(prefix + name, args), observation="", output_tokens=output_tokens, reply=f"Next: {name}.")
         for name, args in agents_calls(tool_s)
         if name != "count_words"
     ]
@@ -229,8 +244,10 @@ def opencode_config(base_url: str, mcp: dict[str, Any], api_key: str = "not-need
         },
         "model": "servetrace/serve-trace",
         "small_model": "servetrace/serve-trace",
-        "mcp": {"aospec": mcp},
-        "tools": {name: False for name in ("bash", "edit", "write", "read", "patch", "glob", "grep", "list", "webfetch")},
+        "mcp": {OPENCODE_MCP_KEY: mcp},
+        "tools": {
+            name: False for name in ("bash", "edit", "write", "read", "patch", "glob", "grep", "list", "webfetch")
+        },
         "autoupdate": False,
         "share": "disabled",
     }
@@ -329,7 +346,9 @@ def mcp_metrics(url: str, token: str) -> dict[str, float]:
     return {
         line.split(" ")[0]: float(line.split(" ")[1])
         for line in scraped.text.splitlines()
-        if line.startswith(("aospec_requests_total", "aospec_speculations_launched_total", "aospec_speculations_hit_total"))
+        if line.startswith(
+            ("aospec_requests_total", "aospec_speculations_launched_total", "aospec_speculations_hit_total")
+        )
     }
 
 
@@ -351,12 +370,13 @@ def compare_opencode(
     mcp --http`` as a remote one, with the task's recorded trajectory as training traces)
     and ``proxy`` (that server, and opencode's provider at an ``aospec proxy`` in front of
     serve-trace, with the proxy's token as its API key; with ``prefetch``, ``--mcp`` at the
-    same server and ``--command-tool aospec_bash``: the proxy starts each ``aospec_bash``
-    call in a fork as its reply streams). Returns what each run saw (tool outputs, the
+    same server and ``--mcp-tool-prefix aospec_``: the proxy starts each call of that
+    server's tools in a fork as its reply streams). Returns what each run saw (tool outputs, the
     requests serve-trace got, sorted: opencode's title request runs beside the first one),
     the speculating server's metrics, the proxy's ``/aospec/stats``, and the median wall
     time of each mode (``MODE_s``)."""
     import httpx
+    from aospec.integrations._proxy_actions import opencode_tool_prefix
     from aospec.live.serve_trace import serve_trace_app, serving
 
     if "serial" not in modes or not set(modes) <= set(OPENCODE_MODES):
@@ -377,10 +397,17 @@ def compare_opencode(
             token = "bench-" + os.urandom(8).hex()
             mcp_env = {**os.environ, "AOSPEC_TOKEN": token}
             with (
-                aospec_server(["mcp", "--http", "0", *args["aospec"]], tmp / "mcp-http.log", "listening on ", mcp_env) as url,
+                aospec_server(
+                    ["mcp", "--http", "0", *args["aospec"]], tmp / "mcp-http.log", "listening on ", mcp_env
+                ) as url,
                 serving(recorder) as server,
             ):
-                remote = {"type": "remote", "url": url, "headers": {"Authorization": f"Bearer {token}"}, "enabled": True}
+                remote = {
+                    "type": "remote",
+                    "url": url,
+                    "headers": {"Authorization": f"Bearer {token}"},
+                    "enabled": True,
+                }
                 extra: dict[str, Any] = {}
                 if mode == "aospec":
                     run = run_opencode(server.base_url, remote, tmp / "opencode")  # the same path: it is in the prompt
@@ -388,7 +415,8 @@ def compare_opencode(
                     proxy_token = "bench-proxy-" + os.urandom(8).hex()
                     proxy_args = ["proxy", "--upstream", server.base_url, "--port", "0"]
                     if prefetch:
-                        proxy_args += ["--mcp", url, "--command-tool", "aospec_bash"]
+                        prefix = opencode_tool_prefix(OPENCODE_MCP_KEY)
+                        proxy_args += ["--mcp", url, "--mcp-tool-prefix", prefix]
                     proxy_env = {**os.environ, "AOSPEC_TOKEN": proxy_token, "AOSPEC_MCP_TOKEN": token}
                     with aospec_server(proxy_args, tmp / "proxy.log", "aospec proxy at ", proxy_env) as proxy_url:
                         run = run_opencode(proxy_url, remote, tmp / "opencode", api_key=proxy_token)
@@ -399,11 +427,14 @@ def compare_opencode(
                         got.raise_for_status()
                         extra["proxy_stats"] = got.json()
                 metrics = mcp_metrics(url, token)
-            out[mode].append({**run, "requests": sorted(b.decode() for b in recorder.bodies), "metrics": metrics, **extra})
+            out[mode].append(
+                {**run, "requests": sorted(b.decode() for b in recorder.bodies), "metrics": metrics, **extra}
+            )
     first = out["serial"][0]
     reference = (first["tool_outputs"], first["final_output"], first["requests"])
     out["identical_by_mode"] = {
-        mode: all((r["tool_outputs"], r["final_output"], r["requests"]) == reference for r in out[mode]) for mode in modes
+        mode: all((r["tool_outputs"], r["final_output"], r["requests"]) == reference for r in out[mode])
+        for mode in modes
     }
     out["identical"] = all(out["identical_by_mode"].values())
     for mode in modes:
@@ -428,24 +459,44 @@ def mcp_modes(tmp: Path, tool_s: float = TOOL_S) -> dict[str, list[str]]:
     }
 
 
+def _mcp_stats(stderr_log: Path) -> dict[str, Any]:
+    """The counters ``aospec mcp --stats`` printed last in ``stderr_log`` (``{}``: none)."""
+    import ast
+
+    text = stderr_log.read_text() if stderr_log.exists() else ""
+    lines = [ln for ln in text.splitlines() if ln.startswith("aospec mcp: {")]
+    return ast.literal_eval(lines[-1].removeprefix("aospec mcp: ")) if lines else {}
+
+
 def measure_agents_sdk(tpot: float, repeats: int, tmp: Path) -> dict[str, Any]:
-    """The OpenAI Agents SDK row at ``tpot``: median wall times, and whether every run agreed."""
+    """The OpenAI Agents SDK row at ``tpot``: median wall times, whether every run agreed,
+    and the speculating server's calls, speculations and calls served from forks (its last
+    run's ``--stats``)."""
     from aospec.live.serve_trace import serve_trace_app, serving
 
     modes = mcp_modes(tmp)
     walls: dict[str, list[float]] = {m: [] for m in modes}
     reference = None
     agree = True
+    stats: dict[str, Any] = {}
     for _ in range(repeats):
         for mode, args in modes.items():
             recorder = RecordRequests(serve_trace_app([agents_trace()], tpot))
+            log = tmp / f"agents-mcp-{mode}.log"
+            log.unlink(missing_ok=True)
             with serving(recorder) as server:
-                out = anyio.run(run_agents_sdk, server.base_url, args, dict(os.environ))
+                out = anyio.run(partial(run_agents_sdk, server.base_url, args, dict(os.environ), stderr_log=log))
             walls[mode].append(out["wall_s"])
             key = (out["final_output"], json.dumps(out["tool_outputs"]), tuple(recorder.bodies))
             reference = reference or key
             agree &= key == reference
-    return _row("openai-agents", tpot, repeats, statistics.median(walls["serial"]), statistics.median(walls["aospec"]), agree)
+            if mode == "aospec":
+                stats = _mcp_stats(log)
+    serial, spec = statistics.median(walls["serial"]), statistics.median(walls["aospec"])
+    row = _row("openai-agents", tpot, repeats, serial, spec, agree)
+    if stats:
+        row |= {"mcp_calls": stats["calls"], "mcp_launched": stats["launched"], "mcp_hits": stats["served_speculated"]}
+    return row
 
 
 def _row(harness: str, tpot: float, repeats: int, serial: float, spec: float, agree: bool) -> dict[str, Any]:
@@ -472,12 +523,53 @@ def _speculation(runs: Sequence[dict[str, Any]]) -> dict[str, Any]:
         out["mcp_launched"] = int(sum(v for k, v in m.items() if k.startswith("aospec_speculations_launched_total")))
         out["mcp_hits"] = int(sum(v for k, v in m.items() if k.startswith("aospec_speculations_hit_total")))
     if p:
-        out |= {f"proxy_{k}": p[k] for k in ("chat_requests", "speculable", "speculated", "hits", "actions_prefetched", "prefetch_refused")}
+        out |= {
+            f"proxy_{k}": p[k]
+            for k in ("chat_requests", "speculable", "speculated", "hits", "actions_prefetched", "prefetch_refused")
+        }
     return out
 
 
+def harness_missing(harness: str) -> str | None:
+    """Why ``harness`` cannot run here (its install is missing: one line naming it), or None."""
+    import importlib.util
+    import shutil
+
+    if harness == "openai-agents" and importlib.util.find_spec("agents") is None:
+        return "the OpenAI Agents SDK is not installed (pip install openai-agents)"
+    if harness in ("opencode", "opencode-proxy") and shutil.which("opencode") is None:
+        return f"opencode is not installed (npm install -g opencode-ai@{OPENCODE_VERSION}; .ci/run installs it)"
+    return None
+
+
+def measure(
+    which: Sequence[str], tpot: float, repeats: int, tmp: Path, *, prefetch: bool = True, log: Any = None
+) -> list[dict[str, Any]]:
+    """The rows of ``which`` (of :data:`HARNESSES`) at ``tpot``, ``repeats`` runs per mode
+    each (the median kept); ``opencode`` and ``opencode-proxy`` share their serial runs.
+    ``log(row)`` is called as each row is done."""
+    rows = []
+    if "openai-agents" in which:
+        rows.append(measure_agents_sdk(tpot, repeats, tmp))
+        if log is not None:
+            log(rows[-1])
+    opencode = {"opencode": "aospec", "opencode-proxy": "proxy"}
+    if wanted := [h for h in which if h in opencode]:
+        modes = ("serial", *(opencode[h] for h in wanted))
+        o = compare_opencode(tpot, tmp, repeats=repeats, modes=modes, prefetch=prefetch)
+        for h in wanted:
+            mode = opencode[h]
+            row = _row(h, tpot, repeats, o["serial_s"], o[f"{mode}_s"], o["identical_by_mode"][mode])
+            rows.append(row | _speculation(o[mode]))
+            if log is not None:
+                log(rows[-1])
+    return rows
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--harness", default="all", help=f"comma-separated: {', '.join(HARNESSES)}, or all (default)")
     ap.add_argument("--tpot-ms", default="20,10,1", help="comma-separated TPOTs (default 20,10,1)")
     ap.add_argument("--repeats", type=int, default=3, help="runs per mode and TPOT (default 3; the median is kept)")
@@ -514,22 +606,18 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(json.dumps(compare_opencode(tpots[0], Path(tmp), modes=modes, prefetch=prefetch), indent=2))
             return 0
         rows = []
-        # opencode and opencode-proxy share their serial runs: one compare_opencode per TPOT
-        opencode = {"opencode": "aospec", "opencode-proxy": "proxy"}
+        for h in [h for h in which if harness_missing(h)]:
+            print(f"skip {h}: {harness_missing(h)}", file=sys.stderr)
+        present = [h for h in which if not harness_missing(h)]
         for tpot in tpots:
-            if "openai-agents" in which:
-                rows.append(measure_agents_sdk(tpot, args.repeats, Path(tmp)))
-                print(json.dumps(rows[-1]), file=sys.stderr)
-            if wanted := [h for h in which if h in opencode]:
-                modes = ("serial", *(opencode[h] for h in wanted))
-                o = compare_opencode(tpot, Path(tmp), repeats=args.repeats, modes=modes, prefetch=prefetch)
-                for h in wanted:
-                    mode = opencode[h]
-                    rows.append(
-                        _row(h, tpot, args.repeats, o["serial_s"], o[f"{mode}_s"], o["identical_by_mode"][mode])
-                        | _speculation(o[mode])
-                    )
-                    print(json.dumps(rows[-1]), file=sys.stderr)
+            rows += measure(
+                present,
+                tpot,
+                args.repeats,
+                Path(tmp),
+                prefetch=prefetch,
+                log=lambda r: print(json.dumps(r), file=sys.stderr),
+            )
     if args.json:
         print(json.dumps(rows, indent=2))
     else:

@@ -37,7 +37,7 @@ Usage:
   .venv/bin/python scripts/bench_live.py [--json] [--quick] [--plot live.png] [--out DIR]
   .venv/bin/python scripts/bench_live.py --compare --sessions 1,4,8 --background-load 0,2 --repeats 3 --json
   .venv/bin/python scripts/bench_live.py --sessions 32 [--quick] [--json]   # concurrency, leaks
-  .venv/bin/python scripts/bench_live.py --integrations [--quick] [--json]  # a row per integration
+  .venv/bin/python scripts/bench_live.py --integrations [LIST] [--quick] [--json]  # a row per integration
   .venv/bin/python scripts/bench_live.py --specbox [--quick] [--json]       # + a run with the SpecBox layer
 
 ``--specbox`` (issue 13): a third run per task and TPOT, speculative with the SpecBox layer
@@ -49,7 +49,10 @@ serial run. ``--specbox-cache``, ``--specbox-pool-depth``, ``--specbox-router`` 
 
 ``--integrations`` (issue 12): each integration (mini-swe-agent's SpeculativeAgent, ``aospec
 proxy``, ``aospec mcp``) against the same harness without aospec's speculation, on the same
-tasks and trajectories at the same TPOTs (scripts/bench_live/integrations.py).
+tasks and trajectories at the same TPOTs (scripts/bench_live/integrations.py); then the
+third-party harnesses (issue 26: ``openai-agents``, ``opencode``, ``opencode-proxy``,
+scripts/bench_harnesses.py's measurement on its own scripted task, ``--repeats`` runs per
+mode), each skipped with one line where its install is missing.
 
 Run as root (overlay sandboxes). The base is built on first use (about 2 minutes, needs a
 Debian mirror): ``aospec sandbox build-base debootstrap:bookworm --include
@@ -375,7 +378,9 @@ def replay_prediction(
             spec += sum(r.latency_ns for r in p_res)
             continue
         for t in batch:
-            res = replay_trace(t, policies, [tpot_ms], drafters, check_ceilings=False, state_model="recorded", host=host)
+            res = replay_trace(
+                t, policies, [tpot_ms], drafters, check_ceilings=False, state_model="recorded", host=host
+            )
             by = {r.policy: r for r in res}
             serial += by["serial"].latency_ns
             spec += by[name].latency_ns
@@ -618,7 +623,9 @@ def session_batches(trajs: Sequence[Trajectory], sessions: int) -> list[list[Tra
     return [[trajs[(b * sessions + j) % len(trajs)] for j in range(sessions)] for b in range(n)]
 
 
-async def run_batch(batch: Sequence[Trajectory], base_url: str, staged: dict[str, Path], **kw: Any) -> tuple[list[Run], float]:
+async def run_batch(
+    batch: Sequence[Trajectory], base_url: str, staged: dict[str, Path], **kw: Any
+) -> tuple[list[Run], float]:
     """The runs of ``batch`` at once; the batch's wall time. Each run's ``cpu_s`` is the
     batch's sandbox CPU shared equally (one host: it cannot be told apart)."""
     runs: list[Run | None] = [None] * len(batch)
@@ -668,14 +675,22 @@ async def measure_tpot(
             kw = {"tpot_ms": tpot_ms, "drafters": drafters, "base": base, "bytecode": bytecode}
             if sessions == 1:
                 t0 = time.monotonic()
-                serials = [await run_agent(batch[0], server.base_url, staged, speculate=False, measure_cpu=True, tag=tag, **kw)]
+                serials = [
+                    await run_agent(batch[0], server.base_url, staged, speculate=False, measure_cpu=True, tag=tag, **kw)
+                ]
                 serial_wall, t0 = time.monotonic() - t0, time.monotonic()
-                specs = [] if serial_only else [await run_agent(batch[0], server.base_url, staged, speculate=True, tag=tag, **kw)]
+                specs = (
+                    []
+                    if serial_only
+                    else [await run_agent(batch[0], server.base_url, staged, speculate=True, tag=tag, **kw)]
+                )
                 spec_wall = time.monotonic() - t0
             else:
                 serials, serial_wall = await run_batch(batch, server.base_url, staged, speculate=False, tag=tag, **kw)
-                specs, spec_wall = ([], 0.0) if serial_only else await run_batch(
-                    batch, server.base_url, staged, speculate=True, tag=tag, **kw
+                specs, spec_wall = (
+                    ([], 0.0)
+                    if serial_only
+                    else await run_batch(batch, server.base_url, staged, speculate=True, tag=tag, **kw)
                 )
             fig.batches.append(([t.id for t in batch], serial_wall, spec_wall))
             if serial_only:
@@ -695,7 +710,15 @@ async def measure_tpot(
                 )
                 if specbox is not None and sessions == 1:
                     box = await run_agent(
-                        t, server.base_url, staged, speculate=True, specbox=specbox, train=train, router=router, tag=tag, **kw
+                        t,
+                        server.base_url,
+                        staged,
+                        speculate=True,
+                        specbox=specbox,
+                        train=train,
+                        router=router,
+                        tag=tag,
+                        **kw,
                     )
                     why = divergence(serial, box)
                     if why:
@@ -925,7 +948,9 @@ def print_specbox_table(rows: Sequence[dict[str, Any]]) -> None:
 def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument(
-        "--json", action="store_true", help="one JSON line per TPOT and condition (then the bytecode and sessions lines)"
+        "--json",
+        action="store_true",
+        help="one JSON line per TPOT and condition (then the bytecode and sessions lines)",
     )
     ap.add_argument("--quick", action="store_true", help="two tasks (Python tests, C build): a few minutes")
     ap.add_argument(
@@ -975,8 +1000,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         const="all",
         default=None,
         metavar="LIST",
-        help="instead of the TPOT table: a row per integration (mini-swe-agent,proxy,mcp; default all) against "
-        "the same harness without aospec; with --quick one task at TPOT 10 ms",
+        help="instead of the TPOT table: a row per integration (mini-swe-agent,proxy,mcp and the third-party "
+        "harnesses openai-agents,opencode,opencode-proxy, each skipped with one line where its install is missing; "
+        "default all) against the same harness without aospec; with --quick one task at TPOT 10 ms; the harnesses "
+        "run their own scripted task, --repeats times per mode",
     )
     ap.add_argument("--no-bytecode-check", action="store_true", help="skip the bytecode-cache measurement")
     ap.add_argument(
@@ -1124,6 +1151,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                     divergence=divergence,
                     script_trace=script_trace,
                     log=log,
+                    repeats=args.repeats,
                 ):
                     irows.append(row)
                     if args.json:
@@ -1155,7 +1183,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             for r in range(args.repeats):
                 for n, k in conditions:
                     tag = "" if (n, k, r) == (1, 0, 0) else f".n{n}.k{k}.r{r}"
-                    log(f"TPOT {tpot:g} ms, {n} session(s), {k} background process(es), repeat {r + 1}/{args.repeats} ...")
+                    log(
+                        f"TPOT {tpot:g} ms, {n} session(s), {k} background process(es), repeat {r + 1}/{args.repeats} ..."
+                    )
                     with background_load(k, exclude=children_cpu_s.exclude):
                         fig = anyio.run(
                             lambda tpot=tpot, n=n, k=k, tag=tag: measure_tpot(

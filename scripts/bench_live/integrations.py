@@ -20,9 +20,21 @@ harness without aospec's speculation.
   transport) with speculation off (``--no-speculate``) vs on (its default predictor plus
   ``--train-traces`` of the training runs).
 
+- ``openai-agents``, ``opencode``, ``opencode-proxy``: third-party harnesses configured
+  only by their own settings (issue 26), measured by scripts/bench_harnesses.py's own
+  functions (:func:`bench_harnesses.measure`) on its scripted task in the harness's own
+  format (tool calls; not the bench's tasks, whose replies are mini-swe-agent ```` ```bash
+  ```` blocks): serial (``aospec mcp --no-speculate``) vs speculating (``aospec mcp
+  --train-traces`` of the task's own trajectory; ``opencode-proxy``: behind ``aospec proxy
+  --mcp ... --mcp-tool-prefix aospec_``). A harness whose install is missing is skipped
+  with one line (the Agents SDK: ``pip install openai-agents``; opencode: ``npm install -g
+  opencode-ai``). Codex CLI has no row: it runs its commands on the host, not through
+  aospec mcp, so there is nothing to fork (docs/harness-codex.md).
+
 Identical results: same messages (timestamps aside) and final sandbox version for
 mini-swe-agent and MCP; for the proxy, the bench's lossless check (actions, observations,
-per-step versions, final version).
+per-step versions, final version); for the harnesses, bench_harnesses' check (the same tool
+outputs, final files, final text and requests seen upstream, byte for byte, in every run).
 """
 
 from __future__ import annotations
@@ -43,7 +55,9 @@ os.environ.setdefault("MSWEA_SILENT_STARTUP", "1")  # mini-swe-agent's banner wo
 BASH_BLOCK = r"```bash\s*\n(.*?)\n```"
 SUBMIT = "COMPLETE_TASK_AND_SUBMIT_FINAL_OUTPUT"
 SYSTEM = "You are a bash agent. Reply with a THOUGHT and exactly one ```bash block."
-INTEGRATIONS = ("mini-swe-agent", "proxy", "mcp")
+#: The third-party harnesses' rows (scripts/bench_harnesses.py's ``HARNESSES``).
+HARNESS_ROWS = ("openai-agents", "opencode", "opencode-proxy")
+INTEGRATIONS = ("mini-swe-agent", "proxy", "mcp", *HARNESS_ROWS)
 
 
 # -- mini-swe-agent ------------------------------------------------------------------------
@@ -161,7 +175,13 @@ async def mcp_run(
     from aospec.integrations.mcp_server import SandboxToolServer, _text, read_only
     from aospec.runtime import Bind, SandboxConfig, open_sandbox
 
-    cfg = SandboxConfig(base=base, binds=(Bind(str(project), f"/src/{traj.project}"),), env=env, timeout_s=300, formatter="mini-swe-agent")
+    cfg = SandboxConfig(
+        base=base,
+        binds=(Bind(str(project), f"/src/{traj.project}"),),
+        env=env,
+        timeout_s=300,
+        formatter="mini-swe-agent",
+    )
     predictor = None
     if speculate:  # aospec mcp's default (--speculate 2, --predict auto) with --train-traces
         parts: list[Any] = [drafter_from_traces([train_path], 2)] if train_path else []
@@ -243,8 +263,10 @@ def measure_integrations(
     divergence: Any = None,
     script_trace: Any = None,
     log: Any = print,
+    repeats: int = 1,
 ) -> list[dict[str, Any]]:
-    """One row per integration at ``tpot_ms`` over ``trajs``."""
+    """One row per integration at ``tpot_ms`` over ``trajs`` (a harness row: over its own
+    task, ``repeats`` runs per mode, see :func:`harness_rows`)."""
     from aospec.live.serve_trace import serve_trace_app, serving
 
     train_path = None
@@ -256,7 +278,7 @@ def measure_integrations(
     rows = []
     app = serve_trace_app([script_trace(t) for t in trajs], tpot_ms)
     with serving(app) as server:
-        for name in which:
+        for name in [w for w in which if w not in HARNESS_ROWS]:
             base_wall = spec_wall = 0.0
             diverged: list[str] = []
             hits = 0
@@ -319,6 +341,53 @@ def measure_integrations(
                     "per_task": per_task,
                 }
             )
+    if harnesses := [w for w in which if w in HARNESS_ROWS]:
+        rows += harness_rows(tpot_ms, harnesses, tmp / "harnesses", repeats=repeats, log=log)
+    return rows
+
+
+def harness_rows(
+    tpot_ms: float, which: Sequence[str], tmp: Path, *, repeats: int = 1, log: Any = print
+) -> list[dict[str, Any]]:
+    """The rows of the third-party harnesses ``which`` at ``tpot_ms``: scripts/bench_harnesses.py's
+    measurement (:func:`bench_harnesses.measure`) as integration rows; a harness whose install
+    is missing is skipped with one line."""
+    import bench_harnesses as bh
+
+    present = []
+    for name in which:
+        if why := bh.harness_missing(name):
+            log(f"  skip {name}: {why}")
+        else:
+            present.append(name)
+    tmp.mkdir(parents=True, exist_ok=True)
+    rows = []
+    for r in bh.measure(present, tpot_ms, repeats, tmp):
+        name = r["harness"]
+        task = (bh.agents_trace() if name == "openai-agents" else bh.opencode_trace()).id
+        counters = {k: v for k, v in r.items() if k.startswith(("mcp_", "proxy_"))}
+        hits = r.get("mcp_hits")  # None: the server's counters were not read
+        why = None if r["identical"] else "tool outputs, final text or upstream requests differ from serial"
+        log(
+            f"  {name} tpot {tpot_ms:g} ms {task}: baseline {r['serial_s']:.2f} s, aospec {r['aospec_s']:.2f} s, "
+            f"hits {hits}, {'identical' if not why else 'DIFFERENT: ' + why}"
+        )
+        rows.append(
+            {
+                "integration": name,
+                "harness": HARNESS[name],
+                "tpot_ms": tpot_ms,
+                "tasks": 1,
+                "repeats": repeats,
+                "baseline_s": r["serial_s"],
+                "aospec_s": r["aospec_s"],
+                "saving": r["saving"],
+                "hits": hits,
+                "identical": not why,
+                "diverged": [f"{task}: {why}"] if why else [],
+                "per_task": {task: {"baseline_s": r["serial_s"], "aospec_s": r["aospec_s"], "hits": hits, **counters}},
+            }
+        )
     return rows
 
 
@@ -326,6 +395,9 @@ HARNESS = {
     "mini-swe-agent": "DefaultAgent vs SpeculativeAgent (AospecEnvironment both)",
     "proxy": "bench agent -> serve-trace vs -> aospec proxy -> serve-trace",
     "mcp": "chat loop + aospec mcp bash tool, --no-speculate vs speculating",
+    "openai-agents": "OpenAI Agents SDK + aospec mcp (stdio), --no-speculate vs speculating",
+    "opencode": "opencode run + aospec mcp, --no-speculate (local) vs speculating (--http)",
+    "opencode-proxy": "opencode run + aospec mcp, --no-speculate vs --http behind aospec proxy --mcp",
 }
 
 
@@ -336,10 +408,10 @@ def print_integrations(rows: Sequence[dict[str, Any]]) -> None:
         ("baseline", "baseline_s", "{:.1f} s"),
         ("aospec", "aospec_s", "{:.1f} s"),
         ("saving", "saving", "{:.1%}"),
-        ("hits", "hits", "{}"),
+        ("hits", "hits", "{}"),  # None (a harness's server not read): "-"
         ("identical", "identical", "{}"),
     ]
-    cells = [[fmt.format(r[k]) for _, k, fmt in cols] for r in rows]
+    cells = [["-" if r[k] is None else fmt.format(r[k]) for _, k, fmt in cols] for r in rows]
     widths = [max(len(h), *(len(c[i]) for c in cells)) for i, (h, _, _) in enumerate(cols)]
     print("  ".join(h.rjust(w) for (h, _, _), w in zip(cols, widths, strict=True)))
     for c in cells:

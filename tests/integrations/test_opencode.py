@@ -9,8 +9,9 @@ loopback (``unshare -n``), so it proves opencode needs nothing off the host. Ser
 mcp --http``, a remote one) must give the same tool outputs, final files and requests
 upstream, and the speculating one must serve calls from forks. Through ``aospec proxy``
 as opencode's provider (in front of serve-trace; ``--mcp`` at the ``aospec mcp --http``
-server opencode uses, ``--command-tool aospec_bash``) opencode must get the same again, and
-the proxy's ``/aospec/stats`` must count what it did. Needs root, overlayfs and opencode
+server opencode uses, ``--mcp-tool-prefix aospec_``) opencode must get the same again, the
+proxy must have started every one of its calls in a fork as its reply streamed, and its
+``/aospec/stats`` must count what it did. Needs root, overlayfs and opencode
 (``.ci/run`` installs it)."""
 
 from __future__ import annotations
@@ -108,10 +109,11 @@ def test_opencode_gets_the_same_result_through_aospec_proxy_offline(mcp_state_ro
     # enough to speculate: every one passes through, and nothing speculative went upstream
     assert stats["passthrough"] == stats["chat_requests"] and stats["speculable"] == 0
     assert stats["speculated"] == stats["hits"] == 0
-    # --mcp with --command-tool aospec_bash: each aospec_bash call was sent to the MCP server
-    # to start in a fork as its reply streamed (aospec_read_file and the other prefixed
-    # sandbox tools are not among the names the proxy maps)
-    bash_calls = sum(1 for name in CALLS if name == "aospec_bash")
-    assert stats["actions_prefetched"] == bash_calls
-    assert stats["prefetch_errors"] == 0
+    # --mcp with --mcp-tool-prefix aospec_ (opencode's names for its "aospec" server's
+    # tools): every call, aospec_bash, aospec_read_file, aospec_edit_file and
+    # aospec_write_file alike, was sent to the MCP server to start in a fork as its reply
+    # streamed, and the server launched each
+    assert stats["actions_prefetched"] == len(CALLS)
+    assert stats["prefetch_refused"] == stats["prefetch_errors"] == 0
     assert proxied["metrics"]["aospec_requests_total"] == len(CALLS)
+    assert proxied["metrics"]['aospec_speculations_hit_total{kind="action"}'] >= 1  # calls served from forks

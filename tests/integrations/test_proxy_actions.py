@@ -23,7 +23,7 @@ from typing import Any
 import anyio
 import openai
 import pytest
-from aospec.integrations._proxy_actions import ActionWatcher, map_call, prefetch_url
+from aospec.integrations._proxy_actions import ActionWatcher, map_call, opencode_tool_prefix, prefetch_url
 from aospec.integrations.proxy import proxy_app
 from aospec.live.serve_trace import TraceServer, serve_trace_app, serving
 
@@ -205,6 +205,42 @@ def test_calls_are_mapped_to_the_mcp_tools() -> None:
     assert prefetch_url("http://127.0.0.1:9/mcp") == "http://127.0.0.1:9/aospec/prefetch"
     with pytest.raises(ValueError):
         prefetch_url("aospec mcp --stdio")
+
+
+def test_prefixed_names_are_the_mcp_servers_tools_only_under_its_prefix() -> None:
+    """opencode names an MCP server's tools SERVER_tool: with the --mcp server's prefix,
+    exactly its sandbox tools map, never a bare name (opencode's own bash) nor another
+    server's tool of the same name."""
+    assert opencode_tool_prefix("aospec") == "aospec_"
+    assert opencode_tool_prefix("my sandbox.v2") == "my_sandbox_v2_"
+    p = "aospec_"
+    assert map_call("aospec_bash", '{"command": "ls"}', [], p) == ("bash", {"command": "ls"})
+    assert map_call("aospec_read_file", '{"path": "/a"}', [], p) == ("read_file", {"path": "/a"})
+    assert map_call("aospec_edit_file", '{"path": "/a", "old_str": "x", "new_str": "y"}', [], p) == (
+        "edit_file",
+        {"path": "/a", "old_str": "x", "new_str": "y"},
+    )
+    assert map_call("aospec_write_file", '{"path": "/a", "content": ""}', [], p) == (
+        "write_file",
+        {"path": "/a", "content": ""},
+    )
+    assert map_call("bash", '{"command": "ls"}', [], p) is None  # the harness's own bash
+    assert map_call("other_bash", '{"command": "ls"}', [], p) is None  # another server's
+    assert map_call("other_read_file", '{"path": "/a"}', [], p) is None
+    assert map_call("aospec_other", '{"command": "ls"}', [], p) is None  # not a sandbox tool
+    assert map_call("aospec_bash", '{"command": "ls"}', []) is None  # without the prefix: unknown
+    assert map_call("run", '{"command": "ls"}', ["run"], p) == ("bash", {"command": "ls"})  # command tools as named
+    got: list[Any] = []
+    w = ActionWatcher(True, [], lambda tool, args: got.append((tool, args)), tool_prefix=p)
+    for i, name in enumerate(("other_bash", "aospec_read_file", "bash")):
+        args = json.dumps(json.dumps({"path": "/x"} if "read" in name else {"command": "ls"}))
+        w.feed(b'data: {"choices":[{"index":0,"delta":{"tool_calls":[{"index":%d,"function":{"name":"%s","arguments":%s}}]}}]}\n'
+               % (i, name.encode(), args.encode()))  # fmt: skip
+    w.feed(b'data: {"choices":[{"index":0,"delta":{},"finish_reason":"tool_calls"}]}\n\ndata: [DONE]\n\n')
+    w.close()
+    assert got == [("read_file", {"path": "/x"})]
+    app = proxy_app("http://127.0.0.1:9/v1", mcp="http://127.0.0.1:9/mcp", mcp_tool_prefix=p)
+    assert app.mcp_tool_prefix == p
 
 
 def test_mcp_must_be_an_http_url() -> None:

@@ -99,9 +99,7 @@ def test_the_token_is_required_and_never_forwarded(servers) -> None:
     httpx.get(f"{proxy.url}/v1/models", headers={"X-Aospec-Token": "proxy-token", "Authorization": "Bearer up-key"})
     assert seen[-1]["headers"]["authorization"] == "Bearer up-key" and "x-aospec-token" not in seen[-1]["headers"]
     # an upstream token (AOSPEC_UPSTREAM_TOKEN) replaces whatever the client sent
-    proxy3 = servers(
-        proxy_app(f"http://127.0.0.1:{upstream.port}/v1", guard=guard, upstream_token="upstream-secret")
-    )
+    proxy3 = servers(proxy_app(f"http://127.0.0.1:{upstream.port}/v1", guard=guard, upstream_token="upstream-secret"))
     httpx.get(f"{proxy3.url}/v1/models", headers={"Authorization": "Bearer proxy-token"})
     assert seen[-1]["headers"]["authorization"] == "Bearer upstream-secret"
 
@@ -170,6 +168,7 @@ def _proxy_cmd(*args: str, env: dict[str, str] | None = None) -> subprocess.Pope
         (["--upstream", "http://127.0.0.1:9/v1", "--port", "0", "--host", "0.0.0.0"], "give it a token"),
         (["--upstream", "http://127.0.0.1:9/v1", "--port", "0", "--max-body-mb", "nan"], "--max-body-mb must be"),
         (["--upstream", "http://127.0.0.1:9/v1", "--port", "0", "--mcp", "http://127.0.0.1:9/mcp"], "--mcp needs"),
+        (["--upstream", "http://127.0.0.1:9/v1", "--port", "0", "--mcp-tool-prefix", "aospec_"], "give --mcp URL"),
     ],
 )
 def test_bad_options_are_one_line(args: list[str], says: str) -> None:
@@ -230,7 +229,9 @@ def test_an_upstream_response_past_the_limit_is_an_error_not_an_unbounded_buffer
     async def small(request: Request) -> JSONResponse:
         return JSONResponse({"ok": True})
 
-    upstream = servers(Starlette(routes=[Route("/v1/flood", flood, methods=["POST"]), Route("/v1/small", small, methods=["POST"])]))
+    upstream = servers(
+        Starlette(routes=[Route("/v1/flood", flood, methods=["POST"]), Route("/v1/small", small, methods=["POST"])])
+    )
     proxy = servers(proxy_app(f"http://127.0.0.1:{upstream.port}/v1", max_response_bytes=1 << 20))
     try:
         r = httpx.post(f"{proxy.url}/v1/flood", content=b"{}", timeout=30)

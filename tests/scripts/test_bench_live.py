@@ -118,14 +118,32 @@ def test_load_conditions_with_repeats_and_the_replays_prediction(tmp_path: Path)
 
 
 def test_integration_rows_identical(tmp_path: Path) -> None:
-    """One row per integration (mini-swe-agent, proxy, MCP), each reproducing its baseline."""
-    proc = _bench("--tpots", "1", "--integrations", tmp_path=tmp_path)
+    """One row per integration (mini-swe-agent, proxy, MCP), each reproducing its baseline,
+    and a third-party harness's row (the OpenAI Agents SDK, the quickest: in process) in the
+    same shape, or its one-line skip where it is not installed."""
+    import importlib.util
+
+    which = "mini-swe-agent,proxy,mcp,openai-agents"
+    proc = _bench("--tpots", "1", "--integrations", which, tmp_path=tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = [json.loads(line) for line in proc.stdout.splitlines() if line.strip()]
-    assert [r["integration"] for r in rows] == ["mini-swe-agent", "proxy", "mcp"]
+    agents = importlib.util.find_spec("agents") is not None
+    assert [r["integration"] for r in rows] == [
+        "mini-swe-agent",
+        "proxy",
+        "mcp",
+        *(["openai-agents"] if agents else []),
+    ]
+    if not agents:
+        assert "skip openai-agents: the OpenAI Agents SDK is not installed (pip install openai-agents)" in proc.stderr
     for r in rows:
         assert r["tpot_ms"] == 1.0 and r["tasks"] == 1
         assert r["identical"] is True and r["diverged"] == [], r
         for key in ("baseline_s", "aospec_s", "saving"):
             assert isinstance(r[key], (int, float)), key
+    for r in rows[:3]:
         assert set(r["per_task"]) == {"inventory-discount.a"}
+    if agents:  # the harness's own task, one run per mode; its stdio server's counters read
+        harness = rows[3]
+        assert harness["repeats"] == 1 and set(harness["per_task"]) == {"agents-sdk-task"}
+        assert harness["per_task"]["agents-sdk-task"]["mcp_calls"] == 7 and harness["hits"] >= 1
