@@ -37,6 +37,7 @@ the commits it is rebased onto, so that mtime order is the serial order.
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import re
 import shutil
@@ -181,7 +182,12 @@ _RESUMED = re.compile(r"^<\.\.\. ([\w]+) resumed>(.*)$")
 _RET = re.compile(r"^(-?\d+|\?)(?:<(.*)>)?(?: /\* (\d+) in strace's PID NS \*/)?(?: (E[A-Z0-9]+) .*)?")
 
 
+_ALL_HEX = re.compile(r"(?:\\x[0-9a-f]{2})*")
+
+
 def _unhex(text: str) -> bytes:
+    if _ALL_HEX.fullmatch(text) is not None:  # -xx: every byte is \xNN
+        return bytes.fromhex(text.replace("\\x", ""))
     return _HEX.sub(lambda m: bytes((int(m.group(1), 16),)), text.encode("ascii", "surrogateescape"))
 
 
@@ -196,14 +202,18 @@ class _Record:
     errno: str | None
 
 
+_ARG_MARK = re.compile(r'["<()\[\]{},]|/\*')
+
+
 def _split_args(text: str) -> tuple[list[str], str] | None:
     """The top-level arguments of ``name(ARGS) = RET`` and the rest after ``) = ``."""
     depth = 0
     start = 0
     out: list[str] = []
     i = 0
-    n = len(text)
-    while i < n:
+    search = _ARG_MARK.search
+    while (m := search(text, i)) is not None:
+        i = m.start()
         c = text[i]
         if c == '"':
             j = text.find('"', i + 1)
@@ -216,6 +226,12 @@ def _split_args(text: str) -> tuple[list[str], str] | None:
             if j < 0:
                 return None
             i = j + 1
+            continue
+        if c == "/":
+            j = text.find("*/", i + 2)
+            if j < 0:
+                return None
+            i = j + 2
             continue
         if c in "([{":
             depth += 1
@@ -231,15 +247,9 @@ def _split_args(text: str) -> tuple[list[str], str] | None:
                     return None
                 return out, rest[1:].strip()
             depth -= 1
-        elif c == "," and depth == 0:
+        elif depth == 0:  # ","
             out.append(text[start:i].strip())
             start = i + 1
-        elif c == "/" and text.startswith("/*", i):
-            j = text.find("*/", i + 2)
-            if j < 0:
-                return None
-            i = j + 2
-            continue
         i += 1
     return None
 
@@ -471,6 +481,7 @@ def _string(arg: str) -> bytes | None:
     return _unhex(m.group(1))
 
 
+@functools.lru_cache(maxsize=4096)  # the same few directories, over and over
 def _fd_path(arg: str) -> tuple[bool, bytes | None]:
     """(is AT_FDCWD, the descriptor's path or None)."""
     m = _FD.match(arg)
