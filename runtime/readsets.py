@@ -9,8 +9,10 @@ only at the traced system calls (every call that takes a path, directory listing
 returns TRACE for those and ALLOW for the rest, stacked under the sandbox's own filter,
 whose refusals (EPERM/ENOSYS) take precedence, so a refused call never reaches strace and
 has no effect to track. ``-y`` prints each descriptor's path and the caller's working
-directory (``AT_FDCWD</dir>``) as the kernel resolved them, ``--decode-pids=pidns`` the host
-pid of each new process.
+directory (``AT_FDCWD</dir>``) as the kernel resolved them. A clone inside the sandbox
+returns the new process's pid in the sandbox's PID namespace; :func:`_link` pairs those with
+the host pids the log's lines carry (``--decode-pids=pidns`` would print them, at the cost of
+a scan of the host's ``/proc`` for every new process).
 
 :func:`read_set` turns the log into an :class:`aospec.readsets.ReadSet`: the records of the
 command's processes (the descendants of bubblewrap's child in the sandbox's PID namespace)
@@ -24,10 +26,13 @@ a writable bind is, and is not versioned: reading one makes the command *untrack
 
 Untracked (None: the fork is then reused by plain JASV only, never rebased): a tracer
 failure or a record it cannot parse, a process still running when the command ended or
-killed by a signal (SIGPIPE excepted for a process that wrote nothing), a timeout, a
-successful ``mount``/``chroot``/``inotify_add_watch`` or other call that observes or
-changes state outside the files, a path through another process's ``/proc`` entries, a
-writable bind, or network use in a sandbox that has network access.
+killed by a signal (SIGPIPE excepted for a process that wrote nothing), a timeout,
+processes the log cannot pair with the clones that made them (or threads made at the same
+time in two processes), a relative path in a process made at the same time as another
+before the trace names its directory, a successful ``mount``/``chroot``/``inotify_add_watch``
+or other call that observes or changes state outside the files, a path through another
+process's ``/proc`` entries, a writable bind, or network use in a sandbox that has network
+access.
 
 :func:`write_set` gives a command's :class:`aospec.readsets.WriteSet` from its layer and
 upper directory; :func:`shift_times` moves a rebased fork's own modification times after
@@ -37,6 +42,7 @@ the commits it is rebased onto, so that mtime order is the serial order.
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import re
 import shutil
@@ -71,7 +77,6 @@ _FLAGS = (
     "-f",
     "--seccomp-bpf",
     "-y",
-    "--decode-pids=pidns",
     "-xx",
     "-s",
     "4096",
@@ -178,10 +183,15 @@ class Untracked(Exception):
 _LINE = re.compile(r"^(\d+) +(.*)$")
 _HEX = re.compile(rb"\\x([0-9a-f]{2})")
 _RESUMED = re.compile(r"^<\.\.\. ([\w]+) resumed>(.*)$")
-_RET = re.compile(r"^(-?\d+|\?)(?:<(.*)>)?(?: /\* (\d+) in strace's PID NS \*/)?(?: (E[A-Z0-9]+) .*)?")
+_RET = re.compile(r"^(-?\d+|\?)(?:<(.*)>)?(?: (E[A-Z0-9]+) .*)?")
+
+
+_ALL_HEX = re.compile(r"(?:\\x[0-9a-f]{2})*")
 
 
 def _unhex(text: str) -> bytes:
+    if _ALL_HEX.fullmatch(text) is not None:  # -xx: every byte is \xNN
+        return bytes.fromhex(text.replace("\\x", ""))
     return _HEX.sub(lambda m: bytes((int(m.group(1), 16),)), text.encode("ascii", "surrogateescape"))
 
 
@@ -192,8 +202,13 @@ class _Record:
     args: list[str]
     ret: int | None  # None: "?" (the process died in the call)
     ret_path: bytes | None  # the descriptor's path a call returned (-y)
-    ret_pid: int | None  # a new process's host pid (clone)
+    ret_pid: int | None  # a new process's host pid (clone; set by _link)
     errno: str | None
+    start: int = 0  # the log lines of the call's start and end
+    end: int = 0
+
+
+_ARG_MARK = re.compile(r'["<()\[\]{},]|/\*')
 
 
 def _split_args(text: str) -> tuple[list[str], str] | None:
@@ -202,8 +217,9 @@ def _split_args(text: str) -> tuple[list[str], str] | None:
     start = 0
     out: list[str] = []
     i = 0
-    n = len(text)
-    while i < n:
+    search = _ARG_MARK.search
+    while (m := search(text, i)) is not None:
+        i = m.start()
         c = text[i]
         if c == '"':
             j = text.find('"', i + 1)
@@ -216,6 +232,12 @@ def _split_args(text: str) -> tuple[list[str], str] | None:
             if j < 0:
                 return None
             i = j + 1
+            continue
+        if c == "/":
+            j = text.find("*/", i + 2)
+            if j < 0:
+                return None
+            i = j + 2
             continue
         if c in "([{":
             depth += 1
@@ -231,15 +253,9 @@ def _split_args(text: str) -> tuple[list[str], str] | None:
                     return None
                 return out, rest[1:].strip()
             depth -= 1
-        elif c == "," and depth == 0:
+        elif depth == 0:  # ","
             out.append(text[start:i].strip())
             start = i + 1
-        elif c == "/" and text.startswith("/*", i):
-            j = text.find("*/", i + 2)
-            if j < 0:
-                return None
-            i = j + 2
-            continue
         i += 1
     return None
 
@@ -250,21 +266,24 @@ def _parse_ret(text: str) -> tuple[int | None, bytes | None, int | None, str | N
         return None
     ret = None if m.group(1) == "?" else int(m.group(1))
     path = _unhex(m.group(2)) if m.group(2) is not None else None
-    return ret, path, int(m.group(3)) if m.group(3) else None, m.group(4)
+    return ret, path, None, m.group(3)
 
 
 @dataclass(slots=True)
 class _Log:
     records: list[_Record] = field(default_factory=list)
     exits: dict[int, str] = field(default_factory=dict)  # pid -> "exited N" / "killed SIGX"
-    children: dict[int, list[int]] = field(default_factory=dict)
+    children: dict[int, list[int]] = field(default_factory=dict)  # filled by _link
+    clones: list[_Record] = field(default_factory=list)  # successful clone, fork, vfork
+    pids: set[int] = field(default_factory=set)  # every pid with a line in the log
+    unsure: set[int] = field(default_factory=set)  # new processes whose parent may be another's
     problems: list[str] = field(default_factory=list)
 
 
 def _read_log(lines: Iterable[str]) -> _Log:
     log = _Log()
-    pending: dict[int, str] = {}
-    for raw in lines:
+    pending: dict[int, tuple[str, int]] = {}
+    for n, raw in enumerate(lines):
         line = raw.rstrip("\n")
         m = _LINE.match(line)
         if m is None:
@@ -272,6 +291,8 @@ def _read_log(lines: Iterable[str]) -> _Log:
                 log.problems.append(f"a trace line without a pid: {line[:80]!r}")
             continue
         pid, body = int(m.group(1)), m.group(2)
+        log.pids.add(pid)
+        start = n
         if body.startswith("+++ "):
             what = body[4:].rstrip(" +")
             log.exits[pid] = what
@@ -280,15 +301,15 @@ def _read_log(lines: Iterable[str]) -> _Log:
         if body.startswith("--- "):
             continue
         if body.endswith(" <unfinished ...>"):
-            pending[pid] = body[: -len(" <unfinished ...>")]
+            pending[pid] = (body[: -len(" <unfinished ...>")], n)
             continue
         r = _RESUMED.match(body)
         if r is not None:
-            head = pending.pop(pid, None)
-            if head is None:
+            started = pending.pop(pid, None)
+            if started is None:
                 log.problems.append(f"a resumed call without its start: {line[:80]!r}")
                 continue
-            body = head + r.group(2)
+            body, start = started[0] + r.group(2), started[1]
         paren = body.find("(")
         if paren <= 0:
             log.problems.append(f"an unreadable trace line: {line[:80]!r}")
@@ -299,13 +320,65 @@ def _read_log(lines: Iterable[str]) -> _Log:
         if split is None or ret is None:
             log.problems.append(f"an unreadable {name} record: {line[:80]!r}")
             continue
-        rec = _Record(pid, name, split[0], *ret)
+        rec = _Record(pid, name, split[0], *ret, start, n)
         log.records.append(rec)
         if name in ("clone", "fork", "vfork", "clone3") and rec.ret is not None and rec.ret > 0:
-            log.children.setdefault(pid, []).append(rec.ret_pid or rec.ret)
+            log.clones.append(rec)
     for pid in pending:
         log.exits.setdefault(pid, "")
     return log
+
+
+def _link(log: _Log, init: int) -> None:
+    """Set each clone record's ``ret_pid`` to its new process's host pid and fill
+    ``log.children``; Untracked when the log does not determine them.
+
+    bwrap, outside the sandbox, gets ``init``'s host pid from its clone; every other process
+    of the log is in the sandbox's PID namespace, where a clone returns the namespace's pid.
+    The kernel gives a new process its pid in each namespace in one allocation, namespace
+    after namespace, and pids grow until they wrap around: allocations that do not run at
+    the same time are in the same order in both namespaces, so the i-th smallest namespace
+    pid is the i-th smallest host pid. Checked: one new process per clone and no host pid
+    below init's (the host's pids wrapped). Two clones whose calls overlap in the log (an
+    allocation runs between the call's start and end) may have swapped their new processes,
+    unless one is made by a descendant of the other's new process (which exists only once
+    that allocation is done): those new processes start in ``unsure``, their working
+    directory unknown until the trace names it (a relative path before that is untracked),
+    and threads sharing one are untracked.
+    """
+    outer = [c for c in log.clones if c.ret == init and c.pid != init]
+    bwrap = outer[0].pid if len(outer) == 1 else -1
+    if bwrap < 0 or bwrap not in log.pids or init not in log.pids:
+        raise Untracked("the trace does not show bwrap starting the sandbox")
+    inner = sorted((c for c in log.clones if c.pid != bwrap), key=lambda c: c.ret or 0)
+    if len(inner) != len(log.clones) - 1:
+        raise Untracked("bwrap started a process outside the sandbox")
+    hosts = sorted(log.pids - {bwrap, init})
+    if len(hosts) < len(inner):
+        raise Untracked("a process the trace shows started never ran in it (still running when the command ended)")
+    if len(hosts) > len(inner) or len({c.ret for c in inner}) != len(inner):
+        raise Untracked("the trace's processes do not match its clone calls")
+    if hosts and hosts[0] < init:
+        raise Untracked("the host's process ids wrapped around during the command")
+    outer[0].ret_pid = init
+    log.children = {bwrap: [init]}
+    for c, host in zip(inner, hosts, strict=True):
+        c.ret_pid = host
+        log.children.setdefault(c.pid, []).append(host)
+    by_start = sorted(inner, key=lambda c: c.start)
+    for i, a in enumerate(by_start):
+        below: set[int] | None = None
+        for b in by_start[i + 1 :]:
+            if b.start > a.end:
+                break
+            if b.pid == a.pid:
+                continue
+            assert a.ret_pid is not None
+            below = _descendants(log.children, a.ret_pid) | {a.ret_pid} if below is None else below
+            if b.pid not in below:
+                if any("CLONE_FS" in x for c in (a, b) for x in c.args):
+                    raise Untracked("two processes started threads at the same time")
+                log.unsure.update((a.ret_pid, b.ret_pid))
 
 
 def _descendants(children: dict[int, list[int]], root: int) -> set[int]:
@@ -471,6 +544,7 @@ def _string(arg: str) -> bytes | None:
     return _unhex(m.group(1))
 
 
+@functools.lru_cache(maxsize=4096)  # the same few directories, over and over
 def _fd_path(arg: str) -> tuple[bool, bytes | None]:
     """(is AT_FDCWD, the descriptor's path or None)."""
     m = _FD.match(arg)
@@ -504,15 +578,31 @@ def _absolute(path: bytes, dirfd_arg: str | None, cwd: _Cwd) -> bytes:
 def _accesses(log: _Log, command_pids: set[int], cwd0: bytes, network: bool) -> list[_Access]:
     """Every path access of the command's processes, in log order."""
     cwds: dict[int, _Cwd] = {}
-    parents = {c: p for p, cs in log.children.items() for c in cs}
+    # child -> (parent, whether it shares the parent's working directory: CLONE_FS)
+    parents = {
+        c.ret_pid: (c.pid, c.name == "clone" and any("CLONE_FS" in a for a in c.args))
+        for c in log.clones
+        if c.ret_pid is not None
+    }
+
+    def cwd_of(pid: int) -> _Cwd:
+        # a process's first call before its parent's clone returned (in the log): the
+        # parent is still in the clone, its directory is the child's
+        chain = []
+        while pid not in cwds and pid in command_pids and pid not in chain:
+            chain.append(pid)
+            pid = parents.get(pid, (-1, False))[0]
+        cwd = cwds.get(pid, _Cwd(cwd0))
+        for p in reversed(chain):
+            shared = parents.get(p, (-1, False))[1]
+            cwd = cwds[p] = cwd if shared else _Cwd(None if p in log.unsure else cwd.path)
+        return cwd
+
     out: list[_Access] = []
     for rec in log.records:
         if rec.pid not in command_pids:
             continue
-        cwd = cwds.get(rec.pid)
-        if cwd is None:
-            parent = cwds.get(parents.get(rec.pid, -1))
-            cwd = cwds[rec.pid] = _Cwd(parent.path if parent is not None else cwd0)
+        cwd = cwds.get(rec.pid) or cwd_of(rec.pid)
         name, args = rec.name, rec.args
         ok = rec.ret is not None and rec.ret >= 0
         for a in args:
@@ -521,10 +611,10 @@ def _accesses(log: _Log, command_pids: set[int], cwd0: bytes, network: bool) -> 
                 if known is not None:
                     cwd.path = known
         if name in ("clone", "fork", "vfork"):
-            child = rec.ret_pid or rec.ret
-            if child and child > 0 and child not in cwds:
+            child = rec.ret_pid
+            if child is not None and child not in cwds:
                 shared = name == "clone" and any("CLONE_FS" in a for a in args)
-                cwds[child] = cwd if shared else _Cwd(cwd.path)
+                cwds[child] = cwd if shared else _Cwd(None if child in log.unsure else cwd.path)
             continue
         if name == "fchdir":
             if ok and args:
@@ -862,6 +952,7 @@ def _read_set(trace: CommandTrace, views: Sequence[str], cwd: str, binds: Sequen
         log = _read_log(f)
     if log.problems:
         raise Untracked(log.problems[0])
+    _link(log, trace.child_pid)
     pids = _descendants(log.children, trace.child_pid)
     if not pids:
         raise Untracked("the trace holds no process of the command")

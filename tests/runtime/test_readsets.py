@@ -46,10 +46,11 @@ def _tree(tmp_path: Path) -> Path:
     return root
 
 
-# One command in the sandbox: bwrap's child 100 forks the shell 101 (namespace pid 2), which
-# forks 102 (namespace pid 3): pids after "/*" are the host's.
+# One command in the sandbox: bwrap (99) starts its child 100, which forks the shell 101
+# (namespace pid 2), which forks 102 (namespace pid 3).
 HEAD = [
-    "100  clone(child_stack=NULL, flags=SIGCHLD) = 2 /* 101 in strace's PID NS */",
+    "99  clone(child_stack=NULL, flags=CLONE_NEWPID|SIGCHLD) = 100",
+    "100  clone(child_stack=NULL, flags=SIGCHLD) = 2",
     f'101  execve("{_hex("/bin/tool")}", 0x1, 0x2) = 0',
 ]
 TAIL = ["101  +++ exited with 0 +++"]
@@ -58,14 +59,14 @@ TAIL = ["101  +++ exited with 0 +++"]
 def test_the_parser_reads_calls_their_directories_and_the_processes_of_the_command(tmp_path: Path) -> None:
     root = _tree(tmp_path)
     lines = [
-        "99  openat(AT_FDCWD<\\x2f>, \"\\x2f\\x65\\x74\\x63\", O_RDONLY) = 3",  # bwrap itself: not the command
+        '99  openat(AT_FDCWD<\\x2f>, "\\x2f\\x65\\x74\\x63", O_RDONLY) = 3',  # bwrap itself: not the command
         *HEAD,
         f'101  newfstatat(AT_FDCWD<{_hex("/w")}>, "{_hex("a")}", 0x7ff, 0) = 0',
         f'101  openat(AT_FDCWD<{_hex("/w")}>, "{_hex("l/x")}", O_RDONLY <unfinished ...>',
         "101  <... openat resumed>) = -1 ENOENT (No such file or directory)",
         f'101  openat(AT_FDCWD<{_hex("/w")}>, "{_hex("d")}", O_RDONLY|O_DIRECTORY) = 3<{_hex("/w/d")}>',
         f"101  getdents64(3<{_hex('/w/d')}>, 0x55, 32768) = 48",
-        "101  clone(child_stack=NULL, flags=SIGCHLD) = 3 /* 102 in strace's PID NS */",
+        "101  clone(child_stack=NULL, flags=SIGCHLD) = 3",
         f'102  access("{_hex("nothere")}", F_OK) = -1 ENOENT (No such file or directory)',  # relative, inherited cwd
         f'102  rename("{_hex("/w/a")}", "{_hex("/w/b")}") = 0',
         "102  +++ exited with 0 +++",
@@ -88,20 +89,66 @@ def test_the_parser_reads_calls_their_directories_and_the_processes_of_the_comma
         (["102  +++ killed by SIGKILL +++"], "killed by SIGKILL"),
         ([f'102  openat(AT_FDCWD<\\x2f>, "{_hex("/proc/self/cwd/x")}", O_RDONLY) = -1 ENOENT (x)'], "/proc/self/cwd"),
         ([f'102  newfstatat(AT_FDCWD<\\x2f>, "{_hex("/rw/f")}", 0x1, 0) = 0'], "writable bind /rw"),
-        (["102  inotify_add_watch(3, \"\\x2f\", IN_MODIFY) = 1"], "inotify_add_watch"),
+        (['102  inotify_add_watch(3, "\\x2f", IN_MODIFY) = 1'], "inotify_add_watch"),
         ([f'102  openat(AT_FDCWD<\\x2f>, "{_hex("/w/a")}"..., O_RDONLY) = 3'], "longer than the tracer"),
         (["102  openat(AT_FDCWD<\\x2f>, garbage"], "unreadable"),
     ],
 )
 def test_what_the_read_set_cannot_account_for_is_untracked(tmp_path: Path, extra: list[str], why: str) -> None:
     root = _tree(tmp_path)
-    lines = [*HEAD, "101  clone(child_stack=NULL, flags=SIGCHLD) = 3 /* 102 in strace's PID NS */", *extra, *TAIL]
+    lines = [*HEAD, "101  clone(child_stack=NULL, flags=SIGCHLD) = 3", *extra, *TAIL]
     if not any("+++" in e for e in extra):
         lines.append("102  +++ exited with 0 +++" if why != "still running" else "")
     trace = _trace(tmp_path, [x for x in lines if x])
     binds = [Bind(str(tmp_path), "/rw", writable=True)]
     assert read_set(trace, views=[str(root)], cwd="/", binds=binds) is None
     assert why in (untracked_reason(trace, views=[str(root)], cwd="/", binds=binds) or "")
+
+
+# 101 forks 102 (namespace pid 3), which forks 103 (pid 4) before 101's clone returns in the
+# log: the parser pairs the namespace's pids with the host's in the order they were made
+RELATIVE = [f'103  access("{_hex("gone")}", F_OK) = -1 ENOENT (x)']
+FORKS = [
+    *HEAD,
+    "101  clone(child_stack=NULL, flags=SIGCHLD <unfinished ...>",
+    "102  clone(child_stack=NULL, flags=SIGCHLD) = 4",
+    "101  <... clone resumed>) = 3",
+    "102  +++ exited with 0 +++",
+    "103  +++ exited with 0 +++",
+    *TAIL,
+]
+
+
+@pytest.mark.parametrize(
+    ("lines", "why"),
+    [
+        (FORKS[1:], "does not show bwrap starting"),
+        ([*FORKS[:-3], *FORKS[-2:]], "still running"),  # 102 never shows
+        ([*FORKS[:-1], "104  +++ exited with 0 +++", *TAIL], "do not match its clone calls"),
+        ([x.replace("101 ", "91 ").replace("102 ", "92 ").replace("103 ", "93 ") for x in FORKS], "wrapped"),
+        # 100 makes 103 while 101's clone makes 102: the two allocations may have raced, and
+        # 102 and 103 swapped, so neither's directory is known until the trace names it
+        (
+            [*FORKS[:4], "100  clone(child_stack=NULL, flags=SIGCHLD) = 4", *FORKS[5:7], *RELATIVE, *FORKS[7:]],
+            "a relative path whose directory the trace does not name",
+        ),
+        ([*FORKS[:4], "100  clone(child_stack=NULL, flags=CLONE_FS|CLONE_VM) = 4", *FORKS[5:]], "threads"),
+    ],
+)
+def test_processes_the_log_does_not_pair_with_their_clones_are_untracked(
+    tmp_path: Path, lines: list[str], why: str
+) -> None:
+    root = _tree(tmp_path)
+    assert why in (untracked_reason(_trace(tmp_path, lines), views=[str(root)], cwd="/") or "")
+
+
+def test_a_clone_overlapping_one_by_its_own_new_process_is_ordered(tmp_path: Path) -> None:
+    root = _tree(tmp_path)
+    reads = read_set(_trace(tmp_path, [*FORKS[:-3], *RELATIVE, *FORKS[-3:]]), views=[str(root)], cwd="/w")
+    assert reads is not None and "w/gone" in reads.lookups
+    # made by another process at the same time: tracked while it names no relative path
+    raced = [*FORKS[:4], "100  clone(child_stack=NULL, flags=SIGCHLD) = 4", *FORKS[5:]]
+    assert read_set(_trace(tmp_path, raced), views=[str(root)], cwd="/w") is not None
 
 
 def test_sigpipe_is_no_reason_for_a_reader_but_is_for_a_writer(tmp_path: Path) -> None:
@@ -205,6 +252,32 @@ def test_a_fork_valid_by_its_read_set_gives_what_running_it_after_the_commits_gi
     assert ("cat /w/l", "echo new > /w/new") in valid  # a new name next to what it read
     assert ("test -e /w/x && echo yes || echo no", "echo new > /w/new") in valid
     assert ("ls /w", "echo e > /w/d/e") not in valid  # ls stat'ed /w/d, whose link count and time moved
+
+
+@pytest.mark.root
+def test_each_process_reads_relative_paths_in_the_directory_it_inherited(overlay: str) -> None:
+    # the parser pairs the sandbox's pids with the host's itself: children forked before
+    # their parent changes directory, in pipelines, subshells and in the background, many
+    # at once, each resolve relative paths where their parent was when it forked them
+    needs_tracer()
+    command = (
+        "cd /w && (sleep 0.2; cat a; test -e gone1) & cd /u && cat log; "
+        "(cd /w/d && test -e gone2) | (test -e gone3; cat log); "
+        "for i in 1 2 3 4 5 6 7 8; do (test -e gone4-$i) & done; wait"
+    )
+
+    async def main() -> tuple[str, ReadSet | None]:
+        async with open_sandbox(SandboxConfig(timeout_s=20)) as sb:
+            await sb.run(SETUP)
+            obs, _, reads, fork = await _run(sb, command, trace=True)
+            await fork.discard()
+            return str(obs), reads
+
+    obs, reads = anyio.run(main)
+    assert reads is not None, obs
+    assert {"w/a", "u/log"} <= reads.nodes
+    assert {"w/gone1", "w/d/gone2", "u/gone3"} | {f"u/gone4-{i}" for i in range(1, 9)} <= reads.lookups
+    assert not {"u/gone1", "u/gone2", "w/gone3", "w/gone4-1"} & reads.lookups
 
 
 @pytest.mark.root
