@@ -276,6 +276,7 @@ class _Log:
     children: dict[int, list[int]] = field(default_factory=dict)  # filled by _link
     clones: list[_Record] = field(default_factory=list)  # successful clone, fork, vfork
     pids: set[int] = field(default_factory=set)  # every pid with a line in the log
+    first: dict[int, int] = field(default_factory=dict)  # pid -> the index of its first line
     unsure: set[int] = field(default_factory=set)  # new processes whose parent may be another's
     problems: list[str] = field(default_factory=list)
 
@@ -291,7 +292,9 @@ def _read_log(lines: Iterable[str]) -> _Log:
                 log.problems.append(f"a trace line without a pid: {line[:80]!r}")
             continue
         pid, body = int(m.group(1)), m.group(2)
-        log.pids.add(pid)
+        if pid not in log.pids:
+            log.pids.add(pid)
+            log.first[pid] = n
         start = n
         if body.startswith("+++ "):
             what = body[4:].rstrip(" +")
@@ -338,13 +341,15 @@ def _link(log: _Log, init: int) -> None:
     The kernel gives a new process its pid in each namespace in one allocation, namespace
     after namespace, and pids grow until they wrap around: allocations that do not run at
     the same time are in the same order in both namespaces, so the i-th smallest namespace
-    pid is the i-th smallest host pid. Checked: one new process per clone and no host pid
-    below init's (the host's pids wrapped). Two clones whose calls overlap in the log (an
-    allocation runs between the call's start and end) may have swapped their new processes,
-    unless one is made by a descendant of the other's new process (which exists only once
-    that allocation is done): those new processes start in ``unsure``, their working
-    directory unknown until the trace names it (a relative path before that is untracked),
-    and threads sharing one are untracked.
+    pid is the i-th smallest host pid. Checked: one new process per clone, no host pid
+    below init's (the host's pids wrapped), no new process with a line before its clone
+    started, and no clone that strace does not follow (CLONE_UNTRACED). Two clones whose
+    calls overlap in the log (an allocation runs between the call's start and end, and the
+    kernel may allocate a process's pids namespace by namespace, sleeping in between) may
+    have swapped their new processes, whoever made them: those new processes start in
+    ``unsure``, their working directory unknown until the trace names it (a relative path
+    before that is untracked), and threads sharing one are untracked. (No pair is exempt:
+    which process descends from which is itself read off this pairing.)
     """
     outer = [c for c in log.clones if c.ret == init and c.pid != init]
     bwrap = outer[0].pid if len(outer) == 1 else -1
@@ -360,25 +365,26 @@ def _link(log: _Log, init: int) -> None:
         raise Untracked("the trace's processes do not match its clone calls")
     if hosts and hosts[0] < init:
         raise Untracked("the host's process ids wrapped around during the command")
+    if any("CLONE_UNTRACED" in x for c in log.clones for x in c.args):
+        raise Untracked("a process was started that the tracer does not follow (CLONE_UNTRACED)")
     outer[0].ret_pid = init
     log.children = {bwrap: [init]}
     for c, host in zip(inner, hosts, strict=True):
+        if log.first.get(host, -1) < c.start:
+            raise Untracked("the trace's processes do not match its clone calls (one ran before it was made)")
         c.ret_pid = host
         log.children.setdefault(c.pid, []).append(host)
     by_start = sorted(inner, key=lambda c: c.start)
     for i, a in enumerate(by_start):
-        below: set[int] | None = None
         for b in by_start[i + 1 :]:
             if b.start > a.end:
                 break
             if b.pid == a.pid:
-                continue
-            assert a.ret_pid is not None
-            below = _descendants(log.children, a.ret_pid) | {a.ret_pid} if below is None else below
-            if b.pid not in below:
-                if any("CLONE_FS" in x for c in (a, b) for x in c.args):
-                    raise Untracked("two processes started threads at the same time")
-                log.unsure.update((a.ret_pid, b.ret_pid))
+                continue  # one process's clones never run at the same time
+            if any("CLONE_FS" in x for c in (a, b) for x in c.args):
+                raise Untracked("two processes started threads at the same time")
+            assert a.ret_pid is not None and b.ret_pid is not None
+            log.unsure.update((a.ret_pid, b.ret_pid))
 
 
 def _descendants(children: dict[int, list[int]], root: int) -> set[int]:
@@ -617,8 +623,9 @@ def _accesses(log: _Log, command_pids: set[int], cwd0: bytes, network: bool) -> 
                 cwds[child] = cwd if shared else _Cwd(None if child in log.unsure else cwd.path)
             continue
         if name == "fchdir":
-            if ok and args:
-                cwd.path = _fd_path(args[0])[1] or cwd.path
+            if ok:
+                # a directory the trace does not name: unknown, so a relative path is untracked
+                cwd.path = _fd_path(args[0])[1] if args else None
             continue
         if name in _UNTRACKED_CALLS:
             if ok:
