@@ -209,6 +209,8 @@ class _Record:
 
 
 _ARG_MARK = re.compile(r'["<()\[\]{},]|/\*')
+#: where a span that may hold any character ends, by its first character (``/``: ``/*``)
+_ARG_SPANS = {'"': '"', "<": ">", "/": "*/"}
 
 
 def _split_args(text: str) -> tuple[list[str], str] | None:
@@ -221,23 +223,12 @@ def _split_args(text: str) -> tuple[list[str], str] | None:
     while (m := search(text, i)) is not None:
         i = m.start()
         c = text[i]
-        if c == '"':
-            j = text.find('"', i + 1)
+        close = _ARG_SPANS.get(c)
+        if close is not None:  # a string, a decoded path or a comment: skipped whole
+            j = text.find(close, i + (2 if c == "/" else 1))
             if j < 0:
                 return None
-            i = j + 1
-            continue
-        if c == "<":
-            j = text.find(">", i + 1)
-            if j < 0:
-                return None
-            i = j + 1
-            continue
-        if c == "/":
-            j = text.find("*/", i + 2)
-            if j < 0:
-                return None
-            i = j + 2
+            i = j + len(close)
             continue
         if c in "([{":
             depth += 1
