@@ -74,6 +74,7 @@ import re
 import signal
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import AsyncIterator, Iterator, Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
@@ -163,6 +164,30 @@ def _private_state_root() -> Iterator[Path]:
             _fs.remove_tree(str(root))
 
 
+#: set while a pool worker checks a seed (:func:`_die_with_parent`)
+_CHECKING = threading.Event()
+
+
+def _die_with_parent(parent: int) -> None:
+    """A pool worker: exits once its parent is gone, so it never outlives an interrupted
+    parent (idle on the pool's queue, whose pipe it holds open itself, it would wait forever;
+    a SIGTERM meant for the parent may have been spent interrupting its seed). A seed in
+    progress is interrupted first (SIGTERM: its private state root is cleaned up)."""
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(0.5)
+        if _CHECKING.is_set():
+            os.kill(os.getpid(), signal.SIGTERM)
+            for _ in range(600):  # its clean-up, at most a minute
+                if not _CHECKING.is_set():
+                    break
+                time.sleep(0.1)
+        os._exit(130)
+
+    threading.Thread(target=watch, name="die-with-parent", daemon=True).start()
+
+
 def _check_seed(
     seed: int,
     configs: Sequence[str],
@@ -196,8 +221,12 @@ def _check_seed(
         return results
 
     # a worker process: a SIGTERM to it cleans up too
-    with interrupt_on_signals(), _private_state_root() as root:
-        return anyio.run(main)
+    _CHECKING.set()
+    try:
+        with interrupt_on_signals(), _private_state_root() as root:
+            return anyio.run(main)
+    finally:
+        _CHECKING.clear()
 
 
 def _write_repro(out: Path, result: dict[str, Any], specbox: bool = False) -> Path:
@@ -295,7 +324,7 @@ def _run(args: argparse.Namespace, configs: list[str]) -> int:
         for seed, cfgs in plan:
             take(_check_seed(seed, cfgs, minimise_failures, *modes))
     else:
-        with ProcessPoolExecutor(max_workers=args.jobs) as pool:
+        with ProcessPoolExecutor(max_workers=args.jobs, initializer=_die_with_parent, initargs=(os.getpid(),)) as pool:
             pending: set[Future[list[dict[str, Any]]]] = set()
             todo = iter(plan)
             try:

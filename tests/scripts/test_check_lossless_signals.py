@@ -26,8 +26,15 @@ def overlay() -> None:
 
 
 @pytest.mark.root
-@pytest.mark.parametrize(("sig", "jobs"), [(signal.SIGTERM, 2), (signal.SIGHUP, 2), (signal.SIGTERM, 1)])
-def test_a_signal_stops_the_runs_and_leaves_no_state(overlay: None, tmp_path: Path, sig: int, jobs: int) -> None:
+@pytest.mark.parametrize(
+    ("sig", "jobs", "group"),
+    [(signal.SIGTERM, 2, False), (signal.SIGHUP, 2, False), (signal.SIGTERM, 1, False), (signal.SIGTERM, 2, True)],
+)
+def test_a_signal_stops_the_runs_and_leaves_no_state(
+    overlay: None, tmp_path: Path, sig: int, jobs: int, group: bool
+) -> None:
+    """``group``: the signal goes to every process of the run (as ``kill -- -PGID`` or a
+    service manager sends it), the workers included."""
     from aospec.runtime._fs import mounts_under
 
     roots = tmp_path / "roots"
@@ -36,7 +43,7 @@ def test_a_signal_stops_the_runs_and_leaves_no_state(overlay: None, tmp_path: Pa
             "--no-minimise", "--out", str(tmp_path)]  # fmt: skip
     proc = subprocess.Popen(
         argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-        env={**os.environ, "AOSPEC_LOSSLESS_TMPDIR": str(roots)},
+        env={**os.environ, "AOSPEC_LOSSLESS_TMPDIR": str(roots)}, start_new_session=True,
     )  # fmt: skip
     try:
         deadline = time.monotonic() + 300  # a hang guard, not a timing assertion
@@ -44,8 +51,14 @@ def test_a_signal_stops_the_runs_and_leaves_no_state(overlay: None, tmp_path: Pa
             time.sleep(0.05)
         assert proc.poll() is None, proc.communicate()
         time.sleep(1.0)  # into the runs
-        proc.send_signal(sig)
+        if group:
+            os.killpg(proc.pid, sig)
+        else:
+            proc.send_signal(sig)
         _, err = proc.communicate(timeout=300)
+        deadline = time.monotonic() + 60  # a hang guard: workers exit once the parent is gone
+        while time.monotonic() < deadline and _in_session(proc.pid):
+            time.sleep(0.1)
     finally:
         if proc.poll() is None:
             proc.kill()
@@ -54,3 +67,18 @@ def test_a_signal_stops_the_runs_and_leaves_no_state(overlay: None, tmp_path: Pa
     assert "check_lossless: interrupted" in err
     assert not mounts_under(str(roots)), "mounts left behind"
     assert list(roots.iterdir()) == [], "state roots left behind"
+    assert not _in_session(proc.pid), "workers left behind"
+
+
+def _in_session(sid: int) -> list[int]:
+    """The processes of session ``sid`` still alive (zombies aside)."""
+    alive = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if fields[0] != "Z" and int(fields[3]) == sid:
+                alive.append(int(entry.name))
+    return alive
