@@ -46,6 +46,7 @@ __all__ = [
     "ProcHostMonitor",
     "SpeculationBudget",
     "auto_budget_cores",
+    "budget_spec",
     "check_budget",
     "host_budget",
     "SpeculationLease",
@@ -241,7 +242,7 @@ def auto_budget_cores(cores: float | None = None) -> float:
     return float(max(1, math.floor(available / 2)))
 
 
-def _budget_spec(text: str | None, default: str, env: dict[str, str] | None) -> tuple[str, str]:
+def budget_spec(text: str | None, default: str = "auto", env: dict[str, str] | None = None) -> tuple[str, str]:
     """(the budget ``text`` names, where it came from): ``text``, else :data:`BUDGET_ENV`,
     else ``default``."""
     if text is not None:
@@ -253,7 +254,7 @@ def _budget_spec(text: str | None, default: str, env: dict[str, str] | None) -> 
 def check_budget(text: str | None, *, default: str = "auto", env: dict[str, str] | None = None) -> None:
     """ConfigError naming the option or variable when the budget ``text`` names (see
     :func:`host_budget`) is not ``auto``, ``none`` or ``CORES[,MEMORY]``."""
-    spec, where = _budget_spec(text, default, env)
+    spec, where = budget_spec(text, default, env)
     if spec.strip().lower() not in BUDGET_WORDS:
         parse_budget(spec, where=where)
 
@@ -264,7 +265,7 @@ def host_budget(
     """The host's budget a ``--speculation-budget`` value names: ``text``, or where it is None
     the :data:`BUDGET_ENV` variable, or ``default``. ``auto``: :func:`auto_budget_cores`;
     ``none``: no host budget (None); else ``CORES[,MEMORY]`` (:func:`parse_budget`)."""
-    spec, where = _budget_spec(text, default, env)
+    spec, where = budget_spec(text, default, env)
     word = spec.strip().lower()
     if word == "none":
         return None

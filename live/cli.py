@@ -381,11 +381,9 @@ def _speculation_budget(args: argparse.Namespace) -> Any:
 def _budget_text(args: argparse.Namespace) -> str:
     """The budget that applies, as given: ``--speculation-budget``, else
     $AOSPEC_SPECULATION_BUDGET, else ``auto``."""
-    from aospec.host import BUDGET_ENV
+    from aospec.host import budget_spec
 
-    if args.speculation_budget is not None:
-        return str(args.speculation_budget)
-    return os.environ.get(BUDGET_ENV, "").strip() or "auto"
+    return budget_spec(args.speculation_budget)[0]
 
 
 def _explicit_budget(args: argparse.Namespace) -> bool:
