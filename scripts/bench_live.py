@@ -63,6 +63,7 @@ python3,python3-pip,python3-venv,gcc,libc6-dev,make``; ``--base busybox`` runs w
 from __future__ import annotations
 
 import argparse
+import atexit
 import contextlib
 import json
 import math
@@ -201,6 +202,8 @@ class SandboxCpu:
 
 
 children_cpu_s = SandboxCpu()
+# Why: made on import (a test that imports this module makes one too); removed at exit
+atexit.register(children_cpu_s.close)
 
 #: The speculation controller's model fitted on the training runs (``aospec run
 #: --train-traces``' calibration, :func:`aospec.replay.calibrate.fit_admission`), as JSON:
