@@ -33,6 +33,22 @@ The ``KeyboardInterrupt`` that leaves the block after SIGTERM or SIGHUP carries 
 as its ``signum`` attribute (:func:`interrupting_signal` reads it; an uncaught one still ends
 a script as an interrupt does); ``aospec``'s command line exits with ``128 + signum`` for it
 (143 for SIGTERM), 130 for Ctrl-C.
+
+A process that several senders may stop at once (a pool worker: a terminal's Ctrl-C or a
+service manager reaches its whole process group, then its parent passes the stop on) opens
+``with interrupt_once():`` where its work runs, inside ``anyio.run`` or ``trio.run`` (whose
+SIGINT handling is in place by then): the first of SIGINT, SIGTERM and SIGHUP does what
+SIGINT did at the block's start (cancel the main task); the later ones are only noted, where
+a second Ctrl-C would have raised ``KeyboardInterrupt`` in the middle of the unwinding and
+left the event loop cancelling tasks that never finish.
+
+Clean-up that must not be cut short (removing a state directory after an interrupt, while a
+second signal may come) runs inside ``with deferred_signals():``: SIGINT, SIGTERM and SIGHUP
+are only noted there, and the first one noted is raised as ``KeyboardInterrupt`` when the
+block ends, unless an exception already leaves it. Blocking the signals with
+``pthread_sigmask`` is not enough in a process with threads: the kernel hands a signal to
+any thread that does not block it, and Python then runs the handler in the main thread
+anyway.
 """
 
 from __future__ import annotations
@@ -44,7 +60,14 @@ import threading
 from collections.abc import Iterable, Iterator
 from types import FrameType
 
-__all__ = ["INTERRUPTING_SIGNALS", "interrupt_on_signals", "interrupting_signal"]
+__all__ = [
+    "INTERRUPTING_SIGNALS",
+    "deferred_signals",
+    "interrupt_on_signals",
+    "interrupt_once",
+    "interrupting_signal",
+    "signals_received",
+]
 
 #: The signals :func:`interrupt_on_signals` takes over by default.
 INTERRUPTING_SIGNALS: tuple[signal.Signals, ...] = (signal.SIGTERM, signal.SIGHUP)
@@ -79,6 +102,84 @@ def _default_in_child() -> None:
 
 
 os.register_at_fork(after_in_child=_default_in_child)
+
+
+def signals_received() -> tuple[int, ...]:
+    """The signals taken over by an open :func:`interrupt_on_signals` block or noted by
+    :func:`deferred_signals` so far, oldest first (a thread that must not signal a second time
+    reads it)."""
+    return tuple(_received)
+
+
+class interrupt_once(contextlib.AbstractContextManager["interrupt_once"]):
+    """Inside the block the first of SIGINT, SIGTERM and SIGHUP runs SIGINT's handler of the
+    block's start; the later ones are noted only (module doc). An ignored signal stays
+    ignored; a handler other than aospec's own keeps SIGTERM or SIGHUP. Outside the main
+    thread it does nothing."""
+
+    def __init__(self) -> None:
+        self._previous: dict[int, object] = {}
+        self._sigint: object = None
+        self._fired = False
+
+    def _first(self, signum: int, frame: FrameType | None) -> None:
+        _received.append(signum)
+        if self._fired:
+            return
+        self._fired = True
+        handler = self._sigint
+        if callable(handler):
+            handler(signal.SIGINT, frame)
+        else:
+            raise KeyboardInterrupt
+
+    def __enter__(self) -> interrupt_once:
+        if threading.current_thread() is threading.main_thread():
+            self._sigint = signal.getsignal(signal.SIGINT)
+            for sig in (signal.SIGINT, *INTERRUPTING_SIGNALS):
+                current = signal.getsignal(sig)
+                if current is signal.SIG_IGN or (sig != signal.SIGINT and current not in (_as_sigint, signal.SIG_DFL)):
+                    continue
+                self._previous[sig] = signal.signal(sig, self._first)
+        return self
+
+    def __exit__(self, exc_type: object, exc: object, tb: object) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler if handler is not None else signal.SIG_DFL)  # type: ignore[arg-type]
+        self._previous.clear()
+
+
+class deferred_signals(contextlib.AbstractContextManager["deferred_signals"]):
+    """SIGINT, SIGTERM and SIGHUP are noted, not acted on, inside the block (module doc); the
+    first noted one is raised when it ends, as ``KeyboardInterrupt`` carrying ``signum``. A
+    signal that is ignored stays ignored. Outside the main thread it does nothing."""
+
+    _SIGNALS = (signal.SIGINT, *INTERRUPTING_SIGNALS)
+
+    def __init__(self) -> None:
+        self._previous: dict[int, object] = {}
+        self._noted: list[int] = []
+
+    def _note(self, signum: int, frame: FrameType | None) -> None:
+        self._noted.append(signum)
+        _received.append(signum)
+
+    def __enter__(self) -> deferred_signals:
+        if threading.current_thread() is threading.main_thread():
+            for sig in self._SIGNALS:
+                if signal.getsignal(sig) is not signal.SIG_IGN:
+                    self._previous[sig] = signal.signal(sig, self._note)
+        return self
+
+    def __exit__(self, exc_type: object, exc: object, tb: object) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler if handler is not None else signal.SIG_DFL)  # type: ignore[arg-type]
+        self._previous.clear()
+        if self._noted and exc_type is None:
+            interrupt = KeyboardInterrupt()
+            if self._noted[0] != signal.SIGINT:
+                interrupt.signum = self._noted[0]  # type: ignore[attr-defined]
+            raise interrupt
 
 
 @contextlib.contextmanager

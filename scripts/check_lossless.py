@@ -95,7 +95,7 @@ from aospec.runtime.lossless import (
 )
 
 from aospec.protocols import Sandbox
-from aospec.signals import interrupt_on_signals
+from aospec.signals import deferred_signals, interrupt_on_signals, interrupt_once, signals_received
 
 KINDS = ("divergence", "aborted", "leak")  # failures; "inconclusive" runs are counted apart
 
@@ -146,42 +146,97 @@ def specbox_layer() -> LayerFactory:
 @contextlib.contextmanager
 def _private_state_root() -> Iterator[Path]:
     """A private AOSPEC_STATE_ROOT, unmounted and removed on the way out. The stopping
-    signals wait while it is made, so an interrupt cannot fall between its creation and
-    the ``try`` that removes it."""
+    signals are only noted while it is made and while it is removed (deferred_signals), so
+    an interrupt cannot fall between its creation and the ``try`` that removes it, and a
+    second one cannot cut its removal short; one that comes meanwhile is raised after."""
     parent = os.environ.get("AOSPEC_LOSSLESS_TMPDIR") or "/var/tmp"
-    stopping = {signal.SIGINT, signal.SIGTERM, signal.SIGHUP}
-    mask = signal.pthread_sigmask(signal.SIG_BLOCK, stopping)
     root: Path | None = None
     try:
-        root = Path(tempfile.mkdtemp(prefix="aospec-lossless-", dir=parent))
-        os.environ["AOSPEC_STATE_ROOT"] = str(root)
-        signal.pthread_sigmask(signal.SIG_SETMASK, mask)  # a pending signal interrupts from here on
+        with deferred_signals():
+            root = Path(tempfile.mkdtemp(prefix="aospec-lossless-", dir=parent))
+            os.environ["AOSPEC_STATE_ROOT"] = str(root)
         yield root
     finally:
-        signal.pthread_sigmask(signal.SIG_SETMASK, mask)
-        if root is not None:
-            _fs.unmount_all_under(str(root))
-            _fs.remove_tree(str(root))
+        # no call before the ``try`` (Python acts on a signal at a call or a loop's jump): a
+        # signal that comes before deferred_signals holds them interrupts inside it, and the
+        # removal is tried again
+        late: KeyboardInterrupt | None = None
+        tries = 0
+        while root is not None:
+            try:
+                with deferred_signals():
+                    tries += 1
+                    if _remove_state_root(root, last=tries >= 5):
+                        root = None
+            except KeyboardInterrupt as exc:
+                late = exc
+        if late is not None:
+            raise late
 
 
-#: set while a pool worker checks a seed (:func:`_die_with_parent`)
-_CHECKING = threading.Event()
+def _remove_state_root(root: Path, *, last: bool) -> bool:
+    """Unmount and remove one private state root: whether that is done. A failure (a mount
+    or a file still appearing) waits a little for the next try; on the last it is one line
+    on stderr naming the root for removal by hand."""
+    try:
+        _fs.unmount_all_under(str(root))
+        _fs.remove_tree(str(root))
+    except OSError as exc:
+        if last:
+            print(f"check_lossless: could not remove the state root {root}: {exc}", file=sys.stderr, flush=True)
+            return True
+        time.sleep(0.2)
+        return False
+    return True
+
+
+class _WorkerState:
+    """A pool worker's stop, shared by its main thread and :func:`_die_with_parent`'s
+    watcher under one lock: a seed starts only while no stop has come, and the watcher
+    interrupts only a seed that has started, so neither can fall between the other's check
+    and act (a state root made just as the watcher exits the process)."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.checking = False  # a seed is in progress
+        self.stopped = False  # the run is stopping: no seed starts any more
+
+    def start(self) -> None:
+        with self.lock:
+            if self.stopped:  # a seed queued before the stop: dropped, as the parent's pending ones
+                raise KeyboardInterrupt
+            self.checking = True
+
+    def finish(self, interrupted: bool) -> None:
+        with self.lock:
+            self.checking = False
+            self.stopped = self.stopped or interrupted
+
+
+_WORKER = _WorkerState()
 
 
 def _die_with_parent(parent: int) -> None:
     """A pool worker: exits once its parent is gone, so it never outlives an interrupted
     parent (idle on the pool's queue, whose pipe it holds open itself, it would wait forever;
     a SIGTERM meant for the parent may have been spent interrupting its seed). A seed in
-    progress is interrupted first (SIGTERM: its private state root is cleaned up)."""
+    progress is interrupted first (SIGTERM: its private state root is cleaned up), unless a
+    stop has reached it already (a second one is not sent); calls still queued are not
+    started."""
 
     def watch() -> None:
         while os.getppid() == parent:
             time.sleep(0.5)
-        if _CHECKING.is_set():
-            os.kill(os.getpid(), signal.SIGTERM)
+        with _WORKER.lock:
+            _WORKER.stopped = True
+            checking = _WORKER.checking
+        if checking:
+            if not signals_received():
+                os.kill(os.getpid(), signal.SIGTERM)
             for _ in range(600):  # its clean-up, at most a minute
-                if not _CHECKING.is_set():
-                    break
+                with _WORKER.lock:
+                    if not _WORKER.checking:
+                        break
                 time.sleep(0.1)
         os._exit(130)
 
@@ -200,6 +255,12 @@ def _check_seed(
     layer = specbox_layer() if specbox else None
 
     async def main() -> list[dict[str, Any]]:
+        # a stop may reach this worker twice (the process group's, then the parent's): the
+        # first cancels, the second does not cut the unwinding short
+        with interrupt_once():
+            return await check()
+
+    async def check() -> list[dict[str, Any]]:
         results = []
         reference = None
         minimised: dict[tuple[str, str], dict[str, Any]] = {}
@@ -220,13 +281,19 @@ def _check_seed(
             results.append(result)
         return results
 
-    # a worker process: a SIGTERM to it cleans up too
-    _CHECKING.set()
-    try:
-        with interrupt_on_signals(), _private_state_root() as root:
-            return anyio.run(main)
-    finally:
-        _CHECKING.clear()
+    # a worker process: a SIGTERM to it cleans up too; once one seed is interrupted the
+    # worker starts no other (the parent is stopping)
+    with interrupt_on_signals():
+        _WORKER.start()
+        interrupted = False
+        try:
+            with _private_state_root() as root:
+                return anyio.run(main)
+        except KeyboardInterrupt:
+            interrupted = True
+            raise
+        finally:
+            _WORKER.finish(interrupted)
 
 
 def _write_repro(out: Path, result: dict[str, Any], specbox: bool = False) -> Path:
@@ -345,7 +412,7 @@ def _run(args: argparse.Namespace, configs: list[str]) -> int:
                 pool.shutdown(wait=False, cancel_futures=True)
                 for child in multiprocessing.active_children():
                     with contextlib.suppress(ProcessLookupError):
-                        os.kill(child.pid, signal.SIGINT)  # type: ignore[arg-type]
+                        os.kill(child.pid, signal.SIGTERM)  # type: ignore[arg-type]
                 raise
     progress(final=True)
     elapsed = time.perf_counter() - started

@@ -144,3 +144,84 @@ def test_a_forked_worker_starts_with_the_default_sigterm(tmp_path: Path) -> None
     )
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert r.stdout.strip() == str(-signal.SIGTERM), r.stderr
+
+
+@pytest.mark.parametrize("threads", [False, True])
+def test_a_signal_during_a_deferred_cleanup_waits_for_its_end(tmp_path: Path, threads: bool) -> None:
+    """A second stop signal, sent while a clean-up runs in ``deferred_signals()`` (what
+    check_lossless's workers remove their state roots in), does not cut it short: it is raised
+    once the block ends. With a thread that does not block signals, ``pthread_sigmask`` alone
+    would not have held it (the kernel hands the signal to that thread)."""
+    out = tmp_path / "out"
+    code = textwrap.dedent(
+        f"""
+        import signal, sys, threading, time
+        from aospec.signals import deferred_signals, interrupt_on_signals, interrupting_signal
+        if {threads!r}:
+            threading.Thread(target=time.sleep, args=(600,), daemon=True).start()
+        with interrupt_on_signals():
+            try:
+                with deferred_signals():
+                    print("ready", flush=True)
+                    for i in range(20):
+                        time.sleep(0.05)
+                    open({str(out)!r}, "w").write("cleaned")
+            except KeyboardInterrupt as exc:
+                print("raised", interrupting_signal(exc), flush=True)
+                sys.exit(3)
+        """
+    )
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    assert proc.stdout is not None and proc.stdout.readline() == "ready\n"
+    proc.send_signal(signal.SIGTERM)
+    time.sleep(0.1)
+    proc.send_signal(signal.SIGINT)
+    rest, err = proc.communicate(timeout=60)
+    assert out.read_text() == "cleaned", err
+    assert rest == f"raised {int(signal.SIGTERM)}\n" and proc.returncode == 3, err
+
+
+def test_deferred_signals_raises_nothing_without_a_signal_and_restores_the_handlers() -> None:
+    from aospec.signals import deferred_signals
+
+    before = signal.getsignal(signal.SIGTERM)
+    with deferred_signals():
+        assert signal.getsignal(signal.SIGTERM) is not before
+    assert signal.getsignal(signal.SIGTERM) == before
+
+
+@pytest.mark.parametrize("once", [True, False])
+def test_interrupt_once_lets_the_first_stop_unwind_whatever_follows(tmp_path: Path, once: bool) -> None:
+    """A worker told to stop twice (its process group's SIGTERM, then its parent's): under
+    ``interrupt_once()`` the second one does not cut the async clean-up short; without it, it
+    does (asyncio's second Ctrl-C), which is what the block is for."""
+    out = tmp_path / "out"
+    code = textwrap.dedent(
+        f"""
+        import contextlib
+        import anyio
+        from aospec.signals import interrupt_on_signals, interrupt_once
+
+        async def main():
+            with interrupt_once() if {once!r} else contextlib.nullcontext():
+                try:
+                    print("ready", flush=True)
+                    await anyio.sleep(600)
+                finally:
+                    with anyio.CancelScope(shield=True):
+                        print("cleaning", flush=True)
+                        await anyio.sleep(1.0)
+                        open({str(out)!r}, "w").write("cleaned")
+
+        with interrupt_on_signals():
+            anyio.run(main)
+        """
+    )
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    assert proc.stdout is not None and proc.stdout.readline() == "ready\n"
+    proc.send_signal(signal.SIGTERM)
+    assert proc.stdout.readline() == "cleaning\n"
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=60)
+    assert "KeyboardInterrupt" in err
+    assert out.exists() == once, err
