@@ -63,6 +63,8 @@ class SandboxStatistics:
     freezes: int = 0
     stack_depth: int = 0
     compactions: int = 0
+    #: overlay mounts that fell back to ``index=off`` (hard links may break on copy-up there)
+    index_off_mounts: int = 0
 
 
 @runtime_checkable
@@ -138,7 +140,9 @@ class MiniSweAgentFormatter:
             return CommandResult(int(m.group(1)), output, timed_out=False, duration_s=0.0, truncated=head)
         m = _TIMED_OUT.match(observation)
         if m is not None:
-            return CommandResult(TIMEOUT_RETURNCODE, m.group(1), timed_out=True, duration_s=0.0, limits_hit=("timeout",))
+            return CommandResult(
+                TIMEOUT_RETURNCODE, m.group(1), timed_out=True, duration_s=0.0, limits_hit=("timeout",)
+            )
         return None
 
 

@@ -15,7 +15,10 @@ the root can *rebase* a fork from an older version (docs/engine.md, "Read sets")
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import os
+import stat
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -340,9 +343,11 @@ class OverlaySandbox(SandboxSession):
         if self._bind_points:
             remove_bind_points(str(self._merged), self._bind_points)
             self._bind_points = []
+        since = self._bind_since
         if self._bind_since is not None:
             scrub_binds(self.store.config.binds, self._bind_since)
             self._bind_since = None
+        self._keep_hard_links(since or 0)
         layer = self.tracker.diff()
         done["layer"], done["version"] = layer, layer.apply_to(self._version)
         self._changes_recorded(layer)
@@ -352,6 +357,63 @@ class OverlaySandbox(SandboxSession):
         )
         if self.is_root:
             done["frozen"] = self._freeze_if_needed()
+
+    def _keep_hard_links(self, since_ns: int) -> None:
+        """Copy up the other names of every hard-linked lower file the command copied up
+        or unlinked a name of, so the upper holds the whole link group before it becomes a
+        layer (blocking, after a command, while the overlay is mounted).
+
+        With ``index=on`` (MOUNT_OPTS) overlayfs keeps a copied-up inode's other names on
+        it while this mount lives, but only names the command looked up reach the upper; in
+        a layer the rest would show the old inode again (a link broken one command later).
+        Such a name is found in the merged view as a regular file that is absent from the
+        upper, has more than one name below it, and whose inode changed since the command
+        started (the indexed copy's ctime); a ``utime`` to its own times copies it up,
+        linked to the indexed inode (neither content, mode, owner nor times change). Costs
+        one walk of the tree, only when the index holds a regular file."""
+        index = self._work / "index"
+        try:
+            with os.scandir(index) as it:
+                if not any(e.is_file(follow_symlinks=False) for e in it):
+                    return
+        except (FileNotFoundError, NotADirectoryError):
+            return
+        if not self._mounted:
+            return
+        upper, lower = os.fsencode(self._upper), os.fsencode(self._lower_view())
+        root = os.open(self._merged, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        try:
+            for step in _fs.walk_tree(root):
+                prefix = step.rel + b"/" if step.rel else b""
+                for entry in step.entries:
+                    if not entry.is_file(follow_symlinks=False):
+                        continue
+                    st = entry.stat(follow_symlinks=False)
+                    if st.st_ctime_ns < since_ns:
+                        continue  # not changed by this command
+                    rel = prefix + os.fsencode(entry.name)
+                    try:
+                        os.lstat(upper + b"/" + rel)
+                        continue  # in the upper already
+                    except FileNotFoundError:
+                        pass
+                    except OSError:
+                        continue  # a path too long to name: left as overlayfs leaves it
+                    try:
+                        below = os.lstat(lower + b"/" + rel)
+                    except OSError:
+                        continue
+                    if not stat.S_ISREG(below.st_mode) or below.st_nlink < 2 or below.st_ctime_ns == st.st_ctime_ns:
+                        continue
+                    with contextlib.suppress(OSError):  # an immutable file stays as it is
+                        os.utime(
+                            os.fsencode(entry.name),
+                            ns=(st.st_atime_ns, st.st_mtime_ns),
+                            dir_fd=step.fd,
+                            follow_symlinks=False,
+                        )
+        finally:
+            os.close(root)
 
     async def read_file(self, path: str, *, max_bytes: int | None = None) -> bytes:
         """The content of the regular file ``path`` inside the sandbox (symlinks resolved
@@ -416,6 +478,7 @@ class OverlaySandbox(SandboxSession):
             freezes=self._stats.freezes,
             stack_depth=len(self._stack),
             compactions=self.store.compactions,
+            index_off_mounts=self.store.index_off_mounts,
         )
 
     # -- internals --------------------------------------------------------------------------
@@ -434,10 +497,29 @@ class OverlaySandbox(SandboxSession):
         with fd_names([*self.store.lowerdir(self._stack).split(":"), str(self._upper), str(self._work)]) as names:
             opts = f"lowerdir={':'.join(names[:-2])},upperdir={names[-2]},workdir={names[-1]},{MOUNT_OPTS}"
             try:
-                _fs.mount("overlay", str(self._merged), "overlay", 0, opts)
+                self._mount_overlay(opts)
             except OSError as exc:
                 raise SandboxError(f"mounting the sandbox overlay failed: {exc}") from None
         self._mounted = True
+
+    def _mount_overlay(self, opts: str) -> None:
+        """Mount the overlay. With ``index=on`` overlayfs refuses (EBUSY) a layer that is
+        still the upper of a mount on its way out (unmounted lazily while a process forked
+        meanwhile held a descriptor): that goes within moments, so the mount is retried
+        for a while, then made with ``index=off`` (this mount's hard links then break on
+        copy-up, as overlayfs's default does; counted in ``statistics().index_off_mounts``, over the store)."""
+        delay = 0.005
+        for _ in range(9):  # about 2.5 s in all
+            try:
+                _fs.mount("overlay", str(self._merged), "overlay", 0, opts)
+                return
+            except OSError as exc:
+                if exc.errno != errno.EBUSY or "index=on" not in opts:
+                    raise
+            time.sleep(delay)
+            delay *= 2
+        _fs.mount("overlay", str(self._merged), "overlay", 0, opts.replace("index=on", "index=off"))
+        self.store.index_off_mounts += 1
 
     def _unmount(self) -> None:
         if self._mounted:
@@ -537,6 +619,11 @@ class OverlaySandbox(SandboxSession):
 
     def _freeze_blocking(self) -> str:
         self._unmount()
+        # overlayfs's inode index (index=on) holds one more link to every copied-up
+        # hard-linked inode: gone before the upper becomes a layer, so the layer's link
+        # counts are its names' (all of them are in the upper: _keep_hard_links)
+        if self._rw_mounted:
+            _fs.remove_tree(str(self._work / "index"))
         cfg = self.store.config
         if not self._tmpfs:
             lid = self.store.new_layer_from(self._upper, rename=True)

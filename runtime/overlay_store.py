@@ -70,7 +70,13 @@ from aospec.errors import SandboxError
 
 __all__ = ["MOUNT_OPTS", "OverlayStore", "StateCheck", "fd_names", "verify_state_dir"]
 
-MOUNT_OPTS = "redirect_dir=off,metacopy=off,index=off,xino=off"
+#: a sandbox's mount. ``index=on``: a copy-up of one name of a hard-linked file keeps its
+#: other names on the same inode while the mount lives (overlayfs's inode index; the
+#: sandbox then copies those names up too before its upper becomes a layer,
+#: :meth:`aospec.runtime.overlay.OverlaySandbox._keep_hard_links`), as a plain filesystem
+#: would. Where the layers' filesystems cannot encode file handles the kernel falls back
+#: to ``index=off`` by itself (links then break on copy-up, as before).
+MOUNT_OPTS = "redirect_dir=off,metacopy=off,index=on,xino=off"
 _HEAD_SCHEMA = 1
 _MAX_LOWERDIR = 3000  # the whole mount option string must fit in one 4 KiB page
 _MAX_GRAVES = 8  # committed forks whose teardown may wait
@@ -103,6 +109,7 @@ class OverlayStore:
         self._cg_counter = 0
         self.seccomp_program: bytes | None = None  # compiled by open_overlay
         self.compactions = 0
+        self.index_off_mounts = 0  # sandbox mounts made with index=off (OverlaySandbox._mount_overlay)
         self._head_written = False  # HEAD is on disk (a private state dir writes it once)
         # Open sandboxes by id (aospec.runtime.overlay.OverlaySandbox; typed by the base class so
         # this file does not import the sandbox file that imports it).

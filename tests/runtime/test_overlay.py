@@ -238,15 +238,45 @@ async def test_cancelling_at_any_moment_leaves_no_process(overlay: str) -> None:
         assert (await sb.run("echo alive")).output == "alive\n"
 
 
-@pytest.mark.xfail(
-    strict=False,  # a kernel whose overlayfs indexes hard links (overlay.index=Y) keeps the link
-    reason="overlayfs copies up one name of a hard-linked file in a lower layer alone (the root freezes its "
-    "upper after every command), so the link breaks, unlike on a plain filesystem; whether cp then sees one "
-    "file depends on the layers' filesystems, and check_lossless --readsets diverges on it (seed 14105)",
-)
 async def test_a_hard_link_survives_a_change_in_a_later_command(overlay: str) -> None:
+    """The root freezes its upper after every command, so the two names are in a lower
+    layer when chmod copies one up: overlayfs's index keeps them one inode, and the other
+    name is copied up with it before the upper becomes a layer."""
     async with open_sandbox(SandboxConfig(backend=overlay, timeout_s=20)) as sb:
         await sb.run("mkdir -p /w && echo seed > /w/a && ln /w/a /w/h")
         r = await sb.run("chmod 600 /w/a && stat -c '%i %h %a' /w/a /w/h")
         first, second = r.output.split("\n")[:2]
-        assert first == second  # one inode, two links, the new mode
+        assert first == second and first.split()[1:] == ["2", "600"]  # one inode, two links, the new mode
+        # and still one inode once that upper is a layer itself
+        r = await sb.run("stat -c '%i %h %a' /w/a /w/h; cp -a /w/h /w/a 2>&1; echo rc=$?")
+        lines = r.output.split("\n")
+        assert lines[0] == lines[1] and lines[0].split()[1:] == ["2", "600"]
+        assert "are the same file" in lines[2] and lines[3] == "rc=1"
+
+
+@pytest.mark.parametrize("config", ["memory", "disk"])
+async def test_hard_links_behave_as_on_a_plain_filesystem_across_layers_and_forks(overlay: str, config: str) -> None:
+    extra = {"memory_layers_bytes": 0, "limits": Limits(disk_bytes=None)} if config == "disk" else {}
+    async with open_sandbox(SandboxConfig(backend=overlay, timeout_s=20, **extra)) as sb:
+        await sb.run(
+            "mkdir -p /w/d /v && echo one > /w/a && ln /w/a /w/d/h && ln /w/a /v/k && echo b > /w/b && ln /w/b /w/c && echo u > /w/u && ln /w/u /w/u2"
+        )
+        # a write through one name reaches the others, in the same command and after it
+        r = await sb.run("echo two >> /w/a && cat /w/d/h /v/k")
+        assert r.output == "one\ntwo\none\ntwo\n"
+        assert (await sb.run("cat /w/d/h; stat -c %h /w/a /w/d/h /v/k")).output == "one\ntwo\n3\n3\n3\n"
+        # a removed name leaves the other with one link, now and in later layers
+        await sb.run("rm /w/b")
+        assert (await sb.run("stat -c %h /w/c; cat /w/c")).output == "1\nb\n"
+        # a setuid bit set through one name is on the others, and stays
+        await sb.run("chmod 4755 /w/d/h")
+        assert (await sb.run("stat -c %a /w/a /v/k")).output == "4755\n4755\n"
+        # in a fork, committed: the same
+        fork = await sb.fork()
+        await fork.run("echo three > /v/k")
+        await sb.commit(fork)
+        assert (await sb.run("cat /w/a /w/d/h; stat -c %h /w/a")).output == "three\nthree\n3\n"
+        # a group nobody touched is not copied up: its names stay one lower inode
+        r = await sb.run("stat -c '%i %h' /w/u /w/u2")
+        a, b = r.output.split("\n")[:2]
+        assert a == b and a.endswith(" 2")

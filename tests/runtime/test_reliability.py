@@ -42,8 +42,11 @@ def _exists(fd: str) -> bool:
 def _same(before: dict[str, int], after: dict[str, int]) -> None:
     assert after["fds"] <= before["fds"] + 2, (before, after)
     assert after["sockets"] <= before["sockets"] + 4, (before, after)  # HTTP connection pools
-    assert {k: v for k, v in after.items() if k not in ("fds", "sockets")} == {
-        k: v for k, v in before.items() if k not in ("fds", "sockets")
+    # cgroups are counted host-wide: a store opened meanwhile may remove dead sessions'
+    # cgroups (left by a killed process), never add one that outlives its sandbox
+    assert after["cgroups"] <= before["cgroups"], (before, after)
+    assert {k: v for k, v in after.items() if k not in ("fds", "sockets", "cgroups")} == {
+        k: v for k, v in before.items() if k not in ("fds", "sockets", "cgroups")
     }
 
 
