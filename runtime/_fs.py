@@ -656,6 +656,9 @@ def remove_tree(path: str | bytes) -> None:
         os.close(pfd)
 
 
+_OPENAT2_TRIES = 1000  # EAGAIN retries of one lookup (each is a few microseconds)
+
+
 class _OpenHow(ctypes.Structure):
     _fields_ = [("flags", ctypes.c_uint64), ("mode", ctypes.c_uint64), ("resolve", ctypes.c_uint64)]
 
@@ -668,11 +671,17 @@ def open_in_root(root: str, path: str, flags: int, mode: int = 0o644) -> int:
         how = _OpenHow(
             flags | os.O_CLOEXEC, mode if flags & os.O_CREAT else 0, _RESOLVE_IN_ROOT | _RESOLVE_NO_MAGICLINKS
         )
-        fd = _libc.syscall(_SYS_OPENAT2, dirfd, os.fsencode(path), ctypes.byref(how), ctypes.sizeof(how))
-        if fd < 0:
+        # EAGAIN: a rename or mount anywhere on the host raced the RESOLVE_IN_ROOT lookup
+        # (the kernel cannot then vouch for ".."): try again, as openat2(2) says; a host
+        # busy mounting forks does that often
+        for _ in range(_OPENAT2_TRIES):
+            fd = _libc.syscall(_SYS_OPENAT2, dirfd, os.fsencode(path), ctypes.byref(how), ctypes.sizeof(how))
+            if fd >= 0:
+                return int(fd)
             err = ctypes.get_errno()
-            raise OSError(err, os.strerror(err), path)
-        return int(fd)
+            if err != errno.EAGAIN:
+                break
+        raise OSError(err, os.strerror(err), path)
     finally:
         os.close(dirfd)
 

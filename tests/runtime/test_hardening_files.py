@@ -6,6 +6,7 @@ instead of cutting it short."""
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import anyio
 import pytest
@@ -103,3 +104,40 @@ async def test_a_nul_byte_is_an_error_never_a_shorter_path(backend: str) -> None
             await sb.run("pwd", cwd="/tmp\0/x")
         with pytest.raises(SandboxError, match="NUL byte"):
             await sb.run("true", env={"A": "b\0c"})
+
+
+def test_a_lookup_in_the_root_survives_renames_elsewhere_on_the_host(tmp_path: Path) -> None:
+    """openat2's RESOLVE_IN_ROOT fails with EAGAIN when any rename or mount on the host
+    races a lookup through ``..`` (a host mounting forks does both all the time): read_file
+    reported "Resource temporarily unavailable" for a symlink escape under load.
+    open_in_root tries again (without the retries: ~350 of 20,000 lookups failed here)."""
+    import threading
+
+    from aospec.runtime import _fs
+
+    root, churn = tmp_path / "root", tmp_path / "churn"
+    (root / "a").mkdir(parents=True)
+    (root / "b").write_text("x")
+    churn.mkdir()
+    (churn / "x0").write_text("")
+    stop = threading.Event()
+
+    def rename_forever() -> None:
+        i = 0
+        while not stop.is_set():
+            os.rename(churn / f"x{i % 2}", churn / f"x{(i + 1) % 2}")
+            i += 1
+
+    thread = threading.Thread(target=rename_forever)
+    thread.start()
+    failed = []
+    try:
+        for _ in range(20_000):
+            try:
+                os.close(_fs.open_in_root(str(root), "a/../../../b", os.O_RDONLY))
+            except OSError as exc:
+                failed.append(exc.errno)
+    finally:
+        stop.set()
+        thread.join()
+    assert failed == []

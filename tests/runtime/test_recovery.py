@@ -87,12 +87,15 @@ def _aospec_cgroups(store_id: str, live: Iterable[str] = ()) -> list[str]:
     if cgroups is None:
         return []
     keep = {f"aospec-{store_id}-{sid}" for sid in live}
-    return [
-        str(p)
-        for root in set(cgroups.roots.values())
-        for p in root.rglob(f"aospec-{store_id}-*")
-        if p.is_dir() and not keep & set(p.parts)
-    ]
+    found = []
+    for root in set(cgroups.roots.values()):
+        # os.walk, not rglob: other processes' cgroups come and go meanwhile
+        for dirpath, dirnames, _ in os.walk(root):
+            for name in dirnames:
+                p = Path(dirpath, name)
+                if name.startswith(f"aospec-{store_id}-") and not keep & set(p.parts):
+                    found.append(str(p))
+    return found
 
 
 async def test_overlay_recovers_from_sigkill_with_commands_in_flight(overlay: str, state: Path) -> None:
