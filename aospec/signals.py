@@ -111,6 +111,13 @@ def signals_received() -> tuple[int, ...]:
     return tuple(_received)
 
 
+def _restore(previous: dict[int, object]) -> None:
+    """Put back the handlers a block replaced (None, a handler not set from Python: the default)."""
+    for sig, handler in previous.items():
+        signal.signal(sig, handler if handler is not None else signal.SIG_DFL)  # type: ignore[arg-type]
+    previous.clear()
+
+
 class interrupt_once(contextlib.AbstractContextManager["interrupt_once"]):
     """Inside the block the first of SIGINT, SIGTERM and SIGHUP runs SIGINT's handler of the
     block's start; the later ones are noted only (module doc). An ignored signal stays
@@ -144,9 +151,7 @@ class interrupt_once(contextlib.AbstractContextManager["interrupt_once"]):
         return self
 
     def __exit__(self, exc_type: object, exc: object, tb: object) -> None:
-        for sig, handler in self._previous.items():
-            signal.signal(sig, handler if handler is not None else signal.SIG_DFL)  # type: ignore[arg-type]
-        self._previous.clear()
+        _restore(self._previous)
 
 
 class deferred_signals(contextlib.AbstractContextManager["deferred_signals"]):
@@ -172,9 +177,7 @@ class deferred_signals(contextlib.AbstractContextManager["deferred_signals"]):
         return self
 
     def __exit__(self, exc_type: object, exc: object, tb: object) -> None:
-        for sig, handler in self._previous.items():
-            signal.signal(sig, handler if handler is not None else signal.SIG_DFL)  # type: ignore[arg-type]
-        self._previous.clear()
+        _restore(self._previous)
         if self._noted and exc_type is None:
             interrupt = KeyboardInterrupt()
             if self._noted[0] != signal.SIGINT:
