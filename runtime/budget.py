@@ -119,6 +119,10 @@ def speculation_budget() -> KernelBudget | None:
         if "memory" in cs:
             enforced.add("memory")
             memory = _read_memory(d, cgroups.version)
+    if cores is None and memory is None:
+        # the pool without limits: what background-priority commands left (it is made for
+        # them whether a budget is set or not, and stays while one runs), not a budget
+        return None
     return KernelBudget(
         cores, memory, tuple(sorted(enforced)), _note(enforced), _cpu_used(cgroups), _memory_used(cgroups)
     )

@@ -113,3 +113,21 @@ async def test_background_commands_run_in_the_budget_and_leave_it_when_raised(ho
             await anyio.sleep(0.5)
             assert not any(p.name.startswith(f"aospec-{sb.store.id}-{other.sid}-") for p in pool.iterdir())
             tg.cancel_scope.cancel()
+
+
+@pytest.mark.anyio
+async def test_the_pool_a_cleared_budget_leaves_is_not_a_budget(host_budget: None) -> None:
+    """Clearing the budget while a background command runs leaves the pool's cgroups (they
+    hold that command, unlimited) after it ends: a pool without limits read as a budget of
+    nothing (cores and memory None), which made the next `aospec run` report one and a
+    test's restore of the budget fail."""
+    set_speculation_budget(cores=1)
+    async with open_sandbox(SandboxConfig(backend="overlay", timeout_s=60)) as sb:
+        fork = await sb.fork()
+        await fork.set_priority(foreground=False)
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(fork.run, "sleep 1")
+            await anyio.sleep(0.3)
+            clear_speculation_budget()
+        await fork.discard()
+    assert speculation_budget() is None
