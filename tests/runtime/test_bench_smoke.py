@@ -64,3 +64,25 @@ def test_the_benchmark_prints_every_required_figure(overlay: str, tmp_path: Path
     assert {k: v for k, v in leaks.items() if k.startswith("overlay_leaked_")} == {
         f"overlay_leaked_{k}": 0 for k in ("mounts", "processes", "cgroups", "fds", "state_dirs", "sandbox_processes")
     }
+
+
+def test_the_mount_index_benchmark_prints_both_modes(overlay: str) -> None:
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "bench_mount_index.py"), "--json", "--repeats", "2", "--commands", "2"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stderr
+    doc = json.loads(proc.stdout)
+    assert set(doc) == {"index=on", "index=off"}
+    for kinds in doc.values():
+        for kind in ("root_command_ms", "fork_run_commit_ms"):
+            assert len(kinds[kind]["runs"]) == 2 and kinds[kind]["median"] > 0
+    bad = subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "bench_mount_index.py"), "--repeats", "0"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert bad.returncode == 2 and "at least 1" in bad.stderr and "Traceback" not in bad.stderr
