@@ -50,7 +50,7 @@ from aospec.runtime.overlay_store import MOUNT_OPTS, OverlayStore, StateCheck, f
 from aospec.runtime.pausing import CommandPause
 from aospec.runtime.readsets import CommandTrace, read_set, shift_times, tracer_support, write_set
 from aospec.runtime.seccomp import filter_program
-from aospec.runtime.versions import Layer, UpperTracker
+from aospec.runtime.versions import Layer, UpperTracker, _TreeReader
 
 from aospec.errors import ConfigError, SandboxError, SandboxUnavailableError
 from aospec.readsets import ReadSet, WriteSet
@@ -380,7 +380,10 @@ class OverlaySandbox(SandboxSession):
             return
         if not self._mounted:
             return
-        upper, lower = os.fsencode(self._upper), os.fsencode(self._lower_view())
+        # looked up component by component, never following a symlink (a directory of the
+        # merged view may be a symlink below it, aimed anywhere on the host)
+        upper = _TreeReader(os.fsencode(self._upper))
+        lower = _TreeReader(os.fsencode(self._lower_view()))
         root = os.open(self._merged, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
         try:
             for step in _fs.walk_tree(root):
@@ -392,17 +395,12 @@ class OverlaySandbox(SandboxSession):
                     if st.st_ctime_ns < since_ns:
                         continue  # not changed by this command
                     rel = prefix + os.fsencode(entry.name)
-                    try:
-                        os.lstat(upper + b"/" + rel)
+                    if upper.lstat(rel) is not None:
                         continue  # in the upper already
-                    except FileNotFoundError:
-                        pass
-                    except OSError:
-                        continue  # a path too long to name: left as overlayfs leaves it
-                    try:
-                        below = os.lstat(lower + b"/" + rel)
-                    except OSError:
+                    found = lower.lstat(rel)
+                    if found is None:
                         continue
+                    below = found[2]
                     if not stat.S_ISREG(below.st_mode) or below.st_nlink < 2 or below.st_ctime_ns == st.st_ctime_ns:
                         continue
                     with contextlib.suppress(OSError):  # an immutable file stays as it is
@@ -414,6 +412,8 @@ class OverlaySandbox(SandboxSession):
                         )
         finally:
             os.close(root)
+            upper.close()
+            lower.close()
 
     async def read_file(self, path: str, *, max_bytes: int | None = None) -> bytes:
         """The content of the regular file ``path`` inside the sandbox (symlinks resolved
