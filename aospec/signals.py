@@ -111,6 +111,10 @@ def signals_received() -> tuple[int, ...]:
     return tuple(_received)
 
 
+#: what interrupt_once and deferred_signals take over
+_STOPPING = (signal.SIGINT, *INTERRUPTING_SIGNALS)
+
+
 def _restore(previous: dict[int, object]) -> None:
     """Put back the handlers a block replaced (None, a handler not set from Python: the default)."""
     for sig, handler in previous.items():
@@ -143,7 +147,7 @@ class interrupt_once(contextlib.AbstractContextManager["interrupt_once"]):
     def __enter__(self) -> interrupt_once:
         if threading.current_thread() is threading.main_thread():
             self._sigint = signal.getsignal(signal.SIGINT)
-            for sig in (signal.SIGINT, *INTERRUPTING_SIGNALS):
+            for sig in _STOPPING:
                 current = signal.getsignal(sig)
                 if current is signal.SIG_IGN or (sig != signal.SIGINT and current not in (_as_sigint, signal.SIG_DFL)):
                     continue
@@ -159,8 +163,6 @@ class deferred_signals(contextlib.AbstractContextManager["deferred_signals"]):
     first noted one is raised when it ends, as ``KeyboardInterrupt`` carrying ``signum``. A
     signal that is ignored stays ignored. Outside the main thread it does nothing."""
 
-    _SIGNALS = (signal.SIGINT, *INTERRUPTING_SIGNALS)
-
     def __init__(self) -> None:
         self._previous: dict[int, object] = {}
         self._noted: list[int] = []
@@ -171,7 +173,7 @@ class deferred_signals(contextlib.AbstractContextManager["deferred_signals"]):
 
     def __enter__(self) -> deferred_signals:
         if threading.current_thread() is threading.main_thread():
-            for sig in self._SIGNALS:
+            for sig in _STOPPING:
                 if signal.getsignal(sig) is not signal.SIG_IGN:
                     self._previous[sig] = signal.signal(sig, self._note)
         return self
