@@ -396,7 +396,13 @@ class Forks:
         fork.routed = routed
         fork.decision = decision
         fork.target_step = step + offset
-        fork.traced = self._readsets is not None
+        # Traced only where a read set can be what makes it usable: a target past the step
+        # decoded next (offset > 0), or one launched while a committed step is in flight
+        # (its origin is the state before that step). A target for the action being decoded
+        # from a committed state nothing is executing on is checked at its own origin when it
+        # is emitted next, where JASV needs no read set; traced, a hit would make the agent
+        # wait for the tracer (2-4x on process-heavy commands: docs/engine.md, "Read sets").
+        fork.traced = self._readsets is not None and (offset > 0 or self.inflight is not None)
         self.registry.add(fork)
         self._ledger.fork_launched(now, key, routed=routed)
         fork.task = self._task_group.start_soon(self._run, fork)
@@ -427,7 +433,8 @@ class Forks:
                     await self._prioritize(fork, foreground=False)
                     if fork in self._awaited:  # JASV accepted it meanwhile
                         await self._prioritize(fork, foreground=True)
-                fork.traced = fork.traced and await self._trace_reads(fork)
+                # Why not awaited: JASV has accepted it at its origin, so its reads are not needed.
+                fork.traced = fork.traced and fork not in self._awaited and await self._trace_reads(fork)
                 fork.exec_start_ns = self._clock.now_ns()
                 fork.observation = await sandbox.execute(fork.action)
             except Exception as exc:

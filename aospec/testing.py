@@ -38,7 +38,7 @@ import re
 import shlex
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, ClassVar, Self
+from typing import Any, ClassVar, Self, cast
 
 import anyio
 import xxhash
@@ -324,15 +324,19 @@ class BusySandbox(InMemorySandbox):
         child.fail_pause = self.fail_pause
         child._busy_state()
         return child
+
+
 class ReadSetInMemorySandbox(InMemorySandbox):
     """An :class:`InMemorySandbox` with the :class:`aospec.protocols.ReadSetSandbox`
     capability: a fork asked to ``trace_reads`` records what its next command reads (``cat
     P`` and ``echo >> P`` read ``P``, ``echo > P`` and ``rm P`` look it up, ``ls`` reads
     everything), ``write_set`` says what a command changed, and ``rebase`` commits a fork
     from an older version by applying its changes on top of this sandbox's files (the
-    version moves on as running it here would move it). ``rebased`` counts rebases."""
+    version moves on as running it here would move it). ``rebased`` counts rebases;
+    ``traced`` (on the root sandbox) lists the commands that ran traced, in any fork."""
 
     rebased = 0
+    traced: tuple[str, ...] = ()
     _trace_next = False
     _traced: ReadSet | None = None
 
@@ -345,6 +349,8 @@ class ReadSetInMemorySandbox(InMemorySandbox):
         tracing, self._trace_next = self._trace_next, False
         if tracing:
             self._reading = {"lookups": set(), "nodes": set(), "lists": set(), "trees": set()}
+            root = cast(ReadSetInMemorySandbox, self._root)
+            root.traced = (*root.traced, str(action.args.get("command", action.key)))
         try:
             return await super().execute(action)
         finally:

@@ -47,6 +47,12 @@ fitted on the training runs), beside the plain speculative run; lossless against
 serial run. ``--specbox-cache``, ``--specbox-pool-depth``, ``--specbox-router`` and
 ``--no-specbox-markov`` change its parts.
 
+``--policy SPEC`` repeated (issue 25): several policies against the same serial runs, e.g.
+lookahead 2-4 with and without read-set validation (``aospec:depth=3:read_sets=false``);
+per batch the serial runs come first, then each policy's speculative runs, their order
+rotated from repeat to repeat; a row per policy with its forks launched, wasted and rebased
+(reused across a state-changing step), also per task.
+
 ``--integrations`` (issue 12): each integration (mini-swe-agent's SpeculativeAgent, ``aospec
 proxy``, ``aospec mcp``) against the same harness without aospec's speculation, on the same
 tasks and trajectories at the same TPOTs (scripts/bench_live/integrations.py); then the
@@ -206,20 +212,21 @@ children_cpu_s = SandboxCpu()
 atexit.register(children_cpu_s.close)
 
 #: The speculation controller's model fitted on the training runs (``aospec run
-#: --train-traces``' calibration, :func:`aospec.replay.calibrate.fit_admission`), as JSON:
-#: each speculative run starts from a copy of it and learns on from there. None
-#: (``--no-calibration``): each run starts from the uncalibrated prior.
-CALIBRATION: Any = None
+#: --train-traces``' calibration, :func:`aospec.replay.calibrate.fit_admission`), as JSON,
+#: by policy: each speculative run starts from a copy of its policy's and learns on from
+#: there. Empty (``--no-calibration``): each run starts from the uncalibrated prior.
+CALIBRATION: dict[str, Any] = {}
 
 
 #: ``--speculation-budget``: the host's budget every speculative session shares (None: none).
 BUDGET: Any = None
 
 
-def calibrated_model() -> Any:
+def calibrated_model(policy: str = "aospec") -> Any:
     from aospec.admission import AdmissionModel
 
-    return AdmissionModel.from_json(CALIBRATION) if CALIBRATION is not None else None
+    model = CALIBRATION.get(policy)
+    return AdmissionModel.from_json(model) if model is not None else None
 
 
 def peak_rss_mb() -> float:
@@ -258,6 +265,7 @@ async def run_agent(
     router: Any = None,
     measure_cpu: bool = False,
     tag: str = "",
+    policy: str = "aospec",
 ) -> Run:
     """One run of ``traj`` in a fresh sandbox: the project copied to /work, then the agent;
     with ``specbox`` (aospec.live.specbox_layer.SpecBoxOptions) under that layer (its Markov
@@ -265,7 +273,9 @@ async def run_agent(
     the caller, else it is built here). ``measure_cpu``: the run is alone on the host and
     serial, so the sandbox CPU between two committed steps is the step's command's: it
     becomes the recorded step's ``tool_cpu_s`` where the sandbox did not meter it (replay's
-    contention model reads it). ``tag`` ends the recorded trace's id."""
+    contention model reads it). ``tag`` ends the recorded trace's id; ``policy`` names the
+    policy whose calibrated controller a speculative run starts from (``drafters`` carry its
+    engine configuration)."""
     from aospec.live.actors import OpenAIChatActor
     from aospec.live.agent import Agent
     from aospec.live.record import step_of
@@ -307,7 +317,7 @@ async def run_agent(
                 step_limit=len(traj.steps) + 2,
                 router=box.router,
                 on_step=on_step,
-                admission_model=calibrated_model() if speculate else None,
+                admission_model=calibrated_model(policy) if speculate else None,
                 budget=BUDGET if speculate else None,
             )
             cpu0 = children_cpu_s()
@@ -316,6 +326,8 @@ async def run_agent(
             cpu = children_cpu_s() - cpu0
             box_summary = box.summary() if specbox is not None else None
     mode = ("specbox" if specbox is not None else "spec") if speculate else "serial"
+    if speculate and policy != "aospec":
+        mode += "." + "".join(c if c.isalnum() or c in "=-" else "_" for c in policy)
     steps = [step_of(s) for s in result.steps]
     if measure_cpu:
         steps = [
@@ -336,6 +348,7 @@ async def run_agent(
             "bytecode": bytecode,
             "exit_reason": result.exit_reason,
             "specbox": box_summary,
+            **({"policy": policy} if speculate else {}),
         },
     )
     return Run(traj, speculate, tpot_ms, result, trace, cpu, store_id, box_summary)
@@ -370,7 +383,7 @@ def replay_prediction(
     from aospec.replay.sweep import replay_together, replay_trace
 
     # --policy serial: the speculative runs' engine with the serial policy (its overhead alone)
-    policies = parse_policies("serial" if policy.strip() == "serial" else f"serial,{policy}")
+    policies = parse_policies(["serial"] if policy.strip() == "serial" else ["serial", policy])
     name = policies[-1].name
     serial = spec = 0
     for batch in batches:
@@ -388,6 +401,11 @@ def replay_prediction(
             serial += by["serial"].latency_ns
             spec += by[name].latency_ns
     return serial, spec
+
+
+def state_changing_steps(run: Run) -> int:
+    """The steps of ``run`` that changed the sandbox's version."""
+    return sum(s.version_before != s.version_after for s in run.result.steps)
 
 
 @dataclass
@@ -436,6 +454,10 @@ class TpotFigures:
             "action_hit_rate": round(sum(x.forks_reused for x in st) / steps, 4) if steps else 0.0,
             "forks_launched": sum(x.forks_launched for x in st),
             "forks_wasted": sum(x.forks_wasted for x in st),
+            # reused from an older origin than the committed version: across a
+            # state-changing step, by read-set validation (docs/engine.md, "Read sets")
+            "forks_rebased": sum(x.forks_rebased for x in st),
+            "state_changing_steps": sum(state_changing_steps(s) for s, _ in self.runs),
             "wasted_cpu_s": round(wasted_cpu, 3),
             "serial_cpu_s": round(serial_cpu, 3),
             # issue 22's efficiency figures: tool time hidden per wasted sandbox CPU-second,
@@ -466,6 +488,10 @@ class TpotFigures:
                     "tool_s": round(s.result.statistics.tool_time_s, 3),
                     "obs_hits": p.result.statistics.drafts_hit,
                     "action_hits": p.result.statistics.forks_reused,
+                    "forks_launched": p.result.statistics.forks_launched,
+                    "forks_wasted": p.result.statistics.forks_wasted,
+                    "forks_rebased": p.result.statistics.forks_rebased,
+                    "state_changing_steps": state_changing_steps(s),
                 }
                 for s, p in self.runs
             },
@@ -657,6 +683,8 @@ async def measure_tpot(
     *,
     bytecode: bool = False,
     policy: str = "aospec",
+    more: Sequence[tuple[str, Any]] = (),
+    rotate: int = 0,
     specbox: Any = None,
     train: Sequence[Trace] = (),
     router: Any = None,
@@ -664,78 +692,102 @@ async def measure_tpot(
     background_load: int = 0,
     tag: str = "",
     serial_only: bool = False,
-) -> TpotFigures:
+) -> list[TpotFigures]:
     """One repeat of a condition at ``tpot_ms``: per batch of ``sessions`` concurrent runs
-    (:func:`session_batches`), every run serially, then every run speculatively (and with
-    ``specbox`` once more with the layer, one session only), each speculative run checked
-    against its serial one. One session's serial runs record each step's CPU time.
-    ``serial_only``: the serial runs alone (a quiet reference for the replay)."""
+    (:func:`session_batches`), every run serially, then every run speculatively, once per
+    policy (``policy`` with ``drafters``, then each ``(policy, drafters)`` of ``more``, their
+    order rotated by ``rotate``: serial and every policy's runs interleaved), and with
+    ``specbox`` once more with the layer (the first policy, one session only), each
+    speculative run checked against its serial one. One session's serial runs record each
+    step's CPU time. ``serial_only``: the serial runs alone (a quiet reference for the
+    replay). Returns one :class:`TpotFigures` per policy, in the order given, sharing the
+    serial runs."""
     from aospec.live.serve_trace import serve_trace
 
-    fig = TpotFigures(tpot_ms, policy=policy, sessions=sessions, background_load=background_load)
+    specs = [(policy, drafters), *more]
+    figs = [TpotFigures(tpot_ms, policy=name, sessions=sessions, background_load=background_load) for name, _ in specs]
+    order = list(range(len(specs)))
+    if rotate:
+        order = order[rotate % len(order) :] + order[: rotate % len(order)]
     async with serve_trace([script_trace(t) for t in trajs], tpot_ms) as server:
         for batch in session_batches(trajs, sessions):
             kw = {"tpot_ms": tpot_ms, "drafters": drafters, "base": base, "bytecode": bytecode}
+            spec_runs: dict[int, tuple[list[Run], float]] = {}
             if sessions == 1:
                 t0 = time.monotonic()
                 serials = [
                     await run_agent(batch[0], server.base_url, staged, speculate=False, measure_cpu=True, tag=tag, **kw)
                 ]
-                serial_wall, t0 = time.monotonic() - t0, time.monotonic()
-                specs = (
-                    []
-                    if serial_only
-                    else [await run_agent(batch[0], server.base_url, staged, speculate=True, tag=tag, **kw)]
-                )
-                spec_wall = time.monotonic() - t0
-            else:
-                serials, serial_wall = await run_batch(batch, server.base_url, staged, speculate=False, tag=tag, **kw)
-                specs, spec_wall = (
-                    ([], 0.0)
-                    if serial_only
-                    else await run_batch(batch, server.base_url, staged, speculate=True, tag=tag, **kw)
-                )
-            fig.batches.append(([t.id for t in batch], serial_wall, spec_wall))
-            if serial_only:
-                fig.runs.extend((r, r) for r in serials)
-                continue
-            for t, serial, spec in zip(batch, serials, specs, strict=True):
-                why = divergence(serial, spec)
-                if why:
-                    fig.diverged.append(f"{t.id}: {why}")
-                fig.runs.append((serial, spec))
-                st = spec.result.statistics
-                log(
-                    f"  tpot {tpot_ms:g} ms{' (bytecode)' if bytecode else ''}{tag} {t.id}: serial "
-                    f"{serial.result.wall_s:.2f} s, speculative {spec.result.wall_s:.2f} s, obs hits "
-                    f"{st.drafts_hit}/{len(spec.result.steps)}, action hits {st.forks_reused}, "
-                    f"{'lossless' if not why else 'DIVERGED: ' + why}"
-                )
-                if specbox is not None and sessions == 1:
-                    box = await run_agent(
-                        t,
+                serial_wall = time.monotonic() - t0
+                for i in [] if serial_only else order:
+                    name, ds = specs[i]
+                    t0 = time.monotonic()
+                    run = await run_agent(
+                        batch[0],
                         server.base_url,
                         staged,
                         speculate=True,
-                        specbox=specbox,
-                        train=train,
-                        router=router,
                         tag=tag,
-                        **kw,
+                        policy=name,
+                        **{**kw, "drafters": ds},
                     )
-                    why = divergence(serial, box)
+                    spec_runs[i] = ([run], time.monotonic() - t0)
+            else:
+                serials, serial_wall = await run_batch(batch, server.base_url, staged, speculate=False, tag=tag, **kw)
+                for i in [] if serial_only else order:
+                    name, ds = specs[i]
+                    spec_runs[i] = await run_batch(
+                        batch, server.base_url, staged, speculate=True, tag=tag, policy=name, **{**kw, "drafters": ds}
+                    )
+            if serial_only:
+                figs[0].batches.append(([t.id for t in batch], serial_wall, 0.0))
+                figs[0].runs.extend((r, r) for r in serials)
+                continue
+            for i, fig in enumerate(figs):
+                specs_i, spec_wall = spec_runs[i]
+                fig.batches.append(([t.id for t in batch], serial_wall, spec_wall))
+                for t, serial, spec in zip(batch, serials, specs_i, strict=True):
+                    why = divergence(serial, spec)
                     if why:
-                        fig.box_diverged.append(f"{t.id}: {why}")
-                    fig.box_runs.append(box)
-                    bs = box.result.statistics
+                        fig.diverged.append(f"{t.id}: {why}")
+                    fig.runs.append((serial, spec))
+                    st = spec.result.statistics
                     log(
-                        f"  tpot {tpot_ms:g} ms {t.id} with SpecBox: {box.result.wall_s:.2f} s, action hits "
-                        f"{bs.forks_reused} (routed {bs.routed_forks_reused}/"
-                        f"{bs.routed_forks_launched}), cache hits {bs.cache_hits}, "
-                        f"pool served {((box.specbox or {}).get('pool') or {}).get('served', 0)}, "
+                        f"  tpot {tpot_ms:g} ms{' (bytecode)' if bytecode else ''}{tag}"
+                        f"{f' [{fig.policy}]' if len(figs) > 1 else ''} {t.id}: serial "
+                        f"{serial.result.wall_s:.2f} s, speculative {spec.result.wall_s:.2f} s, obs hits "
+                        f"{st.drafts_hit}/{len(spec.result.steps)}, action hits {st.forks_reused} "
+                        f"(rebased {st.forks_rebased}), forks {st.forks_launched} ({st.forks_wasted} wasted), "
                         f"{'lossless' if not why else 'DIVERGED: ' + why}"
                     )
-    return fig
+            if specbox is not None and sessions == 1:
+                fig = figs[0]
+                t, serial = batch[0], serials[0]
+                box = await run_agent(
+                    t,
+                    server.base_url,
+                    staged,
+                    speculate=True,
+                    specbox=specbox,
+                    train=train,
+                    router=router,
+                    tag=tag,
+                    policy=policy,
+                    **kw,
+                )
+                why = divergence(serial, box)
+                if why:
+                    fig.box_diverged.append(f"{t.id}: {why}")
+                fig.box_runs.append(box)
+                bs = box.result.statistics
+                log(
+                    f"  tpot {tpot_ms:g} ms {t.id} with SpecBox: {box.result.wall_s:.2f} s, action hits "
+                    f"{bs.forks_reused} (routed {bs.routed_forks_reused}/"
+                    f"{bs.routed_forks_launched}), cache hits {bs.cache_hits}, "
+                    f"pool served {((box.specbox or {}).get('pool') or {}).get('served', 0)}, "
+                    f"{'lossless' if not why else 'DIVERGED: ' + why}"
+                )
+    return figs
 
 
 def bytecode_effect(clean: TpotFigures, pyc: TpotFigures) -> dict[str, Any]:
@@ -853,13 +905,15 @@ async def concurrent_sessions(
     }
 
 
-def condition_label(row: dict[str, Any]) -> str:
+def condition_label(row: dict[str, Any], policy: bool = False) -> str:
     n, k = row["sessions"], row["background_load"]
-    return f"{n} session{'s' if n != 1 else ''}, {k} background process{'es' if k != 1 else ''}"
+    label = f"{n} session{'s' if n != 1 else ''}, {k} background process{'es' if k != 1 else ''}"
+    return f"{row['policy']}, {label}" if policy else label
 
 
 def plot(rows: Sequence[dict[str, Any]], path: str) -> None:
-    """Saving against TPOT, one line per load condition (sessions, background processes):
+    """Saving against TPOT, one line per load condition (sessions, background processes;
+    and policy, with several ``--policy``):
     the live median with its min-max over repeats, and the replay's prediction dashed; beside
     it the prediction's error."""
     import matplotlib
@@ -869,8 +923,9 @@ def plot(rows: Sequence[dict[str, Any]], path: str) -> None:
 
     fig, (ax, ax2) = plt.subplots(1, 2, figsize=(12, 4.5))
     by: dict[str, list[dict[str, Any]]] = {}
+    several = len({r["policy"] for r in rows}) > 1
     for r in rows:
-        by.setdefault(condition_label(r), []).append(r)
+        by.setdefault(condition_label(r, several), []).append(r)
     for i, (label, rs) in enumerate(by.items()):
         rs = sorted(rs, key=lambda r: r["tpot_ms"])
         xs = [r["tpot_ms"] for r in rs]
@@ -897,8 +952,9 @@ def plot(rows: Sequence[dict[str, Any]], path: str) -> None:
     fig.savefig(path, dpi=120)
 
 
-def print_table(rows: Sequence[dict[str, Any]]) -> None:
+def print_table(rows: Sequence[dict[str, Any]], policies: bool = False) -> None:
     cols = [
+        *([("policy", "policy", "{}")] if policies else []),
         ("TPOT", "tpot_ms", "{:g} ms"),
         ("N", "sessions", "{:g}"),
         ("K", "background_load", "{:g}"),
@@ -911,6 +967,9 @@ def print_table(rows: Sequence[dict[str, Any]]) -> None:
         ("tool hidden", "tool_hidden_s", "{:.1f} s"),
         ("obs hit", "obs_hit_rate", "{:.0%}"),
         ("act hit", "action_hit_rate", "{:.0%}"),
+        ("forks", "forks_launched", "{}"),
+        ("wasted", "forks_wasted", "{}"),
+        ("rebased", "forks_rebased", "{}"),
         ("wasted CPU", "wasted_cpu_s", "{:.1f} s"),
         ("overhead/step", "overhead_ms_per_step", "{:.2f} ms"),
         ("peak RSS", "peak_rss_mb", "{:.0f} MB"),
@@ -994,8 +1053,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--base", default=BASE, help=f"sandbox base (default {BASE})")
     ap.add_argument(
         "--policy",
-        default="aospec",
-        help="the replay policy whose drafters and engine configuration run (default aospec)",
+        action="append",
+        default=None,
+        metavar="SPEC",
+        help="the replay policy whose drafters and engine configuration run (default aospec; a spec such as "
+        "aospec:depth=3:read_sets=false); repeat it to compare several: each policy's speculative runs follow "
+        "the same serial runs, interleaved (their order rotated per repeat), a row per policy. --integrations, "
+        "--sessions without --compare, --specbox and the bytecode check use the first",
     )
     ap.add_argument(
         "--integrations",
@@ -1059,6 +1123,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         if not args.tasks:
             args.tasks = QUICK[0]
     tpots = [float(x) for x in args.tpots.split(",") if x]
+    policies = args.policy or ["aospec"]
+    if len(set(policies)) != len(policies):
+        ap.error(f"--policy listed twice: {', '.join(sorted({p for p in policies if policies.count(p) > 1}))}")
+    try:
+        from aospec.replay.policies import check_drafter_names, parse_policy
+
+        for spec in policies:
+            check_drafter_names([parse_policy(spec)])
+    except ConfigError as exc:
+        ap.error(str(exc))
+    args.policy = policies[0]
     try:
         sessions = [int(x) for x in (args.sessions or "1").split(",") if x.strip()]
         loads = [int(x) for x in args.background_load.split(",") if x.strip()]
@@ -1099,6 +1174,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         log(f"drafters fitted on {len(train)} training runs + {len(extra_train)} traces of {paths or 'nothing'}")
         train = [*train, *extra_train]
         drafters = default_drafters(train, policy=args.policy)
+        more = [(p, default_drafters(train, policy=p)) for p in policies[1:]]
         global BUDGET
         BUDGET = host_budget(args.speculation_budget)  # auto unless given: aospec run's default
         for note in BUDGET.notes if BUDGET is not None else ():
@@ -1107,8 +1183,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         if not args.no_calibration:
             from aospec.replay.calibrate import fit_admission
 
-            global CALIBRATION
-            CALIBRATION = fit_admission(train, policy=args.policy).to_json()
+            for p in policies:
+                CALIBRATION[p] = fit_admission(train, policy=p).to_json()
             log(f"speculation controller calibrated on the same {len(train)} traces (aospec run --train-traces)")
         specbox = router = None
         if args.specbox:
@@ -1173,7 +1249,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         figs: dict[float, TpotFigures] = {}  # one session, no load, first repeat: the bytecode check's
         recorded: list[TpotFigures] = []
         for tpot in tpots:
-            by_condition: dict[tuple[int, int], list[TpotFigures]] = {c: [] for c in conditions}
+            # per condition, per policy (in --policy order): the repeats' figures
+            by_condition: dict[tuple[int, int], list[list[TpotFigures]]] = {
+                c: [[] for _ in policies] for c in conditions
+            }
             quiet_ref: TpotFigures | None = None
             if (1, 0) not in by_condition:
                 log(f"TPOT {tpot:g} ms: quiet serial reference for the replay (one session, no background load) ...")
@@ -1181,7 +1260,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                     lambda tpot=tpot: measure_tpot(
                         tpot, trajs, staged, drafters, args.base, policy=args.policy, tag=".quiet", serial_only=True
                     )
-                )
+                )[0]
                 recorded.append(quiet_ref)
             for r in range(args.repeats):
                 for n, k in conditions:
@@ -1190,14 +1269,16 @@ def main(argv: Sequence[str] | None = None) -> int:
                         f"TPOT {tpot:g} ms, {n} session(s), {k} background process(es), repeat {r + 1}/{args.repeats} ..."
                     )
                     with background_load(k, exclude=children_cpu_s.exclude):
-                        fig = anyio.run(
-                            lambda tpot=tpot, n=n, k=k, tag=tag: measure_tpot(
+                        per_policy = anyio.run(
+                            lambda tpot=tpot, n=n, k=k, tag=tag, r=r: measure_tpot(
                                 tpot,
                                 trajs,
                                 staged,
                                 drafters,
                                 args.base,
                                 policy=args.policy,
+                                more=more,
+                                rotate=r,
                                 specbox=specbox,
                                 train=train,
                                 router=router,
@@ -1206,18 +1287,20 @@ def main(argv: Sequence[str] | None = None) -> int:
                                 tag=tag,
                             )
                         )
-                    by_condition[(n, k)].append(fig)
-                    recorded.append(fig)
+                    for i, fig in enumerate(per_policy):
+                        by_condition[(n, k)][i].append(fig)
+                    recorded.extend(per_policy)
             if (1, 0) in by_condition:
-                figs[tpot] = by_condition[(1, 0)][0]
-                quiet = [recorded_by_task(f) for f in by_condition[(1, 0)]]
+                figs[tpot] = by_condition[(1, 0)][0][0]
+                quiet = [recorded_by_task(f) for f in by_condition[(1, 0)][0]]
             else:
                 assert quiet_ref is not None
                 quiet = [recorded_by_task(quiet_ref)]
             for c in conditions:
-                rows.append(condition_row(by_condition[c], quiet, replay_drafters, cores))
-                if args.json:
-                    print(json.dumps(rows[-1]), flush=True)
+                for repeats in by_condition[c]:
+                    rows.append(condition_row(repeats, quiet, replay_drafters, cores))
+                    if args.json:
+                        print(json.dumps(rows[-1]), flush=True)
         extra: dict[str, Any] = {}
         py = [t for t in trajs if t.project in ("inventory", "shipping", "sales")]
         if not args.no_bytecode_check and py and figs:
@@ -1231,7 +1314,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             )
             pyc = anyio.run(
                 lambda: measure_tpot(tpot, py, staged, drafters, args.base, bytecode=True, policy=args.policy)
-            )
+            )[0]
             extra["bytecode"] = bytecode_effect(clean, pyc)
             if args.json:
                 print(json.dumps(extra["bytecode"]), flush=True)
@@ -1250,7 +1333,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.plot:
             plot(rows, args.plot)
         if not args.json:
-            print_table(rows)
+            print_table(rows, policies=len(policies) > 1)
             if specbox is not None:
                 print_specbox_table(rows)
             if "bytecode" in extra:

@@ -101,7 +101,9 @@ def write_set(s0: Fs, s1: Fs) -> WriteSet:
             changed.add(p)
             if p not in s1 or s1[p][0] != "d":
                 gone.add(p)
-    touched = {p for p in set(s0) | set(s1) if s0.get(p) != s1.get(p) and "d" not in (s0.get(p, "?")[0], s1.get(p, "?")[0])}
+    touched = {
+        p for p in set(s0) | set(s1) if s0.get(p) != s1.get(p) and "d" not in (s0.get(p, "?")[0], s1.get(p, "?")[0])
+    }
     entries = set()
     for d in set(s0) | set(s1):
         if (s0.get(d) or s1.get(d))[0] != "d":
@@ -272,7 +274,9 @@ write_sets = st.builds(WriteSet, paths, paths, paths)
 
 
 @given(read_sets, read_sets, write_sets, write_sets)
-def test_more_reads_or_more_writes_never_remove_a_conflict(r1: ReadSet, r2: ReadSet, w1: WriteSet, w2: WriteSet) -> None:
+def test_more_reads_or_more_writes_never_remove_a_conflict(
+    r1: ReadSet, r2: ReadSet, w1: WriteSet, w2: WriteSet
+) -> None:
     if conflict(r1, w1) is not None:
         assert conflict(r1, w1.union(w2)) is not None
         bigger = ReadSet(*(getattr(r1, k) | getattr(r2, k) for k in ("lookups", "nodes", "lists", "trees")))
@@ -343,7 +347,9 @@ def _lookahead(script: list[str], depth: int = 3) -> ScriptedActionDrafter:
 
 async def _run(sandbox: InMemorySandbox, script: list[str], **config: Any) -> tuple[list[str], str, Any]:
     actor = ScriptedActor(lambda h: Action.bash(script[len(h)]) if len(h) < len(script) else Action.none(), 0.02)
-    engine = Engine(actor, sandbox, action_drafters=[_lookahead(script)], config=EngineConfig(branch_budget=0, **config))
+    engine = Engine(
+        actor, sandbox, action_drafters=[_lookahead(script)], config=EngineConfig(branch_budget=0, **config)
+    )
     history = await engine.run(History("t"), steps=len(script))
     return [t.observation for t in history.turns], sandbox.version, engine.statistics()
 
@@ -406,3 +412,29 @@ def test_speculating_with_read_sets_equals_serial_execution(script: list[str], d
     serial = anyio.run(run, InMemorySandbox({"log": "0\n"}), False)
     speculative = anyio.run(run, ReadSetInMemorySandbox({"log": "0\n"}, op_delay_s=0.002), True)
     assert speculative == serial
+
+
+def test_only_forks_a_read_set_can_serve_are_traced() -> None:
+    """A target for the action being decoded, launched from a committed state nothing runs
+    on, is checked at its own origin when emitted: it runs untraced (a hit must not make the
+    agent wait for the tracer). Targets past it (offset > 0) are traced."""
+    script = ["echo 1 > a", "sleep 0.05 && cat a", "echo 2 >> b", "sleep 0.05 && cat a"]
+
+    def at(offsets: tuple[int, ...]) -> ScriptedActionDrafter:
+        def propose(history: History) -> list[ActionDraft]:
+            n = len(history)
+            return [ActionDraft(Action.bash(script[n + k]), k, 0.9) for k in offsets if n + k < len(script)]
+
+        return ScriptedActionDrafter(propose)
+
+    async def run(offsets: tuple[int, ...]) -> tuple[ReadSetInMemorySandbox, Any]:
+        sb = ReadSetInMemorySandbox(op_delay_s=0.01)
+        actor = ScriptedActor(lambda h: Action.bash(script[len(h)]) if len(h) < len(script) else Action.none(), 0.1)
+        engine = Engine(actor, sb, action_drafters=[at(offsets)], config=EngineConfig(branch_budget=0, depth=2))
+        await engine.run(History("t"), steps=len(script))
+        return sb, engine.statistics()
+
+    now, st_now = anyio.run(run, (0,))
+    assert st_now.forks_reused >= 2 and now.traced == ()
+    ahead, st_ahead = anyio.run(run, (1,))
+    assert "sleep 0.05 && cat a" in ahead.traced and st_ahead.forks_rebased >= 1  # across `echo 2 >> b`

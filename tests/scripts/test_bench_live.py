@@ -147,3 +147,42 @@ def test_integration_rows_identical(tmp_path: Path) -> None:
         harness = rows[3]
         assert harness["repeats"] == 1 and set(harness["per_task"]) == {"agents-sdk-task"}
         assert harness["per_task"]["agents-sdk-task"]["mcp_calls"] == 7 and harness["hits"] >= 1
+
+
+def test_several_policies_against_the_same_serial_runs(tmp_path: Path) -> None:
+    """--policy repeated: a row per policy in the order given, each against the same serial
+    run, with its forks launched, wasted and rebased (also per task); read-set validation off
+    rebases nothing; every run recorded under its own id."""
+    off = "aospec:depth=3:read_sets=false"
+    args = ["--tpots", "1", "--no-bytecode-check", "--policy", "aospec", "--policy", off, "--repeats", "2"]
+    proc = _bench(*args, "--out", str(tmp_path / "o"), tmp_path=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = [json.loads(line) for line in proc.stdout.splitlines() if line.strip()]
+    assert [r["policy"] for r in rows] == ["aospec", off]
+    on_row, off_row = rows
+    assert on_row["serial_s"] == off_row["serial_s"]  # the same serial runs
+    for r in rows:
+        assert r["lossless"] is True and r["repeats"] == 2
+        task = r["per_task"]["inventory-discount.a"]
+        for key in ("forks_launched", "forks_wasted", "forks_rebased", "state_changing_steps"):
+            assert isinstance(r[key], int) and isinstance(task[key], int), key
+        assert 0 <= r["forks_rebased"] <= r["forks_launched"] - r["forks_wasted"]
+    assert off_row["forks_rebased"] == 0
+    recorded = [json.loads(x) for x in (tmp_path / "o" / "live.jsonl").read_text().splitlines()]
+    ids = [r["id"] for r in recorded if r["type"] == "trace"]
+    assert len(ids) == len(set(ids)) == 2 * 3  # 2 repeats x (serial + 2 policies)
+    assert "inventory-discount.a.spec.aospec_depth=3_read_sets=false.tpot1" in ids
+
+
+@pytest.mark.parametrize(
+    ("policies", "message"),
+    [
+        (["aospec", "aospec"], "--policy listed twice: aospec"),
+        (["aospec:depht=3"], "unknown key 'depht'"),
+    ],
+)
+def test_a_bad_policy_is_one_usage_line(tmp_path: Path, policies: list[str], message: str) -> None:
+    args = [x for p in policies for x in ("--policy", p)]
+    proc = _bench("--tpots", "1", *args, tmp_path=tmp_path)
+    assert proc.returncode == 2 and message in proc.stderr, proc.stderr
+    assert "Traceback" not in proc.stderr
