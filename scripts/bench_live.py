@@ -921,9 +921,30 @@ def plot(rows: Sequence[dict[str, Any]], path: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    several = len({r["policy"] for r in rows}) > 1
+    if len({r["tpot_ms"] for r in rows}) == 1:
+        # One TPOT: no line to draw; a bar per condition (and policy), live and replay
+        fig, ax = plt.subplots(figsize=(10, 1.2 + 0.5 * len(rows)))
+        labels = [condition_label(r, several) for r in rows]
+        ys = range(len(rows))
+        mid = [100 * r["saving"] for r in rows]
+        err = [
+            [100 * (r["saving"] - r.get("saving_min", r["saving"])) for r in rows],
+            [100 * (r.get("saving_max", r["saving"]) - r["saving"]) for r in rows],
+        ]
+        ax.barh(ys, mid, xerr=err, color="C0", capsize=3, label="live (median, min-max over repeats)")
+        ax.plot([100 * r["predicted_saving"] for r in rows], ys, "s", color="C1", label="replay")
+        ax.set_yticks(list(ys), labels, fontsize=8)
+        ax.invert_yaxis()
+        ax.axvline(0, color="grey", lw=0.8)
+        ax.set_xlabel("saving vs serial (%)")
+        ax.set_title(f"saving at TPOT {rows[0]['tpot_ms']:g} ms")
+        ax.legend(fontsize=7)
+        fig.tight_layout()
+        fig.savefig(path, dpi=120)
+        return
     fig, (ax, ax2) = plt.subplots(1, 2, figsize=(12, 4.5))
     by: dict[str, list[dict[str, Any]]] = {}
-    several = len({r["policy"] for r in rows}) > 1
     for r in rows:
         by.setdefault(condition_label(r, several), []).append(r)
     for i, (label, rs) in enumerate(by.items()):
