@@ -165,8 +165,13 @@ def test_several_policies_against_the_same_serial_runs(tmp_path: Path) -> None:
         assert r["lossless"] is True and r["repeats"] == 2
         task = r["per_task"]["inventory-discount.a"]
         for key in ("forks_launched", "forks_wasted", "forks_rebased", "state_changing_steps"):
-            assert isinstance(r[key], int) and isinstance(task[key], int), key
+            # the row holds the median over repeats (x.5 where two repeats differ), the
+            # per-task figures the first repeat's counts
+            assert isinstance(r[key], (int, float)) and r[key] >= 0, key
+            assert isinstance(task[key], int) and task[key] >= 0, key
+        # the median of two repeats is their mean, so each repeat's bound holds for it too
         assert 0 <= r["forks_rebased"] <= r["forks_launched"] - r["forks_wasted"]
+        assert 0 <= task["forks_rebased"] <= task["forks_launched"] - task["forks_wasted"]
     assert off_row["forks_rebased"] == 0
     recorded = [json.loads(x) for x in (tmp_path / "o" / "live.jsonl").read_text().splitlines()]
     ids = [r["id"] for r in recorded if r["type"] == "trace"]
