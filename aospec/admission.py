@@ -15,6 +15,9 @@ Each candidate gets
 - an expected **cost**: ``P(used by nobody) * (CPU seconds it would waste * the host's price
   of a CPU-second + decode seconds it would waste * decode_price + memory)`` plus its share
   of the critical path's overhead (learned per launch from the committed steps' overhead).
+  A branch's CPU is its stream's on this host: the decode seconds it would waste times the
+  cores one stream takes here (:meth:`CostModel.stream_cores`, learned live from
+  :class:`aospec.host.DecodeMeter`).
   A wrong fork runs until a step changes the state (the share of steps that do is learned)
   or its tool ends.
 
@@ -62,6 +65,7 @@ from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 from aospec.engine_config import EngineConfig
 from aospec.errors import ConfigError
+from aospec.host import DecodeMeter
 from aospec.protocols import Clock, HostMonitor, HostSnapshot
 from aospec.streams import tool_label
 from aospec.types import Action, Step, Trace
@@ -121,6 +125,12 @@ BACKOFF_STRENGTH = 4.0
 #: overhead (s), and the CPU a command uses per second of its tool time (1: a guess whose
 #: CPU is unknown is charged its whole tool time).
 PRIOR_TOOL_S, PRIOR_DECODE_S, PRIOR_OVERHEAD_S, PRIOR_CPU_RATIO = 1.0, 1.0, 0.0005, 1.0
+#: Before any measurement (and in replay): the cores of this host one decode stream takes
+#: (an observation branch's local price; aospec.host.DecodeMeter measures it live, a model
+#: served in this process included): none, as for a remote endpoint.
+PRIOR_STREAM_CORES = 0.0
+#: The stream-seconds one measurement of a stream's cores spans at least.
+STREAM_SAMPLE_S = 0.25
 #: Before any step: the share of steps that change the filesystem; and the most steps a
 #: fork is expected to stay valid (a run where nothing changes the state).
 PRIOR_CHANGES, MAX_STEPS_VALID = 0.5, 20.0
@@ -135,6 +145,9 @@ PROBE_EVERY = 8
 CPU_BOUND_CORES = 0.5
 #: Cores the host must keep free beside the command the agent waits on for guesses to run.
 MIN_FREE_CORES = 0.5
+#: Free cores the host must have for a speculative fork's reads to be traced (the tracer
+#: multiplies its command's CPU; read-set validation is an investment only a spare core pays).
+TRACE_FREE_CORES = 1.0
 #: How often the command the agent waits on is sampled while it runs (s).
 SAMPLE_INTERVAL_S = 0.02
 #: Memory one fork is assumed to hold (no seam meters it), memory that must stay available,
@@ -369,6 +382,7 @@ class CostModel:
         self.overhead_base = _Mean()
         self.overhead_launch = _Mean()
         self.changes = _Mean()
+        self.stream = _Mean()
         self._keys: collections.OrderedDict[str, float] = collections.OrderedDict()
 
     def tool_s(self, action: Action, label: str | None = None) -> float:
@@ -390,6 +404,10 @@ class CostModel:
         if mean is not None and mean.n:
             return mean.mean
         return self.cpu_all.get(PRIOR_CPU_RATIO)
+
+    def stream_cores(self) -> float:
+        """Cores of this host one decode stream takes (measured, else PRIOR_STREAM_CORES)."""
+        return self.stream.get(PRIOR_STREAM_CORES)
 
     def decode_s(self, action: Action | None = None) -> float:
         """Expected decode time of a step (that emits ``action``, when known)."""
@@ -435,6 +453,7 @@ class CostModel:
             "overhead_base": self.overhead_base.to_json(),
             "overhead_launch": self.overhead_launch.to_json(),
             "changes": self.changes.to_json(),
+            "stream": self.stream.to_json(),
         }
 
     @classmethod
@@ -447,7 +466,7 @@ class CostModel:
             if not isinstance(table, Mapping):
                 raise ConfigError(f"{where}.{name}: expected an object")
             setattr(model, name, {str(k): _Mean.from_json(v, f"{where}.{name}.{k}") for k, v in table.items()})
-        for name in ("tool_all", "cpu_all", "overhead_base", "overhead_launch", "changes"):
+        for name in ("tool_all", "cpu_all", "overhead_base", "overhead_launch", "changes", "stream"):
             if name in obj:
                 setattr(model, name, _Mean.from_json(obj[name], f"{where}.{name}"))
         if "decode" in obj:
@@ -492,7 +511,12 @@ class AdmissionModel:
             raise ConfigError(
                 f"admission model: its hit model {type(hits).__name__} has no to_json(); it cannot be saved"
             )
-        return {"format": MODEL_FORMAT, "version": _MODEL_VERSION, "hits": hits.to_json(), "costs": self.costs.to_json()}
+        return {
+            "format": MODEL_FORMAT,
+            "version": _MODEL_VERSION,
+            "hits": hits.to_json(),
+            "costs": self.costs.to_json(),
+        }
 
     @classmethod
     def from_json(cls, obj: Any, where: str = "admission model") -> AdmissionModel:
@@ -668,6 +692,13 @@ class Admission:
         # forks that missed their step but are still valid (same origin), by (origin, key):
         # (their target step, candidate), the earliest first
         self._late: dict[tuple[str, str], list[tuple[int, Candidate]]] = {}
+        # the live host's decode streams (aospec.host.DecodeMeter; a simulated host has none):
+        # the cores one stream takes here, learned at each commit from the last mark
+        meter = getattr(host, "decodes", None) if config.stream_cores is None else None
+        #: where the session counts its decode streams (None: nowhere)
+        self.decodes: DecodeMeter | None = meter if isinstance(meter, DecodeMeter) else None
+        self._stream_mark: tuple[int, int] | None = None
+        self._measure_streams()
 
     # ------------------------------------------------------------------ the host
 
@@ -686,6 +717,14 @@ class Admission:
 
     def memory_low(self) -> bool:
         return self.on and memory_low(self.snapshot())
+
+    def may_trace(self) -> bool:
+        """Whether a speculative fork may be traced for its read set now: the host has
+        TRACE_FREE_CORES to spare (always with the controller off, or no host monitor)."""
+        if not self.on:
+            return True
+        snap = self.snapshot()
+        return snap is None or snap.free_cores >= TRACE_FREE_CORES
 
     # ------------------------------------------------------------------ the run's timeline
 
@@ -714,6 +753,7 @@ class Admission:
         costs = self._costs
         costs.decoded(action, decode_ns * 1e-9)
         costs.changes.add(1.0 if changed else 0.0)
+        self._measure_streams()
         overhead = overhead_ns * 1e-9
         spent = 0.0
         if self._launches == 0:
@@ -734,6 +774,35 @@ class Admission:
         self._since_probe += 1
         self._launches = 0
         self._step_cost_s = 0.0
+
+    def stream_cores(self) -> float:
+        """Cores one decode stream takes on this host: ``stream_cores`` where the
+        configuration fixes it, else what the cost model measured."""
+        fixed = self._config.stream_cores
+        return float(fixed) if fixed is not None else self._costs.stream_cores()
+
+    def _measure_streams(self) -> None:
+        """One measurement of the cores a decode stream takes in this process, once the
+        streams since the last mark span STREAM_SAMPLE_S: the process's CPU over them."""
+        meter = self.decodes
+        if meter is None:
+            return
+        try:
+            cpu, streams = meter.sample()
+        except Exception as exc:
+            self._failed("reading this process's decode streams", exc)
+            self.decodes = None
+            return
+        mark = self._stream_mark
+        if mark is None or cpu < mark[0] or streams < mark[1]:
+            self._stream_mark = (cpu, streams)
+            return
+        spanned = streams - mark[1]
+        if spanned >= STREAM_SAMPLE_S * 1e9:
+            cores = getattr(self.host, "cores", None)
+            cap = float(cores) if isinstance(cores, (int, float)) and cores > 0 else 64.0
+            self._costs.stream.add(min((cpu - mark[0]) / spanned, cap))
+            self._stream_mark = (cpu, streams)
 
     def _remaining_s(self, now_ns: int) -> float:
         """What is left of the step in flight's tool time (s; 0 with none in flight)."""
@@ -791,7 +860,8 @@ class Admission:
             hide = min(decode, max(tool_if_hit_s - elapsed, OVERRUN * elapsed))
         else:
             hide = waste
-        return self._decide(c, hide_s=hide, cpu_s=0.0, decode_s=waste, fork=False)
+        # a wrong branch's stream takes this host's CPU while it decodes (its local price)
+        return self._decide(c, hide_s=hide, cpu_s=waste * self.stream_cores(), decode_s=waste, fork=False)
 
     def pool(self, label: str, *, probability: float, hide_s: float, cpu_s: float, source: str = "pool") -> Decision:
         """Price a SpecBox pool fork (an environment warmed for tool ``label``) that would
@@ -922,5 +992,8 @@ class Admission:
             self._step_cost_s += cpu_s * self.price()
 
     def wasted_decode(self, decoded_ns: int) -> None:
-        """A provisional continuation was cancelled after decoding ``decoded_ns``."""
-        self._step_cost_s += decoded_ns * 1e-9 * self._config.decode_price
+        """A provisional continuation was cancelled after decoding ``decoded_ns``: its decode
+        at ``decode_price`` and its stream's CPU at the host's price now."""
+        if decoded_ns > 0:
+            price = self._config.decode_price + self.stream_cores() * self.price()
+            self._step_cost_s += decoded_ns * 1e-9 * price

@@ -70,6 +70,12 @@ class EngineConfig:
       (the host's load adds to it).
     - ``decode_price``: seconds of latency one second of a wasted provisional decode costs
       (the model endpoint's time; raise it for a model on this host).
+    - ``stream_cores``: cores of this host one decode stream takes, an observation branch's
+      local price (its wasted decode seconds times this, at the host's price of a
+      CPU-second). None (default): measured live from this process's CPU beside its open
+      streams (``aospec.host.DecodeMeter``), 0 before the first measurement and in replay;
+      a number fixes it (0: streams cost this host nothing; about the cores it decodes on
+      for a model served on this host).
     - ``guard_window``: steps over which the no-regret guard compares the realised benefit
       of speculation with its cost (0: no guard).
     - ``read_sets``: read-set validation (docs/engine.md, "Read sets"): where the sandbox
@@ -97,6 +103,7 @@ class EngineConfig:
     admission: Literal["on", "off"] = "on"
     cpu_price: float = 0.2
     decode_price: float = 0.0
+    stream_cores: float | None = None
     guard_window: int = 16
     read_sets: bool = True
     steps_in_place: bool = True
@@ -125,6 +132,11 @@ class EngineConfig:
             value = getattr(self, name)
             if not (isinstance(value, (int, float)) and math.isfinite(value) and value >= 0):
                 raise ConfigError(f"engine: {name} must be a finite number >= 0, got {value!r}")
+        value = self.stream_cores
+        if value is not None and not (
+            isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value >= 0
+        ):
+            raise ConfigError(f"engine: stream_cores must be a finite number >= 0 or None (measured), got {value!r}")
         if self.accept not in ACCEPTANCE:
             raise ConfigError(f"engine: accept must be one of {', '.join(ACCEPTANCE)}, got {self.accept!r}")
 

@@ -402,7 +402,11 @@ class Forks:
         # from a committed state nothing is executing on is checked at its own origin when it
         # is emitted next, where JASV needs no read set; traced, a hit would make the agent
         # wait for the tracer (2-4x on process-heavy commands: docs/engine.md, "Read sets").
-        fork.traced = self._readsets is not None and (offset > 0 or self.inflight is not None)
+        # And only while the host has a core to spare: the tracer multiplies the command's
+        # CPU (1.4-3.9x on bench_live's tests, build and venv; docs/engine.md, "Read sets").
+        fork.traced = (
+            self._readsets is not None and (offset > 0 or self.inflight is not None) and self._admission.may_trace()
+        )
         self.registry.add(fork)
         self._ledger.fork_launched(now, key, routed=routed)
         fork.task = self._task_group.start_soon(self._run, fork)
@@ -435,6 +439,8 @@ class Forks:
                         await self._prioritize(fork, foreground=True)
                 # Why not awaited: JASV has accepted it at its origin, so its reads are not needed.
                 fork.traced = fork.traced and fork not in self._awaited and await self._trace_reads(fork)
+                if fork.traced:
+                    self._ledger.fork_traced()
                 fork.exec_start_ns = self._clock.now_ns()
                 fork.observation = await sandbox.execute(fork.action)
             except Exception as exc:

@@ -8,6 +8,12 @@
   PSI gives ``None`` pressures and one line in :attr:`ProcHostMonitor.notes` (the
   controller then prices CPU from free cores alone); it never raises.
 - :class:`StaticHostMonitor`: a fixed snapshot (tests; a harness that knows its host).
+- :class:`DecodeMeter` (:data:`DECODES`, one per process): the decode streams open in this
+  process (each session's verified decode and its observation branches' continuations)
+  and this process's CPU time beside them, from which the controller learns the cores one
+  stream takes here (the client's parsing; with a model served in this process, its
+  serving too), the local price of an observation branch. :class:`ProcHostMonitor` carries
+  it as ``decodes``; a simulated host (replay) does not, so replay never reads it.
 - :class:`SpeculationBudget`: ``--speculation-budget CORES[,MEMORY]``, shared by every session
   of the host: each running speculative fork holds one *slot*, an exclusive ``flock`` on
   one of ``slots`` files in a directory all sessions share (``/run/aospec/speculation``, or
@@ -32,8 +38,9 @@ import math
 import os
 import re
 import tempfile
+import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -43,6 +50,8 @@ from aospec.protocols import HostSnapshot
 __all__ = [
     "BUDGET_DIRECTORY",
     "BUDGET_ENV",
+    "DECODES",
+    "DecodeMeter",
     "ProcHostMonitor",
     "SpeculationBudget",
     "auto_budget_cores",
@@ -96,6 +105,55 @@ def process_cores(proc: str | os.PathLike[str] = "/proc", cgroup: str | os.PathL
     return max(cores, 0.01)
 
 
+class DecodeMeter:
+    """Decode streams open in this process, integrated over time, beside the process's CPU
+    time (every thread, not its children: sandboxed commands are not in it).
+    :meth:`streaming` wraps one decode; :meth:`sample` gives ``(cpu_ns, stream_ns)``: the
+    process's CPU time and the stream-nanoseconds so far (two open streams for one second
+    count 2e9), so two samples' differences give the CPU per second of a stream (an upper
+    bound: what the process does beside its streams counts too). Thread-safe; ``clock``
+    and ``cpu`` are for tests."""
+
+    def __init__(
+        self, *, clock: Callable[[], int] = time.monotonic_ns, cpu: Callable[[], int] = time.process_time_ns
+    ) -> None:
+        self._clock = clock
+        self._cpu = cpu
+        self._lock = threading.Lock()
+        self._open = 0
+        self._stream_ns = 0
+        self._since = clock()
+
+    def _advance(self, now: int) -> None:
+        self._stream_ns += self._open * max(0, now - self._since)
+        self._since = now
+
+    @property
+    def open(self) -> int:
+        return self._open
+
+    @contextlib.contextmanager
+    def streaming(self) -> Iterator[None]:
+        with self._lock:
+            self._advance(self._clock())
+            self._open += 1
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._advance(self._clock())
+                self._open -= 1
+
+    def sample(self) -> tuple[int, int]:
+        with self._lock:
+            self._advance(self._clock())
+            return self._cpu(), self._stream_ns
+
+
+#: This process's decode streams (:class:`DecodeMeter`).
+DECODES = DecodeMeter()
+
+
 class StaticHostMonitor:
     """A :class:`aospec.protocols.HostMonitor` that always reads ``snapshot``."""
 
@@ -139,6 +197,8 @@ class ProcHostMonitor:
         self._host_cpus = self._count_cpus()
         self._last: _Counters | None = None
         self._snapshot: HostSnapshot | None = None
+        #: this process's decode streams: the live controller learns a stream's cores from it
+        self.decodes: DecodeMeter = DECODES
         self.notes: list[str] = []
         """One line per thing this host lacks that the controller would use (PSI)."""
         if _read(self._proc / "pressure" / "cpu") is None:

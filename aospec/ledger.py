@@ -166,7 +166,9 @@ class EngineStatistics:
       agent waited on was CPU-bound, and the time they spent paused; ``forks_dropped``:
       forks dropped under memory pressure.
     ``forks_rebased``: forks reused by read-set validation, from an origin older than the
-    committed version (also counted in ``forks_reused``; 0 without it, docs/engine.md).
+    committed version (also counted in ``forks_reused``; 0 without it, docs/engine.md);
+    ``forks_traced``: speculative forks whose reads were traced for it (only while the host
+    has a core to spare: the tracer multiplies a command's CPU).
     """
 
     steps: int
@@ -219,7 +221,9 @@ class EngineStatistics:
     @property
     def wasted_cpu_s(self) -> float:
         return self.wasted_cpu_ns * _S
+
     forks_rebased: int = 0
+    forks_traced: int = 0
 
     @property
     def latency_s(self) -> float:
@@ -290,6 +294,7 @@ class Ledger:
         "_forks_launched",
         "_forks_rebased",
         "_forks_reused",
+        "_forks_traced",
         "_forks_wasted",
         "_guarded",
         "_latency_ns",
@@ -326,7 +331,7 @@ class Ledger:
         self._cache_hits = self._cache_saved_ns = 0
         self._wasted_cpu_ns = self._guarded = self._paused = self._paused_ns = self._dropped = 0
         self._decisions = dict.fromkeys(_DECISIONS, 0)
-        self._forks_rebased = 0
+        self._forks_rebased = self._forks_traced = 0
         self._warned: set[str] = set()
 
     def _event(self, kind: EventKind, t_ns: int, detail: str, ns: int) -> None:
@@ -405,6 +410,10 @@ class Ledger:
         self._routed_reused += routed
         self._forks_rebased += rebased
         self._event(EventKind.REUSE, t_ns, detail, 0)
+
+    def fork_traced(self) -> None:
+        """A speculative fork's command is traced for its read set."""
+        self._forks_traced += 1
 
     def route_fired(self, t_ns: int, detail: str) -> None:
         """A stream router named the tool of an action being decoded."""
@@ -515,4 +524,5 @@ class Ledger:
             paused_ns=self._paused_ns,
             forks_dropped=self._dropped,
             forks_rebased=self._forks_rebased,
+            forks_traced=self._forks_traced,
         )

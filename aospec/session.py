@@ -32,6 +32,7 @@ script P of the paper; docs/engine.md has the table), and the names used here:
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any, cast
@@ -415,11 +416,15 @@ class Session:
         """Decode ``branch``'s action: the one timed path of both decodes (the verified
         one awaited here, provisional ones in their own task)."""
         try:
-            if self._drafting.router is None:
-                branch.action = await self._actor.decode(branch.history)
-            else:
-                on_delta = self._drafting.route_feed(branch)
-                branch.action = await cast(StreamingActor, self._actor).decode_streaming(branch.history, on_delta)
+            # counted among this process's open streams where the host monitor meters them
+            # (live): the controller prices a branch's local CPU from them
+            meter = self._admission.decodes
+            with meter.streaming() if meter is not None else contextlib.nullcontext():
+                if self._drafting.router is None:
+                    branch.action = await self._actor.decode(branch.history)
+                else:
+                    on_delta = self._drafting.route_feed(branch)
+                    branch.action = await cast(StreamingActor, self._actor).decode_streaming(branch.history, on_delta)
             branch.decoded_ns = self._clock.now_ns()
         finally:
             branch.end_decode()
@@ -459,7 +464,9 @@ class Session:
         admission = self._admission
         for d, form in self._drafting.pick(drafts, branch.continuations):
             t_hit = self._drafting.tool_if_hit(d)
-            decision = admission.branch(action, source=source, level=branch.level + 1, score=d.probability, tool_if_hit_s=t_hit)
+            decision = admission.branch(
+                action, source=source, level=branch.level + 1, score=d.probability, tool_if_hit_s=t_hit
+            )
             if not decision.launch:
                 branch.refused[d.text] = decision
                 continue

@@ -28,7 +28,7 @@ from aospec.admission import (
 from aospec.engine import Engine
 from aospec.engine_config import EngineConfig
 from aospec.errors import ConfigError
-from aospec.host import SpeculationBudget, StaticHostMonitor
+from aospec.host import DecodeMeter, SpeculationBudget, StaticHostMonitor
 from aospec.ledger import EventKind
 from aospec.protocols import ActionDraft, HostSnapshot, ObservationDraft
 from aospec.testing import (
@@ -158,7 +158,15 @@ def test_a_cpu_second_costs_more_on_a_busy_host_and_guesses_yield_to_a_cpu_bound
 
 
 def test_engine_config_checks_the_controller_knobs():
-    for bad in ({"admission": "maybe"}, {"cpu_price": -1.0}, {"cpu_price": float("nan")}, {"guard_window": -1}):
+    for bad in (
+        {"admission": "maybe"},
+        {"cpu_price": -1.0},
+        {"cpu_price": float("nan")},
+        {"guard_window": -1},
+        {"stream_cores": -0.1},
+        {"stream_cores": float("inf")},
+        {"stream_cores": True},
+    ):
         with pytest.raises(ConfigError):
             EngineConfig(**bad)  # type: ignore[arg-type]
 
@@ -492,3 +500,77 @@ def test_a_steps_recorded_cpu_time_is_read_from_tool_cpu_s_then_extra() -> None:
     assert step_cpu_s(Step(Action.bash("make"), "", 1, tool_duration_s=1.0, tool_cpu_s=0.5)) == 0.5
     assert step_cpu_s(Step(Action.bash("make"), "", 1, tool_duration_s=1.0, extra={"cpu_s": 0.25})) == 0.25
     assert step_cpu_s(Step(Action.bash("ls"), "", 1, tool_duration_s=1.0, extra={"cpu_s": "lots"})) is None
+
+
+class MeteredHost:
+    """A host monitor with a decode meter (as aospec.host.ProcHostMonitor has) whose
+    process CPU is ``cores_per_stream`` of every stream-second, in virtual time."""
+
+    def __init__(self, snapshot: HostSnapshot, cores_per_stream: float) -> None:
+        import trio
+
+        self._snapshot = snapshot
+        self.cores = snapshot.cores
+        self.decodes = DecodeMeter(
+            clock=lambda: int(trio.current_time() * 1e9),
+            cpu=lambda: int(cores_per_stream * self.decodes._stream_ns),
+        )
+
+    def snapshot(self) -> HostSnapshot:
+        return self._snapshot
+
+
+@pytest.mark.parametrize(
+    ("host", "launched"), [(None, True), ("full", False), ("quiet", True), ("fixed", False), ("fixed-free", True)]
+)
+def test_a_branch_pays_for_its_streams_cpu_at_the_hosts_price(host, launched):
+    """An observation branch right one time in four: free where its stream costs this host
+    nothing much (no meter: the prior; a quiet host), priced out where each stream takes
+    half a core of a host that has none to spare (measured, or fixed by ``stream_cores``
+    on a host without a meter); ``stream_cores=0`` on the full host: free again, the meter
+    unread; serial's result either way."""
+    script = [Action.bash("sleep 3 && cat a")] * 16
+    observation = {}
+
+    def drafts(h, a):
+        right = len(h) % 4 == 0 and "real" in observation
+        return [ObservationDraft(observation["real"] if right else f"nope {len(h)}", 0.5)]
+
+    async def main():
+        ref, _ = await serial(script, files={"a": "A\n"})
+        observation["real"] = await InMemorySandbox({"a": "A\n"}).execute(script[0])
+        if host in ("fixed", "fixed-free"):
+            monitor = MeteredHost(FULL, 0.5) if host == "fixed-free" else StaticHostMonitor(FULL)
+            cfg = EngineConfig(fork_width=0, branch_budget=1, stream_cores=0.5 if host == "fixed" else 0.0)
+        else:
+            monitor = None if host is None else MeteredHost(FULL if host == "full" else QUIET, 0.5)
+            cfg = EngineConfig(fork_width=0, branch_budget=1)
+        engine = Engine(
+            actor_of(script),
+            InMemorySandbox({"a": "A\n"}),
+            observation_drafters=[ScriptedObservationDrafter(drafts)],
+            config=cfg,
+            host=monitor,
+        )
+        history = await engine.run(History("t"), steps=len(script))
+        meter = getattr(monitor, "decodes", None)
+        return ref, history, engine, meter, meter.sample() if meter is not None else None
+
+    ref, history, engine, meter, sample = run_virtual(main)
+    assert history == ref
+    stats = engine.statistics()
+    late = script[8:]  # once the stream's cores are measured and p(hit) learned
+    assert stats.drafts_started + stats.refused_price >= len(script)  # a branch priced per step at least
+    if launched:
+        assert stats.refused_price <= 1 and stats.drafts_hit >= 3
+    else:
+        assert stats.refused_price >= len(late)
+    costs = engine.admission_model.costs
+    if host in ("full", "quiet"):
+        assert costs.stream_cores() == pytest.approx(0.5)
+        assert CostModel.from_json(json.loads(json.dumps(costs.to_json()))).stream_cores() == pytest.approx(0.5)
+        assert meter.open == 0
+    else:
+        assert costs.stream.n == 0  # nothing measured: no meter, or a fixed figure
+    if host == "fixed-free":
+        assert sample[1] == 0  # the session did not count its streams

@@ -12,6 +12,8 @@ import pytest
 from aospec.errors import ConfigError
 from aospec.host import (
     BUDGET_ENV,
+    DECODES,
+    DecodeMeter,
     ProcHostMonitor,
     SpeculationBudget,
     auto_budget_cores,
@@ -36,9 +38,7 @@ class FakeProc:
     def write(self, *, busy, idle, cpu_stall_us, memory_stall_us, available_kb, load="1.00") -> None:
         r = self.root
         # cpu user nice system idle iowait irq softirq steal; 4 CPUs
-        r.joinpath("stat").write_text(
-            f"cpu  {busy} 0 0 {idle} 0 0 0 0 0 0\ncpu0 0\ncpu1 0\ncpu2 0\ncpu3 0\nintr 0\n"
-        )
+        r.joinpath("stat").write_text(f"cpu  {busy} 0 0 {idle} 0 0 0 0 0 0\ncpu0 0\ncpu1 0\ncpu2 0\ncpu3 0\nintr 0\n")
         if self.psi:
             r.joinpath("pressure", "cpu").write_text(
                 f"some avg10=25.00 avg60=0.00 avg300=0.00 total={cpu_stall_us}\n"
@@ -139,7 +139,9 @@ def test_a_budget_that_cannot_be_met_is_lowered_with_a_note(tmp_path):
     assert SpeculationBudget(0, directory=tmp_path, host_cores=8).slots == 0
 
 
-def _hold_one(directory: str, ready: multiprocessing.synchronize.Event, done: multiprocessing.synchronize.Event) -> None:
+def _hold_one(
+    directory: str, ready: multiprocessing.synchronize.Event, done: multiprocessing.synchronize.Event
+) -> None:
     lease = SpeculationBudget(2, directory=directory, host_cores=8).try_acquire()
     assert lease is not None
     ready.set()
@@ -164,3 +166,24 @@ def test_slots_are_shared_across_processes_and_die_with_their_holder(tmp_path):
         done.set()
         other.join(10)
     assert budget.held() == 0  # the other session's slot died with it
+
+
+def test_the_decode_meter_integrates_open_streams_beside_the_process_cpu():
+    now = {"t": 0, "cpu": 0}
+    meter = DecodeMeter(clock=lambda: now["t"], cpu=lambda: now["cpu"])
+    assert meter.sample() == (0, 0) and meter.open == 0
+    with meter.streaming():
+        now["t"] += 10**9  # one stream for 1 s
+        with meter.streaming():
+            assert meter.open == 2
+            now["t"] += 2 * 10**9  # two streams for 2 s: 4 stream-seconds
+            now["cpu"] += 10**9
+        now["t"] += 10**9
+    now["t"] += 5 * 10**9  # none open: no stream time
+    assert meter.sample() == (10**9, 6 * 10**9) and meter.open == 0
+    # a decode that raises still closes its stream
+    with pytest.raises(RuntimeError), meter.streaming():
+        raise RuntimeError("the actor failed")
+    assert meter.open == 0
+    # the live monitor carries this process's meter; the engine counts its decodes in it
+    assert ProcHostMonitor().decodes is DECODES

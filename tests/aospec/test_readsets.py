@@ -13,7 +13,8 @@ from hypothesis import strategies as st
 
 from aospec.engine import Engine
 from aospec.engine_config import EngineConfig
-from aospec.protocols import ActionDraft, ReadSetSandbox, SandboxCapabilities
+from aospec.host import StaticHostMonitor
+from aospec.protocols import ActionDraft, HostSnapshot, ReadSetSandbox, SandboxCapabilities
 from aospec.readsets import ReadSet, ReadSetValidator, WriteSet, conflict, fork_conflict
 from aospec.testing import InMemorySandbox, ReadSetInMemorySandbox, ScriptedActionDrafter, ScriptedActor
 from aospec.types import Action, History
@@ -438,3 +439,35 @@ def test_only_forks_a_read_set_can_serve_are_traced() -> None:
     assert st_now.forks_reused >= 2 and now.traced == ()
     ahead, st_ahead = anyio.run(run, (1,))
     assert "sleep 0.05 && cat a" in ahead.traced and st_ahead.forks_rebased >= 1  # across `echo 2 >> b`
+
+
+@pytest.mark.parametrize(("free_cores", "traced"), [(2.0, True), (0.5, False)])
+def test_forks_are_traced_only_while_the_host_has_a_core_to_spare(free_cores: float, traced: bool) -> None:
+    """The tracer multiplies a command's CPU: with less than a core free no speculative fork
+    is traced (none rebased, the same result); with one free the same targets are, counted
+    in ``forks_traced``."""
+    script = ["echo 1 > a", "sleep 0.05 && cat a", "echo 2 >> b", "sleep 0.05 && cat a"]
+
+    def propose(history: History) -> list[ActionDraft]:
+        n = len(history)
+        return [ActionDraft(Action.bash(script[n + 1]), 1, 0.9)] if n + 1 < len(script) else []
+
+    host = StaticHostMonitor(HostSnapshot(cores=4.0, busy_cores=4.0 - free_cores, cpu_pressure=0.0))
+
+    async def run(speculate: bool) -> tuple[ReadSetInMemorySandbox, Any, History]:
+        sb = ReadSetInMemorySandbox(op_delay_s=0.01)
+        actor = ScriptedActor(lambda h: Action.bash(script[len(h)]) if len(h) < len(script) else Action.none(), 0.1)
+        drafters = [ScriptedActionDrafter(propose)] if speculate else []
+        cfg = EngineConfig(branch_budget=0, depth=2, cpu_price=0.0)
+        engine = Engine(actor, sb, action_drafters=drafters, config=cfg, host=host)
+        history = await engine.run(History("t"), steps=len(script))
+        return sb, engine.statistics(), history
+
+    sb, st, history = anyio.run(run, True)
+    ref_sb, _, ref = anyio.run(run, False)
+    assert history == ref and sb.files == ref_sb.files
+    assert st.forks_launched >= 2
+    if traced:
+        assert st.forks_traced >= 1 and sb.traced and st.forks_rebased >= 1
+    else:
+        assert st.forks_traced == 0 and sb.traced == () and st.forks_rebased == 0
