@@ -178,6 +178,7 @@ APPENDED = [
     "paused_ns",
     "forks_dropped",
     "forks_rebased",
+    "forks_traced",
 ]
 
 
