@@ -23,15 +23,20 @@ It also measures what bytecode caches do to action reuse: the Python tasks once 
 whether serial and speculative versions still agree, action hits).
 
 Load conditions (issue 22): ``--compare --sessions 1,4,8`` runs each condition's N sessions
-at once on this host (session j of a batch runs task j mod 4), all serially, then all
-speculatively; ``--background-load 0,2`` runs each condition beside K CPU-bound processes
+at once on this host (session j of a batch runs task j mod 4), all serially and all
+speculatively (the arms in an order rotated per repeat, each after the previous runs'
+writeback); ``--background-load 0,2`` runs each condition beside K CPU-bound processes
 (started before, always killed after); ``--repeats R`` repeats every condition,
 interleaved, and reports the median with min..max. Beside every live figure is the
 replay's prediction on a simulated host of this host's cores (``--cores``) and the
 condition's background load, from the quiet serial recordings (one session, no load, the
 same TPOT; each serial step records its CPU time), replaying the condition's sessions
 together (``aospec.replay.sweep.replay_together``), and its error; ``--plot`` draws the
-saving against TPOT, one line per condition.
+saving against TPOT, one line per condition. ``process_cpu_s`` (``serial_process_cpu_s``)
+is this process's CPU over the speculative (serial) runs: the engine, the actor's stream
+parsing and serve-trace's serving, apart from the sandboxes' ``wasted_cpu_s``.
+``--policy serial`` runs the engine with speculation on but no guess (no drafter, no
+branch, no fork): its saving is the measurement's own noise and the engine's bare cost.
 
 Usage:
   .venv/bin/python scripts/bench_live.py [--json] [--quick] [--plot live.png] [--out DIR]
@@ -49,8 +54,9 @@ serial run. ``--specbox-cache``, ``--specbox-pool-depth``, ``--specbox-router`` 
 
 ``--policy SPEC`` repeated (issue 25): several policies against the same serial runs, e.g.
 lookahead 2-4 with and without read-set validation (``aospec:depth=3:read_sets=false``);
-per batch the serial runs come first, then each policy's speculative runs, their order
-rotated from repeat to repeat; a row per policy with its forks launched, wasted and rebased
+per batch the serial runs and each policy's speculative runs, in an order rotated from
+repeat to repeat (no arm always first), each after the previous runs' writeback; a row per
+policy with its forks launched, wasted and rebased
 (reused across a state-changing step), also per task.
 
 ``--integrations`` (issue 12): each integration (mini-swe-agent's SpeculativeAgent, ``aospec
@@ -423,6 +429,9 @@ class TpotFigures:
     #: per batch of ``sessions`` concurrent runs (all serial, then all speculative): the
     #: trajectories' ids and the two batches' wall times (s)
     batches: list[tuple[list[str], float, float]] = field(default_factory=list)
+    #: per batch: this process's CPU time (s) over the serial runs and over the speculative
+    #: ones (the engine, the actor's client and serve-trace's thread; not the sandboxes)
+    process_cpu: list[tuple[float, float]] = field(default_factory=list)
 
     def figures(self) -> dict[str, Any]:
         """The live figures of this repeat (the replay's prediction is added by
@@ -451,12 +460,18 @@ class TpotFigures:
             "tool_hidden_s": round(sum(x.tool_time_hidden_s for x in st), 3),
             "decode_hidden_s": round(sum(x.decode_time_hidden_s for x in st), 3),
             "obs_hit_rate": round(sum(x.drafts_hit for x in st) / steps, 4) if steps else 0.0,
+            # observation branches started, and guesses (forks and branches) the controller
+            # refused because they cost more than they would hide
+            "drafts_started": sum(x.drafts_started for x in st),
+            "refused_price": sum(x.refused_price for x in st),
             "action_hit_rate": round(sum(x.forks_reused for x in st) / steps, 4) if steps else 0.0,
             "forks_launched": sum(x.forks_launched for x in st),
             "forks_wasted": sum(x.forks_wasted for x in st),
             # reused from an older origin than the committed version: across a
             # state-changing step, by read-set validation (docs/engine.md, "Read sets")
             "forks_rebased": sum(x.forks_rebased for x in st),
+            # traced for their read sets (only while the host has a core to spare)
+            "forks_traced": sum(x.forks_traced for x in st),
             "state_changing_steps": sum(state_changing_steps(s) for s, _ in self.runs),
             "wasted_cpu_s": round(wasted_cpu, 3),
             "serial_cpu_s": round(serial_cpu, 3),
@@ -477,6 +492,10 @@ class TpotFigures:
             "peak_rss_mb": round(peak_rss_mb(), 1),
             "serial_batches_s": round(sum(b[1] for b in self.batches), 3),
             "speculative_batches_s": round(sum(b[2] for b in self.batches), 3),
+            # the benchmark's own process: the engine's drafting, pricing and bookkeeping, the
+            # actor's stream parsing and serve-trace's serving (sandbox CPU is apart)
+            "serial_process_cpu_s": round(sum(c[0] for c in self.process_cpu), 3),
+            "process_cpu_s": round(sum(c[1] for c in self.process_cpu), 3),
             "lossless": not self.diverged and not self.box_diverged,
             "diverged": self.diverged,
             **self.specbox_figures(serial_wall),
@@ -674,6 +693,16 @@ async def run_batch(
     return done, wall
 
 
+#: The serial runs' arm among a batch's policies (:func:`measure_tpot`).
+SERIAL_ARM = -1
+
+
+async def settle() -> None:
+    """Before a timed arm: the previous runs' dirty pages written back (os.sync), so their
+    writeback is not charged to whichever arm runs next."""
+    await anyio.to_thread.run_sync(os.sync)
+
+
 async def measure_tpot(
     tpot_ms: float,
     trajs: Sequence[Trajectory],
@@ -694,9 +723,10 @@ async def measure_tpot(
     serial_only: bool = False,
 ) -> list[TpotFigures]:
     """One repeat of a condition at ``tpot_ms``: per batch of ``sessions`` concurrent runs
-    (:func:`session_batches`), every run serially, then every run speculatively, once per
-    policy (``policy`` with ``drafters``, then each ``(policy, drafters)`` of ``more``, their
-    order rotated by ``rotate``: serial and every policy's runs interleaved), and with
+    (:func:`session_batches`), every run serially and every run speculatively, once per
+    policy (``policy`` with ``drafters``, then each ``(policy, drafters)`` of ``more``); the
+    serial arm and the policies' in an order rotated by ``rotate`` (interleaved, none always
+    first), each after :func:`settle`; and with
     ``specbox`` once more with the layer (the first policy, one session only), each
     speculative run checked against its serial one. One session's serial runs record each
     step's CPU time. ``serial_only``: the serial runs alone (a quiet reference for the
@@ -706,39 +736,48 @@ async def measure_tpot(
 
     specs = [(policy, drafters), *more]
     figs = [TpotFigures(tpot_ms, policy=name, sessions=sessions, background_load=background_load) for name, _ in specs]
-    order = list(range(len(specs)))
+    # the arms of a batch: the serial runs (SERIAL_ARM), then each policy's; rotated as a
+    # whole, so no arm always runs first (right after the last batch's writeback)
+    arms = [SERIAL_ARM] if serial_only else [SERIAL_ARM, *range(len(specs))]
     if rotate:
-        order = order[rotate % len(order) :] + order[: rotate % len(order)]
+        arms = arms[rotate % len(arms) :] + arms[: rotate % len(arms)]
     async with serve_trace([script_trace(t) for t in trajs], tpot_ms) as server:
         for batch in session_batches(trajs, sessions):
             kw = {"tpot_ms": tpot_ms, "drafters": drafters, "base": base, "bytecode": bytecode}
             spec_runs: dict[int, tuple[list[Run], float]] = {}
-            if sessions == 1:
-                t0 = time.monotonic()
-                serials = [
-                    await run_agent(batch[0], server.base_url, staged, speculate=False, measure_cpu=True, tag=tag, **kw)
-                ]
-                serial_wall = time.monotonic() - t0
-                for i in [] if serial_only else order:
-                    name, ds = specs[i]
+            process_cpu: dict[int, float] = {}
+            for i in arms:
+                await settle()
+                cpu0 = time.process_time()
+                serial = i == SERIAL_ARM
+                name, ds = (policy, None) if serial else specs[i]
+                run_kw = {**kw, "drafters": ds} if not serial else kw
+                if sessions == 1:
                     t0 = time.monotonic()
+                    # alone on the host and serial: the serial run records each step's CPU
                     run = await run_agent(
                         batch[0],
                         server.base_url,
                         staged,
-                        speculate=True,
+                        speculate=not serial,
+                        measure_cpu=serial,
                         tag=tag,
-                        policy=name,
-                        **{**kw, "drafters": ds},
+                        **({} if serial else {"policy": name}),
+                        **run_kw,
                     )
                     spec_runs[i] = ([run], time.monotonic() - t0)
-            else:
-                serials, serial_wall = await run_batch(batch, server.base_url, staged, speculate=False, tag=tag, **kw)
-                for i in [] if serial_only else order:
-                    name, ds = specs[i]
+                else:
                     spec_runs[i] = await run_batch(
-                        batch, server.base_url, staged, speculate=True, tag=tag, policy=name, **{**kw, "drafters": ds}
+                        batch,
+                        server.base_url,
+                        staged,
+                        speculate=not serial,
+                        tag=tag,
+                        **({} if serial else {"policy": name}),
+                        **run_kw,
                     )
+                process_cpu[i] = time.process_time() - cpu0
+            serials, serial_wall = spec_runs.pop(SERIAL_ARM)
             if serial_only:
                 figs[0].batches.append(([t.id for t in batch], serial_wall, 0.0))
                 figs[0].runs.extend((r, r) for r in serials)
@@ -746,6 +785,7 @@ async def measure_tpot(
             for i, fig in enumerate(figs):
                 specs_i, spec_wall = spec_runs[i]
                 fig.batches.append(([t.id for t in batch], serial_wall, spec_wall))
+                fig.process_cpu.append((process_cpu[SERIAL_ARM], process_cpu[i]))
                 for t, serial, spec in zip(batch, serials, specs_i, strict=True):
                     why = divergence(serial, spec)
                     if why:
@@ -756,7 +796,8 @@ async def measure_tpot(
                         f"  tpot {tpot_ms:g} ms{' (bytecode)' if bytecode else ''}{tag}"
                         f"{f' [{fig.policy}]' if len(figs) > 1 else ''} {t.id}: serial "
                         f"{serial.result.wall_s:.2f} s, speculative {spec.result.wall_s:.2f} s, obs hits "
-                        f"{st.drafts_hit}/{len(spec.result.steps)}, action hits {st.forks_reused} "
+                        f"{st.drafts_hit}/{len(spec.result.steps)} ({st.drafts_started} branches), "
+                        f"action hits {st.forks_reused} "
                         f"(rebased {st.forks_rebased}), forks {st.forks_launched} ({st.forks_wasted} wasted), "
                         f"{'lossless' if not why else 'DIVERGED: ' + why}"
                     )
