@@ -125,6 +125,8 @@ BACKOFF_STRENGTH = 4.0
 #: overhead (s), and the CPU a command uses per second of its tool time (1: a guess whose
 #: CPU is unknown is charged its whole tool time).
 PRIOR_TOOL_S, PRIOR_DECODE_S, PRIOR_OVERHEAD_S, PRIOR_CPU_RATIO = 1.0, 1.0, 0.0005, 1.0
+#: The most cores one measurement of a command's (or a stream's) CPU is taken to use.
+MAX_CPU_RATIO = 64.0
 #: Before any measurement (and in replay): the cores of this host one decode stream takes
 #: (an observation branch's local price; aospec.host.DecodeMeter measures it live, a model
 #: served in this process included): none, as for a remote endpoint.
@@ -439,7 +441,7 @@ class CostModel:
         self.tool.setdefault(label, _Mean()).add(tool_s)
         self.tool_all.add(tool_s)
         if cpu_s is not None and tool_s > 0:
-            ratio = min(cpu_s / tool_s, 64.0)
+            ratio = min(cpu_s / tool_s, MAX_CPU_RATIO)
             self.cpu.setdefault(label, _Mean()).add(ratio)
             self.cpu_all.add(ratio)
 
@@ -511,12 +513,7 @@ class AdmissionModel:
             raise ConfigError(
                 f"admission model: its hit model {type(hits).__name__} has no to_json(); it cannot be saved"
             )
-        return {
-            "format": MODEL_FORMAT,
-            "version": _MODEL_VERSION,
-            "hits": hits.to_json(),
-            "costs": self.costs.to_json(),
-        }
+        return {"format": MODEL_FORMAT, "version": _MODEL_VERSION, "hits": hits.to_json(), "costs": self.costs.to_json()}
 
     @classmethod
     def from_json(cls, obj: Any, where: str = "admission model") -> AdmissionModel:
@@ -800,7 +797,7 @@ class Admission:
         spanned = streams - mark[1]
         if spanned >= STREAM_SAMPLE_S * 1e9:
             cores = getattr(self.host, "cores", None)
-            cap = float(cores) if isinstance(cores, (int, float)) and cores > 0 else 64.0
+            cap = float(cores) if isinstance(cores, (int, float)) and cores > 0 else MAX_CPU_RATIO
             self._costs.stream.add(min((cpu - mark[0]) / spanned, cap))
             self._stream_mark = (cpu, streams)
 

@@ -426,7 +426,7 @@ class TpotFigures:
     #: the condition: sessions at once, background processes beside them
     sessions: int = 1
     background_load: int = 0
-    #: per batch of ``sessions`` concurrent runs (all serial, then all speculative): the
+    #: per batch of ``sessions`` concurrent runs (serial and speculative, interleaved): the
     #: trajectories' ids and the two batches' wall times (s)
     batches: list[tuple[list[str], float, float]] = field(default_factory=list)
     #: per batch: this process's CPU time (s) over the serial runs and over the speculative
@@ -744,48 +744,32 @@ async def measure_tpot(
     async with serve_trace([script_trace(t) for t in trajs], tpot_ms) as server:
         for batch in session_batches(trajs, sessions):
             kw = {"tpot_ms": tpot_ms, "drafters": drafters, "base": base, "bytecode": bytecode}
-            spec_runs: dict[int, tuple[list[Run], float]] = {}
-            process_cpu: dict[int, float] = {}
+            # per arm: its runs, their wall time, and this process's CPU over them (s)
+            arm_runs: dict[int, tuple[list[Run], float, float]] = {}
             for i in arms:
+                serial = i == SERIAL_ARM
+                run_kw = kw if serial else {**kw, "policy": specs[i][0], "drafters": specs[i][1]}
                 await settle()
                 cpu0 = time.process_time()
-                serial = i == SERIAL_ARM
-                name, ds = (policy, None) if serial else specs[i]
-                run_kw = {**kw, "drafters": ds} if not serial else kw
                 if sessions == 1:
                     t0 = time.monotonic()
                     # alone on the host and serial: the serial run records each step's CPU
                     run = await run_agent(
-                        batch[0],
-                        server.base_url,
-                        staged,
-                        speculate=not serial,
-                        measure_cpu=serial,
-                        tag=tag,
-                        **({} if serial else {"policy": name}),
-                        **run_kw,
+                        batch[0], server.base_url, staged, speculate=not serial, measure_cpu=serial, tag=tag, **run_kw
                     )
-                    spec_runs[i] = ([run], time.monotonic() - t0)
+                    runs, wall = [run], time.monotonic() - t0
                 else:
-                    spec_runs[i] = await run_batch(
-                        batch,
-                        server.base_url,
-                        staged,
-                        speculate=not serial,
-                        tag=tag,
-                        **({} if serial else {"policy": name}),
-                        **run_kw,
-                    )
-                process_cpu[i] = time.process_time() - cpu0
-            serials, serial_wall = spec_runs.pop(SERIAL_ARM)
+                    runs, wall = await run_batch(batch, server.base_url, staged, speculate=not serial, tag=tag, **run_kw)
+                arm_runs[i] = (runs, wall, time.process_time() - cpu0)
+            serials, serial_wall, serial_cpu = arm_runs.pop(SERIAL_ARM)
             if serial_only:
                 figs[0].batches.append(([t.id for t in batch], serial_wall, 0.0))
                 figs[0].runs.extend((r, r) for r in serials)
                 continue
             for i, fig in enumerate(figs):
-                specs_i, spec_wall = spec_runs[i]
+                specs_i, spec_wall, spec_cpu = arm_runs[i]
                 fig.batches.append(([t.id for t in batch], serial_wall, spec_wall))
-                fig.process_cpu.append((process_cpu[SERIAL_ARM], process_cpu[i]))
+                fig.process_cpu.append((serial_cpu, spec_cpu))
                 for t, serial, spec in zip(batch, serials, specs_i, strict=True):
                     why = divergence(serial, spec)
                     if why:

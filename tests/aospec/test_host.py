@@ -38,7 +38,9 @@ class FakeProc:
     def write(self, *, busy, idle, cpu_stall_us, memory_stall_us, available_kb, load="1.00") -> None:
         r = self.root
         # cpu user nice system idle iowait irq softirq steal; 4 CPUs
-        r.joinpath("stat").write_text(f"cpu  {busy} 0 0 {idle} 0 0 0 0 0 0\ncpu0 0\ncpu1 0\ncpu2 0\ncpu3 0\nintr 0\n")
+        r.joinpath("stat").write_text(
+            f"cpu  {busy} 0 0 {idle} 0 0 0 0 0 0\ncpu0 0\ncpu1 0\ncpu2 0\ncpu3 0\nintr 0\n"
+        )
         if self.psi:
             r.joinpath("pressure", "cpu").write_text(
                 f"some avg10=25.00 avg60=0.00 avg300=0.00 total={cpu_stall_us}\n"
@@ -139,9 +141,7 @@ def test_a_budget_that_cannot_be_met_is_lowered_with_a_note(tmp_path):
     assert SpeculationBudget(0, directory=tmp_path, host_cores=8).slots == 0
 
 
-def _hold_one(
-    directory: str, ready: multiprocessing.synchronize.Event, done: multiprocessing.synchronize.Event
-) -> None:
+def _hold_one(directory: str, ready: multiprocessing.synchronize.Event, done: multiprocessing.synchronize.Event) -> None:
     lease = SpeculationBudget(2, directory=directory, host_cores=8).try_acquire()
     assert lease is not None
     ready.set()
