@@ -42,7 +42,7 @@ from aospec.runtime.seccomp import program_fd
 from aospec.errors import SandboxError, SandboxUnavailableError
 
 if TYPE_CHECKING:
-    from aospec.runtime.readsets import CommandTrace
+    from aospec.runtime.readsets import CommandTrace, EbpfCommandTrace
 
 __all__ = [
     "DEFAULT_PATH",
@@ -520,7 +520,7 @@ async def run_bwrap(
     seccomp: bytes | None = None,
     priority: CommandPriority | None = None,
     pause: CommandPause | None = None,
-    tracer: CommandTrace | None = None,
+    tracer: CommandTrace | EbpfCommandTrace | None = None,
 ) -> tuple[CommandResult, T]:
     """Run ``argv_for(info_fd, block_fd)`` (a bwrap command line, started in ``cwd``)
     to completion: ``before()`` first and ``after()`` last, both in worker threads;
@@ -555,9 +555,13 @@ async def run_bwrap(
             seccomp_r = program_fd(seccomp)
             argv[argv.index("--") : argv.index("--")] = ["--seccomp", str(seccomp_r)]
         diag = -1
+        from aospec.runtime.readsets import CommandTrace
+
+        stracing = isinstance(tracer, CommandTrace)
         if tracer is not None:
             argv = tracer.wrap(argv)
-            diag = os.open(tracer.diag, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+            if stracing:
+                diag = os.open(tracer.diag, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
             tracer.started_ns = time.time_ns()
         try:
             proc = subprocess.Popen(
@@ -578,8 +582,8 @@ async def run_bwrap(
         finally:
             if diag >= 0:
                 os.close(diag)
-        st = _Started(proc, os.pidfd_open(proc.pid), tracer_pid=proc.pid if tracer is not None else -1)
-        if tracer is not None and priority is not None and priority.background:
+        st = _Started(proc, os.pidfd_open(proc.pid), tracer_pid=proc.pid if stracing else -1)
+        if stracing and priority is not None and priority.background:
             set_process_priority(proc.pid, background=True)
         assert proc.stdout is not None
         os.set_blocking(proc.stdout.fileno(), False)
@@ -595,8 +599,11 @@ async def run_bwrap(
         child = int(info["child-pid"])
         st.init_pidfd = os.pidfd_open(child)
         st.child_pid = child
-        if tracer is not None:
+        if stracing:
+            assert tracer is not None
             tracer.child_pid = child
+        elif tracer is not None:
+            tracer.attach(child)  # the eBPF tracer follows it from here (it is blocked)
         _release(st, child, limits, cgroup_name, cgroup_parents, priority)
         if pause is not None:
             pause.started(st.cg)  # frozen before it is released, when paused

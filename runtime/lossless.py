@@ -208,7 +208,9 @@ READS: tuple[Callable[[random.Random, str, str, str], str], ...] = (
 READSET_SETUP = SETUP + " && mkdir -p /v /u && echo v > /v/a && echo log > /u/log"
 READSET_PATHS = ("/w/a", "/w/d", "/w/x", "/v/a", "/v/b", "/v/d", "/w/l", "/w/nothere")
 READSET_COMMANDS: tuple[Callable[[random.Random, str, str, str], str], ...] = (
-    lambda r, p, q, w: r.choice(["ls /w", "ls -1F /v", "ls -a /w/d", "ls /v /w/d 2>&1"]),
+    # (ls reports the entries it cannot stat in readdir order, which is the backing
+    # filesystem's: tmpfs and ext4 differ; sorted, the output is the same on both)
+    lambda r, p, q, w: r.choice(["ls /w", "ls -1F /v", "ls -a /w/d 2>&1 | sort", "ls /v /w/d 2>&1 | sort"]),
     lambda r, p, q, w: f"test -e {p} && echo yes || echo no",
     lambda r, p, q, w: r.choice(["find /w | sort", "find /v -type f | sort", "find /v /w/d -name '*' | sort"]),
     # a directory's size is the filesystem's (tmpfs or ext4): sizes of regular files only
@@ -856,7 +858,8 @@ def _leaks(state_root: Path) -> list[str]:
 
 
 def _descendants() -> dict[int, str]:
-    """The live processes below this one: pid -> command line (zombies left out)."""
+    """The live processes below this one: pid -> command line (zombies and the read-set
+    tracer left out)."""
     parents: dict[int, int] = {}
     for name in os.listdir("/proc"):
         if not name.isdigit():
@@ -868,6 +871,10 @@ def _descendants() -> dict[int, str]:
             continue
         if state != "Z":
             parents[int(name)] = int(ppid)
+    from aospec.runtime.ebpf import service_pids
+
+    for pid in service_pids():  # the process's read-set tracer, kept on purpose
+        parents.pop(pid, None)
     found: set[int] = set()
     frontier = {os.getpid()}
     while frontier:

@@ -48,7 +48,17 @@ from aospec.runtime.isolation import (
 from aospec.runtime.observation import CommandResult, ObservationFormatter, SandboxStatistics, get_formatter
 from aospec.runtime.overlay_store import MOUNT_OPTS, OverlayStore, StateCheck, fd_names, verify_state_dir
 from aospec.runtime.pausing import CommandPause
-from aospec.runtime.readsets import CommandTrace, read_set, shift_times, tracer_support, write_set
+from aospec.runtime.readsets import (
+    CommandTrace,
+    EbpfCommandTrace,
+    new_trace,
+    prepare_tracer,
+    read_set,
+    shift_times,
+    tracer_support,
+    wait_for_tracer,
+    write_set,
+)
 from aospec.runtime.seccomp import filter_program
 from aospec.runtime.versions import Layer, UpperTracker, _TreeReader
 
@@ -320,7 +330,7 @@ class OverlaySandbox(SandboxSession):
                 result = _with_limit(result, what.removesuffix("_full"))
         return result
 
-    def _command_tracer(self, cwd: str) -> CommandTrace | None:
+    def _command_tracer(self, cwd: str) -> CommandTrace | EbpfCommandTrace | None:
         """The tracer of the next command (:class:`ReadSetOverlaySandbox`), or None."""
         return None
 
@@ -670,7 +680,7 @@ class ReadSetOverlaySandbox(OverlaySandbox):
     fork traces its next command's reads when asked (``read_sets="all"``: every command),
     and the root rebases a fork from an older version (``aospec.runtime.readsets``)."""
 
-    _trace: CommandTrace | None = None
+    _trace: CommandTrace | EbpfCommandTrace | None = None
     _trace_next = False
     _trace_cwd = "/"
     _committed_wall_ns = 0
@@ -699,7 +709,7 @@ class ReadSetOverlaySandbox(OverlaySandbox):
         if self.is_root and (self._record_writes or self.store.config.read_sets == "all"):
             self._root_writes = write_set(self.tracker, layer, self._lower_view())
 
-    def _command_tracer(self, cwd: str) -> CommandTrace | None:
+    def _command_tracer(self, cwd: str) -> CommandTrace | EbpfCommandTrace | None:
         self._guess = False
         if self._trace is not None:
             self._trace.remove()
@@ -708,7 +718,7 @@ class ReadSetOverlaySandbox(OverlaySandbox):
             return None
         self._guess, self._trace_next = self._trace_next, False
         self._trace_cwd = cwd
-        self._trace = CommandTrace(self._dir / "trace", tracer_support().strace or "strace")
+        self._trace = new_trace(self._dir / "trace")
         return self._trace
 
     async def trace_reads(self) -> None:
@@ -867,6 +877,12 @@ async def open_overlay(config: SandboxConfig | None = None, **overrides: Any) ->
     store.seccomp_program = seccomp
     await anyio.to_thread.run_sync(store.open)
     cls = ReadSetOverlaySandbox if read_sets_on(config)[0] else OverlaySandbox
+    if cls is ReadSetOverlaySandbox:
+        if config.read_sets == "all":
+            # every command's read set is recorded: the eBPF tracer must be running first
+            await anyio.to_thread.run_sync(wait_for_tracer)
+        else:
+            prepare_tracer()  # in the background: ready by the first speculative fork
     try:
         sandbox = cls(
             store,

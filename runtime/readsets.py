@@ -46,19 +46,24 @@ import functools
 import os
 import re
 import shutil
+import signal
 import stat
 import struct
 import subprocess
 import tempfile
 import threading
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from aospec.runtime.config import Bind
 from aospec.runtime.versions import Layer, UpperTracker, _TreeReader
 
 from aospec.readsets import ReadSet, WriteSet
+
+if TYPE_CHECKING:
+    from aospec.runtime.ebpf import EbpfSupport, EbpfTrace, EbpfTracer
 
 __all__ = [
     "TRACED_SYSCALLS",
@@ -96,11 +101,15 @@ _MAX_LINKS = 40
 @dataclass(frozen=True, slots=True)
 class TracerSupport:
     """Whether read sets can be recorded on this host: ``ok``, and ``detail`` (the tracer
-    and its version, or why not, with the fix)."""
+    and its version, or why not, with the fix); ``kind`` is ``ebpf`` (bpftrace on the
+    syscall tracepoints, :mod:`aospec.runtime.ebpf`: the command never stops for it) or
+    ``strace``."""
 
     ok: bool
     detail: str
     strace: str | None = None
+    kind: str = "strace"
+    ebpf: EbpfSupport | None = None
 
 
 _support: TracerSupport | None = None
@@ -118,8 +127,69 @@ def tracer_support() -> TracerSupport:
 
 
 def _probe() -> TracerSupport:
-    if os.environ.get("AOSPEC_READ_SETS", "").lower() in ("0", "off", "no", "false"):
+    """The eBPF tracer where it works (``AOSPEC_READ_SETS=strace``: strace only), else
+    strace."""
+    choice = os.environ.get("AOSPEC_READ_SETS", "").lower()
+    if choice in ("0", "off", "no", "false"):
         return TracerSupport(False, "off: AOSPEC_READ_SETS=off")
+    strace = _probe_strace()
+    if choice != "strace":
+        from aospec.runtime.ebpf import ebpf_support
+
+        eb = ebpf_support()
+        if eb.ok:
+            return TracerSupport(True, eb.detail, strace.strace, "ebpf", eb)
+        if not strace.ok:
+            return TracerSupport(False, f"{strace.detail}; {eb.detail.removeprefix('off: ')}")
+        return TracerSupport(True, f"{strace.detail} (eBPF {eb.detail})", strace.strace, "strace", eb)
+    return strace
+
+
+def new_trace(directory: Path) -> CommandTrace | EbpfCommandTrace:
+    """A tracer for one command, of the kind :func:`tracer_support` chose: eBPF (the
+    process's bpftrace; while it starts, in the background, a command is untracked: it is
+    not held up for it; where it cannot start, strace) or strace logging into
+    ``directory``."""
+    support = tracer_support()
+    if support.kind == "ebpf" and support.ebpf is not None:
+        from aospec.runtime.ebpf import ready_tracer
+
+        try:
+            return EbpfCommandTrace(ready_tracer(support.ebpf))
+        except RuntimeError:
+            if support.strace is None:
+                return EbpfCommandTrace(None)
+    return CommandTrace(directory, support.strace or "strace")
+
+
+def wait_for_tracer() -> None:
+    """Start the process's eBPF tracer (where it is the tracer) and wait until it runs; a
+    ConfigError naming why when it cannot start and strace is not there either."""
+    support = tracer_support()
+    if support.kind == "ebpf" and support.ebpf is not None:
+        from aospec.runtime.ebpf import tracer
+
+        try:
+            tracer(support.ebpf)
+        except RuntimeError as exc:
+            if support.strace is None:
+                from aospec.errors import ConfigError
+
+                raise ConfigError(f"read sets: {exc}") from None
+
+
+def prepare_tracer() -> None:
+    """Start the process's eBPF tracer in the background now (where it is the tracer), so
+    that it is ready by the first speculative fork."""
+    support = tracer_support()
+    if support.kind == "ebpf" and support.ebpf is not None:
+        from aospec.runtime.ebpf import ready_tracer
+
+        with contextlib.suppress(RuntimeError):
+            ready_tracer(support.ebpf)
+
+
+def _probe_strace() -> TracerSupport:
     path = shutil.which("strace")
     if path is None:
         return TracerSupport(False, "off: strace is not installed (apt-get install strace)")
@@ -904,7 +974,7 @@ def _resolve_access(view: _View, mounts: _Mounts, access: _Access, reads: _Reads
 
 
 def read_set(
-    trace: CommandTrace,
+    trace: CommandTrace | EbpfCommandTrace,
     *,
     views: Sequence[str],
     cwd: str,
@@ -921,7 +991,12 @@ def read_set(
 
 
 def untracked_reason(
-    trace: CommandTrace, *, views: Sequence[str], cwd: str, binds: Sequence[Bind] = (), network: bool = False
+    trace: CommandTrace | EbpfCommandTrace,
+    *,
+    views: Sequence[str],
+    cwd: str,
+    binds: Sequence[Bind] = (),
+    network: bool = False,
 ) -> str | None:
     """Why :func:`read_set` gives None for ``trace`` (None when it gives a read set)."""
     try:
@@ -931,11 +1006,26 @@ def untracked_reason(
     return None
 
 
-def _read_set(trace: CommandTrace, views: Sequence[str], cwd: str, binds: Sequence[Bind], network: bool) -> ReadSet:
+def _read_set(
+    trace: CommandTrace | EbpfCommandTrace, views: Sequence[str], cwd: str, binds: Sequence[Bind], network: bool
+) -> ReadSet:
     if trace.timed_out:
         raise Untracked("the command timed out")
     if trace.child_pid < 0:
         raise Untracked("the sandbox never started")
+    if isinstance(trace, EbpfCommandTrace):
+        lines, why = trace.events()
+        if why is not None:
+            raise Untracked(why)
+        log = _ebpf_log(lines, trace.child_pid)
+        if log.problems:
+            raise Untracked(log.problems[0])
+    else:
+        log = _strace_log(trace)
+    return _resolved(log, trace.child_pid, views, cwd, binds, network)
+
+
+def _strace_log(trace: CommandTrace) -> _Log:
     with contextlib.suppress(FileNotFoundError):
         diag = trace.diag.read_text(errors="replace").strip()
         if diag:
@@ -951,7 +1041,11 @@ def _read_set(trace: CommandTrace, views: Sequence[str], cwd: str, binds: Sequen
     if log.problems:
         raise Untracked(log.problems[0])
     _link(log, trace.child_pid)
-    pids = _descendants(log.children, trace.child_pid)
+    return log
+
+
+def _resolved(log: _Log, init: int, views: Sequence[str], cwd: str, binds: Sequence[Bind], network: bool) -> ReadSet:
+    pids = _descendants(log.children, init)
     if not pids:
         raise Untracked("the trace holds no process of the command")
     writers: set[int] | None = None
@@ -1079,3 +1173,311 @@ def _upper_entries(upper: str) -> Iterator[tuple[bytes, int, bytes, os.stat_resu
                 os.close(fd)
     finally:
         os.close(root)
+
+
+# ---------------------------------------------------------------------------------- eBPF
+
+
+class EbpfCommandTrace:
+    """One command traced by the process's eBPF tracer (:mod:`aospec.runtime.ebpf`): the
+    same interface as :class:`CommandTrace`, but nothing wraps the command: the runner
+    calls :meth:`attach` with the sandbox's init while it waits on its block descriptor,
+    and :func:`read_set` collects the events."""
+
+    def __init__(self, tracer: EbpfTracer | None) -> None:
+        self.tracer = tracer
+        self.child_pid = -1
+        self.timed_out = False
+        self.started_ns = self.ended_ns = 0
+        self._trace: EbpfTrace | None = None
+        self._events: tuple[list[bytes], str | None] | None = None
+        self._lock = threading.Lock()
+
+    def wrap(self, argv: Sequence[str]) -> list[str]:
+        return list(argv)
+
+    def attach(self, pid: int) -> None:
+        """Trace ``pid`` (bubblewrap's child, blocked) and what it starts."""
+        self.child_pid = pid
+        try:
+            self._trace = self.tracer.mark(pid) if self.tracer is not None else None
+        except RuntimeError:
+            self._trace = None
+
+    def events(self) -> tuple[list[bytes], str | None]:
+        """The command's events and why they are incomplete (None: complete)."""
+        with self._lock:
+            if self._events is None:
+                if self._trace is None or self.tracer is None:
+                    self._events = ([], "the tracer was not running when the command started")
+                else:
+                    self._events = self.tracer.collect(self._trace)
+                    self._trace = None
+            return self._events
+
+    def remove(self) -> None:
+        with self._lock:
+            if self._trace is not None and self.tracer is not None:
+                self.tracer.forget(self._trace)
+                self._trace = None
+            self._events = ([], "removed")
+
+
+def _signal_text(code: int) -> str:
+    sig = code & 0x7F
+    if sig == 0:
+        return f"exited with {(code >> 8) & 0xFF}"
+    try:
+        name = signal.Signals(sig).name
+    except ValueError:
+        name = f"signal {sig}"
+    return f"killed by {name}" + (" (core dumped)" if code & 0x80 else "")
+
+
+@dataclass(slots=True)
+class _Call:
+    code: int = -1
+    ints: list[int] = field(default_factory=list)
+    start: int = 0
+    walk: list[bytes] = field(default_factory=list)
+    walk_end: int | None = None
+    ret: int | None = None
+    end: int | None = None
+    null: bool = False
+    strings: dict[int, bytes] = field(default_factory=dict)
+    sock: dict[int, tuple[int, int]] = field(default_factory=dict)
+    child: int | None = None
+
+
+_CLONES = ("clone", "clone3", "fork", "vfork")
+
+
+def _ebpf_log(lines: Sequence[bytes], root: int) -> _Log:
+    """strace's records (:class:`_Log`) of an eBPF trace's events (module
+    :mod:`aospec.runtime.ebpf`, ``script``), with ``children`` from the tracer's fork events
+    (host pids: nothing to pair); problems the trace shows are in ``log.problems``."""
+    from aospec.runtime import ebpf
+
+    specs = list(ebpf._SPECS.values())
+    opaque = [name for _, name in ebpf._OPAQUE]
+    kept = [len(ebpf._kept(roles)) for _, roles in specs]
+    at_exit = [_first_path_at_exit(spec) for spec in specs]
+    log = _Log()
+    calls: dict[tuple[int, int], _Call] = {}
+    forks: list[tuple[int, int, int]] = []  # (time, parent, child)
+
+    def problem(text: str) -> None:
+        if not log.problems:
+            log.problems.append(text)
+
+    for rec in lines:
+        head = rec.split(b" ", 4)
+        if len(head) < 4:
+            problem(f"an unreadable tracer line: {rec[:80]!r}")
+            break
+        try:
+            ts, tid, kind, rest = int(head[1]), int(head[2]), head[3], head[4] if len(head) > 4 else b""
+            if kind == b"R":
+                f = rest.split(b" ", 4)
+                code = int(f[1])
+                n = kept[code] if code < len(specs) else 0
+                with_path = code < len(specs) and at_exit[code]
+                f = rest.split(b" ", 4 + n) if (n or with_path) else rest.split(b" ")
+                if ts == 0:
+                    if code < len(specs) and specs[code][0] in _CLONES:
+                        continue  # a new process's own return from the clone that made it
+                    if tid == root:
+                        continue  # bwrap's init setting up, in a call from before it was marked
+                    problem("a call's end without its start")
+                    break
+                call = calls.setdefault((tid, ts), _Call(start=ts))
+                call.code, call.end, call.ret = code, int(f[0]), int(f[2])
+                call.null = f[3] == b"1"
+                call.ints = [int(x) for x in f[4 : 4 + n]]
+                if with_path:
+                    call.strings[0] = f[4 + n] if len(f) > 4 + n else b""
+            elif kind == b"C":
+                length, name = rest.split(b" ", 1)
+                if len(name) != int(length):
+                    problem("a file name longer than the tracer reads")
+                    break
+                calls.setdefault((tid, ts), _Call(start=ts)).walk.append(name)
+            elif kind == b"W":
+                calls.setdefault((tid, ts), _Call(start=ts)).walk_end = int(rest)
+            elif kind == b"P":
+                slot, _, text = rest.partition(b" ")
+                calls.setdefault((tid, ts), _Call(start=ts)).strings[int(slot)] = text
+            elif kind == b"A":
+                slot, family, first = rest.split()
+                calls.setdefault((tid, ts), _Call(start=ts)).sock[int(slot)] = (int(family), int(first))
+            elif kind == b"K":
+                child = int(rest)
+                log.children.setdefault(tid, []).append(child)
+                forks.append((ts, tid, child))
+            elif kind == b"X":
+                if int(rest) != tid:
+                    problem("a thread other than the leader ran exec")
+                    break
+            elif kind == b"D":
+                log.exits[tid] = _signal_text(int(rest))
+            elif kind == b"Z":
+                problem("a 32-bit or x32 system call (the tracer does not see those)")
+                break
+            elif kind == b"F":
+                problem("the tracer's table of processes is full")
+                break
+            else:
+                problem(f"an unknown tracer event {kind!r}")
+                break
+        except (ValueError, IndexError):
+            problem(f"an unreadable tracer line: {rec[:80]!r}")
+            break
+    if log.problems:
+        return log
+    # each new process came from the clone its parent was in at the time
+    clones = {}
+    for (tid, _), call in calls.items():
+        if call.end is not None and 0 <= call.code < len(specs) and specs[call.code][0] in _CLONES:
+            clones.setdefault(tid, []).append(call)
+    for ts, parent, child in forks:
+        match = [c for c in clones.get(parent, ()) if c.start <= ts <= (c.end or 0)]
+        if len(match) != 1 or match[0].child is not None:
+            problem("a process started outside a clone call")
+            return log
+        match[0].child = child
+    # a call without an end was cut short by its process's end (its result never used)
+    for (tid, _), call in sorted(calls.items(), key=lambda kv: kv[1].end or 0):
+        if call.end is None:
+            continue
+        rec = _ebpf_record(call, tid, specs, opaque, problem)
+        if log.problems:
+            return log
+        if rec is None:
+            continue
+        log.records.append(rec)
+        if rec.name in _CLONES and rec.ret is not None and rec.ret > 0:
+            log.clones.append(rec)
+    log.pids = {root, *log.exits, *(c for cs in log.children.values() for c in cs)}
+    return log
+
+
+def _first_path_at_exit(spec: tuple[str, tuple[str, ...]]) -> bool:
+    """Whether a call's R line ends with its first path (read at exit; an exec's is read
+    at entry)."""
+    from aospec.runtime import ebpf
+
+    name, roles = spec
+    paths = [r for r in roles if r in ("path", "sock")]
+    return bool(paths) and paths[0] == "path" and name not in ebpf._EXEC
+
+
+def _walk_text(call: _Call, problem: Callable[[str], None]) -> str | None:
+    """``<path>`` (strace's ``-y`` notation, hex) of the directory walked for the call, ""
+    when the walk found no path (a pipe, a socket, a closed descriptor), None when there
+    was no walk."""
+    if call.walk_end is None:
+        return None
+    if call.walk_end == 3:
+        problem("a directory deeper than the tracer walks")
+        return None
+    if call.walk_end != 1:
+        return ""
+    return "<" + _hex_bytes(b"/" + b"/".join(reversed(call.walk))) + ">"
+
+
+def _hex_bytes(b: bytes) -> str:
+    """strace's ``-xx`` notation of ``b`` (``\\xNN`` per byte; hex digits hold no x)."""
+    return "\\x" + b.hex("x").replace("x", "\\x") if b else ""
+
+
+def _ebpf_record(
+    call: _Call, tid: int, specs: list[tuple[str, tuple[str, ...]]], opaque: list[str], problem: Callable[[str], None]
+) -> _Record | None:
+    from aospec.runtime import ebpf
+
+    if call.code >= len(specs):
+        name = opaque[call.code - len(specs)]
+        return _Record(tid, name, [], call.ret, None, None, None, call.start, call.end or 0)
+    name, roles = specs[call.code]
+    if name == "openat2" and call.ret is not None and call.ret >= 0:
+        problem("openat2 succeeded (its flags are not read)")
+        return None
+    kept = ebpf._kept(roles)
+    if len(call.ints) != len(kept):
+        problem(f"an unreadable {name} record")
+        return None
+    values: dict[int, int] = dict(zip(kept, call.ints, strict=True))
+    paths = [i for i, r in enumerate(roles) if r in ("path", "sock")]
+    slot_of = {i: s for s, i in enumerate(paths)}
+    # which fd the walk is the path of: the descriptor of a descriptor-only call, else the
+    # directory of the relative paths (one walk per call)
+    walk = _walk_text(call, problem)
+    args: list[str] = []
+    extra: list[str] = []
+    walked_fd: int | None = None
+    if not paths and "fd" in roles:
+        walked_fd = roles.index("fd")
+    for i, r in enumerate(roles):
+        if r == "path":
+            text = call.strings.get(slot_of[i])
+            if slot_of[i] == 0 and call.null:
+                args.append("NULL")
+                continue
+            if text is None:
+                problem(f"a {name} path the tracer did not print")
+                return None
+            if len(text) >= ebpf._CHUNK:
+                problem("a path longer than the tracer reads")
+                return None
+            if not text and name in ebpf._EXEC and call.ret != -14:
+                problem(f"an {name} path the tracer could not read")
+                return None
+            args.append('"' + _hex_bytes(text) + '"')
+            if not text.startswith(b"/"):
+                d = ebpf._dirfd_of(roles, i)
+                if walk is None:
+                    problem("a relative path whose directory the tracer did not read")
+                    return None
+                if d is None:
+                    if walk == "":
+                        problem("a working directory outside the sandbox's root")
+                        return None
+                    extra.append("AT_FDCWD" + walk)
+                elif walked_fd is None:
+                    walked_fd = d
+                elif values.get(d) != values.get(walked_fd):
+                    problem("two relative paths of one call in different directories")
+                    return None
+        elif r == "sock":
+            slot = slot_of[i]
+            if slot in call.strings:
+                addrlen = values.get(i + 1, 0)
+                sun = call.strings[slot][: max(0, addrlen - 2)]
+                args.append('{sa_family=AF_UNIX, sun_path="' + _hex_bytes(sun) + '"}')
+            else:
+                family, _first = call.sock.get(slot, (-1, 0))
+                args.append("{sa_family=AF_UNIX}" if family == ebpf._AF_UNIX else f"{{sa_family={family}}}")
+        elif r == "fd":
+            v = values[i]
+            base = "AT_FDCWD" if v == ebpf.AT_FDCWD else str(v)
+            args.append(base)  # its path is added below, once the walked descriptor is known
+        elif r == "oflags":
+            args.append(ebpf._names(values[i], ebpf._O_FLAGS))
+        elif r == "atflags":
+            args.append(ebpf._names(values[i], ebpf._AT_FLAGS))
+        elif r == "clone":
+            args.append("flags=" + ebpf._names(values[i], ebpf._CLONE_FLAGS))
+        elif r == "int":
+            args.append(str(values.get(i, 0)))
+        else:
+            args.append("0x0")
+    if walked_fd is not None and walk == "" and values[walked_fd] == ebpf.AT_FDCWD:
+        problem("a working directory outside the sandbox's root")
+        return None
+    if walked_fd is not None and walk:
+        args[walked_fd] += walk
+        # another descriptor argument with the same value names the same directory
+        for i, r in enumerate(roles):
+            if r == "fd" and i != walked_fd and values[i] == values[walked_fd]:
+                args[i] += walk
+    return _Record(tid, name, args + extra, call.ret, None, call.child, None, call.start, call.end or 0)

@@ -1,18 +1,20 @@
 #!/usr/bin/env python3
 """What the read tracer costs (docs/engine.md, "Read sets"): every command of the live
 benchmark's tasks (scripts/bench_live/: a Python unittest run, gcc/make, pip installs from a
-wheelhouse, a CSV script, and the reads and edits between them), run twice from the same
-state, once in a traced fork (``trace_reads``: strace -f --seccomp-bpf around bubblewrap, as
-speculative forks run) and once in a plain fork (as the committed step runs), in alternating
-order, ``--reps`` times each; then the plain fork is committed and the next step runs.
+wheelhouse, a CSV script, and the reads and edits between them), run from the same state in a
+plain fork (as the committed step runs) and in a fork traced by each tracer (``trace_reads``,
+as speculative forks run: ``ebpf``, bpftrace on the syscall tracepoints, and ``strace``,
+strace -f --seccomp-bpf around bubblewrap), in rotating order, ``--reps`` times each; then the
+plain fork is committed and the next step runs.
 
-Per task and overall: the plain and traced wall time and CPU (this process's children:
-bubblewrap, strace and the command), the overhead, and what turning the log into a read set
-took (``read_set``, off the committed path: it runs in the fork's task, at background
-priority). Timing-sensitive: run it on a quiet machine; figures from a loaded one are noisy.
+Per tracer, task and overall: the plain and traced wall time and CPU (the command's processes,
+this process's children, this process itself, and the eBPF tracer's bpftrace), the overhead,
+and what turning the trace into a read set took (``read_set``, off the committed path: it runs
+in the fork's task, at background priority). Timing-sensitive: run it on a quiet machine;
+figures from a loaded one are noisy.
 
 Usage:
-  .venv/bin/python scripts/bench_readsets.py [--reps 3] [--tasks inventory-discount,...] [--json]
+  .venv/bin/python scripts/bench_readsets.py [--reps 3] [--tasks inventory-discount,...] [--tracers ebpf,strace] [--json]
 
 Run as root; the base is the live benchmark's (``--base``, built on first use).
 """
@@ -22,6 +24,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
+import os
 import resource
 import statistics
 import sys
@@ -34,8 +37,8 @@ import anyio
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from aospec.runtime import Bind, SandboxConfig, open_sandbox
-from aospec.runtime.readsets import tracer_support
+from aospec.runtime import Bind, SandboxConfig, ebpf, open_sandbox, readsets
+from aospec.runtime.readsets import EbpfCommandTrace, TracerSupport, tracer_support
 from bench_live.tasks import MEASURED
 
 # scripts/bench_live.py (its name is also the tasks package's): the base, environment and staging
@@ -52,7 +55,26 @@ _TIMES = "__aospec_bench_times__"
 
 def _children_cpu() -> float:
     r = resource.getrusage(resource.RUSAGE_CHILDREN)
-    return r.ru_utime + r.ru_stime
+    s = resource.getrusage(resource.RUSAGE_SELF)
+    return r.ru_utime + r.ru_stime + s.ru_utime + s.ru_stime + _service_cpu()
+
+
+def _service_cpu() -> float:
+    """The CPU the eBPF tracer's bpftrace has used (it is not reaped until the end)."""
+    total = 0.0
+    for pid in ebpf.service_pids():
+        try:
+            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        total += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    return total
+
+
+def _use(kind: str) -> None:
+    """Make ``kind`` (ebpf or strace) the tracer the next traced forks use."""
+    base = tracer_support()
+    readsets._support = TracerSupport(True, base.detail, base.strace, kind, base.ebpf)
 
 
 def _timed(command: str) -> str:
@@ -69,12 +91,13 @@ def _sandbox_cpu(output: str) -> float:
     return sum(float(m) * 60 + float(sec) for m, sec in (t.rstrip("s").split("m") for t in tail[2:4]))
 
 
-async def _once(sb: Any, command: str, *, traced: bool) -> tuple[Any, float, float, float, int, bool]:
-    """(fork, wall s, CPU s, read_set s, trace lines, tracked) of one run in a new fork.
-    CPU: the command's processes (``times``) plus this process's children (bubblewrap and,
-    traced, strace)."""
+async def _once(sb: Any, command: str, *, tracer: str | None) -> tuple[Any, float, float, float, int, bool]:
+    """(fork, wall s, CPU s, read_set s, trace lines, tracked) of one run in a new fork,
+    traced by ``tracer`` (None: plain). CPU: the command's processes (``times``) plus this
+    process, its children (bubblewrap and strace) and the eBPF tracer."""
     fork = await sb.fork()
-    if traced:
+    if tracer is not None:
+        _use(tracer)
         await fork.trace_reads()
     cpu0, t0 = _children_cpu(), time.perf_counter()
     result = await fork.run(_timed(command))
@@ -82,16 +105,19 @@ async def _once(sb: Any, command: str, *, traced: bool) -> tuple[Any, float, flo
     parse = 0.0
     lines = 0
     tracked = True
-    if traced:
+    if tracer is not None:
+        trace = fork._trace  # the benchmark looks at the trace's size (not public API)
         t1 = time.perf_counter()
         tracked = await fork.read_set() is not None
         parse = time.perf_counter() - t1
-        log = fork._trace.log  # the benchmark looks at the tracer's log size (not public API)
-        lines = log.read_bytes().count(b"\n") if log.exists() else 0
+        if isinstance(trace, EbpfCommandTrace):
+            lines = len(trace.events()[0])
+        else:
+            lines = trace.log.read_bytes().count(b"\n") if trace.log.exists() else 0
     return fork, wall, cpu, parse, lines, tracked
 
 
-async def measure(traj: Any, staged: dict[str, Path], base: str, reps: int) -> list[dict[str, Any]]:
+async def measure(traj: Any, staged: dict[str, Path], base: str, reps: int, tracers: list[str]) -> list[dict[str, Any]]:
     cfg = SandboxConfig(
         base=base,
         binds=(Bind(str(staged[traj.project]), f"/src/{traj.project}"),),
@@ -99,45 +125,47 @@ async def measure(traj: Any, staged: dict[str, Path], base: str, reps: int) -> l
         timeout_s=300,
     )
     rows = []
+    kinds = ["plain", *tracers]
     async with open_sandbox(cfg) as sb:
         await sb.run(f"mkdir -p /work && cp -a /src/{traj.project} /work/{traj.project} && touch -d @1700000000 /work")
         for i, (_, command) in enumerate(traj.steps):
-            plain, traced = [], []
+            figs: dict[str, list[Any]] = {k: [] for k in kinds}
             keep = None
             for r in range(reps):
-                for kind in ("plain", "traced") if r % 2 == 0 else ("traced", "plain"):
-                    fork, *fig = await _once(sb, command, traced=kind == "traced")
-                    (traced if kind == "traced" else plain).append(fig)
+                for kind in kinds[r % len(kinds) :] + kinds[: r % len(kinds)]:  # rotating order
+                    fork, *fig = await _once(sb, command, tracer=None if kind == "plain" else kind)
+                    figs[kind].append(fig)
                     if kind == "plain" and keep is None:
                         keep = fork
                     else:
                         await fork.discard()
             assert keep is not None
             await sb.commit(keep)  # the step, as serial execution ran it
-            rows.append(
-                {
-                    "task": traj.task,
-                    "step": i,
-                    "command": command,
-                    "plain_s": statistics.median(f[0] for f in plain),
-                    "traced_s": statistics.median(f[0] for f in traced),
-                    "plain_cpu_s": statistics.median(f[1] for f in plain),
-                    "traced_cpu_s": statistics.median(f[1] for f in traced),
-                    "read_set_s": statistics.median(f[2] for f in traced),
-                    "trace_lines": int(statistics.median(f[3] for f in traced)),
-                    "tracked": all(f[4] for f in traced),
-                }
-            )
+            row: dict[str, Any] = {
+                "task": traj.task,
+                "step": i,
+                "command": command,
+                "plain_s": statistics.median(f[0] for f in figs["plain"]),
+                "plain_cpu_s": statistics.median(f[1] for f in figs["plain"]),
+            }
+            for t in tracers:
+                row[f"{t}_s"] = statistics.median(f[0] for f in figs[t])
+                row[f"{t}_cpu_s"] = statistics.median(f[1] for f in figs[t])
+                row[f"{t}_read_set_s"] = statistics.median(f[2] for f in figs[t])
+                row[f"{t}_trace_lines"] = int(statistics.median(f[3] for f in figs[t]))
+                row[f"{t}_tracked"] = all(f[4] for f in figs[t])
+            rows.append(row)
     return rows
 
 
-def summarize(rows: list[dict[str, Any]], key: str) -> dict[str, Any]:
+def summarize(rows: list[dict[str, Any]], key: str, tracer: str) -> dict[str, Any]:
     plain = sum(r["plain_s"] for r in rows)
-    traced = sum(r["traced_s"] for r in rows)
+    traced = sum(r[f"{tracer}_s"] for r in rows)
     pcpu = sum(r["plain_cpu_s"] for r in rows)
-    tcpu = sum(r["traced_cpu_s"] for r in rows)
+    tcpu = sum(r[f"{tracer}_cpu_s"] for r in rows)
     return {
         "what": key,
+        "tracer": tracer,
         "commands": len(rows),
         "plain_s": round(plain, 3),
         "traced_s": round(traced, 3),
@@ -145,9 +173,9 @@ def summarize(rows: list[dict[str, Any]], key: str) -> dict[str, Any]:
         "plain_cpu_s": round(pcpu, 3),
         "traced_cpu_s": round(tcpu, 3),
         "cpu_overhead": round(tcpu / pcpu - 1, 4) if pcpu else 0.0,
-        "read_set_s": round(sum(r["read_set_s"] for r in rows), 3),
-        "trace_lines": sum(r["trace_lines"] for r in rows),
-        "untracked": sum(not r["tracked"] for r in rows),
+        "read_set_s": round(sum(r[f"{tracer}_read_set_s"] for r in rows), 3),
+        "trace_lines": sum(r[f"{tracer}_trace_lines"] for r in rows),
+        "untracked": sum(not r[f"{tracer}_tracked"] for r in rows),
     }
 
 
@@ -157,11 +185,20 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tasks", default=None, help="comma-separated task names (default: all measured tasks)")
     ap.add_argument("--base", default=BASE, help=f"sandbox base (default {BASE})")
     ap.add_argument("--json", action="store_true", help="one JSON document")
+    ap.add_argument(
+        "--tracers", default=None, help="comma-separated: ebpf, strace (default: each that works here, ebpf first)"
+    )
     args = ap.parse_args(argv)
     support = tracer_support()
     if not support.ok:
         print(f"bench_readsets: read sets are {support.detail}", file=sys.stderr)
         return 2
+    usable = [
+        t for t in ("ebpf", "strace") if (t == "ebpf" and support.kind == "ebpf") or (t == "strace" and support.strace)
+    ]
+    tracers = args.tracers.split(",") if args.tracers else usable
+    if not tracers or any(t not in usable for t in tracers):
+        ap.error(f"--tracers: choose among {', '.join(usable)} (the tracers that work here)")
     names = args.tasks.split(",") if args.tasks else [t.task for t in MEASURED]
     trajs = [t for t in MEASURED if t.task in names]
     if not trajs or args.reps < 1:
@@ -170,26 +207,63 @@ def main(argv: list[str] | None = None) -> int:
 
     if args.base.startswith("debootstrap"):
         build_base(args.base)
+    start_s = None
+    if "ebpf" in tracers and support.ebpf is not None:
+        # once per process, before any command: not part of a command's cost
+        t0 = time.perf_counter()
+        ebpf.tracer(support.ebpf)
+        start_s = round(time.perf_counter() - t0, 3)
     rows: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory(prefix="aospec-bench-readsets-") as tmp:
         staged = stage(trajs, Path(tmp))
         for t in trajs:
             print(f"{t.id} ...", file=sys.stderr, flush=True)
-            rows += anyio.run(measure, t, staged, args.base, args.reps)
-    tasks = [summarize([r for r in rows if r["task"] == t.task], t.task) for t in trajs]
-    doc = {"tracer": support.detail, "reps": args.reps, "tasks": tasks, "all": summarize(rows, "all"), "steps": rows}
+            rows += anyio.run(measure, t, staged, args.base, args.reps, tracers)
+    by = {
+        tr: {
+            "tasks": [summarize([r for r in rows if r["task"] == t.task], t.task, tr) for t in trajs],
+            "all": summarize(rows, "all", tr),
+        }
+        for tr in tracers
+    }
+    first = tracers[0]
+    doc = {
+        "tracer": support.detail if first == support.kind else f"on: {first}",
+        "tracers": tracers,
+        "reps": args.reps,
+        "ebpf_start_s": start_s,
+        "tasks": by[first]["tasks"],
+        "all": by[first]["all"],
+        "by_tracer": by,
+        "steps": rows,
+    }
     if args.json:
         print(json.dumps(doc, indent=2))
         return 0
-    print(f"tracer: {support.detail}; medians of {args.reps} runs per command and kind")
-    head = ("what", "cmds", "plain", "traced", "wall +", "CPU plain", "CPU traced", "CPU +", "read_set", "lines")
+    print(f"tracers: {', '.join(tracers)} ({support.detail}); medians of {args.reps} runs per command and kind")
+    if start_s is not None:
+        print(f"the eBPF tracer started in {start_s:.1f} s (once per process, not counted above)")
+    head = (
+        "tracer",
+        "what",
+        "cmds",
+        "plain",
+        "traced",
+        "wall +",
+        "CPU plain",
+        "CPU traced",
+        "CPU +",
+        "read_set",
+        "lines",
+    )
     print("".join(f"{h:>12}" for h in head))
-    for s in [*tasks, doc["all"]]:
-        print(
-            f"{s['what'][:12]:>12}{s['commands']:>12}{s['plain_s']:>11.2f}s{s['traced_s']:>11.2f}s"
-            f"{s['wall_overhead']:>12.1%}{s['plain_cpu_s']:>11.2f}s{s['traced_cpu_s']:>11.2f}s"
-            f"{s['cpu_overhead']:>12.1%}{s['read_set_s']:>11.2f}s{s['trace_lines']:>12}"
-        )
+    for tr in tracers:
+        for s in [*by[tr]["tasks"], by[tr]["all"]]:
+            print(
+                f"{tr:>12}{s['what'][:12]:>12}{s['commands']:>12}{s['plain_s']:>11.2f}s{s['traced_s']:>11.2f}s"
+                f"{s['wall_overhead']:>12.1%}{s['plain_cpu_s']:>11.2f}s{s['traced_cpu_s']:>11.2f}s"
+                f"{s['cpu_overhead']:>12.1%}{s['read_set_s']:>11.2f}s{s['trace_lines']:>12}"
+            )
     return 0
 
 

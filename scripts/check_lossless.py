@@ -93,6 +93,7 @@ from aospec.runtime.lossless import (
     make_case,
     minimise,
 )
+from aospec.runtime.readsets import wait_for_tracer
 
 from aospec.protocols import Sandbox
 from aospec.signals import deferred_signals, interrupt_on_signals, interrupt_once, signals_received
@@ -253,6 +254,10 @@ def _check_seed(
 ) -> list[dict[str, Any]]:
     """Every configuration of one seed (in a worker process); one result dict per run."""
     layer = specbox_layer() if specbox else None
+    if read_sets:
+        # the eBPF tracer starts in the background otherwise, and the forks of a worker's
+        # first seeds would run untraced while it does
+        wait_for_tracer()
 
     async def main() -> list[dict[str, Any]]:
         # a stop may reach this worker twice (the process group's, then the parent's): the

@@ -36,15 +36,20 @@ def test_the_benchmark_prints_every_figure(tmp_path: Path) -> None:
     proc = _bench(tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     doc = json.loads(proc.stdout)
-    assert doc["reps"] == 1 and doc["tracer"].startswith("on: strace")
-    keys = {"what", "commands", "plain_s", "traced_s", "wall_overhead", "plain_cpu_s", "traced_cpu_s",
+    assert doc["reps"] == 1 and doc["tracer"].startswith("on: ")
+    tracers = doc["tracers"]
+    assert tracers and set(tracers) <= {"ebpf", "strace"} and set(doc["by_tracer"]) == set(tracers)
+    assert (doc["ebpf_start_s"] is not None) == ("ebpf" in tracers)
+    keys = {"what", "tracer", "commands", "plain_s", "traced_s", "wall_overhead", "plain_cpu_s", "traced_cpu_s",
             "cpu_overhead", "read_set_s", "trace_lines", "untracked"}  # fmt: skip
-    (task,) = doc["tasks"]
-    assert set(task) == keys == set(doc["all"]) and task["what"] == "inventory-discount"
-    assert task["commands"] == len(doc["steps"]) == 10 and task["untracked"] == 0
-    assert task["traced_s"] > 0 and task["plain_s"] > 0 and task["trace_lines"] > 0
-    assert task["plain_cpu_s"] > 0 and task["traced_cpu_s"] > 0
-    assert all(r["tracked"] and r["trace_lines"] > 0 for r in doc["steps"])
+    for tracer in tracers:
+        (task,) = doc["by_tracer"][tracer]["tasks"]
+        assert set(task) == keys == set(doc["by_tracer"][tracer]["all"]) and task["what"] == "inventory-discount"
+        assert task["tracer"] == tracer and task["commands"] == len(doc["steps"]) == 10 and task["untracked"] == 0
+        assert task["traced_s"] > 0 and task["plain_s"] > 0 and task["trace_lines"] > 0
+        assert task["plain_cpu_s"] > 0 and task["traced_cpu_s"] > 0
+        assert all(r[f"{tracer}_tracked"] and r[f"{tracer}_trace_lines"] > 0 for r in doc["steps"])
+    assert doc["tasks"] == doc["by_tracer"][tracers[0]]["tasks"]
 
 
 def test_without_the_tracer_one_line_and_status_2(tmp_path: Path) -> None:
