@@ -173,6 +173,8 @@ _OPAQUE = (
     ("file_getattr", "file_getattr"),
     ("file_setattr", "file_setattr"),
     ("quotactl_fd", "quotactl_fd"),
+    # io_uring's opens and stats bypass the system calls (the sandbox's filter refuses it)
+    ("io_uring_setup", "io_uring_setup"),
 )
 
 _O_FLAGS = ((0o1, "O_WRONLY"), (0o2, "O_RDWR"), (0o100, "O_CREAT"), (0o1000, "O_TRUNC"), (0o2000, "O_APPEND"))
@@ -258,11 +260,17 @@ def script(token: str, magic: int, owner: int, mount_off: int, available: dict[s
         f'printf("{tok} %llu %llu %d K %d|{tok}\\n", $id, nsecs, args->parent_pid, args->child_pid); }}'
     )
     out.append(
-        f"tracepoint:sched:sched_process_exec /@t[tid]/ "
-        f'{{ printf("{tok} %llu %llu %d X %d|{tok}\\n", @t[tid], nsecs, tid, args->old_pid); }}'
+        # a thread other than the leader that runs exec takes the leader's pid (whose mark
+        # went with the leader's exit): the mark follows it, and the X line says so
+        f"tracepoint:sched:sched_process_exec /@t[args->old_pid] || @t[tid]/ "
+        f"{{ $id = @t[args->old_pid]; if ($id == 0) {{ $id = @t[tid]; }} @t[tid] = $id; "
+        f"if (args->old_pid != tid) {{ delete(@t[args->old_pid]); }} "
+        f'printf("{tok} %llu %llu %d X %d|{tok}\\n", $id, nsecs, tid, args->old_pid); }}'
     )
     used = {len(_kept(roles)) for tp, (_, roles) in _SPECS.items() if tp in available} - {0}
-    maps = "".join(f"delete(@{m}[tid]); " for m in ("ts", "p0", "p1", "rel", "xfd", *(f"n{k}" for k in sorted(used))))
+    maps = "".join(
+        f"delete(@{m}[tid]); " for m in ("ts", "sc", "p0", "p1", "rel", "xfd", *(f"n{k}" for k in sorted(used)))
+    )
     out.append(
         f"tracepoint:sched:sched_process_exit /@t[tid]/ "
         f'{{ printf("{tok} %llu %llu %d D %d|{tok}\\n", @t[tid], nsecs, tid, curtask->exit_code); '
@@ -286,9 +294,9 @@ def script(token: str, magic: int, owner: int, mount_off: int, available: dict[s
         if tp not in available:
             continue
         code = base + i
-        out.append(f"tracepoint:syscalls:sys_enter_{tp} /@t[tid]/ {{ @ts[tid] = nsecs; }}")
+        out.append(f"tracepoint:syscalls:sys_enter_{tp} /@t[tid]/ {{ @ts[tid] = nsecs; @sc[tid] = {code + 1}; }}")
         out.append(
-            f"tracepoint:syscalls:sys_exit_{tp} /@t[tid]/ "
+            f"tracepoint:syscalls:sys_exit_{tp} /@t[tid] && @sc[tid] == {code + 1}/ "
             f'{{ printf("{tok} %llu %llu %d R %llu {code} %lld 0|{tok}\\n", @t[tid], @ts[tid], tid, nsecs, args->ret); }}'
         )
     # last, so that once its markers come back every probe above is attached; it pads the
@@ -307,6 +315,8 @@ _FLUSH_PAD_LINES = 48
 #: directory is walked at exit (an exec does not change the working directory).
 _EXEC = ("execve", "execveat")
 _INTS = ("fd", "int", "oflags", "atflags", "clone", "x")
+#: Paths a call does not resolve (a symlink's target): no directory is walked for them.
+_UNRESOLVED = {("symlink", 0), ("symlinkat", 0)}
 #: stat calls that also stat an open descriptor (fstat): those are left out.
 _FSTAT = ("newfstatat", "statx")
 
@@ -329,7 +339,9 @@ def _probes(tok: str, code: int, tp: str, roles: tuple[str, ...], fields: Sequen
         f"$a{i} = (int64){'(int32)' if roles[i] == 'fd' else ''}args->{fields[i]}; " for i in range(len(roles))
     )
     paths = [i for i, r in enumerate(roles) if r in ("path", "sock")]
-    enter = [load, "@ts[tid] = $ts; "]
+    # which call the thread is in: a call the sandbox's seccomp filter refuses has an exit
+    # but no entry (the kernel skips the entry tracepoint), and must not pass as the last one
+    enter = [load, f"@ts[tid] = $ts; @sc[tid] = {code + 1}; "]
     enter += [f"@p{slot}[tid] = (uint64)$a{i}; " for slot, i in enumerate(paths)]
     if len(ints) == 1:
         enter.append(f"@n1[tid] = $a{ints[0]}; ")
@@ -346,7 +358,7 @@ def _probes(tok: str, code: int, tp: str, roles: tuple[str, ...], fields: Sequen
         conds = []
         dirfd = None
         for i in paths:
-            if roles[i] != "path":
+            if roles[i] != "path" or (tp, i) in _UNRESOLVED:
                 continue
             d = _dirfd_of(roles, i)
             if conds and d != dirfd and not (d is not None and dirfd is not None):
@@ -401,7 +413,8 @@ def _probes(tok: str, code: int, tp: str, roles: tuple[str, ...], fields: Sequen
         # Python's calls). Decided at exit, when the string has been read by the kernel.
         flags = ints.index(roles.index("atflags"))
         exit_body = f"{get}if (!(*(uint8 *)uptr(@p0[tid]) == 0 && ($v.{flags} & 0x1000) && $v.0 >= 0)) {{ {line} }} "
-    probes.append(f"tracepoint:syscalls:sys_exit_{tp} /@t[tid]/ {{ {exit_body}}}")
+    only = f"/@t[tid] && @sc[tid] == {code + 1}/"
+    probes.append(f"tracepoint:syscalls:sys_exit_{tp} {only} {{ {exit_body}}}")
     for slot, i in enumerate(paths):
         if (slot == 0 and roles[i] == "path") or tp in _EXEC:
             continue
@@ -420,7 +433,7 @@ def _probes(tok: str, code: int, tp: str, roles: tuple[str, ...], fields: Sequen
                 f"$s = {p}; if ($s != 0) {{ "
                 f'printf("{tok} %llu %llu %d P {slot} %s|{tok}\\n", @t[tid], @ts[tid], tid, str(uptr($s))); }} '
             )
-        probes.append(f"tracepoint:syscalls:sys_exit_{tp} /@t[tid]/ {{ {body}}}")
+        probes.append(f"tracepoint:syscalls:sys_exit_{tp} {only} {{ {body}}}")
     return probes
 
 
@@ -519,6 +532,8 @@ class EbpfTracer:
             "BPFTRACE_MAP_KEYS_MAX": str(_MAP_KEYS),
             "BPFTRACE_PERF_RB_PAGES": "1024",
             "BPFTRACE_NO_USER_SYMBOLS": "1",
+            # newer bpftrace marks a cut string with "..": the length checks need it bare
+            "BPFTRACE_STR_TRUNC_TRAILER": "",
         }
         ready = threading.Event()
         failed: list[BaseException] = []

@@ -77,7 +77,7 @@ __all__ = [
 
 #: What strace stops at: every call taking a path, listings, fchdir, process creation and
 #: the socket calls that name a path.
-TRACED_SYSCALLS = "%file,getdents,getdents64,fchdir,clone,fork,vfork,connect,bind"
+TRACED_SYSCALLS = "%file,getdents,getdents64,fchdir,clone,fork,vfork,connect,bind,io_uring_setup"
 _FLAGS = (
     "-f",
     "--seccomp-bpf",
@@ -546,6 +546,7 @@ _UNTRACKED_CALLS = frozenset(
         "fspick",
         "fsconfig",
         "mount_setattr",
+        "io_uring_setup",  # its opens and stats are no system calls
     }
 )
 _HARMLESS_CALLS = frozenset({"getcwd", "clone", "clone3", "fork", "vfork", "fchdir"})
@@ -1250,6 +1251,8 @@ class _Call:
 
 
 _CLONES = ("clone", "clone3", "fork", "vfork")
+#: (call, argument) paths a call does not resolve: a symlink's target
+_UNRESOLVED_PATHS = {("symlink", 0), ("symlinkat", 0)}
 
 
 def _ebpf_log(lines: Sequence[bytes], root: int) -> _Log:
@@ -1291,6 +1294,9 @@ def _ebpf_log(lines: Sequence[bytes], root: int) -> _Log:
                     problem("a call's end without its start")
                     break
                 call = calls.setdefault((tid, ts), _Call(start=ts))
+                if call.end is not None:
+                    problem("two ends of one call")
+                    break
                 call.code, call.end, call.ret = code, int(f[0]), int(f[2])
                 call.null = f[3] == b"1"
                 call.ints = [int(x) for x in f[4 : 4 + n]]
@@ -1429,10 +1435,14 @@ def _ebpf_record(
             if len(text) >= ebpf._CHUNK:
                 problem("a path longer than the tracer reads")
                 return None
-            if not text and name in ebpf._EXEC and call.ret != -14:
-                problem(f"an {name} path the tracer could not read")
+            if not text and not (values.get(roles.index("atflags"), 0) & 0x1000 if "atflags" in roles else False):
+                # empty without AT_EMPTY_PATH: a path the tracer could not read (a page
+                # reclaimed since the kernel read it) looks the same as a real ""
+                problem(f"an empty {name} path")
                 return None
             args.append('"' + _hex_bytes(text) + '"')
+            if (name, i) in _UNRESOLVED_PATHS:
+                continue  # a symlink's target: not resolved by the call
             if not text.startswith(b"/"):
                 d = ebpf._dirfd_of(roles, i)
                 if walk is None:
@@ -1456,6 +1466,9 @@ def _ebpf_record(
                 args.append('{sa_family=AF_UNIX, sun_path="' + _hex_bytes(sun) + '"}')
             else:
                 family, _first = call.sock.get(slot, (-1, 0))
+                if family <= 0:
+                    problem(f"a {name} address the tracer could not read")
+                    return None
                 args.append("{sa_family=AF_UNIX}" if family == ebpf._AF_UNIX else f"{{sa_family={family}}}")
         elif r == "fd":
             v = values[i]

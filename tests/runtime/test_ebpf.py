@@ -107,6 +107,9 @@ def test_strings_with_newlines_and_spaces_come_through_whole() -> None:
         ([_line("W", 101, 20, "3"), R(101, 20, "openat", 3, [-100, 0], "a")], "deeper than the tracer walks"),
         ([_line("W", 101, 20, "2"), R(101, 20, "newstat", 0, [], "a")], "outside the sandbox's root"),
         ([R(101, 20, "openat2", 3, [-100], "/a")], "openat2 succeeded"),
+        ([R(101, 20, "newstat", 0, [], "/a"), R(101, 20, "newstat", 0, [], "/a")], "two ends of one call"),
+        ([R(101, 20, "newstat", -2, [], "")], "an empty stat path"),  # a string it could not read
+        ([R(101, 20, "connect", 0, [16]), _line("A", 101, 20, "1 0 0")], "address the tracer could not read"),
         ([b"not a line"], "unreadable tracer line"),
     ],
 )
@@ -142,6 +145,33 @@ def test_two_paths_one_walk_a_unix_socket_and_a_descriptor_without_a_path() -> N
     assert log.problems == [] and log.records[-1].args[0] == "0"
     with pytest.raises(readsets.Untracked, match="descriptor whose path the trace does not name"):
         _acc(log)
+
+
+def test_a_symlinks_target_is_not_resolved_its_link_is_relative_to_its_descriptor() -> None:
+    # ln -s ../data d: openat(AT_FDCWD, "d", O_PATH) = 3; symlinkat("../data", 3, "data")
+    lines = [
+        *HEAD,
+        *walk(101, 20, "w", "d"),  # descriptor 3's directory
+        R(101, 20, "symlinkat", 0, [3], "../data"),
+        _line("P", 101, 20, "1 data"),
+        _line("D", 101, 50, "0"),
+    ]
+    log = _log(lines)
+    assert log.problems == []
+    (access,) = [a for a in _accesses(log, _descendants(log.children, 100), b"/", False) if a.kind == "symlink"]
+    assert _acc(log)[0] == ("lookup", b"/w/d/data") and (access.path, access.base) == (b"../data", b"/w/d")
+
+
+def test_the_script_takes_a_calls_exit_only_after_its_entry_and_follows_exec() -> None:
+    fields = {tp: [f"f{i}" for i in range(len(roles))] for tp, (_, roles) in ebpf._SPECS.items()}
+    text = ebpf.script(TOK, 12345, 42, 32, fields)
+    code = CODES["newstat"] + 1
+    (exit_line,) = [x for x in text.splitlines() if x.startswith("tracepoint:syscalls:sys_exit_newstat ")]
+    assert f"@sc[tid] == {code}/" in exit_line  # a call seccomp refused has no entry: no line
+    (enter_line,) = [x for x in text.splitlines() if x.startswith("tracepoint:syscalls:sys_enter_newstat ")]
+    assert f"@sc[tid] = {code};" in enter_line
+    (exec_line,) = [x for x in text.splitlines() if x.startswith("tracepoint:sched:sched_process_exec ")]
+    assert "@t[args->old_pid]" in exec_line and "delete(@t[args->old_pid])" in exec_line
 
 
 def test_two_relative_paths_in_different_directories_are_a_problem() -> None:
