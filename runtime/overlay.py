@@ -52,7 +52,6 @@ from aospec.runtime.readsets import (
     CommandTrace,
     EbpfCommandTrace,
     new_trace,
-    prepare_tracer,
     read_set,
     shift_times,
     tracer_support,
@@ -877,12 +876,10 @@ async def open_overlay(config: SandboxConfig | None = None, **overrides: Any) ->
     store.seccomp_program = seccomp
     await anyio.to_thread.run_sync(store.open)
     cls = ReadSetOverlaySandbox if read_sets_on(config)[0] else OverlaySandbox
-    if cls is ReadSetOverlaySandbox:
-        if config.read_sets == "all":
-            # every command's read set is recorded: the eBPF tracer must be running first
-            await anyio.to_thread.run_sync(wait_for_tracer)
-        else:
-            prepare_tracer()  # in the background: ready by the first speculative fork
+    if cls is ReadSetOverlaySandbox and config.read_sets == "all":
+        # every command's read set is recorded: the eBPF tracer must be running first (else
+        # it starts with the first fork asked to trace, in the background)
+        await anyio.to_thread.run_sync(wait_for_tracer)
     try:
         sandbox = cls(
             store,

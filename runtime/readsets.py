@@ -178,17 +178,6 @@ def wait_for_tracer() -> None:
                 raise ConfigError(f"read sets: {exc}") from None
 
 
-def prepare_tracer() -> None:
-    """Start the process's eBPF tracer in the background now (where it is the tracer), so
-    that it is ready by the first speculative fork."""
-    support = tracer_support()
-    if support.kind == "ebpf" and support.ebpf is not None:
-        from aospec.runtime.ebpf import ready_tracer
-
-        with contextlib.suppress(RuntimeError):
-            ready_tracer(support.ebpf)
-
-
 def _probe_strace() -> TracerSupport:
     path = shutil.which("strace")
     if path is None:
