@@ -67,7 +67,6 @@ __all__ = ["MAX_PATH", "EbpfSupport", "EbpfTrace", "EbpfTracer", "ebpf_support",
 #: cut) make the command untracked.
 MAX_PATH = 198
 _STRLEN = 200  # bpftrace's BPFTRACE_STRLEN (its maximum in 0.17): strings of up to 199 bytes
-_CHUNK = _STRLEN - 1
 _MAX_DEPTH = 64  # directory components walked
 _MAP_KEYS = 1 << 16
 #: Events a trace may hold before it is given up (untracked).
@@ -193,10 +192,6 @@ def _names(value: int, table: Sequence[tuple[int, str]]) -> str:
     return "|".join(names) if names else str(value)
 
 
-def _hex(b: bytes) -> str:
-    return "".join(f"\\x{c:02x}" for c in b)
-
-
 # --------------------------------------------------------------------------- the script
 
 
@@ -314,7 +309,6 @@ _FLUSH_PAD_LINES = 48
 #: Calls whose path is read at entry (their exit is in a new address space) and whose
 #: directory is walked at exit (an exec does not change the working directory).
 _EXEC = ("execve", "execveat")
-_INTS = ("fd", "int", "oflags", "atflags", "clone", "x")
 #: Paths a call does not resolve (a symlink's target): no directory is walked for them.
 _UNRESOLVED = {("symlink", 0), ("symlinkat", 0)}
 #: stat calls that also stat an open descriptor (fstat): those are left out.

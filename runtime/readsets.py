@@ -1421,7 +1421,7 @@ def _ebpf_record(
             if text is None:
                 problem(f"a {name} path the tracer did not print")
                 return None
-            if len(text) >= ebpf._CHUNK:
+            if len(text) > ebpf.MAX_PATH:
                 problem("a path longer than the tracer reads")
                 return None
             if not text and not (values.get(roles.index("atflags"), 0) & 0x1000 if "atflags" in roles else False):
