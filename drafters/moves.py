@@ -62,10 +62,42 @@ __all__ = ["MovesActionDrafter"]
 #: traces' most common form replaces it in fit).
 _DEFAULT_RUNNERS = {".py": "python {}", ".sh": "bash {}", ".js": "node {}", ".rb": "ruby {}", ".pl": "perl {}"}
 _SCRIPT_EXTS = frozenset(_DEFAULT_RUNNERS)
-_BUILD = re.compile(r"(?:^|&&\s*|;\s*)(?:gcc|g\+\+|cc|clang\+?\+?|rustc|go build)\b[^;&|]*?\s-o\s+(\S+)")
+_BUILD = re.compile(r"(?:^|&&\s*|;\s*)(?:gcc|g\+\+|cc|clang\+?\+?|rustc|go build)(?=\s)[^;&|]*?\s-o\s+(\S+)")
 _MAX_CHECKS = 4
 _MAX_FILES = 6
 _MAX_LOOKAHEAD = 4
+#: Ways of running a script of one kind offered besides the trajectory's own (``python3 {}``,
+#: ``timeout 300 python {}``, ...): the training trajectories' most common.
+_MAX_FORMS = 10
+#: The interpreter a runner form must name before the script's slot, per kind of script
+#: (``sed -i '1d' {}`` names the script but does not run it).
+_INTERPRETERS = {
+    ".py": re.compile(r"python[\d.]*"),
+    ".sh": re.compile(r"(?:ba|da|z)?sh"),
+    ".js": re.compile(r"node(?:js)?"),
+    ".rb": re.compile(r"ruby"),
+    ".pl": re.compile(r"perl"),
+}
+#: ``pip install`` as a program and its arguments (``pip3``, ``python3 -m pip``).
+_PIP = re.compile(r"((?:python[\d.]*\s+-m\s+)?pip[\d.]*)\s+install\s+(.*)")
+#: What names a missing Python module in an observation (the module or library name).
+_MISSING = (
+    re.compile(r"No module named '([A-Za-z_][\w.]*)'"),
+    re.compile(r"requires the ([A-Za-z][\w-]*) library but it was not found"),
+)
+#: An import failing by the agent's own message (``python -c "import x" || echo "x not available"``).
+_NOT_AVAILABLE = re.compile(r"not (?:available|installed|found)|ImportError|ModuleNotFoundError", re.IGNORECASE)
+_IMPORT = re.compile(r"(?:^|[;\s\"'])(?:import|from)\s+([A-Za-z_]\w*)")
+#: Distribution names of modules whose import name differs (a missing ``sklearn`` is installed
+#: as ``scikit-learn``); any other module is installed under its own name, lowercased.
+_DISTRIBUTIONS = {
+    "sklearn": "scikit-learn", "cv2": "opencv-python", "PIL": "pillow", "yaml": "pyyaml", "bs4": "beautifulsoup4",
+    "skimage": "scikit-image", "Crypto": "pycryptodome", "dateutil": "python-dateutil", "attr": "attrs",
+    "dotenv": "python-dotenv", "jwt": "pyjwt", "magic": "python-magic", "serial": "pyserial", "usb": "pyusb",
+    "docx": "python-docx", "pptx": "python-pptx", "fitz": "pymupdf", "google": "protobuf",
+}  # fmt: skip
+_STDLIB = frozenset(("os", "sys", "json", "re", "time", "math", "subprocess", "pathlib", "typing", "collections",
+                     "itertools", "functools", "datetime", "random", "csv", "io", "shutil", "glob", "argparse"))  # fmt: skip
 _VIEWERS = frozenset(("cat", "head", "tail", "less", "more", "wc", "nl", "grep"))
 _TIMEOUT = "timed out and has been killed"
 #: One entry of ``ls -l``: its type letter and its name (symlinks' targets cut off).
@@ -102,10 +134,18 @@ class _State:
     checks: list[Action] = field(default_factory=list)  # most recent last
     failed: set[str] = field(default_factory=set)  # check keys whose last run failed
     runners: dict[str, str] = field(default_factory=dict)  # extension -> "python3 {}"
+    forms: dict[str, list[str]] = field(default_factory=dict)  # extension -> interpreter forms, most recent last
+    pip: str = ""  # how this trajectory runs pip ("pip3", "python -m pip")
+    missing: tuple[str, ...] = ()  # distributions the last step showed missing
+    pending: tuple[str, ...] = ()  # packages of a failed multi-package install not yet installed one by one
+    ran_script: str | None = None  # the script the last step ran with an interpreter
     built: tuple[str, ...] = ()
     listed: tuple[tuple[str, str], ...] = ()  # (path, "d" or "-") the last step's ls showed
     unread: dict[str, int] = field(default_factory=dict)  # listed text files not yet read -> step listed
     task_paths: tuple[str, ...] | None = None
+    task_files: tuple[str, ...] = ()  # text files the task names (relative ones too)
+    task_commands: tuple[str, ...] = ()  # command lines the task quotes ("./cli_tool weights.json image.png")
+    shown: dict[str, int] = field(default_factory=dict)  # path -> last step a viewer (cat, head, ...) showed it
     ls_flags: str = ""
     last_ok: bool = True
     by_label: dict[str, list[Action]] = field(default_factory=lambda: defaultdict(list))
@@ -127,9 +167,11 @@ def _copy(state: _State) -> _State:
         state,
         written=dict(state.written),
         seen=dict(state.seen),
+        shown=dict(state.shown),
         checks=list(state.checks),
         failed=set(state.failed),
         runners=dict(state.runners),
+        forms={k: list(v) for k, v in state.forms.items()},
         unread=dict(state.unread),
         by_label=defaultdict(list, {k: list(v) for k, v in state.by_label.items()}),
     )
@@ -173,11 +215,18 @@ def _fold(state: _State, i: int, turn: Turn, label: Callable[[Action], str]) -> 
             else:
                 state.failed.add(a.key)
         named = _entities(cmd)
+        state.ran_script = None
         for path in named:
             if _ext(path) in _SCRIPT_EXTS and (path in state.written or path in state.seen):
                 r = _runner_of(cmd, path)
                 if r is not None:
                     state.runners[_ext(path)] = r
+                    if _is_interpreter_form(r, _ext(path)):
+                        state.ran_script = path
+                        lst = state.forms.setdefault(_ext(path), [])
+                        if r in lst:
+                            lst.remove(r)
+                        lst.append(r)
         written = written_paths(cmd)
         for p in written:
             state.written[p] = i
@@ -187,11 +236,15 @@ def _fold(state: _State, i: int, turn: Turn, label: Callable[[Action], str]) -> 
         m = _BUILD.search(cmd.split("\n", 1)[0])
         state.built = (m.group(1),) if m and ok else ()
         state.listed, state.ls_flags = _listing(cmd, turn.observation) if ok else ((), "")
+        _fold_installs(state, cmd, turn.observation, ok)
         for path, kind in state.listed:
             if kind == "-" and _ext(path) in _TEXT_EXTS and path not in state.seen:
                 state.unread[path] = i
         for path in named:
             state.unread.pop(path, None)
+        if label(a) in _VIEWERS:
+            for path in named:
+                state.shown[path] = i
         lab = label(a)
         if not a.is_none:
             lst = state.by_label[lab]
@@ -202,8 +255,67 @@ def _fold(state: _State, i: int, turn: Turn, label: Callable[[Action], str]) -> 
         state.last_written = ()
         state.built = ()
         state.listed = ()
+        state.missing = ()
+        state.pending = ()
+        state.ran_script = None
     state.last_ok = ok
     state.step = i + 1
+
+
+def _is_interpreter_form(form: str, ext: str) -> bool:
+    """Whether runner ``form`` runs its script with an interpreter of the script's kind (a
+    word of the slot's simple command before the slot names it)."""
+    pattern = _INTERPRETERS.get(ext)
+    words = form.split()
+    if pattern is None or "{}" not in words:
+        return False
+    for w in reversed(words[: words.index("{}")]):
+        if w in ("&&", "||", ";", "|", "&"):
+            return False
+        if pattern.fullmatch(posixpath.basename(w)):
+            return True
+    return False
+
+
+def _pip_install(command: str) -> tuple[str, list[str]] | None:
+    """(pip program, packages) of a one-line ``pip install`` command (options left out), else
+    None; a command with anything after the install (``&& python x.py``) is not one."""
+    if "\n" in command or any(op in command for op in ("&&", "||", ";", "|", ">", "<", "`", "$(")):
+        return None
+    m = _PIP.fullmatch(command.strip())
+    if m is None:
+        return None
+    words = m.group(2).split()
+    if any(w.startswith(("-r", "--requirement", "-e", "--editable", "--index-url", "-i")) for w in words):
+        return None
+    return " ".join(m.group(1).split()), [w for w in words if not w.startswith("-")]
+
+
+def _fold_installs(state: _State, cmd: str, observation: str, ok: bool) -> None:
+    """Fold one command into what the install moves need: how pip runs here, which modules
+    its observation shows missing, what a failed multi-package install left to do."""
+    missing: dict[str, None] = {}
+    head = observation[:20_000]
+    for pattern in _MISSING:
+        for m in pattern.finditer(head):
+            module = m.group(1).split(".")[0]
+            missing[_DISTRIBUTIONS.get(module, module.lower())] = None
+    if not missing and _NOT_AVAILABLE.search(head) and "\n" not in cmd.strip() and "python" in cmd:
+        for m in _IMPORT.finditer(cmd):
+            if m.group(1) not in _STDLIB:
+                missing[_DISTRIBUTIONS.get(m.group(1), m.group(1).lower())] = None
+    install = _pip_install(cmd)
+    if install is None:
+        state.pending = ()  # the agent moved on
+    else:
+        state.pip, packages = install
+        done = {p.lower() for p in packages}
+        state.pending = tuple(p for p in state.pending if p.lower() not in done)
+        if not ok and len(packages) > 1:
+            state.pending = tuple(packages)
+        for p in done:
+            missing.pop(p, None)
+    state.missing = tuple(missing)
 
 
 class MovesActionDrafter:
@@ -229,6 +341,8 @@ class MovesActionDrafter:
         self.max_candidates = max_candidates
         self.prior = prior
         self._runners = dict(_DEFAULT_RUNNERS)
+        self._forms: dict[str, list[str]] = {}
+        self._pip = "pip"
         #: (rule, rank) -> (hits, candidates) on the training traces.
         self.rule_counts: dict[tuple[str, int], tuple[int, int]] = {}
         self._p_cache: dict[tuple[str, int], float] = {}
@@ -241,7 +355,7 @@ class MovesActionDrafter:
     def _state(self, history: History) -> _State:
         state = self._index.update(history)
         if state.task_paths is None:
-            state.task_paths = _task_paths(history.task)
+            state.task_paths, state.task_files, state.task_commands = _task_info(history.task)
         return state
 
     # ---------------------------------------------------------------- candidates
@@ -251,15 +365,35 @@ class MovesActionDrafter:
         out: list[tuple[str, int, Action]] = []
         scripts = [p for p in state.last_written if _ext(p) in _SCRIPT_EXTS]
         for rank, path in enumerate(scripts[: self.max_candidates]):
-            runner = state.runners.get(_ext(path)) or self._runners.get(_ext(path))
+            own = state.forms.get(_ext(path))
+            runner = own[-1] if own else self._runners.get(_ext(path))
             if runner is not None:
                 out.append(("run-written", rank, _bash(runner.format(path))))
+        if scripts:
+            ext, used = _ext(scripts[0]), {a.key for _, _, a in out}
+            own = state.forms.get(ext, [])[::-1]
+            forms = [f for f in dict.fromkeys([*own, *self._forms.get(ext, ())])]
+            rank = 0
+            for form in forms:
+                a = _bash(form.format(scripts[0]))
+                if a.key not in used and rank < _MAX_FORMS:
+                    used.add(a.key)
+                    out.append(("run-form", rank, a))
+                    rank += 1
+        pip = state.pip or self._pip
+        for rank, package in enumerate(state.missing[: self.max_candidates]):
+            out.append(("install-missing", rank, _bash(f"{pip} install {package}")))
+        for rank, package in enumerate(state.pending[: self.max_candidates]):
+            out.append(("split-install", rank, _bash(f"{pip} install {package}")))
         if state.last_written:
             checks = sorted(state.checks[::-1], key=lambda c: c.key not in state.failed)
             for rank, c in enumerate(checks[: self.max_candidates]):
                 out.append(("check", rank, c))
         for rank, exe in enumerate(state.built):
             out.append(("run-built", rank, _bash(exe if "/" in exe else f"./{exe}")))
+            runs = [c for c in state.task_commands if c.split()[0] in (exe, f"./{exe}")]
+            for k, c in enumerate(runs[: self.max_candidates]):
+                out.append(("run-built-task", k, _bash(c)))
         files = [p for p, kind in state.listed if kind == "-" and _ext(p) in _TEXT_EXTS]
         for rank, path in enumerate(files[: 2 * self.max_candidates]):
             out.append(("explore-file", rank, _bash(f"cat {path}")))
@@ -269,6 +403,22 @@ class MovesActionDrafter:
         shown = [p for p in state.last_written if _ext(p) in _TEXT_EXTS and _ext(p) not in _SCRIPT_EXTS]
         for rank, path in enumerate(shown[: self.max_candidates]):
             out.append(("show-written", rank, _bash(f"cat {path}")))
+        if state.ran_script is not None:
+            # a script ran: the files the trajectory wrote besides it, read again (the test
+            # ran, now the code it tested)
+            again = sorted((p for p in state.written if p != state.ran_script and _ext(p) in _TEXT_EXTS and _ext(p)),
+                           key=lambda p: -state.written[p])  # fmt: skip
+        else:
+            again = []
+        for rank, path in enumerate(again[: self.max_candidates]):
+            out.append(("reread-written", rank, _bash(f"cat {path}")))
+        if state.ran_script is not None:
+            # a script ran: what the task asks for, shown (the files it names, the ones no
+            # viewer has shown yet first)
+            named = [p for p in state.task_files if p != state.ran_script and p not in state.written]
+            named.sort(key=lambda p: state.shown.get(p, -1))
+            for rank, path in enumerate(named[: self.max_candidates]):
+                out.append(("show-task-file", rank, _bash(f"cat {path}")))
         if state.task_paths:
             unseen = [p for p in state.task_paths if p not in state.seen]
             for rank, path in enumerate(unseen[: self.max_candidates]):
@@ -276,6 +426,11 @@ class MovesActionDrafter:
                     out.append(("task-file", rank, _bash(f"cat {path}")))
                 elif not _ext(path):
                     out.append(("task-dir", rank, _bash(f"ls -la {path}")))
+                    out.append(("task-mkdir", rank, _bash(f"mkdir -p {path}")))
+            parents = dict.fromkeys(posixpath.dirname(p) for p in state.task_paths)
+            unlisted = [d for d in parents if d not in ("", "/") and d not in state.seen and d not in state.task_paths]
+            for rank, path in enumerate(unlisted[:2]):
+                out.append(("task-parent", rank, _bash(f"ls -la {path}")))
         dirs = [p for p, kind in state.listed if kind == "d"]
         for rank, path in enumerate(dirs[: self.max_candidates]):
             flags = f"ls {state.ls_flags} " if state.ls_flags else "ls "
@@ -316,19 +471,32 @@ class MovesActionDrafter:
         """Learn how scripts are run (the most common form per kind of script, over the
         training trajectories), then each (rule, rank)'s hit rate on ``traces``."""
         runners: dict[str, dict[str, int]] = defaultdict(lambda: defaultdict(int))
+        interpreter_forms: dict[str, dict[str, int]] = defaultdict(lambda: defaultdict(int))
+        pips: dict[str, int] = defaultdict(int)
         for trace in traces:
             state = _State()
             for i, step in enumerate(trace.steps):
                 _fold(state, i, Turn(step.action, step.observation), self.label)
             for ext, r in state.runners.items():
                 runners[ext][r] += 1
+            for ext, used in state.forms.items():
+                for f in used:
+                    interpreter_forms[ext][f] += 1  # trajectories that ran scripts this way
+            if state.pip:
+                pips[state.pip] += 1
         self._runners = dict(_DEFAULT_RUNNERS)
         for ext, forms in runners.items():
             self._runners[ext] = max(forms, key=lambda f: (forms[f], f))
+        self._forms = {
+            ext: [f for f, _ in sorted(forms.items(), key=lambda x: (-x[1], x[0]))][:_MAX_FORMS]
+            for ext, forms in interpreter_forms.items()
+        }
+        self._pip = max(pips, key=lambda p: (pips[p], p)) if pips else "pip"
         counts: dict[tuple[str, int], list[int]] = defaultdict(lambda: [0, 0])
         writes = after = 0
         for trace in traces:
-            state = _State(task_paths=_task_paths(trace.instruction or trace.task))
+            paths, files, commands = _task_info(trace.instruction or trace.task)
+            state = _State(task_paths=paths, task_files=files, task_commands=commands)
             for i, step in enumerate(trace.steps):
                 a = step.action
                 for rule, rank, cand in self._moves(state):
@@ -422,6 +590,22 @@ class MovesActionDrafter:
         drafts = self._merge([(a, self._p(r, k)) for r, k, a in self._routed(state, tool)], 0)
         drafts.sort(key=lambda d: (-d.probability, d.action.key))
         return drafts[:width]
+
+
+#: A command line the task quotes: ``"./cli_tool weights.json image.png"``, `` `python x.py` ``.
+_TASK_COMMAND = re.compile(r"[\"`]((?:\./[\w.-]+|python3?|bash|sh|node|make|pytest)(?: [^\"`\n]{1,200})?)[\"`]")
+#: A file name with an extension the task names (``organization.json``, ``/app/ssl/server.pem``).
+_TASK_FILE = re.compile(r"(?<![\w./-])((?:/|\./)?(?:[\w-]+/)*[\w-]+\.[A-Za-z]{1,5})(?![\w/-])")
+
+
+@functools.lru_cache(maxsize=256)
+def _task_info(task: str) -> tuple[tuple[str, ...], tuple[str, ...], tuple[str, ...]]:
+    """The task text's absolute paths (:func:`_task_paths`), the text files it names
+    (relative ones too), and the command lines it quotes, each in order."""
+    head = task[:20_000]
+    files = dict.fromkeys(m.group(1) for m in _TASK_FILE.finditer(head) if _ext(m.group(1)) in _TEXT_EXTS)
+    commands = dict.fromkeys(m.group(1).strip() for m in _TASK_COMMAND.finditer(head))
+    return _task_paths(task), tuple(files), tuple(commands)
 
 
 _TASK_PATH = re.compile(r"(?<![\w./-])((?:/|\./)?[\w.-]+(?:/[\w.-]+)*/?)(?![\w/-])")

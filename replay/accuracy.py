@@ -9,7 +9,8 @@ used; these count what the drafters *could* give, the way the paper reports draf
   time), counted per recorded tool-time bucket (:data:`CALL_BUCKETS`: < 1 s, 1-10 s,
   10-60 s, > 60 s);
 - **action accuracy by width and distance**: the recorded next action is among the policy's
-  action drafters' ``width`` most probable offset-0 targets (:data:`WIDTHS`), and the
+  action drafters' ``width`` most probable targets when asked for the next action only
+  (depth 1; :data:`WIDTHS`), and the
   action ``d`` steps ahead among the 8 most probable targets at offset ``d - 1``
   (:data:`DISTANCES`), at every boundary of the recorded history.
 
@@ -97,16 +98,10 @@ def action_accuracy(
     by_distance = [0] * len(DISTANCES)
     for i in range(len(actions)):
         history = trace.history(i)
-        proposals = [
-            d for drafter in act for d in _drafts(call_sync, drafter.propose, history, max(WIDTHS), max(DISTANCES))
-        ]
-        proposals.sort(key=lambda d: -d.probability)
-        at: dict[int, list[object]] = {}
-        for d in proposals:
-            lst = at.setdefault(d.offset, [])
-            if d.action not in lst:
-                lst.append(d.action)
-        first = at.get(0, [])
+        # width: the drafters asked for the next action only (depth 1), as the engine asks
+        # when it forks one step ahead; asked for 10 steps they may spend slots on deeper ones
+        first = _targets(call_sync, act, history, max(WIDTHS), 1).get(0, [])
+        at = _targets(call_sync, act, history, max(WIDTHS), max(DISTANCES))
         for k, w in enumerate(WIDTHS):
             by_width[k] += actions[i] in first[:w]
         for k, dist in enumerate(DISTANCES):
@@ -114,6 +109,18 @@ def action_accuracy(
                 targets[k] += 1
                 by_distance[k] += actions[i + dist - 1] in at.get(dist - 1, [])[:_TOP_AT_DISTANCE]
     return len(actions), tuple(by_width), tuple(targets), tuple(by_distance)
+
+
+def _targets(call: Any, drafters: list[Any], history: Any, width: int, depth: int) -> dict[int, list[object]]:
+    """The drafters' distinct target actions per offset, most probable first."""
+    proposals = [d for drafter in drafters for d in _drafts(call, drafter.propose, history, width, depth)]
+    proposals.sort(key=lambda d: -d.probability)
+    at: dict[int, list[object]] = {}
+    for d in proposals:
+        lst = at.setdefault(d.offset, [])
+        if d.action not in lst:
+            lst.append(d.action)
+    return at
 
 
 def _drafts(call: Any, fn: Any, *args: Any) -> list[Any]:

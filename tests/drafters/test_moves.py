@@ -77,7 +77,100 @@ def test_a_listing_is_followed_by_reading_its_text_files_and_listing_its_directo
 def test_files_the_task_names_are_read() -> None:
     d = MovesActionDrafter()
     h = history(task='Make sure that your agent is a class called "Agent" in the "/app/agent.py" file.')
-    assert targets(d, h) == ["cat /app/agent.py"]
+    assert targets(d, h) == ["cat /app/agent.py", "ls -la /app"]  # the file, then the directory it lives in
+    seen = history(("ls -la /app", EMPTY), task=h.task)
+    assert targets(d, seen) == ["cat /app/agent.py"]  # a directory already listed is not listed again
+
+
+def test_a_directory_the_task_names_is_listed_or_created() -> None:
+    d = MovesActionDrafter()
+    h = history(task="1. Create a directory at `/app/ssl/` to store all files")
+    assert {"ls -la /app/ssl", "mkdir -p /app/ssl"} <= set(targets(d, h))
+    made = history(("mkdir -p /app/ssl", EMPTY), task=h.task)
+    assert not {"ls -la /app/ssl", "mkdir -p /app/ssl"} & set(targets(d, made))
+
+
+def test_a_written_script_is_also_offered_in_the_other_forms_scripts_run_in() -> None:
+    d = MovesActionDrafter()
+    h = history(
+        ("cat <<'EOF' > a.py\nprint(1)\nEOF", EMPTY),
+        ("timeout 60 python a.py", EMPTY),
+        ("sed -i '1d' a.py", EMPTY),  # names the script but does not run it: not a form
+        ("cat <<'EOF' > b.py\nprint(2)\nEOF", EMPTY),
+    )
+    got = targets(d, h)
+    assert got[0] == "timeout 60 python b.py"  # the trajectory's last run of a script
+    assert not any("sed" in c for c in got)
+    fitted = MovesActionDrafter()
+    fitted.fit(
+        [
+            _trace("t1", [("cat <<'EOF' > x.py\nprint(1)\nEOF", EMPTY), ("timeout 300 python x.py", EMPTY)]),
+            _trace("t2", [("cat <<'EOF' > y.py\nprint(1)\nEOF", EMPTY), ("python3 y.py", EMPTY)]),
+        ]
+    )
+    got = targets(fitted, history(("cat <<'EOF' > z.py\nprint(1)\nEOF", EMPTY)))
+    assert {"python3 z.py", "timeout 300 python z.py"} <= set(got)  # the training traces' forms
+    assert not any("sed" in c for c in got)
+    assert targets(fitted, history(("cat <<'EOF' > notes.txt\nhi\nEOF", EMPTY))) == ["cat notes.txt"]  # not a script
+
+
+def test_a_missing_module_is_installed_the_way_this_trajectory_runs_pip() -> None:
+    d = MovesActionDrafter()
+    missing = (
+        "<returncode>1</returncode>\n<output>\nModuleNotFoundError: No module named 'sklearn.linear_model'\n</output>"
+    )
+    h = history(("pip3 install pandas", EMPTY), ("python3 train.py", missing))
+    assert targets(d, h)[0] == "pip3 install scikit-learn"  # the distribution, not the module
+    lib = "<returncode>1</returncode>\n<output>\nAlbertTokenizer requires the SentencePiece library but it was not found in your environment.\n</output>"
+    assert "pip install sentencepiece" in targets(d, history(("python3 cache.py", lib)))
+    says = "<returncode>0</returncode>\n<output>\nFastText not available, need to install\n</output>"
+    probe = 'python3 -c "import fasttext; print(1)" 2>/dev/null || echo "FastText not available, need to install"'
+    assert "pip install fasttext" in targets(d, history((probe, says)))
+    # abstentions: nothing missing, a module only the standard library has, a step later
+    fine = "<returncode>0</returncode>\n<output>\n1\n</output>"
+    assert not any("install" in c for c in targets(d, history(('python3 -c "import fasttext; print(1)"', fine))))
+    nope = "<returncode>1</returncode>\n<output>\njson not found\n</output>"
+    assert not any("install" in c for c in targets(d, history(('python3 -c "import json"', nope))))
+    later = history(("python3 train.py", missing), ("ls", EMPTY))
+    assert not any("install" in c for c in targets(d, later))
+
+
+def test_a_failed_install_of_several_packages_is_retried_one_by_one() -> None:
+    d = MovesActionDrafter()
+    timeout = "<returncode>-1</returncode>\n<output>\nDownloading flask\n</output>"
+    h = history(("pip install flask solana requests", timeout))
+    assert targets(d, h)[:3] == ["pip install flask", "pip install solana", "pip install requests"]
+    h = h.extend(Action.bash("pip install flask"), EMPTY)
+    assert targets(d, h)[:2] == ["pip install solana", "pip install requests"]
+    moved_on = h.extend(Action.bash("python3 server.py"), EMPTY)
+    assert not any("install" in c for c in targets(d, moved_on))
+    assert targets(d, history(("pip install flask solana", EMPTY))) == []  # it worked: nothing to retry
+
+
+def test_after_a_script_runs_the_code_it_tested_and_the_task_s_outputs_are_shown() -> None:
+    d = MovesActionDrafter()
+    task = "Generate a file called 'organization.json' from the CSV files (departments.csv)."
+    h = history(
+        ("cat departments.csv", "<returncode>0</returncode>\n<output>\nid\n</output>"),
+        ("cat <<'EOF' > processor.py\nprint(1)\nEOF", EMPTY),
+        ("cat <<'EOF' > test_processor.py\nprint(2)\nEOF", EMPTY),
+        ("python3 test_processor.py", EMPTY),
+        task=task,
+    )
+    got = targets(d, h)
+    assert "cat processor.py" in got and "cat test_processor.py" not in got  # not the script that ran
+    assert got.index("cat organization.json") < got.index("cat departments.csv")  # not shown yet first
+    listed = history(*[(c, o) for c, o in [("cat <<'EOF' > p.py\nprint(1)\nEOF", EMPTY), ("ls", EMPTY)]], task=task)
+    assert not any(c.startswith("cat") for c in targets(d, listed))  # no script ran: nothing to show
+
+
+def test_a_built_program_is_run_as_the_task_says() -> None:
+    d = MovesActionDrafter()
+    task = 'The tool should be programmed in C and called with "./cli_tool weights.json image.png".'
+    h = history(("g++ -o cli_tool cli_tool.c lodepng.cpp -lm", EMPTY), task=task)
+    assert {"./cli_tool", "./cli_tool weights.json image.png"} <= set(targets(d, h))
+    other = history(("gcc -o other other.c", EMPTY), task=task)
+    assert "./cli_tool weights.json image.png" not in targets(d, other)
 
 
 def test_nothing_is_proposed_without_a_move_to_make() -> None:
