@@ -50,7 +50,7 @@ import posixpath
 import re
 import sys
 from collections import defaultdict
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from aospec.drafters._pyeval import python_output, remembered_values
@@ -601,14 +601,34 @@ def _pwd(run: _Run, args: list[str], stdin: str) -> _Result:
 
 
 def _cd(run: _Run, args: list[str], stdin: str) -> _Result:
-    if len(args) != 1:
+    """``cd DIR``, followed only into a directory known to exist: a directory entry, or one
+    holding a path known to exist (a file read under it); knowing a file under it is
+    absent says nothing of the directory."""
+    if len(args) != 1 or args[0] == "-":
         raise _Unknown
     e = run.get(args[0])
     key = run.key(args[0])
-    if e is not None and e.kind == "absent":
+    if e is None and key == run.key("."):
+        return _Result(0)  # the directory the shell is in
+    if e is None:
+        below = key.rstrip("/") + "/"
+        e = next((v for k, v in _known(run) if k.startswith(below) and v is not None and v.kind != "absent"), None)
+        if e is None:
+            raise _Unknown
+    elif e.kind != "dir":
         raise _Unknown
+    if e.epoch < run.view.epoch:
+        run.stale = True
     run.cwd = key
     return _Result(0)
+
+
+def _known(run: _Run) -> Iterator[tuple[str, _Entry | None]]:
+    """Every entry the run sees: its own, then the view's that it has not overlaid."""
+    yield from run.overlay.items()
+    for k, v in run.view.entries.items():
+        if k not in run.overlay:
+            yield k, v
 
 
 def _true(rc: int):
@@ -864,29 +884,54 @@ def _is_python(words: tuple[str, ...]) -> bool:
 # -------------------------------------------------------------------- folding the history
 
 
+def _cd_prefix(view: FileView, script: Script) -> tuple[str | None, tuple[Pipeline, ...]] | None:
+    """The directory a script's leading ``cd DIR &&`` commands move to (None: none) and the
+    pipelines after them; None when a ``cd`` cannot be followed (no argument, ``cd -``, a
+    path above the unknown cwd). A harness that runs each command in a new shell has its
+    agent write ``cd /work/project && cat x.py``: what the output says is about that
+    directory's files."""
+    pipelines, ops, cwd = script.pipelines, script.ops, None
+    while len(pipelines) > 1 and ops and ops[0] == "&&":
+        (first, *more) = pipelines[0].commands
+        if more or first.words[:1] != ("cd",) or first.redirects or first.heredoc is not None:
+            break
+        if len(first.words) != 2 or first.words[1] == "-":
+            return None
+        cwd = view.resolve(first.words[1], cwd)
+        if cwd is None:
+            return None
+        pipelines, ops = pipelines[1:], ops[1:]
+    return cwd, pipelines
+
+
 def _learn(view: FileView, script: Script, rc: int, output: str) -> None:
-    """What a finished single command's output says about the filesystem."""
-    if len(script.pipelines) != 1 or len(script.pipelines[0].commands) != 1:
+    """What a finished single command's output says about the filesystem (after leading
+    ``cd DIR &&`` commands: about DIR's files)."""
+    prefix = _cd_prefix(view, script)
+    if prefix is None:
         return
-    cmd = script.pipelines[0].commands[0]
+    cwd, pipelines = prefix
+    if len(pipelines) != 1 or len(pipelines[0].commands) != 1:
+        return
+    cmd = pipelines[0].commands[0]
     if cmd.redirects or cmd.heredoc is not None or not cmd.words or not script.literal:
         return
     words = cmd.words
     name, args = words[0], list(words[1:])
     try:
         if name == "cat" and len(args) == 1 and not args[0].startswith("-"):
-            key = view.resolve(args[0])
+            key = view.resolve(args[0], cwd)
             if key is None:
                 return
             if rc == 0:
                 view.entries[key] = _Entry("file", output, {}, view.epoch)
             elif output == _missing("cat", args[0]):
                 view.entries[key] = _Entry("absent", epoch=view.epoch)
-        elif name == "pwd" and not args and rc == 0 and re.fullmatch(r"/[^\n]*\n", output):
+        elif name == "pwd" and cwd is None and not args and rc == 0 and re.fullmatch(r"/[^\n]*\n", output):
             _set_cwd(view, output[:-1])
         elif name in ("head", "sed") and rc == 0:
             first, count, path = _line_window(name, args)
-            key = view.resolve(path)
+            key = view.resolve(path, cwd)
             if key is None:
                 return
             got = output.split("\n")
@@ -898,7 +943,7 @@ def _learn(view: FileView, script: Script, rc: int, output: str) -> None:
             lines = dict(e.lines) if e is not None and e.epoch >= view.epoch else {}
             lines.update({first + j: line for j, line in enumerate(got[:count])})
             view.entries[key] = _Entry("file", None, lines, view.epoch)
-        elif _is_python(words) and len(args) == 2 and args[0] == "-c" and rc == 0:
+        elif _is_python(words) and cwd is None and len(args) == 2 and args[0] == "-c" and rc == 0:
             for expr, value in remembered_values(args[1], output):
                 view.values[expr] = (value, view.epoch)
     except _Unknown:
@@ -1094,6 +1139,8 @@ class TrajectoryDrafter:
             return True
         if script is None or classify_command(cmd) is not Effect.READ_ONLY:
             return False
+        if any(c.words[:1] == ("cd",) for c in script.commands):
+            return False  # its relative names are not the view's
         names = [view.resolve(w) for c in script.commands for w in c.words[1:]]
         names += [view.resolve(r.target) for c in script.commands for r in c.redirects]
         return not any(view.written.get(k, -1) > step for k in names if k is not None)

@@ -82,13 +82,13 @@ def test_writes_themselves_are_drafted_silent() -> None:
 
 def test_python_c_printing_literals_and_remembered_values() -> None:
     d = TrajectoryDrafter()
-    h = history(("python -c \"import mteb; print(mteb.__version__)\"", ok("1.36.8\n")))
+    h = history(('python -c "import mteb; print(mteb.__version__)"', ok("1.36.8\n")))
     assert drafts(d, h, "python3 -c \"print('a', 1 + 2); x = 'y'; print(f'v={x}')\"") == [ok("a 3\nv=y\n")]
     assert drafts(d, h, "python -c \"import mteb; print(f'MTEB version: {mteb.__version__}')\"") == [
         ok("MTEB version: 1.36.8\n")
     ]
     # the value is only known where its module is imported
-    assert drafts(d, h, "python -c \"print(mteb.__version__)\"") == []
+    assert drafts(d, h, 'python -c "print(mteb.__version__)"') == []
 
 
 def test_a_rerun_with_nothing_written_since_repeats_the_last_output() -> None:
@@ -160,6 +160,26 @@ def test_written_paths_names_what_a_command_writes() -> None:
     assert parse_observation(ok("x\n", 2)) == (2, "x\n") and parse_observation("other") is None
 
 
+def test_reads_after_a_leading_cd_are_known_in_that_directory() -> None:
+    """A harness that runs every command in a new shell: its agent writes ``cd DIR && ...``."""
+    d = TrajectoryDrafter()
+    code = "BULK = 100\n\ndef f(q):\n    if q > BULK:\n        return 10\n    return 0\n"
+    h = history(
+        ("cd /work/inv && cat inv/pricing.py", ok(code)),
+        ("cd /work/inv && sed -i 's/if q > BULK:/if q >= BULK:/' inv/pricing.py", EMPTY),
+    )
+    assert drafts(d, h, "cd /work/inv && grep -n 'BULK' inv/pricing.py") == [ok("1:BULK = 100\n4:    if q >= BULK:\n")]
+    assert drafts(d, h, "grep -n BULK /work/inv/inv/pricing.py") == [ok("1:BULK = 100\n4:    if q >= BULK:\n")]
+    assert drafts(d, h, "grep -n BULK inv/pricing.py") == []  # the cwd of this shell is not /work/inv
+    head = history(("cd /work/inv && head -n 1 inv/pricing.py", ok("BULK = 100\n")))
+    assert drafts(d, head, "sed -n '1p' /work/inv/inv/pricing.py") == [ok("BULK = 100\n")]
+    # abstentions: a cd it cannot follow, a cd that is not a prefix, a pwd after a cd
+    for cmd in ("cd - && cat inv/pricing.py", "cd && cat inv/pricing.py", "cd /work/inv || cat inv/pricing.py"):
+        assert drafts(d, history((cmd, ok(code))), "cat /work/inv/inv/pricing.py") == [], cmd
+    moved = history(("cd /work/inv && pwd", ok("/work/inv\n")), WRITE_A)
+    assert drafts(d, moved, "cat /work/inv/a.py") == []  # the cd did not move the next shell
+
+
 def test_the_view_resolves_relative_paths_once_the_working_directory_is_known() -> None:
     d = TrajectoryDrafter()
     h = history(("pwd", ok("/app\n")), WRITE_A)
@@ -179,22 +199,32 @@ def _world_step(files: dict[str, str], op: tuple[str, str, str]) -> tuple[str, s
     kind, name, text = op
     if kind == "write":
         files[name] = text
+        files["<made d>"] = "yes"
         return f"mkdir -p d && cat <<'EOF' > {name}\n{text}EOF", EMPTY
     if kind == "append":
         if name not in files:
             files[name] = ""
         files[name] += "z\n"
-        return f"echo z >> {name}", EMPTY
+        files["<made d>"] = "yes"
+        return f"mkdir -p d && echo z >> {name}", EMPTY
     if kind == "rm":
         files.pop(name, None)
         return f"rm -f {name}", EMPTY
+    if kind == "cdcat":  # the same read from its directory, as a new-shell-per-command agent writes it
+        where, _, base = name.rpartition("/")
+        where = where or "."
+        if where != "." and not files.get("<made d>"):
+            return f"cd {where} && cat {base}", ok(f"bash: line 1: cd: {where}: No such file or directory\n", 1)
+        if name in files:
+            return f"cd {where} && cat {base}", ok(files[name])
+        return f"cd {where} && cat {base}", ok(f"cat: {base}: No such file or directory\n", 1)
     if name in files:
         return f"cat {name}", ok(files[name])
     return f"cat {name}", ok(f"cat: {name}: No such file or directory\n", 1)
 
 
 @settings(max_examples=150, deadline=None)
-@given(st.lists(st.tuples(st.sampled_from(["write", "append", "rm", "cat"]), _NAMES, _TEXT), max_size=12))
+@given(st.lists(st.tuples(st.sampled_from(["write", "append", "rm", "cat", "cdcat"]), _NAMES, _TEXT), max_size=12))
 def test_every_draft_on_an_exactly_modelled_world_is_the_real_observation(ops: list[tuple[str, str, str]]) -> None:
     """The drafter never drafts what it cannot know: on a world whose commands it models,
     whatever it drafts for a ``cat`` (fresh knowledge) is byte-identical to the truth, and it
@@ -203,13 +233,21 @@ def test_every_draft_on_an_exactly_modelled_world_is_the_real_observation(ops: l
     d = TrajectoryDrafter(max_line_chars=None)
     h = History("t")
     known: set[str] = set()
+    stale: dict[str, str] = {}  # a command's last output, once something was written since
+    last: dict[str, str] = {}
     for op in ops:
         cmd, obs = _world_step(files, op)
-        if op[0] == "cat":
+        if op[0] in ("write", "append", "rm"):
+            stale.update(last)
+        if op[0] in ("cat", "cdcat"):
             got = drafts(d, h, cmd)
-            assert all(g == obs for g in got)
-            if op[1] in known:
-                assert got == [obs]
+            # a re-run after writes may repeat its last output, as stale knowledge (priced
+            # lower); anything else it drafts is the truth
+            assert all(g == obs or g == stale.get(cmd) for g in got)
+            last[cmd] = obs
+            stale.pop(cmd, None)
+            if op[1] in known and (op[0] == "cat" or "/" not in op[1] or files.get("<made d>")):
+                assert got == [obs]  # (a cd into a directory not known to exist is not followed)
         h = h.extend(Action.bash(cmd), obs)
         if op[0] in ("write", "cat", "rm"):
             known.add(op[1])
