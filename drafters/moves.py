@@ -43,6 +43,7 @@ import dataclasses
 import functools
 import posixpath
 import re
+import sys
 from collections import defaultdict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -62,7 +63,7 @@ __all__ = ["MovesActionDrafter"]
 #: traces' most common form replaces it in fit).
 _DEFAULT_RUNNERS = {".py": "python {}", ".sh": "bash {}", ".js": "node {}", ".rb": "ruby {}", ".pl": "perl {}"}
 _SCRIPT_EXTS = frozenset(_DEFAULT_RUNNERS)
-_BUILD = re.compile(r"(?:^|&&\s*|;\s*)(?:gcc|g\+\+|cc|clang\+?\+?|rustc|go build)(?=\s)[^;&|]*?\s-o\s+(\S+)")
+_BUILD = re.compile(r"(?:^|&&\s*|;\s*)(?:gcc|g\+\+|cc|clang\+?\+?|rustc|go build)(?:-\d+(?:\.\d+)*)?(?=\s)[^;&|]*?\s-o\s+(\S+)")
 _MAX_CHECKS = 4
 _MAX_FILES = 6
 _MAX_LOOKAHEAD = 4
@@ -87,7 +88,7 @@ _MISSING = (
 )
 #: An import failing by the agent's own message (``python -c "import x" || echo "x not available"``).
 _NOT_AVAILABLE = re.compile(r"not (?:available|installed|found)|ImportError|ModuleNotFoundError", re.IGNORECASE)
-_IMPORT = re.compile(r"(?:^|[;\s\"'])(?:import|from)\s+([A-Za-z_]\w*)")
+_IMPORT = re.compile(r"(?:^|[;\s\"'])(?:from\s+([A-Za-z_]\w*)\s+import|import\s+([A-Za-z_]\w*))")
 #: Distribution names of modules whose import name differs (a missing ``sklearn`` is installed
 #: as ``scikit-learn``); any other module is installed under its own name, lowercased.
 _DISTRIBUTIONS = {
@@ -96,8 +97,13 @@ _DISTRIBUTIONS = {
     "dotenv": "python-dotenv", "jwt": "pyjwt", "magic": "python-magic", "serial": "pyserial", "usb": "pyusb",
     "docx": "python-docx", "pptx": "python-pptx", "fitz": "pymupdf", "google": "protobuf",
 }  # fmt: skip
-_STDLIB = frozenset(("os", "sys", "json", "re", "time", "math", "subprocess", "pathlib", "typing", "collections",
-                     "itertools", "functools", "datetime", "random", "csv", "io", "shutil", "glob", "argparse"))  # fmt: skip
+_STDLIB = frozenset(sys.stdlib_module_names)
+#: pip options that take a value (the next word, without ``=``): not packages.
+_PIP_VALUED = frozenset(("-t", "--target", "-c", "--constraint", "-f", "--find-links", "--extra-index-url", "--timeout",
+                         "--trusted-host", "--prefix", "--root", "--cache-dir", "--platform", "--python-version",
+                         "--implementation", "--abi", "--src", "--upgrade-strategy", "--progress-bar", "--log",
+                         "--proxy", "--retries", "--exists-action", "--cert", "--client-cert", "--only-binary",
+                         "--no-binary", "--report", "--config-settings", "-C", "--global-option", "--python"))  # fmt: skip
 _VIEWERS = frozenset(("cat", "head", "tail", "less", "more", "wc", "nl", "grep"))
 _TIMEOUT = "timed out and has been killed"
 #: One entry of ``ls -l``: its type letter and its name (symlinks' targets cut off).
@@ -288,7 +294,17 @@ def _pip_install(command: str) -> tuple[str, list[str]] | None:
     words = m.group(2).split()
     if any(w.startswith(("-r", "--requirement", "-e", "--editable", "--index-url", "-i")) for w in words):
         return None
-    return " ".join(m.group(1).split()), [w for w in words if not w.startswith("-")]
+    packages, skip = [], False
+    for w in words:
+        if skip:
+            skip = False
+        elif w.startswith("-"):
+            skip = w in _PIP_VALUED
+        elif "/" in w or ":" in w or w.startswith(".") or any(q in w for q in "'\"$*?"):
+            return None  # a path, a URL or a word the shell rewrites: not a package name to retry alone
+        else:
+            packages.append(w)
+    return " ".join(m.group(1).split()), packages
 
 
 def _fold_installs(state: _State, cmd: str, observation: str, ok: bool) -> None:
@@ -302,8 +318,9 @@ def _fold_installs(state: _State, cmd: str, observation: str, ok: bool) -> None:
             missing[_DISTRIBUTIONS.get(module, module.lower())] = None
     if not missing and _NOT_AVAILABLE.search(head) and "\n" not in cmd.strip() and "python" in cmd:
         for m in _IMPORT.finditer(cmd):
-            if m.group(1) not in _STDLIB:
-                missing[_DISTRIBUTIONS.get(m.group(1), m.group(1).lower())] = None
+            module = m.group(1) or m.group(2)
+            if module not in _STDLIB:
+                missing[_DISTRIBUTIONS.get(module, module.lower())] = None
     install = _pip_install(cmd)
     if install is None:
         state.pending = ()  # the agent moved on

@@ -158,10 +158,13 @@ class _Run:
         self.unmodelled_write = False
         self.final_rc: int | None = None  # effects mode: the step's return code, when known
         self.unknown_flow = False  # effects mode: which commands ran is no longer known
+        self.moved = False  # a cd moved this run's shell: a later "..", through a link, is not the logical parent
 
     # ---------------------------------------------------------------- the view, overlaid
 
     def key(self, path: str) -> str:
+        if self.moved and _has_dotdot(path):
+            raise _Unknown
         k = self.view.resolve(path, self.cwd)
         if k is None:
             raise _Unknown
@@ -206,6 +209,7 @@ class _Run:
         for other in list(self.view.entries) + list(self.overlay):
             if other.startswith(k + "/"):
                 self.overlay[other] = None
+                self.written.append(other)  # (a re-run that names it must not count as fresh)
         self.put(path, None)
 
     def file(self, text: str) -> _Entry:
@@ -604,10 +608,17 @@ def _cd(run: _Run, args: list[str], stdin: str) -> _Result:
     """``cd DIR``, followed only into a directory known to exist: a directory entry, or one
     holding a path known to exist (a file read under it); knowing a file under it is
     absent says nothing of the directory."""
-    if len(args) != 1 or args[0] == "-":
-        raise _Unknown
+    if len(args) != 1 or args[0].startswith(("-", "//")):
+        raise _Unknown  # cd -, cd -L (to $HOME), //x (kept as written by pwd)
     e = run.get(args[0])
     key = run.key(args[0])
+    if run.apply and (e is None or e.kind == "dir"):
+        # a step's effects: its later commands ran in DIR if they ran at all
+        run.cwd = key
+        run.moved = True
+        return _Result(0)
+    if _has_dotdot(args[0]):
+        raise _Unknown  # through a symbolic link, .. is not the logical parent
     if e is None and key == run.key("."):
         return _Result(0)  # the directory the shell is in
     if e is None:
@@ -620,7 +631,12 @@ def _cd(run: _Run, args: list[str], stdin: str) -> _Result:
     if e.epoch < run.view.epoch:
         run.stale = True
     run.cwd = key
+    run.moved = True
     return _Result(0)
+
+
+def _has_dotdot(path: str) -> bool:
+    return ".." in path.split("/")
 
 
 def _known(run: _Run) -> Iterator[tuple[str, _Entry | None]]:
@@ -778,7 +794,11 @@ def _cp_mv(move: bool):
         if se is None or se.kind == "absent":
             if not run.apply or se is not None:
                 raise _Unknown
+            run.forget_below(dst)  # an unknown source may be a directory: what it held moved too
             run.put(dst, None)
+            if move:
+                run.forget_below(src)
+                run.put(src, None)
             return _Result(0)
         if se.kind == "dir":
             if not move and not flags & {"r", "R", "a"}:
@@ -895,7 +915,7 @@ def _cd_prefix(view: FileView, script: Script) -> tuple[str | None, tuple[Pipeli
         (first, *more) = pipelines[0].commands
         if more or first.words[:1] != ("cd",) or first.redirects or first.heredoc is not None:
             break
-        if len(first.words) != 2 or first.words[1] == "-":
+        if len(first.words) != 2 or first.words[1].startswith(("-", "//")) or _has_dotdot(first.words[1]):
             return None
         cwd = view.resolve(first.words[1], cwd)
         if cwd is None:
@@ -918,6 +938,8 @@ def _learn(view: FileView, script: Script, rc: int, output: str) -> None:
         return
     words = cmd.words
     name, args = words[0], list(words[1:])
+    if cwd is not None and any(_has_dotdot(a) for a in args):
+        return  # after a cd, ".." through a link is not the logical parent
     try:
         if name == "cat" and len(args) == 1 and not args[0].startswith("-"):
             key = view.resolve(args[0], cwd)

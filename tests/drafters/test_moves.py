@@ -164,6 +164,26 @@ def test_after_a_script_runs_the_code_it_tested_and_the_task_s_outputs_are_shown
     assert not any(c.startswith("cat") for c in targets(d, listed))  # no script ran: nothing to show
 
 
+def test_install_moves_never_retry_an_option_value_or_a_standard_module() -> None:
+    d = MovesActionDrafter()
+    timeout = "<returncode>-1</returncode>\n<output>\nDownloading torch\n</output>"
+    h = history(("pip install --extra-index-url https://x.org/cpu --timeout 60 torch torchvision", timeout))
+    assert targets(d, h)[:2] == ["pip install torch", "pip install torchvision"]
+    assert not any("https" in c or c.endswith(" 60") for c in targets(d, h))
+    local = history(("pip install ./pkg requests", timeout))
+    assert not any("install" in c for c in targets(d, local))  # a path: not retried one by one
+    says = "<returncode>0</returncode>\n<output>\nPIL not installed\n</output>"
+    probe = 'python3 -c "from PIL import Image; import sqlite3" || echo "PIL not installed"'
+    got = [c for c in targets(d, history((probe, says))) if "install" in c]
+    assert got == ["pip install pillow"]  # not "image", not the standard library's sqlite3
+
+
+def test_a_versioned_compiler_builds_too() -> None:
+    d = MovesActionDrafter()
+    assert "./app" in targets(d, history(("gcc-12 -O2 -o app main.c", EMPTY)))
+    assert "./app" in targets(d, history(("clang++-15 -o app main.cpp", EMPTY)))
+
+
 def test_a_built_program_is_run_as_the_task_says() -> None:
     d = MovesActionDrafter()
     task = 'The tool should be programmed in C and called with "./cli_tool weights.json image.png".'

@@ -180,6 +180,27 @@ def test_reads_after_a_leading_cd_are_known_in_that_directory() -> None:
     assert drafts(d, moved, "cat /work/inv/a.py") == []  # the cd did not move the next shell
 
 
+def test_cd_edge_cases_never_put_knowledge_in_the_wrong_place() -> None:
+    d = TrajectoryDrafter()
+    # a step's writes after a cd into a directory not known to exist went there (if they ran)
+    h = history(("cat f", ok("old\n")), ("cd sub && echo new > f", EMPTY))
+    assert drafts(d, h, "cat f") == [ok("old\n")]
+    assert written_paths("cd /app && echo x > out.txt") == ("/app/out.txt",)
+    # through a symbolic link, ".." is not the logical parent: nothing learned, nothing drafted
+    link = history(("cd /p/link && cat ../f", ok("REAL\n")))
+    assert drafts(d, link, "cat /p/f") == []
+    known = history(("cat /p/link/x", ok("1\n")), ("cat /p/f", ok("P\n")))
+    assert drafts(d, known, "cd /p/link && cat ../f") == []
+    # cd -L goes to $HOME, //x is kept as written: neither is followed
+    assert drafts(d, history(("cd -L && cat f", ok("HOMEF\n"))), "cat ./-L/f") == []
+    assert drafts(d, history(("cat /w/x", ok("1\n"))), "cd //w && pwd") == []
+    # a directory moved away while unknown takes what was known under it along
+    moved = history(("cat d/x", ok("X\n")), ("mv d e", EMPTY))
+    assert drafts(d, moved, "cd d && cat x") == []
+    stale = d.probability("rerun", False, Action.bash("cat d/x"))  # at most a stale re-run
+    assert all(x.probability == stale for x in anyio.run(d.draft, moved, Action.bash("cat d/x"), 5))
+
+
 def test_the_view_resolves_relative_paths_once_the_working_directory_is_known() -> None:
     d = TrajectoryDrafter()
     h = history(("pwd", ok("/app\n")), WRITE_A)
