@@ -248,10 +248,10 @@ def _fold(state: _State, i: int, turn: Turn, label: Callable[[Action], str]) -> 
                 state.unread[path] = i
         for path in named:
             state.unread.pop(path, None)
-        if label(a) in _VIEWERS:
+        lab = label(a)
+        if lab in _VIEWERS:
             for path in named:
                 state.shown[path] = i
-        lab = label(a)
         if not a.is_none:
             lst = state.by_label[lab]
             if a in lst:
@@ -389,11 +389,12 @@ class MovesActionDrafter:
         if scripts:
             ext, used = _ext(scripts[0]), {a.key for _, _, a in out}
             own = state.forms.get(ext, [])[::-1]
-            forms = [f for f in dict.fromkeys([*own, *self._forms.get(ext, ())])]
             rank = 0
-            for form in forms:
+            for form in dict.fromkeys([*own, *self._forms.get(ext, ())]):
                 a = _bash(form.format(scripts[0]))
-                if a.key not in used and rank < _MAX_FORMS:
+                if rank == _MAX_FORMS:
+                    break
+                if a.key not in used:
                     used.add(a.key)
                     out.append(("run-form", rank, a))
                     rank += 1
@@ -422,16 +423,12 @@ class MovesActionDrafter:
             out.append(("show-written", rank, _bash(f"cat {path}")))
         if state.ran_script is not None:
             # a script ran: the files the trajectory wrote besides it, read again (the test
-            # ran, now the code it tested)
+            # ran, now the code it tested), and what the task asks for (the files it names,
+            # the ones no viewer has shown yet first)
             again = sorted((p for p in state.written if p != state.ran_script and _ext(p) in _TEXT_EXTS and _ext(p)),
                            key=lambda p: -state.written[p])  # fmt: skip
-        else:
-            again = []
-        for rank, path in enumerate(again[: self.max_candidates]):
-            out.append(("reread-written", rank, _bash(f"cat {path}")))
-        if state.ran_script is not None:
-            # a script ran: what the task asks for, shown (the files it names, the ones no
-            # viewer has shown yet first)
+            for rank, path in enumerate(again[: self.max_candidates]):
+                out.append(("reread-written", rank, _bash(f"cat {path}")))
             named = [p for p in state.task_files if p != state.ran_script and p not in state.written]
             named.sort(key=lambda p: state.shown.get(p, -1))
             for rank, path in enumerate(named[: self.max_candidates]):
