@@ -311,6 +311,8 @@ _FLUSH_PAD_LINES = 48
 _EXEC = ("execve", "execveat")
 #: Paths a call does not resolve (a symlink's target): no directory is walked for them.
 _UNRESOLVED = {("symlink", 0), ("symlinkat", 0)}
+#: The flag that makes an empty path name the descriptor itself.
+_AT_EMPTY_PATH = 0x1000
 #: stat calls that also stat an open descriptor (fstat): those are left out.
 _FSTAT = ("newfstatat", "statx")
 
@@ -365,7 +367,7 @@ def _probes(tok: str, code: int, tp: str, roles: tuple[str, ...], fields: Sequen
         if conds:
             rel = " || ".join(f"({c})" for c in conds)
             if tp in _FSTAT:
-                rel = f"({rel}) && !(*(uint8 *)uptr($a1) == 0 && ($a{roles.index('atflags')} & 0x1000) && $a0 >= 0)"
+                rel = f"({rel}) && !(*(uint8 *)uptr($a1) == 0 && ($a{roles.index('atflags')} & {_AT_EMPTY_PATH:#x}) && $a0 >= 0)"
             walk = f"if ({rel}) {{ {_walk(tok=tok, fd=None if dirfd is None else f'$a{dirfd}')} }} "
     probes = []
     walk_exit = ""
@@ -406,7 +408,7 @@ def _probes(tok: str, code: int, tp: str, roles: tuple[str, ...], fields: Sequen
         # call (or is not a file), its path is in the read set already: no line (a third of
         # Python's calls). Decided at exit, when the string has been read by the kernel.
         flags = ints.index(roles.index("atflags"))
-        exit_body = f"{get}if (!(*(uint8 *)uptr(@p0[tid]) == 0 && ($v.{flags} & 0x1000) && $v.0 >= 0)) {{ {line} }} "
+        exit_body = f"{get}if (!(*(uint8 *)uptr(@p0[tid]) == 0 && ($v.{flags} & {_AT_EMPTY_PATH:#x}) && $v.0 >= 0)) {{ {line} }} "
     only = f"/@t[tid] && @sc[tid] == {code + 1}/"
     probes.append(f"tracepoint:syscalls:sys_exit_{tp} {only} {{ {exit_body}}}")
     for slot, i in enumerate(paths):

@@ -1240,8 +1240,6 @@ class _Call:
 
 
 _CLONES = ("clone", "clone3", "fork", "vfork")
-#: (call, argument) paths a call does not resolve: a symlink's target
-_UNRESOLVED_PATHS = {("symlink", 0), ("symlinkat", 0)}
 
 
 def _ebpf_log(lines: Sequence[bytes], root: int) -> _Log:
@@ -1424,13 +1422,15 @@ def _ebpf_record(
             if len(text) > ebpf.MAX_PATH:
                 problem("a path longer than the tracer reads")
                 return None
-            if not text and not (values.get(roles.index("atflags"), 0) & 0x1000 if "atflags" in roles else False):
+            if not text and not (
+                values.get(roles.index("atflags"), 0) & ebpf._AT_EMPTY_PATH if "atflags" in roles else False
+            ):
                 # empty without AT_EMPTY_PATH: a path the tracer could not read (a page
                 # reclaimed since the kernel read it) looks the same as a real ""
                 problem(f"an empty {name} path")
                 return None
             args.append('"' + _hex_bytes(text) + '"')
-            if (name, i) in _UNRESOLVED_PATHS:
+            if (name, i) in ebpf._UNRESOLVED:
                 continue  # a symlink's target: not resolved by the call
             if not text.startswith(b"/"):
                 d = ebpf._dirfd_of(roles, i)
