@@ -44,7 +44,9 @@ speculative forks are paused (:func:`forks_to_run`); under memory pressure the l
 fork is dropped. A **no-regret guard** compares the realised benefit (tool and decode time
 hidden) with the realised cost (wasted CPU at the host's price, wasted decodes, speculative
 overhead) over the last ``guard_window`` steps; when the cost is higher it lets through one
-probe every :data:`PROBE_EVERY` steps only, until speculation pays again.
+probe every :data:`PROBE_EVERY` steps only, until speculation pays again. Its steps are the
+model's (:class:`GuardState`): an Engine's runs, and the runs that load and save one model
+file, are judged over one window.
 
 ``EngineConfig(admission="off")`` launches everything as before this controller existed
 (outcomes are still learned): replay results are then exactly the previous ones.
@@ -90,6 +92,7 @@ __all__ = [
     "Candidate",
     "CostModel",
     "Decision",
+    "GuardState",
     "HitModel",
     "SavableHitModel",
     "cpu_price",
@@ -143,6 +146,8 @@ OVERRUN = 0.5
 MEAN_WINDOW = 64
 #: In the guard: one probe is let through every this many steps.
 PROBE_EVERY = 8
+#: The most committed steps the guard remembers (a larger ``guard_window`` is cut to it).
+MAX_GUARD_WINDOW = 1024
 #: A committed command using at least this many cores is CPU-bound (guesses yield to it).
 CPU_BOUND_CORES = 0.5
 #: Cores the host must keep free beside the command the agent waits on for guesses to run.
@@ -488,14 +493,70 @@ def step_cpu_s(step: Step) -> float | None:
     return float(value)
 
 
+class GuardState:
+    """The no-regret guard's memory: the realised (benefit, cost) of the last committed
+    steps, newest last (seconds), whether speculation is held back, and the steps since the
+    last probe. It belongs to the :class:`AdmissionModel`, so an Engine's runs (and the runs
+    of ``aospec run --calibration FILE``, which saves it) share one window: a guard that
+    needed ``guard_window`` steps of one run never acted on tasks shorter than that."""
+
+    __slots__ = ("guarded", "since_probe", "window")
+
+    def __init__(self, window: Sequence[tuple[float, float]] = (), guarded: bool = False) -> None:
+        self.window: collections.deque[tuple[float, float]] = collections.deque(window, maxlen=MAX_GUARD_WINDOW)
+        self.guarded = guarded
+        self.since_probe = PROBE_EVERY
+
+    def step(self, benefit_s: float, cost_s: float, window: int) -> None:
+        """One committed step's realised benefit and cost; with ``window`` > 0 steps known,
+        the guard holds speculation back once their cost exceeds their benefit, and lets it
+        go again once their benefit exceeds their cost."""
+        w = self.window
+        w.append((benefit_s, cost_s))
+        self.since_probe += 1
+        if window <= 0 or len(w) < window:
+            return
+        recent = list(w)[-window:]
+        benefit = sum(b for b, _ in recent)
+        cost = sum(c for _, c in recent)
+        if not self.guarded and cost > benefit:
+            self.guarded = True
+        elif self.guarded and benefit > cost and benefit > 0:
+            self.guarded = False
+
+    def to_json(self) -> dict[str, Any]:
+        return {"window": [[b, c] for b, c in self.window], "guarded": self.guarded}
+
+    @classmethod
+    def from_json(cls, obj: Any, where: str = "guard") -> GuardState:
+        if not isinstance(obj, Mapping):
+            raise ConfigError(f"{where}: expected an object")
+        window = obj.get("window", [])
+        if not isinstance(window, list):
+            raise ConfigError(f"{where}.window: expected a list of [benefit, cost]")
+        pairs = []
+        for i, pair in enumerate(window):
+            if not (isinstance(pair, list) and len(pair) == 2):
+                raise ConfigError(f"{where}.window[{i}]: expected [benefit, cost]")
+            pairs.append((_number(pair[0], f"{where}.window[{i}]"), _number(pair[1], f"{where}.window[{i}]")))
+        guarded = obj.get("guarded", False)
+        if not isinstance(guarded, bool):
+            raise ConfigError(f"{where}.guarded: expected true or false")
+        return cls(pairs, guarded)
+
+
 class AdmissionModel:
     """What the controller has learned: p(hit) (``hits``, a :class:`HitModel`, default
-    :class:`BetaHitModel`) and costs (:class:`CostModel`). An Engine keeps one across its
-    runs; :meth:`save`/:meth:`load` keep it in a JSON file (``aospec run --calibration``)."""
+    :class:`BetaHitModel`), costs (:class:`CostModel`) and the no-regret guard's recent
+    steps (:class:`GuardState`). An Engine keeps one across its runs; :meth:`save`/:meth:`load`
+    keep it in a JSON file (``aospec run --calibration``)."""
 
-    def __init__(self, hits: HitModel | None = None, costs: CostModel | None = None) -> None:
+    def __init__(
+        self, hits: HitModel | None = None, costs: CostModel | None = None, guard: GuardState | None = None
+    ) -> None:
         self.hits: HitModel = hits if hits is not None else BetaHitModel()
         self.costs = costs if costs is not None else CostModel()
+        self.guard = guard if guard is not None else GuardState()
 
     def fit_costs(self, traces: Sequence[Trace]) -> None:
         """Learn tool times (and CPU per tool second where a step recorded its CPU) from the
@@ -513,7 +574,13 @@ class AdmissionModel:
             raise ConfigError(
                 f"admission model: its hit model {type(hits).__name__} has no to_json(); it cannot be saved"
             )
-        return {"format": MODEL_FORMAT, "version": _MODEL_VERSION, "hits": hits.to_json(), "costs": self.costs.to_json()}
+        return {
+            "format": MODEL_FORMAT,
+            "version": _MODEL_VERSION,
+            "hits": hits.to_json(),
+            "costs": self.costs.to_json(),
+            "guard": self.guard.to_json(),
+        }
 
     @classmethod
     def from_json(cls, obj: Any, where: str = "admission model") -> AdmissionModel:
@@ -524,6 +591,7 @@ class AdmissionModel:
         return cls(
             BetaHitModel.from_json(obj.get("hits", {}), f"{where}: hits"),
             CostModel.from_json(obj.get("costs", {}), f"{where}: costs"),
+            GuardState.from_json(obj.get("guard", {}), f"{where}: guard"),
         )
 
     @classmethod
@@ -680,9 +748,8 @@ class Admission:
         self._inflight: Action | None = None
         self._launches = 0
         self._step_cost_s = 0.0
-        self._window: collections.deque[tuple[float, float]] = collections.deque(maxlen=max(1, config.guard_window))
-        self.guarded = False
-        self._since_probe = PROBE_EVERY
+        #: the guard's recent steps, the model's: shared with this Engine's other runs
+        self._guard = model.guard
         # forks priced (launched or refused) by their target step: (candidate, origin, key)
         self._pending: dict[int, list[tuple[Candidate, str, str]]] = {}
         self._pending_n = 0
@@ -758,19 +825,18 @@ class Admission:
         else:
             spent = max(0.0, overhead - costs.overhead_base.get(0.0))
             costs.overhead_launch.add(spent / self._launches)
-        self._window.append((hidden_ns * 1e-9, self._step_cost_s + spent))
-        if self._config.guard_window and len(self._window) == self._window.maxlen:
-            benefit = sum(b for b, _ in self._window)
-            cost = sum(c for _, c in self._window)
-            if not self.guarded and cost > benefit:
-                self.guarded = True
-            elif self.guarded and benefit > cost and benefit > 0:
-                self.guarded = False
+        guard = self._guard
+        guard.step(hidden_ns * 1e-9, self._step_cost_s + spent, min(self._config.guard_window, MAX_GUARD_WINDOW))
         if self.guarded and self.on:
             self._ledger.guarded_step()
-        self._since_probe += 1
         self._launches = 0
         self._step_cost_s = 0.0
+
+    @property
+    def guarded(self) -> bool:
+        """Whether the no-regret guard holds speculation back (only probes go), with a
+        ``guard_window`` (0: never)."""
+        return bool(self._config.guard_window) and self._guard.guarded
 
     def stream_cores(self) -> float:
         """Cores one decode stream takes on this host: ``stream_cores`` where the
@@ -905,7 +971,7 @@ class Admission:
             reason = "memory"
         elif benefit <= cost:
             reason = "price"
-        elif self.guarded and waste > 0 and self._since_probe < PROBE_EVERY:
+        elif self.guarded and waste > 0 and self._guard.since_probe < PROBE_EVERY:
             reason = "guard"  # (a guess that costs nothing if wrong is not held back)
         else:
             reason = "probe" if self.guarded and waste > 0 else "admitted"
@@ -914,7 +980,7 @@ class Admission:
                 if lease is None:
                     reason = "budget"
             if reason == "probe":
-                self._since_probe = 0
+                self._guard.since_probe = 0
         launch = reason in ("admitted", "probe", "off")
         if launch:
             self._launches += 1

@@ -8,8 +8,9 @@ outcomes are those of drafters that never saw the trace, as they will be live). 
 outcome goes into one :class:`aospec.admission.AdmissionModel`, as it would in a live run;
 so do the tool times (and the CPU, where the traces recorded it) of every execution. What
 belongs to the model endpoint and the host rather than to the traces (decode times, the
-critical path's overhead) is left out: a run learns them itself. ``aospec run
---train-traces DIR --calibration FILE`` fits and saves one (docs/live.md).
+critical path's overhead, the no-regret guard's realised steps) is left out: a run learns
+them itself. ``aospec run --train-traces DIR --calibration FILE`` fits and saves one
+(docs/live.md).
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from aospec.replay.policies import DrafterSet, parse_policy
 from aospec.replay.sandbox import resolve_state_model
 from aospec.replay.sweep import _run_one, _seed_trio_scheduler, check_tpots
 
-from aospec.admission import AdmissionModel, CostModel
+from aospec.admission import AdmissionModel, CostModel, GuardState
 from aospec.errors import ConfigError
 from aospec.types import Trace
 
@@ -56,6 +57,9 @@ def fit_admission(
     p = dataclasses.replace(p, engine=dataclasses.replace(p.engine, admission="off"))
     state_model, _ = resolve_state_model(traces, state_model)
     model = model if model is not None else AdmissionModel()
+    # the guard's steps are the host's realised benefit and cost, which a replay with
+    # every candidate launched says nothing of: the model's own are kept as they were
+    guard = GuardState(model.guard.window, model.guard.guarded)
     tpot_ns = ms_to_ns(tpot_ms)
     by_task: dict[str, list[Trace]] = {}
     for t in traces:
@@ -76,4 +80,5 @@ def fit_admission(
     fitted.tool, fitted.tool_all = model.costs.tool, model.costs.tool_all
     fitted.cpu, fitted.cpu_all = model.costs.cpu, model.costs.cpu_all
     model.costs = fitted  # decode times and overhead are the endpoint's and the host's: learned live
+    model.guard = guard
     return model

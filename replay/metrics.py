@@ -13,8 +13,12 @@
   speculative fork (JASV reuse), over the same. ``obs_canonical_hit_rate``: steps whose
   observation a draft matched only once canonicalised (policies with
   ``accept=canonical``; not included in ``obs_hit_rate``), over the same.
-- ``wasted_tool_s``: total tool time spent in forks that were discarded;
-  ``wasted_decode_s``: total decoding of cancelled provisional continuations.
+- ``wasted_tool_s``: total tool time spent in forks that were discarded (wall time, a
+  paused fork's included); ``wasted_cpu_s``: the CPU those forks used (on a contended
+  host, ``--cores``, what the simulated host metered: a paused fork uses none; without
+  one, a fork is taken to use a core for its whole tool time, so it equals
+  ``wasted_tool_s``); ``wasted_decode_s``: total decoding of cancelled provisional
+  continuations.
 - ``mean_ceiling_saving``: the same mean for the policy's matching ceiling (NaN when
   ceilings were not checked).
 - ``drafter_failures``: drafting calls that failed (their candidates were dropped), summed
@@ -86,6 +90,7 @@ class PolicySummary:
     obs_exact_by_length: tuple[float, ...] = ()
     action_accuracy_by_width: tuple[float, ...] = ()
     action_accuracy_by_distance: tuple[float, ...] = ()
+    wasted_cpu_s: float = 0.0
 
     def to_json(self) -> dict[str, Any]:
         out = asdict(self)
@@ -121,6 +126,7 @@ class _Group:
         "forks_reused",
         "wasted_tool_ns",
         "wasted_decode_ns",
+        "wasted_cpu_ns",
         "forks_launched",
         "drafts_started",
         "unknown_tool_steps",
@@ -207,6 +213,7 @@ class _Group:
             if n["action_steps"]
             else (),
             action_accuracy_by_distance=_rates(self.counts["action_hits_by_distance"], self.counts["action_targets_by_distance"]),
+            wasted_cpu_s=n["wasted_cpu_ns"] * 1e-9,
         )
 
 

@@ -94,7 +94,8 @@ class TraceResult:
     :class:`aospec.ledger.EngineStatistics` fields ``tool_hidden_ns``, ``decode_hidden_ns``
     and ``overhead_ns`` (the overhead is 0 in virtual time); ``routes_fired``,
     ``routed_forks_launched`` and ``routed_forks_reused`` are its routing counters (0 for a
-    policy without a router).
+    policy without a router); ``wasted_cpu_ns`` is its ``wasted_cpu_ns``, the CPU the
+    discarded forks used (metered on a contended host; else their tool time).
     """
 
     trace_id: str
@@ -134,6 +135,7 @@ class TraceResult:
     action_hits_by_width: tuple[int, ...] = ()
     action_targets_by_distance: tuple[int, ...] = ()
     action_hits_by_distance: tuple[int, ...] = ()
+    wasted_cpu_ns: int = 0
 
     @property
     def saving(self) -> float:
@@ -271,6 +273,7 @@ def _check_and_record(
         drafts_hit=st.drafts_hit,
         wasted_tool_ns=st.wasted_tool_ns,
         wasted_decode_ns=st.wasted_decode_ns,
+        wasted_cpu_ns=st.wasted_cpu_ns,
         unknown_tool_steps=len(world.unknown_tool_steps),
         drafts_canonical_hit=st.drafts_canonical_hit,
         drafter_failures=failures.count,

@@ -37,6 +37,10 @@ is this process's CPU over the speculative (serial) runs: the engine, the actor'
 parsing and serve-trace's serving, apart from the sandboxes' ``wasted_cpu_s``.
 ``--policy serial`` runs the engine with speculation on but no guess (no drafter, no
 branch, no fork): its saving is the measurement's own noise and the engine's bare cost.
+``fork_wasted_cpu_s`` is the CPU the discarded guesses used, each in its own fork's cgroup
+(``wasted_cpu_s``, the difference of the two runs' sandbox CPU, also holds the committed
+commands' run-to-run variation). ``--carry-model``: a session's speculative runs continue
+from the controller's model its previous run left, as an Engine's runs do.
 
 Usage:
   .venv/bin/python scripts/bench_live.py [--json] [--quick] [--plot live.png] [--out DIR]
@@ -228,11 +232,25 @@ CALIBRATION: dict[str, Any] = {}
 BUDGET: Any = None
 
 
-def calibrated_model(policy: str = "aospec") -> Any:
+#: ``--carry-model``: each session's speculative runs of one repeat continue from the
+#: controller's model the session's previous run left (as an Engine's runs do, and the runs
+#: of ``aospec run --calibration FILE``), by (policy, session); emptied at every repeat.
+CARRY: dict[tuple[str, int], Any] | None = None
+
+
+def calibrated_model(policy: str = "aospec", slot: int = 0) -> Any:
+    """The controller's model a speculative run of ``policy`` starts from: a copy of the
+    calibrated one, or with ``--carry-model`` the one session ``slot``'s last run left."""
     from aospec.admission import AdmissionModel
 
+    if CARRY is not None and (policy, slot) in CARRY:
+        return CARRY[(policy, slot)]
     model = CALIBRATION.get(policy)
-    return AdmissionModel.from_json(model) if model is not None else None
+    fresh = AdmissionModel.from_json(model) if model is not None else None
+    if CARRY is not None:
+        CARRY[(policy, slot)] = fresh if fresh is not None else AdmissionModel()
+        return CARRY[(policy, slot)]
+    return fresh
 
 
 def peak_rss_mb() -> float:
@@ -272,6 +290,7 @@ async def run_agent(
     measure_cpu: bool = False,
     tag: str = "",
     policy: str = "aospec",
+    slot: int = 0,
 ) -> Run:
     """One run of ``traj`` in a fresh sandbox: the project copied to /work, then the agent;
     with ``specbox`` (aospec.live.specbox_layer.SpecBoxOptions) under that layer (its Markov
@@ -281,7 +300,7 @@ async def run_agent(
     becomes the recorded step's ``tool_cpu_s`` where the sandbox did not meter it (replay's
     contention model reads it). ``tag`` ends the recorded trace's id; ``policy`` names the
     policy whose calibrated controller a speculative run starts from (``drafters`` carry its
-    engine configuration)."""
+    engine configuration), ``slot`` the session it is (:func:`calibrated_model`)."""
     from aospec.live.actors import OpenAIChatActor
     from aospec.live.agent import Agent
     from aospec.live.record import step_of
@@ -323,7 +342,7 @@ async def run_agent(
                 step_limit=len(traj.steps) + 2,
                 router=box.router,
                 on_step=on_step,
-                admission_model=calibrated_model(policy) if speculate else None,
+                admission_model=calibrated_model(policy, slot) if speculate else None,
                 budget=BUDGET if speculate else None,
             )
             cpu0 = children_cpu_s()
@@ -443,6 +462,7 @@ class TpotFigures:
         saving = 1 - spec_wall / serial_wall if serial_wall else 0.0
         wasted_cpu = sum(p.cpu_s - s.cpu_s for s, p in self.runs)
         serial_cpu = sum(s.cpu_s for s, _ in self.runs)
+        fork_cpu = sum(x.wasted_cpu_s for x in st)
         return {
             "tpot_ms": self.tpot_ms,
             "policy": self.policy,
@@ -481,6 +501,15 @@ class TpotFigures:
             if wasted_cpu > 0
             else None,
             "wasted_cpu_per_serial_cpu": round(wasted_cpu / serial_cpu, 3) if serial_cpu > 0 else None,
+            # the same two from the CPU the discarded guesses themselves used (each fork's own
+            # cgroup, the engine's ``wasted_cpu_s``): the difference above also holds how much
+            # more (or less) CPU the committed commands happened to use in this run than in the
+            # serial one, which on a shared host moves by more than every guess together
+            "fork_wasted_cpu_s": round(fork_cpu, 3),
+            "tool_hidden_per_fork_cpu_s": round(sum(x.tool_time_hidden_s for x in st) / fork_cpu, 3)
+            if fork_cpu > 0
+            else None,
+            "fork_cpu_per_serial_cpu": round(fork_cpu / serial_cpu, 3) if serial_cpu > 0 else None,
             "cpu_source": children_cpu_s.source,
             "wasted_tool_s": round(sum(x.speculative_tool_time_wasted_s for x in st), 3),
             "overhead_ms_per_step": round(1000 * sum(x.overhead_s for x in st) / steps, 3) if steps else 0.0,
@@ -496,6 +525,7 @@ class TpotFigures:
             # actor's stream parsing and serve-trace's serving (sandbox CPU is apart)
             "serial_process_cpu_s": round(sum(c[0] for c in self.process_cpu), 3),
             "process_cpu_s": round(sum(c[1] for c in self.process_cpu), 3),
+            "carry_model": CARRY is not None,
             "lossless": not self.diverged and not self.box_diverged,
             "diverged": self.diverged,
             **self.specbox_figures(serial_wall),
@@ -680,7 +710,7 @@ async def run_batch(
     tag = kw.pop("tag", "")
 
     async def one(j: int) -> None:
-        runs[j] = await run_agent(batch[j], base_url, staged, tag=f"{tag}.s{j}", **kw)
+        runs[j] = await run_agent(batch[j], base_url, staged, tag=f"{tag}.s{j}", slot=j, **kw)
 
     cpu0, t0 = children_cpu_s(), time.monotonic()
     async with anyio.create_task_group() as tg:
@@ -735,6 +765,8 @@ async def measure_tpot(
     from aospec.live.serve_trace import serve_trace
 
     specs = [(policy, drafters), *more]
+    if CARRY is not None:
+        CARRY.clear()  # each repeat's sessions start from the calibrated model again
     figs = [TpotFigures(tpot_ms, policy=name, sessions=sessions, background_load=background_load) for name, _ in specs]
     # the arms of a batch: the serial runs (SERIAL_ARM), then each policy's; rotated as a
     # whole, so no arm always runs first (right after the last batch's writeback)
@@ -1017,6 +1049,7 @@ def print_table(rows: Sequence[dict[str, Any]], policies: bool = False) -> None:
         ("wasted", "forks_wasted", "{}"),
         ("rebased", "forks_rebased", "{}"),
         ("wasted CPU", "wasted_cpu_s", "{:.1f} s"),
+        ("fork CPU", "fork_wasted_cpu_s", "{:.2f} s"),
         ("overhead/step", "overhead_ms_per_step", "{:.2f} ms"),
         ("peak RSS", "peak_rss_mb", "{:.0f} MB"),
         ("lossless", "lossless", "{}"),
@@ -1133,6 +1166,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         "training runs (what aospec run --train-traces does)",
     )
     ap.add_argument(
+        "--carry-model",
+        action="store_true",
+        help="each session's speculative runs continue from the controller's model its previous run left (an "
+        "Engine's runs, or aospec run --calibration FILE run after run), instead of each from the calibrated one",
+    )
+    ap.add_argument(
         "--train-traces",
         action="append",
         default=None,
@@ -1221,8 +1260,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         train = [*train, *extra_train]
         drafters = default_drafters(train, policy=args.policy)
         more = [(p, default_drafters(train, policy=p)) for p in policies[1:]]
-        global BUDGET
+        global BUDGET, CARRY
         BUDGET = host_budget(args.speculation_budget)  # auto unless given: aospec run's default
+        CARRY = {} if args.carry_model else None
         for note in BUDGET.notes if BUDGET is not None else ():
             log(f"note: {note}")
         log(f"host speculation budget: {'none' if BUDGET is None else f'{BUDGET.slots} slot(s)'}")

@@ -277,6 +277,56 @@ def test_the_guard_falls_back_to_probes_when_speculation_does_not_pay(window):
         assert stats.forks_launched == len(script)
 
 
+def test_the_guard_spans_an_engines_runs_and_a_saved_model(tmp_path):
+    """Tasks shorter than the window: one run alone never fills it, the Engine's runs
+    together do, and a model saved after them starts the next Engine guarded."""
+    task = [Action.bash("sleep 5 && cat a")] * 5
+    config = EngineConfig(guard_window=8)
+
+    async def main():
+        engine = Engine(
+            actor_of(task), InMemorySandbox({"a": "A\n"}), action_drafters=[wrong(seconds=5)], config=config,
+            admission_model=AdmissionModel(hits=AlwaysSure()),
+        )
+        per_run = []
+        for _ in range(4):
+            await engine.run(History("t"), steps=len(task))
+            st = engine.statistics()
+            per_run.append((st.guarded_steps, st.refused_guard, st.forks_launched))
+        return engine, per_run
+
+    engine, per_run = run_virtual(main)
+    assert per_run[0] == (0, 0, len(task))  # 5 steps: the window of 8 is not full yet
+    assert all(g > 0 and r > 0 for g, r, _ in per_run[2:])  # held back from the second run on
+    assert per_run[3][2] <= 1  # at most a probe
+    path = tmp_path / "calibration.json"
+    engine.admission_model.hits = BetaHitModel()  # (AlwaysSure cannot be saved)
+    engine.admission_model.save(path)
+    saved = json.loads(path.read_text())["guard"]
+    assert saved["guarded"] is True and len(saved["window"]) == 20
+    loaded = AdmissionModel.load(path)
+    loaded.hits = AlwaysSure()
+
+    async def again():
+        ref, _ = await serial(task, files={"a": "A\n"})
+        engine = Engine(
+            actor_of(task), InMemorySandbox({"a": "A\n"}), action_drafters=[wrong(seconds=5)], config=config,
+            admission_model=loaded,
+        )
+        return ref, await engine.run(History("t"), steps=len(task)), engine.statistics()
+
+    ref, history, st = run_virtual(again)
+    assert history == ref
+    assert st.guarded_steps == len(task) and st.refused_guard >= len(task) - 1
+    for bad, where in (
+        ({"window": [[1.0]]}, r"guard\.window\[0\]: expected \[benefit, cost\]"),
+        ({"window": [[1.0, -2.0]]}, r"guard\.window\[0\]: expected a finite number >= 0"),
+        ({"guarded": "yes"}, r"guard\.guarded: expected true or false"),
+    ):
+        with pytest.raises(ConfigError, match=where):
+            AdmissionModel.from_json({"format": MODEL_FORMAT, "version": 1, "guard": bad})
+
+
 def test_the_guard_lets_speculation_back_once_a_probe_pays():
     # the first 12 guesses are wrong, then the drafter gets it right
     script = [Action.bash("sleep 5 && cat a")] * 40

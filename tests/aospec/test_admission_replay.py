@@ -12,7 +12,7 @@ from aospec.replay.calibrate import fit_admission
 from aospec.replay.policies import DrafterSet, parse_policies
 from aospec.replay.sweep import replay_trace
 
-from aospec.admission import AdmissionModel, Candidate
+from aospec.admission import AdmissionModel, Candidate, GuardState
 from aospec.errors import ConfigError
 
 
@@ -44,6 +44,12 @@ def test_a_model_fitted_by_replaying_traces_is_saved_loaded_and_used(bundled, tm
     model = fit_admission(train)
     assert len(model.hits) > 0
     assert model.costs.decode.n == 0  # the endpoint's decode time is learned live, not from traces
+    # ...and so are the guard's realised steps: a model fitted further keeps its own
+    assert not model.guard.window and not model.guard.guarded
+    mine = AdmissionModel()
+    mine.guard = GuardState([(0.0, 1.0)] * 3, guarded=True)
+    fit_admission(train[:2], model=mine)
+    assert list(mine.guard.window) == [(0.0, 1.0)] * 3 and mine.guard.guarded
     path = tmp_path / "calibration.json"
     model.save(path)
     loaded = AdmissionModel.load(path)

@@ -286,6 +286,19 @@ def test_a_contended_speculative_replay_stays_lossless_and_is_measured_against_s
         assert spec.ceiling_ns > 0
 
 
+def test_wasted_cpu_is_what_discarded_forks_used_on_the_host_not_their_wall_time(bundled) -> None:
+    """Without a host a fork is taken to use a core for its whole tool time; on a busy one
+    its background share and its pauses keep its CPU far below the wall time it held."""
+    ds = DrafterSet(bundled[3:])
+    policies = parse_policies("aospec:admission=off")
+    trace = bundled[0]
+    (plain,) = replay_trace(trace, policies, [10.0], ds, check_ceilings=False)
+    assert plain.wasted_tool_ns > 0 and plain.wasted_cpu_ns == plain.wasted_tool_ns
+    (busy,) = replay_trace(trace, policies, [10.0], ds, host=HostModel(2, 2), check_ceilings=False)
+    assert 0 < busy.wasted_cpu_ns < busy.wasted_tool_ns / 10
+    assert busy.to_json()["wasted_cpu_ns"] == busy.wasted_cpu_ns
+
+
 def test_a_contended_sweep_is_the_same_on_every_worker_count(bundled) -> None:
     policies = parse_policies("serial,aospec")
     runs = [

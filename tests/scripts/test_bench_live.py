@@ -66,6 +66,7 @@ def test_one_json_line_per_tpot_and_lossless(tmp_path: Path) -> None:
             "obs_hit_rate",
             "action_hit_rate",
             "wasted_cpu_s",
+            "fork_wasted_cpu_s",
             "overhead_ms_per_step",
             "peak_rss_mb",
             "predicted_saving",
@@ -73,6 +74,11 @@ def test_one_json_line_per_tpot_and_lossless(tmp_path: Path) -> None:
         ):
             assert isinstance(r[key], (int, float)), key
         assert 0 <= r["obs_hit_rate"] <= 1 and 0 <= r["action_hit_rate"] <= 1
+        # the discarded guesses' own CPU (their cgroups) is never negative, unlike the
+        # difference of the two runs' sandbox CPU, and is 0 when no guess was thrown away
+        assert r["fork_wasted_cpu_s"] >= 0
+        if r["forks_wasted"] == 0:
+            assert r["fork_wasted_cpu_s"] == 0
     bytecode = [r for r in lines if "cache_only_steps" in r]
     assert len(bytecode) == 1 and bytecode[0]["diverged_without"] == []
     assert png.stat().st_size > 1000
@@ -96,12 +102,12 @@ def test_load_conditions_with_repeats_and_the_replays_prediction(tmp_path: Path)
     """--compare: two sessions at once beside one background process, two interleaved
     repeats; the quiet serial reference records each step's CPU time for the replay."""
     png = tmp_path / "load.png"
-    args = ["--tpots", "1", "--compare", "--sessions", "2", "--background-load", "1", "--repeats", "2"]
+    args = ["--tpots", "1", "--compare", "--sessions", "2", "--background-load", "1", "--repeats", "2", "--carry-model"]
     proc = _bench(*args, "--no-bytecode-check", "--plot", str(png), "--out", str(tmp_path / "o"), tmp_path=tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     (row,) = [json.loads(line) for line in proc.stdout.splitlines() if line.strip()]
     assert (row["sessions"], row["background_load"], row["repeats"], row["tasks"]) == (2, 1, 2, 2)
-    assert row["lossless"] is True and row["diverged"] == []
+    assert row["lossless"] is True and row["diverged"] == [] and row["carry_model"] is True
     for key in ("serial_s", "speculative_s", "saving"):
         assert row[f"{key}_min"] <= row[key] <= row[f"{key}_max"], key
     for key in ("predicted_saving", "prediction_error", "predicted_saving_no_contention", "replay_serial_s"):
