@@ -56,6 +56,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import itertools
 import json
 import math
 import os
@@ -516,9 +517,10 @@ class GuardState:
         self.since_probe += 1
         if window <= 0 or len(w) < window:
             return
-        recent = list(w)[-window:]
-        benefit = sum(b for b, _ in recent)
-        cost = sum(c for _, c in recent)
+        benefit = cost = 0.0
+        for b, c in itertools.islice(reversed(w), window):
+            benefit += b
+            cost += c
         if not self.guarded and cost > benefit:
             self.guarded = True
         elif self.guarded and benefit > cost and benefit > 0:
