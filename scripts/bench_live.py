@@ -463,6 +463,7 @@ class TpotFigures:
         wasted_cpu = sum(p.cpu_s - s.cpu_s for s, p in self.runs)
         serial_cpu = sum(s.cpu_s for s, _ in self.runs)
         fork_cpu = sum(x.wasted_cpu_s for x in st)
+        hidden = sum(x.tool_time_hidden_s for x in st)
         return {
             "tpot_ms": self.tpot_ms,
             "policy": self.policy,
@@ -477,7 +478,7 @@ class TpotFigures:
             "speculative_latency_s": round(sum(x.latency_s for x in st), 3),
             "speculative_tool_s": round(sum(x.tool_time_s for x in st), 3),
             "tool_s": round(sum(s.result.statistics.tool_time_s for s, _ in self.runs), 3),
-            "tool_hidden_s": round(sum(x.tool_time_hidden_s for x in st), 3),
+            "tool_hidden_s": round(hidden, 3),
             "decode_hidden_s": round(sum(x.decode_time_hidden_s for x in st), 3),
             "obs_hit_rate": round(sum(x.drafts_hit for x in st) / steps, 4) if steps else 0.0,
             # observation branches started, and guesses (forks and branches) the controller
@@ -497,7 +498,7 @@ class TpotFigures:
             "serial_cpu_s": round(serial_cpu, 3),
             # issue 22's efficiency figures: tool time hidden per wasted sandbox CPU-second,
             # and the wasted sandbox CPU against the serial runs' own
-            "tool_hidden_per_wasted_cpu_s": round(sum(x.tool_time_hidden_s for x in st) / wasted_cpu, 3)
+            "tool_hidden_per_wasted_cpu_s": round(hidden / wasted_cpu, 3)
             if wasted_cpu > 0
             else None,
             "wasted_cpu_per_serial_cpu": round(wasted_cpu / serial_cpu, 3) if serial_cpu > 0 else None,
@@ -506,7 +507,7 @@ class TpotFigures:
             # more (or less) CPU the committed commands happened to use in this run than in the
             # serial one, which on a shared host moves by more than every guess together
             "fork_wasted_cpu_s": round(fork_cpu, 3),
-            "tool_hidden_per_fork_cpu_s": round(sum(x.tool_time_hidden_s for x in st) / fork_cpu, 3)
+            "tool_hidden_per_fork_cpu_s": round(hidden / fork_cpu, 3)
             if fork_cpu > 0
             else None,
             "fork_cpu_per_serial_cpu": round(fork_cpu / serial_cpu, 3) if serial_cpu > 0 else None,
