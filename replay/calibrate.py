@@ -58,8 +58,8 @@ def fit_admission(
     state_model, _ = resolve_state_model(traces, state_model)
     model = model if model is not None else AdmissionModel()
     # the guard's steps are the host's realised benefit and cost, which a replay with
-    # every candidate launched says nothing of: the model's own are kept as they were
-    guard = GuardState(model.guard.window, model.guard.guarded)
+    # every candidate launched says nothing of: the model's own are set aside meanwhile
+    guard, model.guard = model.guard, GuardState()
     tpot_ns = ms_to_ns(tpot_ms)
     by_task: dict[str, list[Trace]] = {}
     for t in traces:

@@ -247,10 +247,10 @@ def calibrated_model(policy: str = "aospec", slot: int = 0) -> Any:
         return CARRY[(policy, slot)]
     model = CALIBRATION.get(policy)
     fresh = AdmissionModel.from_json(model) if model is not None else None
-    if CARRY is not None:
-        CARRY[(policy, slot)] = fresh if fresh is not None else AdmissionModel()
-        return CARRY[(policy, slot)]
-    return fresh
+    if CARRY is None:
+        return fresh
+    # (without a calibration the run's own model, so that what it learns is carried)
+    return CARRY.setdefault((policy, slot), fresh if fresh is not None else AdmissionModel())
 
 
 def peak_rss_mb() -> float:
