@@ -156,8 +156,10 @@ MIN_FREE_CORES = 0.5
 #: Free cores the host must have for a speculative fork's reads to be traced (the tracer
 #: multiplies its command's CPU; read-set validation is an investment only a spare core pays).
 TRACE_FREE_CORES = 1.0
-#: How often the command the agent waits on is sampled while it runs (s).
+#: How often the command the agent waits on is sampled while it runs (s), while a guess
+#: runs that could yield to it; with none, memory is checked every MEMORY_CHECK_SAMPLES-th.
 SAMPLE_INTERVAL_S = 0.02
+MEMORY_CHECK_SAMPLES = 10
 #: Memory one fork is assumed to hold (no seam meters it), memory that must stay available,
 #: the memory stall share (PSI) above which forks are dropped, and the price of one fork's
 #: memory when it is all that is left (s).

@@ -39,7 +39,7 @@ from typing import TYPE_CHECKING, cast
 import anyio
 import anyio.lowlevel
 
-from aospec.admission import SAMPLE_INTERVAL_S, TARGET, Admission, Decision, forks_to_run
+from aospec.admission import MEMORY_CHECK_SAMPLES, SAMPLE_INTERVAL_S, TARGET, Admission, Decision, forks_to_run
 from aospec.engine_config import EngineConfig
 from aospec.errors import StateUnknownError
 from aospec.ledger import Ledger, label, short
@@ -575,20 +575,36 @@ class Forks:
     async def _yield_loop(self, sandbox: Sandbox, caps: SandboxCapabilities) -> None:
         """Every SAMPLE_INTERVAL_S: the cores the command the agent waits on used since the
         last sample decide which guesses run (:meth:`_yield_to`); memory pressure drops the
-        lowest-value fork. Paused forks are resumed when it ends."""
+        lowest-value fork. Paused forks are resumed when it ends. While no guess runs that
+        could yield, the command is not sampled (beside a CPU-bound command on a busy host
+        the engine's own CPU is the command's) and memory is checked every
+        MEMORY_CHECK_SAMPLES-th time (launches check it too)."""
         clock = self._clock
-        cpu0, t0 = self._cpu_of(sandbox, caps), clock.now_ns()
+        # on the engine's clock: in replay a second of the event loop is a nanosecond
+        sleep_ns = clock.sleep_ns if isinstance(clock, SleepingClock) else None
+        interval_ns = round(SAMPLE_INTERVAL_S * 1e9)
+        # (cpu, t) of the last sample; None while no guess could be paused: nothing is read
+        # then (beside a CPU-bound command this loop's own CPU is the committed step's)
+        mark: tuple[int | None, int] | None = None
+        idle = 0
         try:
             while True:
-                # on the engine's clock: in replay a second of the event loop is a nanosecond
-                if isinstance(clock, SleepingClock):
-                    await clock.sleep_ns(round(SAMPLE_INTERVAL_S * 1e9))
+                if sleep_ns is not None:
+                    await sleep_ns(interval_ns)
                 else:
                     await anyio.sleep(SAMPLE_INTERVAL_S)
-                cpu, now = self._cpu_of(sandbox, caps), clock.now_ns()
-                if cpu is not None and cpu0 is not None and now > t0:
-                    await self._yield_to((cpu - cpu0) / (now - t0))
-                cpu0, t0 = cpu, now
+                if not self.registry:
+                    mark = None  # no guess at all: nothing to yield, nothing to drop
+                    continue
+                if self._any_pausable():
+                    cpu, now = self._cpu_of(sandbox, caps), clock.now_ns()
+                    if mark is not None and cpu is not None and mark[0] is not None and now > mark[1]:
+                        await self._yield_to((cpu - mark[0]) / (now - mark[1]))
+                    mark, idle = (cpu, now), 0
+                else:
+                    mark, idle = None, idle + 1
+                    if idle % MEMORY_CHECK_SAMPLES:
+                        continue
                 self._drop_for_memory()
         finally:
             # Why shielded: the command ended (or the run is over); a guess must not stay frozen.
@@ -596,6 +612,13 @@ class Forks:
                 for fork in self.registry:
                     if fork.paused:
                         await self._resume(fork)
+
+    def _any_pausable(self) -> bool:
+        """Whether a speculative fork runs that :meth:`_yield_to` could pause (or has paused)."""
+        return any(
+            f.running and f.sandbox is not None and f.capabilities.pausable and f not in self._awaited
+            for f in self.registry
+        )
 
     async def _yield_to(self, command_cores: float) -> None:
         """Pause the speculative forks the host has no room for while the command the agent

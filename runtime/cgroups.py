@@ -38,6 +38,9 @@ class CommandCgroup:
         self.limits = limits
         self.pooled: list[Path] = []
         self.cpu_before_ns = 0  # CPU counted in a cgroup the command left (the pool's)
+        # controller -> its directory among ``dirs``: looked up on every CPU sample (the
+        # engine samples the running command every 20 ms); cleared where ``dirs`` changes
+        self._with: dict[str, Path | None] = {}
 
     def add(self, pid: int) -> None:
         for d in self.dirs:
@@ -69,13 +72,18 @@ class CommandCgroup:
     def _dir_with(self, controller: str) -> Path | None:
         if self.owner.version == 2:
             return self.dirs[0] if self.dirs else None
+        try:
+            return self._with[controller]
+        except KeyError:
+            pass
         root = self.owner.roots.get(controller)
-        if root is None:
-            return None
-        for d in self.dirs:
-            if d.is_relative_to(root):
-                return d
-        return None
+        found = None if root is None else next((d for d in self.dirs if d.is_relative_to(root)), None)
+        self._with[controller] = found
+        return found
+
+    def moved(self) -> None:
+        """``dirs`` changed (the command left the pool): look its controllers up again."""
+        self._with.clear()
 
     @property
     def can_freeze(self) -> bool:
@@ -316,6 +324,7 @@ class Cgroups:
             if "cpuacct" in cs or self.version == 2:
                 cg.cpu_before_ns += _cpu_usage(old, self.version) or 0
             cg.dirs[cg.dirs.index(old)] = new
+            cg.moved()
             cg.pooled.remove(old)
             with contextlib.suppress(OSError):
                 old.rmdir()
@@ -394,7 +403,12 @@ def _cpu_usage(d: Path, version: int) -> int | None:
     """CPU time (ns) of cgroup ``d`` and below: v1 cpuacct.usage, v2 cpu.stat's usage_usec."""
     try:
         if version == 1:
-            return int((d / "cpuacct.usage").read_text())
+            # one open and read: sampled every 20 ms while a command runs beside guesses
+            fd = os.open(f"{d}/cpuacct.usage", os.O_RDONLY | os.O_CLOEXEC)
+            try:
+                return int(os.read(fd, 64))
+            finally:
+                os.close(fd)
         for line in (d / "cpu.stat").read_text().splitlines():
             if line.startswith("usage_usec "):
                 return int(line.split()[1]) * 1000

@@ -478,6 +478,46 @@ def test_guesses_pause_while_the_command_the_agent_waits_on_is_cpu_bound(host, p
         assert took < 1 + 2 + 1 + 1 + 1 + 0.5  # both burns ran side by side, nothing waited
 
 
+class CountingBusySandbox(BusySandbox):
+    """A BusySandbox that counts the reads of its CPU meter (forks share the count)."""
+
+    def __init__(self, *args, reads=None, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.reads = reads if reads is not None else [0]
+
+    @property
+    def cpu_ns(self):
+        self.reads[0] += 1
+        return super().cpu_ns
+
+    async def fork(self):
+        child = await super().fork()  # (of this class: InMemorySandbox.fork keeps the type)
+        child.reads = self.reads
+        return child
+
+
+def test_the_command_the_agent_waits_on_is_not_sampled_while_no_guess_could_yield_to_it():
+    # Beside a CPU-bound command on a busy host, sampling it every 20 ms costs the command
+    # CPU. A guess that already ended (a quick wrong one, kept for JASV) cannot yield: while
+    # "burn 2" and "burn 3" run, nothing is sampled; a guess still running is sampled for.
+    quick = ScriptedActionDrafter(lambda h: [ActionDraft(Action.bash("cat a"), 0, 0.9)] if len(h) == 0 else [])
+
+    async def main():
+        ref, ref_sb = await serial(BURN, BusySandbox, files={"a": "A\n"})
+        ended = CountingBusySandbox({"a": "A\n"})
+        out = await _run(BURN, [quick], EngineConfig(branch_budget=0), sandbox=ended)
+        running = CountingBusySandbox({"a": "A\n"})
+        with_forks = await _run(BURN, [burn_targets()], EngineConfig(branch_budget=0), sandbox=running)
+        return ref, ref_sb, out, with_forks
+
+    ref, ref_sb, (history, sb, engine), (history2, sb2, engine2) = run_virtual(main)
+    assert history == ref == history2 and sb.files == ref_sb.files == sb2.files
+    # 5 s of burning sampled every 20 ms would be ~250 reads; each step reads it a few times
+    assert engine.statistics().forks_launched == 1 and sb.reads[0] <= 3 * len(BURN)
+    # with guesses to yield to the burning step, it is sampled (and they are paused)
+    assert engine2.statistics().forks_paused >= 1 and sb2.reads[0] > 50
+
+
 def test_a_fork_that_cannot_pause_costs_one_counted_failure_and_runs_on():
     async def main():
         ref, _ = await serial(BURN, BusySandbox, files={"a": "A\n"})
