@@ -584,8 +584,9 @@ class Forks:
         sleep_ns = clock.sleep_ns if isinstance(clock, SleepingClock) else None
         interval_ns = round(SAMPLE_INTERVAL_S * 1e9)
         # (cpu, t) of the last sample; None while no guess could be paused: nothing is read
-        # then (beside a CPU-bound command this loop's own CPU is the committed step's)
-        mark: tuple[int | None, int] | None = None
+        # then (beside a CPU-bound command this loop's own CPU is the committed step's).
+        # Guesses running as the command starts are judged from its start, as always.
+        mark = (self._cpu_of(sandbox, caps), clock.now_ns()) if self._any_pausable() else None
         idle = 0
         try:
             while True:

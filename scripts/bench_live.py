@@ -40,7 +40,9 @@ branch, no fork): its saving is the measurement's own noise and the engine's bar
 ``fork_wasted_cpu_s`` is the CPU the discarded guesses used, each in its own fork's cgroup
 (``wasted_cpu_s``, the difference of the two runs' sandbox CPU, also holds the committed
 commands' run-to-run variation). ``--carry-model``: a session's speculative runs continue
-from the controller's model its previous run left, as an Engine's runs do.
+from the controller's model its previous run left, as an Engine's runs do. ``--profile-cpu
+DIR``: this process's CPU time by function over each condition's serial and speculative
+arms, and what the speculative ones spent beyond the serial ones (DIR/*.diff.txt).
 
 Usage:
   .venv/bin/python scripts/bench_live.py [--json] [--quick] [--plot live.png] [--out DIR]
@@ -236,6 +238,71 @@ BUDGET: Any = None
 #: controller's model the session's previous run left (as an Engine's runs do, and the runs
 #: of ``aospec run --calibration FILE``), by (policy, session); emptied at every repeat.
 CARRY: dict[tuple[str, int], Any] | None = None
+
+
+#: ``--profile-cpu``: a CPU-time profiler per (TPOT, condition, arm) over the timed runs,
+#: enabled around each arm's runs of every repeat (None: no profiling).
+PROFILES: dict[tuple[str, str], Any] | None = None
+
+
+@contextlib.contextmanager
+def profiled(condition: str, arm: str) -> Any:
+    """This process's CPU (``time.process_time``, not wall time) by function while the
+    block runs, into ``PROFILES[(condition, arm)]`` (nothing without ``--profile-cpu``).
+    cProfile sees this thread only: serve-trace's server thread is not in it."""
+    if PROFILES is None:
+        yield
+        return
+    import cProfile
+
+    prof = PROFILES.setdefault((condition, arm), cProfile.Profile(timer=time.process_time))
+    prof.enable()
+    try:
+        yield
+    finally:
+        prof.disable()
+
+
+def write_profiles(directory: str) -> list[str]:
+    """Each profile as ``<condition>.<arm>.prof`` (read with ``python -m pstats``), and per
+    condition ``<condition>.diff.txt``: the functions whose cumulative CPU each policy's
+    runs spent beyond the serial runs', the largest first. Returns the files written."""
+    import io
+    import pstats
+
+    out = Path(directory)
+    out.mkdir(parents=True, exist_ok=True)
+    written: list[str] = []
+    assert PROFILES is not None
+    for (condition, arm), prof in sorted(PROFILES.items()):
+        path = out / f"{condition}.{arm}.prof"
+        prof.dump_stats(str(path))
+        written.append(str(path))
+    for condition in sorted({c for c, _ in PROFILES}):
+        serial = PROFILES.get((condition, "serial"))
+        if serial is None:
+            continue
+        base = pstats.Stats(serial).stats  # type: ignore[attr-defined]
+        text = io.StringIO()
+        for (c, arm), prof in sorted(PROFILES.items()):
+            if c != condition or arm == "serial":
+                continue
+            stats = pstats.Stats(prof).stats  # type: ignore[attr-defined]
+            total = sum(v[2] for v in stats.values()) - sum(v[2] for v in base.values())
+            text.write(f"{arm} - serial, {condition}: {total:+.3f} s of this thread's CPU (profiled)\n")
+            text.write("  cumulative CPU s  own CPU s  calls  function\n")
+            rows = []
+            for key in stats.keys() | base.keys():
+                a, b = stats.get(key, (0, 0, 0.0, 0.0)), base.get(key, (0, 0, 0.0, 0.0))
+                rows.append((a[3] - b[3], a[2] - b[2], a[1] - b[1], key))
+            rows.sort(key=lambda r: -r[0])
+            for cum, own, calls, (file, line, name) in rows[:40]:
+                text.write(f"  {cum:+16.3f}  {own:+9.3f}  {calls:+5d}  {file}:{line}({name})\n")
+            text.write("\n")
+        path = out / f"{condition}.diff.txt"
+        path.write_text(text.getvalue())
+        written.append(str(path))
+    return written
 
 
 def calibrated_model(policy: str = "aospec", slot: int = 0) -> Any:
@@ -784,15 +851,26 @@ async def measure_tpot(
                 run_kw = kw if serial else {**kw, "policy": specs[i][0], "drafters": specs[i][1]}
                 await settle()
                 cpu0 = time.process_time()
-                if sessions == 1:
-                    t0 = time.monotonic()
-                    # alone on the host and serial: the serial run records each step's CPU
-                    run = await run_agent(
-                        batch[0], server.base_url, staged, speculate=not serial, measure_cpu=serial, tag=tag, **run_kw
-                    )
-                    runs, wall = [run], time.monotonic() - t0
-                else:
-                    runs, wall = await run_batch(batch, server.base_url, staged, speculate=not serial, tag=tag, **run_kw)
+                condition = f"tpot{tpot_ms:g}.n{sessions}.k{background_load}{'.pyc' if bytecode else ''}"
+                arm = "serial" if serial else "".join(c if c.isalnum() or c in "=-" else "_" for c in specs[i][0])
+                with profiled(condition, arm) if not serial_only else contextlib.nullcontext():
+                    if sessions == 1:
+                        t0 = time.monotonic()
+                        # alone on the host and serial: the serial run records each step's CPU
+                        run = await run_agent(
+                            batch[0],
+                            server.base_url,
+                            staged,
+                            speculate=not serial,
+                            measure_cpu=serial,
+                            tag=tag,
+                            **run_kw,
+                        )
+                        runs, wall = [run], time.monotonic() - t0
+                    else:
+                        runs, wall = await run_batch(
+                            batch, server.base_url, staged, speculate=not serial, tag=tag, **run_kw
+                        )
                 arm_runs[i] = (runs, wall, time.process_time() - cpu0)
             serials, serial_wall, serial_cpu = arm_runs.pop(SERIAL_ARM)
             if serial_only:
@@ -1196,6 +1274,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         default=True,
         help="with --specbox: the Markov drafter fitted on the training runs (default on)",
     )
+    ap.add_argument(
+        "--profile-cpu",
+        default=None,
+        metavar="DIR",
+        help="profile this process's CPU time by function over each condition's serial and speculative arms "
+        "(cProfile with a CPU-time timer, all repeats together): DIR/<condition>.<arm>.prof and "
+        "DIR/<condition>.diff.txt, the functions the speculative runs spent CPU in beyond the serial runs. "
+        "Profiling slows this process: its savings are not the benchmark's",
+    )
     ap.add_argument("--plot", default=None, help="write a PNG plot here")
     ap.add_argument("--out", default=None, help="keep the recorded traces (JSONL) in this directory")
     args = ap.parse_args(argv)
@@ -1261,9 +1348,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         train = [*train, *extra_train]
         drafters = default_drafters(train, policy=args.policy)
         more = [(p, default_drafters(train, policy=p)) for p in policies[1:]]
-        global BUDGET, CARRY
+        global BUDGET, CARRY, PROFILES
         BUDGET = host_budget(args.speculation_budget)  # auto unless given: aospec run's default
         CARRY = {} if args.carry_model else None
+        PROFILES = {} if args.profile_cpu else None
         for note in BUDGET.notes if BUDGET is not None else ():
             log(f"note: {note}")
         log(f"host speculation budget: {'none' if BUDGET is None else f'{BUDGET.slots} slot(s)'}")
@@ -1419,6 +1507,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             (out / "figures.json").write_text(json.dumps({"tpots": rows, **extra}, indent=2) + "\n")
         if args.plot:
             plot(rows, args.plot)
+        if args.profile_cpu and PROFILES:
+            files = write_profiles(args.profile_cpu)
+            log(f"CPU profiles: {len(files)} files in {args.profile_cpu} (the speculative arms' extra: *.diff.txt)")
         if not args.json:
             print_table(rows, policies=len(policies) > 1)
             if specbox is not None:

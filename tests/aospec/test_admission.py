@@ -15,6 +15,7 @@ from aospec.admission import (
     BRANCH,
     MODEL_FORMAT,
     PROBE_EVERY,
+    SAMPLE_INTERVAL_S,
     TARGET,
     AdmissionModel,
     BetaHitModel,
@@ -514,8 +515,13 @@ def test_the_command_the_agent_waits_on_is_not_sampled_while_no_guess_could_yiel
     assert history == ref == history2 and sb.files == ref_sb.files == sb2.files
     # 5 s of burning sampled every 20 ms would be ~250 reads; each step reads it a few times
     assert engine.statistics().forks_launched == 1 and sb.reads[0] <= 3 * len(BURN)
-    # with guesses to yield to the burning step, it is sampled (and they are paused)
+    # with guesses to yield to the burning step, it is sampled (and they are paused), and a
+    # guess running as the step's command starts is paused at the first sample
     assert engine2.statistics().forks_paused >= 1 and sb2.reads[0] > 50
+    events = engine2.ledger.events
+    started = next(e.t_ns for e in events if e.kind is EventKind.REUSE)  # "burn 2": its fork is the step
+    paused = next(e.t_ns for e in events if e.kind is EventKind.PAUSE)
+    assert (paused - started) * 1e-9 == pytest.approx(SAMPLE_INTERVAL_S, abs=1e-3)
 
 
 def test_a_fork_that_cannot_pause_costs_one_counted_failure_and_runs_on():

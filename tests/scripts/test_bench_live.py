@@ -103,9 +103,24 @@ def test_load_conditions_with_repeats_and_the_replays_prediction(tmp_path: Path)
     repeats; the quiet serial reference records each step's CPU time for the replay."""
     png = tmp_path / "load.png"
     args = ["--tpots", "1", "--compare", "--sessions", "2", "--background-load", "1", "--repeats", "2", "--carry-model"]
+    prof = tmp_path / "prof"
+    args += ["--profile-cpu", str(prof)]
     proc = _bench(*args, "--no-bytecode-check", "--plot", str(png), "--out", str(tmp_path / "o"), tmp_path=tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     (row,) = [json.loads(line) for line in proc.stdout.splitlines() if line.strip()]
+    # --profile-cpu: the condition's two arms' CPU profiles (both repeats together), readable
+    # by pstats, and the speculative arm's extra CPU by function
+    import pstats
+
+    assert sorted(p.name for p in prof.iterdir()) == [
+        "tpot1.n2.k1.aospec.prof",
+        "tpot1.n2.k1.diff.txt",
+        "tpot1.n2.k1.serial.prof",
+    ]
+    for arm in ("serial", "aospec"):
+        assert pstats.Stats(str(prof / f"tpot1.n2.k1.{arm}.prof")).total_calls > 0
+    diff = (prof / "tpot1.n2.k1.diff.txt").read_text()
+    assert diff.startswith("aospec - serial, tpot1.n2.k1: ") and "cumulative CPU s" in diff
     assert (row["sessions"], row["background_load"], row["repeats"], row["tasks"]) == (2, 1, 2, 2)
     assert row["lossless"] is True and row["diverged"] == [] and row["carry_model"] is True
     for key in ("serial_s", "speculative_s", "saving"):
