@@ -320,6 +320,24 @@ def calibrated_model(policy: str = "aospec", slot: int = 0) -> Any:
     return CARRY.setdefault((policy, slot), fresh if fresh is not None else AdmissionModel())
 
 
+def remove_private_root(root: str, wait_s: float = 10.0) -> None:
+    """At exit: remove the private state root this process made, once the sessions' state
+    directories in it are gone (their last removals may still be under way: it waits up to
+    ``wait_s``). One that stays non-empty is left, with a line naming it."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            os.rmdir(root)
+            return
+        except FileNotFoundError:
+            return
+        except OSError:
+            if time.monotonic() >= deadline:
+                log(f"note: {root} is not empty; left as it is (aospec gc cleans stale state)")
+                return
+            time.sleep(0.1)
+
+
 def peak_rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
@@ -1322,7 +1340,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     # SIGTERM ends the benchmark as Ctrl-C does: background load and sandboxes are cleaned up
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     if "AOSPEC_STATE_ROOT" not in os.environ:  # a private one: the leak check counts only this run's
-        os.environ["AOSPEC_STATE_ROOT"] = tempfile.mkdtemp(prefix="aospec-bench-live-", dir="/var/tmp")
+        private = tempfile.mkdtemp(prefix="aospec-bench-live-", dir="/var/tmp")
+        os.environ["AOSPEC_STATE_ROOT"] = private
+        atexit.register(remove_private_root, private)
     names = args.tasks.split(",") if args.tasks else (list(QUICK) if args.quick else [t.task for t in MEASURED])
     trajs = [t for t in MEASURED if t.task in names]
     if not trajs:
@@ -1533,7 +1553,3 @@ if __name__ == "__main__":
         sys.exit(main())
     finally:
         children_cpu_s.close()
-        root = os.environ.get("AOSPEC_STATE_ROOT", "")
-        if Path(root).name.startswith("aospec-bench-live-"):
-            with contextlib.suppress(OSError):
-                os.rmdir(root)  # only when the sessions left it empty
