@@ -616,9 +616,17 @@ class Forks:
 
     def _any_pausable(self) -> bool:
         """Whether a speculative fork runs that :meth:`_yield_to` could pause (or has paused)."""
-        return any(
-            f.running and f.sandbox is not None and f.capabilities.pausable and f not in self._awaited
-            for f in self.registry
+        return any(self._yields(f) for f in self.registry)
+
+    def _yields(self, f: ForkEntry) -> bool:
+        """Whether ``f`` is a running guess that yields to the command the agent waits on:
+        pausable, of a class that could be paused in this run, and not awaited by JASV."""
+        return (
+            f.running
+            and f.sandbox is not None
+            and f.capabilities.pausable
+            and f not in self._awaited
+            and type(f.sandbox) not in self._unpausable
         )
 
     async def _yield_to(self, command_cores: float) -> None:
@@ -628,10 +636,9 @@ class Forks:
         now = self._clock.now_ns()
         forks: list[ForkEntry] = []
         for f in self.registry:
-            if not (f.running and f.sandbox is not None and f.capabilities.pausable) or f in self._awaited:
+            if not self._yields(f):
                 continue
-            if type(f.sandbox) in self._unpausable:
-                continue
+            assert f.sandbox is not None
             forks.append(f)
             cpu = self._cpu_of(f.sandbox, f.capabilities)
             if cpu is not None:

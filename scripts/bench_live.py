@@ -320,6 +320,11 @@ def calibrated_model(policy: str = "aospec", slot: int = 0) -> Any:
     return CARRY.setdefault((policy, slot), fresh if fresh is not None else AdmissionModel())
 
 
+def policy_slug(policy: str) -> str:
+    """A policy spec as part of a file or trace name (``aospec:depth=3`` -> ``aospec_depth=3``)."""
+    return "".join(c if c.isalnum() or c in "=-" else "_" for c in policy)
+
+
 def remove_private_root(root: str, wait_s: float = 10.0) -> None:
     """At exit: remove the private state root this process made, once the sessions' state
     directories in it are gone (their last removals may still be under way: it waits up to
@@ -437,7 +442,7 @@ async def run_agent(
             box_summary = box.summary() if specbox is not None else None
     mode = ("specbox" if specbox is not None else "spec") if speculate else "serial"
     if speculate and policy != "aospec":
-        mode += "." + "".join(c if c.isalnum() or c in "=-" else "_" for c in policy)
+        mode += "." + policy_slug(policy)
     steps = [step_of(s) for s in result.steps]
     if measure_cpu:
         steps = [
@@ -859,6 +864,7 @@ async def measure_tpot(
     arms = [SERIAL_ARM] if serial_only else [SERIAL_ARM, *range(len(specs))]
     if rotate:
         arms = arms[rotate % len(arms) :] + arms[: rotate % len(arms)]
+    condition = f"tpot{tpot_ms:g}.n{sessions}.k{background_load}{'.pyc' if bytecode else ''}"  # --profile-cpu's
     async with serve_trace([script_trace(t) for t in trajs], tpot_ms) as server:
         for batch in session_batches(trajs, sessions):
             kw = {"tpot_ms": tpot_ms, "drafters": drafters, "base": base, "bytecode": bytecode}
@@ -869,8 +875,7 @@ async def measure_tpot(
                 run_kw = kw if serial else {**kw, "policy": specs[i][0], "drafters": specs[i][1]}
                 await settle()
                 cpu0 = time.process_time()
-                condition = f"tpot{tpot_ms:g}.n{sessions}.k{background_load}{'.pyc' if bytecode else ''}"
-                arm = "serial" if serial else "".join(c if c.isalnum() or c in "=-" else "_" for c in specs[i][0])
+                arm = "serial" if serial else policy_slug(specs[i][0])
                 with profiled(condition, arm) if not serial_only else contextlib.nullcontext():
                     if sessions == 1:
                         t0 = time.monotonic()
