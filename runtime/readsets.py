@@ -356,6 +356,12 @@ def _read_log(lines: Iterable[str]) -> _Log:
         if body.endswith(" <unfinished ...>"):
             pending[pid] = (body[: -len(" <unfinished ...>")], n)
             continue
+        if body.endswith(" <detached ...>"):
+            # strace let the process go in the middle of a call (the sandbox was killed
+            # under it): it was still running, and the call's record ends there
+            pending.pop(pid, None)
+            log.exits[pid] = ""
+            continue
         r = _RESUMED.match(body)
         if r is not None:
             started = pending.pop(pid, None)
