@@ -61,7 +61,16 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-__all__ = ["MAX_PATH", "EbpfSupport", "EbpfTrace", "EbpfTracer", "ebpf_support", "service_pids", "tracer"]
+__all__ = [
+    "MAX_PATH",
+    "EbpfSupport",
+    "EbpfTrace",
+    "EbpfTracer",
+    "ebpf_support",
+    "service_pids",
+    "stop_tracer",
+    "tracer",
+]
 
 #: Paths longer than this (bpftrace's strings hold 199 bytes: one that fills them may be
 #: cut) make the command untracked.
@@ -889,6 +898,20 @@ def tracer(support: EbpfSupport) -> EbpfTracer:
             raise RuntimeError(_tracer_error) from None
         _tracer = t
         return t
+
+
+def stop_tracer() -> bool:
+    """Stop the process's bpftrace if it runs (True then): its probes cost every system call
+    on the host a little while they are attached (docs/engine.md, "Read sets"). Traces not
+    collected yet are lost (their forks are untracked); the next fork asked to be traced
+    starts it again (``ready_tracer``), which takes seconds of CPU."""
+    global _tracer
+    with _tracer_lock:
+        t, _tracer = _tracer, None
+    if t is None:
+        return False
+    t.stop()
+    return True
 
 
 def service_pids() -> set[int]:

@@ -13,8 +13,15 @@ and what turning the trace into a read set took (``read_set``, off the committed
 in the fork's task, at background priority). Timing-sensitive: run it on a quiet machine;
 figures from a loaded one are noisy.
 
+``--committed`` also measures what the eBPF tracer costs what it does not trace: its probes
+are attached to every system call on the host while bpftrace runs, so the committed step (a
+plain fork) and every other process pay a little per call. Each task's commands run as
+committed plain forks with bpftrace stopped and with it running, and a host process makes
+``getppid`` and ``stat`` calls in a loop (ns per call), the two states in alternating order,
+``--reps`` times; with bpftrace's start time and the CPU its start took.
+
 Usage:
-  .venv/bin/python scripts/bench_readsets.py [--reps 3] [--tasks inventory-discount,...] [--tracers ebpf,strace] [--json]
+  .venv/bin/python scripts/bench_readsets.py [--reps 3] [--tasks inventory-discount,...] [--tracers ebpf,strace] [--committed] [--json]
 
 Run as root; the base is the live benchmark's (``--base``, built on first use).
 """
@@ -158,6 +165,115 @@ async def measure(traj: Any, staged: dict[str, Path], base: str, reps: int, trac
     return rows
 
 
+async def committed(traj: Any, staged: dict[str, Path], base: str) -> tuple[float, float]:
+    """(wall s, CPU s) of the task's commands run as serial execution runs them: each in a
+    plain fork, committed, from the task's start."""
+    cfg = SandboxConfig(
+        base=base,
+        binds=(Bind(str(staged[traj.project]), f"/src/{traj.project}"),),
+        env={**ENV, "PYTHONDONTWRITEBYTECODE": "1"},
+        timeout_s=300,
+    )
+    wall = cpu = 0.0
+    async with open_sandbox(cfg) as sb:
+        await sb.run(f"mkdir -p /work && cp -a /src/{traj.project} /work/{traj.project} && touch -d @1700000000 /work")
+        for _, command in traj.steps:
+            fork = await sb.fork()
+            cpu0, t0 = _children_cpu(), time.perf_counter()
+            result = await fork.run(_timed(command))
+            wall += time.perf_counter() - t0
+            cpu += _children_cpu() - cpu0 + _sandbox_cpu(result.output)
+            await sb.commit(fork)
+    return wall, cpu
+
+
+_SYSCALLS = """
+import os, sys, time
+n = int(sys.argv[1])
+out = []
+for call, arg in ((os.getppid, ()), (os.stat, ("/",))):
+    t0 = time.perf_counter_ns()
+    for _ in range(n):
+        call(*arg)
+    out.append((time.perf_counter_ns() - t0) / n)
+print(*out)
+"""
+
+
+def _syscall_ns(n: int) -> tuple[float, float]:
+    """ns per ``getppid`` and per ``stat`` call of a host process (untraced) in a loop."""
+    import subprocess
+
+    out = subprocess.run([sys.executable, "-c", _SYSCALLS, str(n)], capture_output=True, text=True, check=True)
+    getppid, stat = map(float, out.stdout.split())
+    return getppid, stat
+
+
+def _start_tracer(support: TracerSupport) -> tuple[float, float]:
+    """(wall s, CPU s) of starting the eBPF tracer (compiling and attaching its probes)."""
+    assert support.ebpf is not None
+    cpu0, t0 = resource.getrusage(resource.RUSAGE_CHILDREN), time.perf_counter()
+    ebpf.tracer(support.ebpf)
+    wall = time.perf_counter() - t0
+    c = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return wall, c.ru_utime + c.ru_stime - cpu0.ru_utime - cpu0.ru_stime + _service_cpu()
+
+
+def measure_committed(
+    trajs: list[Any], staged: dict[str, Path], base: str, reps: int, support: TracerSupport, calls: int
+) -> dict[str, Any]:
+    """The committed path and a host process with bpftrace stopped ("off") and running
+    ("on"), alternating which goes first; medians over ``reps``, and the spread."""
+    runs: dict[str, list[dict[str, Any]]] = {"off": [], "on": []}
+    starts: list[tuple[float, float]] = []
+    for r in range(reps):
+        for state in ("off", "on") if r % 2 == 0 else ("on", "off"):
+            print(f"committed path, run {r + 1}/{reps}, tracer {state} ...", file=sys.stderr, flush=True)
+            if state == "off":
+                ebpf.stop_tracer()
+            elif not ebpf.service_pids():
+                starts.append(_start_tracer(support))
+            assert bool(ebpf.service_pids()) == (state == "on")
+            tasks = {t.task: anyio.run(committed, t, staged, base) for t in trajs}
+            getppid, stat = _syscall_ns(calls)
+            runs[state].append({"tasks": tasks, "getppid_ns": getppid, "stat_ns": stat})
+
+    def med(state: str, pick: Any) -> float:
+        return statistics.median(pick(x) for x in runs[state])
+
+    def row(what: str, pick: Any, digits: int = 3) -> dict[str, Any]:
+        off, on = med("off", pick), med("on", pick)
+        return {
+            "what": what,
+            "off": round(off, digits),
+            "on": round(on, digits),
+            "overhead": round(on / off - 1, 4) if off else 0.0,
+            "off_range": [
+                round(min(pick(x) for x in runs["off"]), digits),
+                round(max(pick(x) for x in runs["off"]), digits),
+            ],
+            "on_range": [
+                round(min(pick(x) for x in runs["on"]), digits),
+                round(max(pick(x) for x in runs["on"]), digits),
+            ],
+        }
+
+    rows = []
+    for t in trajs:
+        rows.append(row(f"{t.task} wall s", lambda x, k=t.task: x["tasks"][k][0]))
+        rows.append(row(f"{t.task} CPU s", lambda x, k=t.task: x["tasks"][k][1]))
+    rows.append(row("all wall s", lambda x: sum(w for w, _ in x["tasks"].values())))
+    rows.append(row("all CPU s", lambda x: sum(c for _, c in x["tasks"].values())))
+    rows.append(row("getppid ns", lambda x: x["getppid_ns"], 1))
+    rows.append(row("stat ns", lambda x: x["stat_ns"], 1))
+    return {
+        "reps": reps,
+        "calls": calls,
+        "rows": rows,
+        "starts": [{"wall_s": round(w, 3), "cpu_s": round(c, 3)} for w, c in starts],
+    }
+
+
 def summarize(rows: list[dict[str, Any]], key: str, tracer: str) -> dict[str, Any]:
     plain = sum(r["plain_s"] for r in rows)
     traced = sum(r[f"{tracer}_s"] for r in rows)
@@ -188,6 +304,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--tracers", default=None, help="comma-separated: ebpf, strace (default: each that works here, ebpf first)"
     )
+    ap.add_argument(
+        "--committed",
+        action="store_true",
+        help="also: the committed path and a host process with the eBPF tracer stopped and running",
+    )
+    ap.add_argument(
+        "--calls", type=int, default=200_000, help="system calls of each kind in --committed's loop (default 200000)"
+    )
     args = ap.parse_args(argv)
     support = tracer_support()
     if not support.ok:
@@ -201,24 +325,29 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"--tracers: choose among {', '.join(usable)} (the tracers that work here)")
     names = args.tasks.split(",") if args.tasks else [t.task for t in MEASURED]
     trajs = [t for t in MEASURED if t.task in names]
+    if args.committed and (support.ebpf is None or not support.ebpf.ok):
+        ap.error("--committed: the eBPF tracer does not run here")
+    if args.calls < 1:
+        ap.error("--calls: at least 1")
     if not trajs or args.reps < 1:
         ap.error(f"choose tasks among {', '.join(t.task for t in MEASURED)} and --reps >= 1")
     from aospec.runtime.bases import build_base
 
     if args.base.startswith("debootstrap"):
         build_base(args.base)
-    start_s = None
+    start_s = start_cpu_s = None
     if "ebpf" in tracers and support.ebpf is not None:
         # once per process, before any command: not part of a command's cost
-        t0 = time.perf_counter()
-        ebpf.tracer(support.ebpf)
-        start_s = round(time.perf_counter() - t0, 3)
+        start_s, start_cpu_s = (round(x, 3) for x in _start_tracer(support))
     rows: list[dict[str, Any]] = []
+    on_committed = None
     with tempfile.TemporaryDirectory(prefix="aospec-bench-readsets-") as tmp:
         staged = stage(trajs, Path(tmp))
         for t in trajs:
             print(f"{t.id} ...", file=sys.stderr, flush=True)
             rows += anyio.run(measure, t, staged, args.base, args.reps, tracers)
+        if args.committed:
+            on_committed = measure_committed(trajs, staged, args.base, args.reps, support, args.calls)
     by = {
         tr: {
             "tasks": [summarize([r for r in rows if r["task"] == t.task], t.task, tr) for t in trajs],
@@ -232,6 +361,8 @@ def main(argv: list[str] | None = None) -> int:
         "tracers": tracers,
         "reps": args.reps,
         "ebpf_start_s": start_s,
+        "ebpf_start_cpu_s": start_cpu_s,
+        "committed": on_committed,
         "tasks": by[first]["tasks"],
         "all": by[first]["all"],
         "by_tracer": by,
@@ -242,7 +373,10 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     print(f"tracers: {', '.join(tracers)} ({support.detail}); medians of {args.reps} runs per command and kind")
     if start_s is not None:
-        print(f"the eBPF tracer started in {start_s:.1f} s (once per process, not counted above)")
+        print(
+            f"the eBPF tracer started in {start_s:.1f} s, using {start_cpu_s:.1f} s of CPU"
+            " (once per process, not counted above)"
+        )
     head = (
         "tracer",
         "what",
@@ -256,14 +390,25 @@ def main(argv: list[str] | None = None) -> int:
         "read_set",
         "lines",
     )
-    print("".join(f"{h:>12}" for h in head))
+    print(f"{head[0]:>8}  {head[1]:<20}" + "".join(f"{h:>12}" for h in head[2:]))
     for tr in tracers:
         for s in [*by[tr]["tasks"], by[tr]["all"]]:
             print(
-                f"{tr:>12}{s['what'][:12]:>12}{s['commands']:>12}{s['plain_s']:>11.2f}s{s['traced_s']:>11.2f}s"
+                f"{tr:>8}  {s['what']:<20}{s['commands']:>12}{s['plain_s']:>11.2f}s{s['traced_s']:>11.2f}s"
                 f"{s['wall_overhead']:>12.1%}{s['plain_cpu_s']:>11.2f}s{s['traced_cpu_s']:>11.2f}s"
                 f"{s['cpu_overhead']:>12.1%}{s['read_set_s']:>11.2f}s{s['trace_lines']:>12}"
             )
+    if on_committed is not None:
+        print(
+            f"\nwhat the running eBPF tracer costs what it does not trace (medians of {args.reps} runs"
+            f" per state, alternating; range in brackets):"
+        )
+        print(f"{'':<28}{'stopped':>26}{'running':>26}{'+':>9}")
+        for c in on_committed["rows"]:
+            cells = [f"{c[k]:.2f} [{c[k + '_range'][0]:.2f}-{c[k + '_range'][1]:.2f}]" for k in ("off", "on")]
+            print(f"{c['what']:<28}{cells[0]:>26}{cells[1]:>26}{c['overhead']:>9.1%}")
+        for st in on_committed["starts"]:
+            print(f"bpftrace started again: {st['wall_s']:.1f} s, {st['cpu_s']:.1f} s of CPU")
     return 0
 
 

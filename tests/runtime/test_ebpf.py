@@ -351,3 +351,17 @@ def test_only_this_process_can_mark_a_process(overlay: str) -> None:
         victim.kill()
         victim.wait()
     assert tracer._proc is not None and ebpf.service_pids() == {tracer._proc.pid}
+
+
+@pytest.mark.root
+def test_the_tracer_stops_and_a_traced_fork_starts_it_again(overlay: str) -> None:
+    _ebpf_or_skip()
+    (old,) = ebpf.service_pids()
+    assert ebpf.stop_tracer() and ebpf.service_pids() == set()
+    assert not Path(f"/proc/{old}").exists()  # reaped, its probes detached
+    assert not ebpf.stop_tracer()  # nothing runs: nothing to stop
+    readsets.wait_for_tracer()
+    (new,) = ebpf.service_pids()
+    assert new != old
+    _, reads, why = anyio.run(_traced, "cat /w/a")
+    assert why is None and reads is not None and "w/a" in reads.nodes
