@@ -282,10 +282,15 @@ class NodeHost:
         return {"node_id": self.node_id, "closed_sessions": closed, **self._collect()}
 
     async def shutdown(self) -> int:
-        """Close every session (before the actor is killed)."""
+        """Close every session (before the actor is killed), clean what they left, and remove
+        this node's state root when nothing is left in it (a host of another cluster on the
+        node keeps its stores there, and ``rmdir`` leaves a directory that is not empty)."""
         n = len(self.sessions)
         for sid in list(self.sessions):
             await self.close(sid)
+        self._collect()
+        with contextlib.suppress(OSError):
+            os.rmdir(self.state_root)
         return n
 
     # -- the Sandbox protocol, by handle --------------------------------------------------------

@@ -112,6 +112,9 @@ def test_the_previous_handlers_come_back_and_owned_signals_are_left_alone() -> N
         pass
 
     before = signal.signal(signal.SIGHUP, mine)
+    # SIGTERM's default, as a fresh process has it (a test run earlier in this process, Ray's
+    # for one, may have left a handler of its own)
+    term_before = signal.signal(signal.SIGTERM, signal.SIG_DFL)
     try:
         with interrupt_on_signals():
             assert signal.getsignal(signal.SIGHUP) is mine  # a handler already owns it
@@ -120,6 +123,8 @@ def test_the_previous_handlers_come_back_and_owned_signals_are_left_alone() -> N
         assert signal.getsignal(signal.SIGHUP) is mine
     finally:
         signal.signal(signal.SIGHUP, before)
+        if term_before is not None:  # None: a handler not set from Python, left as it is now
+            signal.signal(signal.SIGTERM, term_before)
 
 
 def test_a_forked_worker_starts_with_the_default_sigterm(tmp_path: Path) -> None:

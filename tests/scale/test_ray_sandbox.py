@@ -159,6 +159,8 @@ async def test_a_full_cluster_pushes_back_with_a_clear_error(scale_dirs: dict[st
             assert c.node_id != d.node_id
     finally:
         full.shutdown()
+    # its hosts shut down: the nodes' state roots they made are gone with them
+    assert list((scale_dirs["state"] / "full").glob("ray-*")) == []
 
 
 POOL = [
