@@ -34,9 +34,12 @@ import json
 import os
 import resource
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
@@ -124,17 +127,25 @@ async def _once(sb: Any, command: str, *, tracer: str | None) -> tuple[Any, floa
     return fork, wall, cpu, parse, lines, tracked
 
 
-async def measure(traj: Any, staged: dict[str, Path], base: str, reps: int, tracers: list[str]) -> list[dict[str, Any]]:
+@asynccontextmanager
+async def _task_sandbox(traj: Any, staged: dict[str, Path], base: str) -> AsyncIterator[Any]:
+    """A sandbox at the task's start: its project copied into /work, as the live benchmark
+    stages it."""
     cfg = SandboxConfig(
         base=base,
         binds=(Bind(str(staged[traj.project]), f"/src/{traj.project}"),),
         env={**ENV, "PYTHONDONTWRITEBYTECODE": "1"},
         timeout_s=300,
     )
-    rows = []
-    kinds = ["plain", *tracers]
     async with open_sandbox(cfg) as sb:
         await sb.run(f"mkdir -p /work && cp -a /src/{traj.project} /work/{traj.project} && touch -d @1700000000 /work")
+        yield sb
+
+
+async def measure(traj: Any, staged: dict[str, Path], base: str, reps: int, tracers: list[str]) -> list[dict[str, Any]]:
+    rows = []
+    kinds = ["plain", *tracers]
+    async with _task_sandbox(traj, staged, base) as sb:
         for i, (_, command) in enumerate(traj.steps):
             figs: dict[str, list[Any]] = {k: [] for k in kinds}
             keep = None
@@ -168,21 +179,11 @@ async def measure(traj: Any, staged: dict[str, Path], base: str, reps: int, trac
 async def committed(traj: Any, staged: dict[str, Path], base: str) -> tuple[float, float]:
     """(wall s, CPU s) of the task's commands run as serial execution runs them: each in a
     plain fork, committed, from the task's start."""
-    cfg = SandboxConfig(
-        base=base,
-        binds=(Bind(str(staged[traj.project]), f"/src/{traj.project}"),),
-        env={**ENV, "PYTHONDONTWRITEBYTECODE": "1"},
-        timeout_s=300,
-    )
     wall = cpu = 0.0
-    async with open_sandbox(cfg) as sb:
-        await sb.run(f"mkdir -p /work && cp -a /src/{traj.project} /work/{traj.project} && touch -d @1700000000 /work")
+    async with _task_sandbox(traj, staged, base) as sb:
         for _, command in traj.steps:
-            fork = await sb.fork()
-            cpu0, t0 = _children_cpu(), time.perf_counter()
-            result = await fork.run(_timed(command))
-            wall += time.perf_counter() - t0
-            cpu += _children_cpu() - cpu0 + _sandbox_cpu(result.output)
+            fork, w, c, *_ = await _once(sb, command, tracer=None)
+            wall, cpu = wall + w, cpu + c
             await sb.commit(fork)
     return wall, cpu
 
@@ -202,8 +203,6 @@ print(*out)
 
 def _syscall_ns(n: int) -> tuple[float, float]:
     """ns per ``getppid`` and per ``stat`` call of a host process (untraced) in a loop."""
-    import subprocess
-
     out = subprocess.run([sys.executable, "-c", _SYSCALLS, str(n)], capture_output=True, text=True, check=True)
     getppid, stat = map(float, out.stdout.split())
     return getppid, stat
