@@ -85,6 +85,7 @@ __all__ = [
     "PROBE_EVERY",
     "PROVISIONAL",
     "REASONS",
+    "ROUND_KINDS",
     "ROUTED",
     "TARGET",
     "Admission",
@@ -93,6 +94,8 @@ __all__ = [
     "Candidate",
     "CostModel",
     "Decision",
+    "DraftRound",
+    "DraftingState",
     "GuardState",
     "HitModel",
     "SavableHitModel",
@@ -171,6 +174,18 @@ MEMORY_PRICE_S = 0.1
 MAX_PENDING = 4096
 #: Action keys whose last tool time is remembered.
 MAX_KEYS = 4096
+#: Drafting rounds of one kind remembered (their mean is what the next is expected to be
+#: worth), how many
+#: must be known before one may be skipped, the candidates one round keeps (the most
+#: valuable first), and how often a kind whose rounds are skipped drafts all the same (a
+#: probe: its rounds' figures stay current).
+ROUND_WINDOW = 8
+ROUND_MIN = 2
+ROUND_CANDIDATES = 16
+ROUND_PROBE_EVERY = 4
+#: Kinds of drafting round: a boundary's targets, a branch's observations, a routed tool's
+#: targets (each named after the kind of candidate it prices).
+ROUND_KINDS = (TARGET, BRANCH, ROUTED)
 
 
 def _late(c: Candidate) -> Candidate:
@@ -393,6 +408,8 @@ class CostModel:
         self.overhead_launch = _Mean()
         self.changes = _Mean()
         self.stream = _Mean()
+        #: CPU-seconds one drafting round of a kind takes in this process (measured live)
+        self.drafting: dict[str, _Mean] = {}
         self._keys: collections.OrderedDict[str, float] = collections.OrderedDict()
 
     def tool_s(self, action: Action, label: str | None = None) -> float:
@@ -418,6 +435,11 @@ class CostModel:
     def stream_cores(self) -> float:
         """Cores of this host one decode stream takes (measured, else PRIOR_STREAM_CORES)."""
         return self.stream.get(PRIOR_STREAM_CORES)
+
+    def drafting_cpu_s(self, kind: str) -> float:
+        """CPU-seconds a drafting round of ``kind`` takes in this process (0 while unmeasured)."""
+        mean = self.drafting.get(kind)
+        return mean.mean if mean is not None and mean.n else 0.0
 
     def decode_s(self, action: Action | None = None) -> float:
         """Expected decode time of a step (that emits ``action``, when known)."""
@@ -464,6 +486,7 @@ class CostModel:
             "overhead_launch": self.overhead_launch.to_json(),
             "changes": self.changes.to_json(),
             "stream": self.stream.to_json(),
+            "drafting": {k: v.to_json() for k, v in self.drafting.items()},
         }
 
     @classmethod
@@ -471,10 +494,14 @@ class CostModel:
         if not isinstance(obj, Mapping):
             raise ConfigError(f"{where}: expected an object")
         model = cls()
-        for name in ("tool", "cpu"):
+        for name in ("tool", "cpu", "drafting"):
             table = obj.get(name, {})
             if not isinstance(table, Mapping):
                 raise ConfigError(f"{where}.{name}: expected an object")
+            if name == "drafting" and (unknown := sorted(set(table) - set(ROUND_KINDS))):
+                raise ConfigError(
+                    f"{where}.drafting: unknown kind of round {unknown[0]!r} (known: {', '.join(ROUND_KINDS)})"
+                )
             setattr(model, name, {str(k): _Mean.from_json(v, f"{where}.{name}.{k}") for k, v in table.items()})
         for name in ("tool_all", "cpu_all", "overhead_base", "overhead_launch", "changes", "stream"):
             if name in obj:
@@ -549,18 +576,100 @@ class GuardState:
         return cls(pairs, guarded)
 
 
+#: One priced candidate of a drafting round, price-free: (benefit net of its overhead share,
+#: the share of its waste that is expected, the CPU-seconds it would waste, the rest of its
+#: waste in seconds: decode and memory). At ``price`` seconds per CPU-second it is worth
+#: ``net - share * (cpu * price + rest)``.
+Figures = tuple[float, float, float, float]
+
+
+class DraftRound:
+    """One drafting round (``kind``: a boundary's targets, a branch's observations, a routed
+    tool's targets): the figures of the candidates it priced, whatever became of them.
+    What the round was worth at a price of a CPU-second is :meth:`value_s`: the sum of what
+    its candidates would have been worth beyond their cost (those worth nothing count 0)."""
+
+    __slots__ = ("cpu_ns", "figures", "kind")
+
+    def __init__(self, kind: str, figures: Sequence[Figures] = ()) -> None:
+        self.kind = kind
+        self.figures: list[Figures] = list(figures)
+        #: the CPU this process spent on the round while it ran (None: not measured)
+        self.cpu_ns: int | None = None
+
+    def add(self, figures: Figures) -> None:
+        if figures[0] > 0:  # (one worth nothing even when free is worth nothing at any price)
+            self.figures.append(figures)
+
+    def value_s(self, price: float) -> float:
+        return sum(max(0.0, net - share * (cpu * price + rest)) for net, share, cpu, rest in self.figures)
+
+    def kept(self) -> DraftRound:
+        """This round as it is remembered: its ROUND_CANDIDATES most valuable candidates."""
+        best = sorted(self.figures, key=lambda f: -f[0])[:ROUND_CANDIDATES]
+        return DraftRound(self.kind, best)
+
+
+class DraftingState:
+    """What drafting rounds were worth lately, per kind (:class:`DraftRound`, the last
+    ROUND_WINDOW of each), and the rounds skipped in a row since the last one drafted. Like
+    the guard's window it belongs to the :class:`AdmissionModel`: an Engine's runs, and runs
+    that load and save one model file, share it."""
+
+    __slots__ = ("rounds", "skipped")
+
+    def __init__(self, rounds: Mapping[str, Sequence[DraftRound]] | None = None) -> None:
+        self.rounds: dict[str, collections.deque[DraftRound]] = {
+            k: collections.deque((rounds or {}).get(k, ()), maxlen=ROUND_WINDOW) for k in ROUND_KINDS
+        }
+        self.skipped: dict[str, int] = dict.fromkeys(ROUND_KINDS, 0)
+
+    def to_json(self) -> dict[str, Any]:
+        return {k: [[list(f) for f in r.figures] for r in rs] for k, rs in self.rounds.items() if rs}
+
+    @classmethod
+    def from_json(cls, obj: Any, where: str = "drafting") -> DraftingState:
+        if not isinstance(obj, Mapping):
+            raise ConfigError(f"{where}: expected an object")
+        rounds: dict[str, list[DraftRound]] = {}
+        for kind, rs in obj.items():
+            if kind not in ROUND_KINDS:
+                raise ConfigError(f"{where}: unknown kind of round {kind!r} (known: {', '.join(ROUND_KINDS)})")
+            if not isinstance(rs, list):
+                raise ConfigError(f"{where}.{kind}: expected a list of rounds")
+            rounds[kind] = []
+            for i, r in enumerate(rs):
+                if not isinstance(r, list):
+                    raise ConfigError(f"{where}.{kind}[{i}]: expected a list of candidates")
+                figures: list[Figures] = []
+                for j, f in enumerate(r):
+                    at = f"{where}.{kind}[{i}][{j}]"
+                    if not (isinstance(f, list) and len(f) == 4):
+                        raise ConfigError(f"{at}: expected [net benefit, share wasted, cpu, other waste]")
+                    net, share, cpu, rest = (_number(x, at) for x in f)
+                    figures.append((net, share, cpu, rest))
+                rounds[kind].append(DraftRound(kind, figures))
+        return cls(rounds)
+
+
 class AdmissionModel:
     """What the controller has learned: p(hit) (``hits``, a :class:`HitModel`, default
-    :class:`BetaHitModel`), costs (:class:`CostModel`) and the no-regret guard's recent
-    steps (:class:`GuardState`). An Engine keeps one across its runs; :meth:`save`/:meth:`load`
+    :class:`BetaHitModel`), costs (:class:`CostModel`), the no-regret guard's recent
+    steps (:class:`GuardState`) and what drafting rounds were worth lately
+    (:class:`DraftingState`). An Engine keeps one across its runs; :meth:`save`/:meth:`load`
     keep it in a JSON file (``aospec run --calibration``)."""
 
     def __init__(
-        self, hits: HitModel | None = None, costs: CostModel | None = None, guard: GuardState | None = None
+        self,
+        hits: HitModel | None = None,
+        costs: CostModel | None = None,
+        guard: GuardState | None = None,
+        drafting: DraftingState | None = None,
     ) -> None:
         self.hits: HitModel = hits if hits is not None else BetaHitModel()
         self.costs = costs if costs is not None else CostModel()
         self.guard = guard if guard is not None else GuardState()
+        self.drafting = drafting if drafting is not None else DraftingState()
 
     def fit_costs(self, traces: Sequence[Trace]) -> None:
         """Learn tool times (and CPU per tool second where a step recorded its CPU) from the
@@ -584,6 +693,7 @@ class AdmissionModel:
             "hits": hits.to_json(),
             "costs": self.costs.to_json(),
             "guard": self.guard.to_json(),
+            "drafting": self.drafting.to_json(),
         }
 
     @classmethod
@@ -596,6 +706,7 @@ class AdmissionModel:
             BetaHitModel.from_json(obj.get("hits", {}), f"{where}: hits"),
             CostModel.from_json(obj.get("costs", {}), f"{where}: costs"),
             GuardState.from_json(obj.get("guard", {}), f"{where}: guard"),
+            DraftingState.from_json(obj.get("drafting", {}), f"{where}: drafting"),
         )
 
     @classmethod
@@ -767,6 +878,14 @@ class Admission:
         self.decodes: DecodeMeter | None = meter if isinstance(meter, DecodeMeter) else None
         self._stream_mark: tuple[int, int] | None = None
         self._measure_streams()
+        #: what drafting rounds were worth lately, the model's (shared with its other runs)
+        self._rounds = model.drafting
+        # the live host's CPU clock of the calling thread, on which drafting rounds are
+        # measured (a simulated host has none: drafting costs nothing in virtual time)
+        cpu = getattr(host, "drafting_cpu", None) if config.drafting_cpu_s is None else None
+        self._drafting_cpu: Callable[[], int] | None = cpu if callable(cpu) else None
+        #: whether drafting rounds are measured (:meth:`drafting_cpu_ns` reads the clock)
+        self.measures_drafting = self._drafting_cpu is not None
 
     # ------------------------------------------------------------------ the host
 
@@ -880,11 +999,83 @@ class Admission:
         # what it has run (tool times are heavy-tailed).
         return max(self._costs.tool_s(self._inflight) - elapsed, OVERRUN * elapsed)
 
+    # ------------------------------------------------------------------ drafting rounds
+
+    def drafting_cpu_ns(self) -> int | None:
+        """The engine thread's CPU time now, on the clock drafting rounds are measured on
+        (None where they are not measured; a clock that fails is counted and not read again)."""
+        clock = self._drafting_cpu
+        if clock is None:
+            return None
+        try:
+            return int(clock())
+        except Exception as exc:
+            self._failed("reading the drafting CPU clock", exc)
+            self._drafting_cpu = None
+            self.measures_drafting = False
+            return None
+
+    def drafting_cpu_s(self, kind: str) -> float:
+        """CPU-seconds one drafting round of ``kind`` takes in this process: ``drafting_cpu_s``
+        where the configuration fixes it, else what was measured where rounds are measured
+        (0 before that; and always 0 where they are not, as in replay, whatever the model
+        learned elsewhere)."""
+        fixed = self._config.drafting_cpu_s
+        if fixed is not None:
+            return float(fixed)
+        return self._costs.drafting_cpu_s(kind) if self.measures_drafting else 0.0
+
+    def begin_round(self, kind: str) -> DraftRound | None:
+        """A drafting round of ``kind`` (ROUND_KINDS) is about to start: the round to price
+        its candidates in (``drafted_in=`` of :meth:`fork` and :meth:`branch`), or None when it is
+        not worth its CPU now and must not run. Drafting is a guess too: it costs this
+        process's CPU (at the host's price, as a fork's does) and is worth what it would
+        launch. A round runs unless at least ROUND_MIN rounds of its kind are known and the
+        last ROUND_WINDOW, priced at the host's price now, were worth less on average than a
+        round's CPU; then every ROUND_PROBE_EVERY-th runs all the same (a probe)."""
+        if self.on and not self._worth_drafting(kind):
+            return None
+        return DraftRound(kind)
+
+    def _worth_drafting(self, kind: str) -> bool:
+        cpu = self.drafting_cpu_s(kind)
+        rounds = self._rounds.rounds[kind]
+        if cpu <= 0 or len(rounds) < ROUND_MIN:
+            return True
+        price = self.price()
+        cost = cpu * price
+        skipped = self._rounds.skipped
+        # what the next round is expected to be worth: the remembered ones' mean, each priced
+        # again at the host's price now
+        if sum(r.value_s(price) for r in rounds) > cost * len(rounds):
+            skipped[kind] = 0
+            return True
+        skipped[kind] += 1
+        if skipped[kind] >= ROUND_PROBE_EVERY:
+            skipped[kind] = 0
+            self._ledger.drafting_round(probe=True)
+            return True
+        self._ledger.drafting_round(skipped=True)
+        return False
+
+    def end_round(self, r: DraftRound) -> None:
+        """Round ``r`` ran to its end: it is remembered, with its CPU where it was measured
+        (``r.cpu_ns``). A round cut short (its boundary passed, its branch's observation
+        came first, it was cancelled) is not: what it would have launched is unknown."""
+        if not self.on:
+            return  # (launching everything, the rounds' worth does not matter)
+        self._rounds.rounds[r.kind].append(r.kept())
+        if r.cpu_ns is not None and self.measures_drafting:
+            self._costs.drafting.setdefault(r.kind, _Mean()).add(max(0, r.cpu_ns) * 1e-9)
+
     # ------------------------------------------------------------------ pricing
 
-    def fork(self, action: Action, *, kind: str, source: str, distance: int, score: float) -> Decision:
+    def fork(
+        self, action: Action, *, kind: str, source: str, distance: int, score: float, drafted_in: DraftRound | None = None
+    ) -> Decision:
         """Price a speculative fork of ``action`` (``kind``: TARGET, PROVISIONAL or ROUTED)
-        ``distance`` steps ahead of the verified history."""
+        ``distance`` steps ahead of the verified history (``drafted_in``: the drafting round
+        that proposed it, which records its figures)."""
         label = tool_label(action)
         c = Candidate(kind, source, label, distance, score)
         costs = self._costs
@@ -905,10 +1096,19 @@ class Admission:
         # it while it stays valid): within LATE_STEPS steps, it has run for up to as long
         late = min(tool, window + min(costs.steps_valid(), LATE_STEPS) * (decode + step))
         cpu = costs.cpu_ratio(label) * busy
-        return self._decide(c, hide_s=min(tool, window), cpu_s=cpu, decode_s=0.0, fork=True, late_hide_s=late)
+        return self._decide(
+            c, hide_s=min(tool, window), cpu_s=cpu, decode_s=0.0, fork=True, late_hide_s=late, drafted_in=drafted_in
+        )
 
     def branch(
-        self, action: Action, *, source: str, level: int, score: float, tool_if_hit_s: float | None = None
+        self,
+        action: Action,
+        *,
+        source: str,
+        level: int,
+        score: float,
+        tool_if_hit_s: float | None = None,
+        drafted_in: DraftRound | None = None,
     ) -> Decision:
         """Price an observation branch: a continuation decoded on a drafted observation of
         ``action`` (the step in flight at level 1), ``level`` drafted observations deep.
@@ -928,7 +1128,9 @@ class Admission:
         else:
             hide = waste
         # a wrong branch's stream takes this host's CPU while it decodes (its local price)
-        return self._decide(c, hide_s=hide, cpu_s=waste * self.stream_cores(), decode_s=waste, fork=False)
+        return self._decide(
+            c, hide_s=hide, cpu_s=waste * self.stream_cores(), decode_s=waste, fork=False, drafted_in=drafted_in
+        )
 
     def pool(self, label: str, *, probability: float, hide_s: float, cpu_s: float, source: str = "pool") -> Decision:
         """Price a SpecBox pool fork (an environment warmed for tool ``label``) that would
@@ -949,7 +1151,15 @@ class Admission:
         return p
 
     def _decide(
-        self, c: Candidate, *, hide_s: float, cpu_s: float, decode_s: float, fork: bool, late_hide_s: float = 0.0
+        self,
+        c: Candidate,
+        *,
+        hide_s: float,
+        cpu_s: float,
+        decode_s: float,
+        fork: bool,
+        late_hide_s: float = 0.0,
+        drafted_in: DraftRound | None = None,
     ) -> Decision:
         p = self._p(c)
         # a fork missed at its step that is emitted later (a late hit) hides ``late_hide_s``
@@ -959,9 +1169,13 @@ class Admission:
         memory_s = 0.0
         if fork and snap is not None and snap.memory_available_bytes:
             memory_s = MEMORY_PRICE_S * FORK_MEMORY_BYTES / snap.memory_available_bytes
-        waste = cpu_s * cpu_price(cfg.cpu_price, snap) + decode_s * cfg.decode_price + memory_s
-        cost = (1.0 - p - late) * waste + self._costs.overhead_s()
+        rest = decode_s * cfg.decode_price + memory_s
+        waste = cpu_s * cpu_price(cfg.cpu_price, snap) + rest
+        overhead = self._costs.overhead_s()
+        cost = (1.0 - p - late) * waste + overhead
         benefit = p * hide_s + late * late_hide_s
+        if drafted_in is not None:
+            drafted_in.add((benefit - overhead, 1.0 - p - late, cpu_s, rest))
         lease = None
         if not self.on:
             reason = "off"

@@ -20,15 +20,17 @@ Its three uses:
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import itertools
 import numbers
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Generator, Iterable, Iterator, Mapping, Sequence
 from contextlib import aclosing
 from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 import anyio
 
-from aospec.admission import ROUTED, TARGET
+from aospec.admission import BRANCH, ROUTED, TARGET, Admission, DraftRound
 from aospec.branches import Branch, BranchState
 from aospec.engine_config import EngineConfig
 from aospec.errors import DrafterError
@@ -53,12 +55,28 @@ if TYPE_CHECKING:
     from anyio import TaskHandle
     from anyio.abc import TaskGroup
 
-__all__ = ["MAX_DRAFTS_PER_CALL", "Drafting"]
+__all__ = ["MAX_DRAFTS_PER_CALL", "Drafting", "charge_offloaded_cpu"]
 
 #: Drafts the engine reads from one drafter call (or one streamed batch); the rest are
 #: dropped and the call counted as a speculative failure. Far above what any sane drafter
 #: returns (a few per source drafter): it only stops a runaway drafter from stalling the loop.
 MAX_DRAFTS_PER_CALL = 4096
+
+#: The drafting round of the drafter call running in this task, where the controller
+#: measures drafting (:func:`charge_offloaded_cpu`).
+_ROUND: contextvars.ContextVar[DraftRound | None] = contextvars.ContextVar("aospec_drafting_round", default=None)
+
+
+def charge_offloaded_cpu(cpu_ns: int) -> None:
+    """Charge ``cpu_ns`` of CPU that the drafter call in progress spent on another thread
+    (an LM drafter's decode: :func:`aospec.drafters.backends.run_blocking` reports its worker
+    thread's) to that call's drafting round, where the speculation controller measures
+    drafting; nothing anywhere else. Call it from the event loop's thread, in the task of
+    the drafter call."""
+    r = _ROUND.get()
+    if r is not None and cpu_ns > 0:
+        r.cpu_ns = (r.cpu_ns or 0) + int(cpu_ns)
+
 
 D = TypeVar("D", ObservationDraft, ActionDraft)
 #: One drafter call of a fan-out: its name in failures, and a function that starts the call
@@ -86,6 +104,7 @@ class Drafting:
         evd: EVDSession | None,
         canonicalizer: ObservationCanonicalizer | None,
         forks: Forks,
+        admission: Admission,
         failed: Failed,
         targets_on: bool,
         provisional_targets_on: bool,
@@ -105,6 +124,7 @@ class Drafting:
         self._evd = evd
         self._canon = canonicalizer
         self._forks = forks
+        self._admission = admission
         self._failed = failed
         # Routed targets are action drafting: off with fork_width 0 (then forks may be off
         # too, and nothing may fork the committed sandbox while the step runs on it).
@@ -117,16 +137,19 @@ class Drafting:
 
     # ------------------------------------------------------------------ the fan-out
 
-    async def _fan_out(self, sources: Sequence[Source], kind: type[D], take: Callable[[str, list[D]], None]) -> None:
+    async def _fan_out(
+        self, sources: Sequence[Source], kind: type[D], take: Callable[[str, list[D]], None], r: DraftRound
+    ) -> None:
         """Call every source, side by side when there are several, and pass each batch of
         well-formed drafts to ``take(source, drafts)`` as it arrives (``source``: the
-        drafter's name, what the speculation controller learns p(hit) by)."""
+        drafter's name, what the speculation controller learns p(hit) by); the CPU this
+        takes is round ``r``'s."""
         if len(sources) == 1:
-            await self._drain(*sources[0], kind, take)
+            await self._drain(*sources[0], kind, take, r)
         else:
             async with anyio.create_task_group() as tg:
                 for who, batches in sources:
-                    tg.start_soon(self._drain, who, batches, kind, take)
+                    tg.start_soon(self._drain, who, batches, kind, take, r)
 
     async def _drain(
         self,
@@ -134,23 +157,37 @@ class Drafting:
         batches: Callable[[], AsyncIterator[object]],
         kind: type[D],
         take: Callable[[str, list[D]], None],
+        r: DraftRound,
     ) -> None:
         """One drafter call: its batches, checked, into ``take``; a failure (of the drafter,
-        or of ``take`` ranking or canonicalising them) only loses the rest of the call."""
+        or of ``take`` ranking or canonicalising them) only loses the rest of the call.
+        Where the controller measures drafting, round ``r`` is charged the CPU of the call's
+        own steps (each resumption of it until it suspends or yields a batch: not what other
+        tasks run while it waits), of the work it hands to another thread where that reports
+        its CPU (:func:`charge_offloaded_cpu`), and of ``take``."""
+        timed = self._admission.measures_drafting
+        token = _ROUND.set(r if timed else None)
         try:
-            stream = aiter(batches())
-        except Exception as exc:
-            self._failed(who, exc)
-            return
-        async with aclosing(stream):  # type: ignore[type-var]
-            while True:
-                try:
-                    take(_source_name(who), self._valid(await anext(stream), kind, who))
-                except StopAsyncIteration:
-                    return
-                except Exception as exc:
-                    self._failed(who, exc)
-                    return
+            try:
+                with self._measured(r):
+                    stream = aiter(batches())
+            except Exception as exc:
+                self._failed(who, exc)
+                return
+            async with aclosing(stream):  # type: ignore[type-var]
+                while True:
+                    try:
+                        step = anext(stream)
+                        batch = await (_Timed(step, self._admission, r) if timed else step)
+                        with self._measured(r):
+                            take(_source_name(who), self._valid(batch, kind, who))
+                    except StopAsyncIteration:
+                        return
+                    except Exception as exc:
+                        self._failed(who, exc)
+                        return
+        finally:
+            _ROUND.reset(token)
 
     def _valid(self, drafts: object, kind: type[D], who: str) -> list[D]:
         """The well-formed drafts of one drafter call (or batch); the malformed ones are
@@ -179,12 +216,22 @@ class Drafting:
 
     # ------------------------------------------------------------------ observations
 
-    async def observations(self, branch: Branch, take: Callable[[str, list[ObservationDraft]], None]) -> None:
+    def observations_round(self) -> DraftRound | None:
+        """The drafting round of a branch's observations, or None when it is not worth its
+        CPU now (:meth:`aospec.admission.Admission.begin_round`)."""
+        return self._admission.begin_round(BRANCH)
+
+    async def observations(
+        self, branch: Branch, take: Callable[[str, list[ObservationDraft]], None], r: DraftRound
+    ) -> None:
         """*Predict observations*: every observation drafter's candidates for ``branch``'s
-        action, each batch into ``take(source, drafts)`` as it is ready."""
+        action, each batch into ``take(source, drafts)`` as it is ready, in round ``r``
+        (:meth:`observations_round`; over when drafting is, cut short when cancelled)."""
         n = max(self._config.draft_candidates, self._config.branch_budget)
         sources = [_observation_source(d, streams, branch, n) for d, streams in self._observation_drafters]
-        await self._fan_out(sources, ObservationDraft, take)
+        await self._fan_out(sources, ObservationDraft, take, r)
+        # (sealed or cancelled meanwhile, this task is cancelled: the round is not remembered)
+        self._admission.end_round(r)
 
     def pick(
         self, drafts: Sequence[ObservationDraft], started: Mapping[str, Branch]
@@ -260,18 +307,44 @@ class Drafting:
         self._targets = self._task_group.start_soon(self._draft_targets, history, self._ledger.step)
 
     async def _draft_targets(self, history: History, step: int) -> None:
+        r = self._admission.begin_round(TARGET)
+        if r is None:
+            return  # not worth its CPU now
         cfg = self._config
         sources: list[Source] = [
             (f"action drafter {type(d).__name__}", _call(d.propose, history, cfg.fork_width, cfg.depth))
             for d in self._action_drafters
         ]
         proposals: list[tuple[str, ActionDraft]] = []
-        await self._fan_out(sources, ActionDraft, lambda who, ds: proposals.extend((who, d) for d in ds))
+        await self._fan_out(sources, ActionDraft, lambda who, ds: proposals.extend((who, d) for d in ds), r)
         if self._ledger.step != step:
-            return  # the boundary passed while drafting: these offsets no longer apply
-        self._launch_best([(w, d) for w, d in proposals if d.offset < cfg.depth], cfg.fork_width)
+            # the boundary passed while drafting: these offsets no longer apply (a round cut
+            # short, not remembered)
+            return
+        with self._measured(r):
+            self._launch_best([(w, d) for w, d in proposals if d.offset < cfg.depth], cfg.fork_width, drafted_in=r)
+        self._admission.end_round(r)
 
-    def _launch_best(self, proposals: list[tuple[str, ActionDraft]], width: int, *, level: int | None = None) -> None:
+    @contextlib.contextmanager
+    def _measured(self, r: DraftRound) -> Iterator[None]:
+        """The CPU of the block (a drafter call's start, taking its drafts, pricing and
+        launching them) is round ``r``'s, where the controller measures drafting."""
+        admission = self._admission
+        t0 = admission.drafting_cpu_ns()
+        try:
+            yield
+        finally:
+            if t0 is not None and (t1 := admission.drafting_cpu_ns()) is not None:
+                r.cpu_ns = (r.cpu_ns or 0) + max(0, t1 - t0)
+
+    def _launch_best(
+        self,
+        proposals: list[tuple[str, ActionDraft]],
+        width: int,
+        *,
+        level: int | None = None,
+        drafted_in: DraftRound | None = None,
+    ) -> None:
         """Launch the ``width`` most likely distinct actions of ``proposals`` (drafter name,
         draft; ties: nearest first) into forks, at their offsets, or at ``level`` for routed
         ones. Each launch is priced first (:meth:`aospec.forks.Forks.launch`): a refused
@@ -288,7 +361,9 @@ class Drafting:
                 continue
             seen.add(d.action.key)
             at = d.offset if level is None else level
-            if self._forks.launch(d.action, at, d.probability, kind=kind, source=who, routed=routed):
+            if self._forks.launch(
+                d.action, at, d.probability, kind=kind, source=who, routed=routed, drafted_in=drafted_in
+            ):
                 launched += 1
 
     # ------------------------------------------------------------------ routing (tool named mid-decode)
@@ -349,20 +424,28 @@ class Drafting:
     async def _draft_routed(self, branch: Branch, tool: str) -> None:
         """The routed drafters' targets for the action ``branch`` is decoding (a router named
         its ``tool``), launched into forks as offset-0 targets of ``branch``'s history."""
+        r = self._admission.begin_round(ROUTED)
+        if r is None:
+            return  # not worth its CPU now
         width = self._config.routed_width
         sources: list[Source] = [
             (f"routed action drafter {type(d).__name__}", _call(d.propose_routed, branch.history, tool, width))
             for d in self._routed_drafters
         ]
         proposals: list[tuple[str, ActionDraft]] = []
-        await self._fan_out(sources, ActionDraft, lambda who, ds: proposals.extend((who, d) for d in ds))
+        await self._fan_out(sources, ActionDraft, lambda who, ds: proposals.extend((who, d) for d in ds), r)
         if branch.state is not BranchState.DECODING:
             # Why: the action is emitted (a routed guess of it is useless now: JASV or the
             # step's own execution has it), or the branch's history never happened. While
-            # it decodes, a level-0 branch is still at the boundary it was routed at.
+            # it decodes, a level-0 branch is still at the boundary it was routed at. (A round
+            # cut short: not remembered.)
             return
         # offset 0 of the branch's history is offset ``level`` of the verified one
-        self._launch_best([(w, d) for w, d in proposals if d.offset == 0], width, level=branch.level)
+        with self._measured(r):
+            self._launch_best(
+                [(w, d) for w, d in proposals if d.offset == 0], width, level=branch.level, drafted_in=r
+            )
+        self._admission.end_round(r)
 
 
 def _observation_source(drafter: ObservationDrafter, streams: bool, branch: Branch, n: int) -> Source:
@@ -374,6 +457,43 @@ def _observation_source(drafter: ObservationDrafter, streams: bool, branch: Bran
         streaming = cast(StreamingObservationDrafter, drafter)
         return who, lambda: streaming.draft_stream(branch.history, action, n)
     return who, lambda: _once(drafter.draft(branch.history, action, n))
+
+
+class _Timed:
+    """``inner`` awaited, charging round ``r`` the CPU of ``inner``'s own steps: each
+    resumption until it suspends or ends, on the controller's drafting CPU clock. What the
+    event loop runs while it is suspended (other sessions, decodes, forks) is not its."""
+
+    __slots__ = ("_admission", "_inner", "_round")
+
+    def __init__(self, inner: Awaitable[Any], admission: Admission, r: DraftRound) -> None:
+        self._inner, self._admission, self._round = inner, admission, r
+
+    def __await__(self) -> Generator[Any, Any, Any]:
+        it = self._inner.__await__()
+        admission, r = self._admission, self._round
+        value: Any = None
+        error: BaseException | None = None
+        while True:
+            t0 = admission.drafting_cpu_ns()
+            try:
+                yielded = it.send(value) if error is None else it.throw(error)
+            except StopIteration as stop:
+                _charge(admission, r, t0)
+                return stop.value
+            except BaseException:
+                _charge(admission, r, t0)
+                raise
+            _charge(admission, r, t0)
+            try:
+                value, error = (yield yielded), None
+            except BaseException as exc:  # thrown in by the event loop (a cancellation): passed on
+                value, error = None, exc
+
+
+def _charge(admission: Admission, r: DraftRound, t0: int | None) -> None:
+    if t0 is not None and (t1 := admission.drafting_cpu_ns()) is not None:
+        r.cpu_ns = (r.cpu_ns or 0) + max(0, t1 - t0)
 
 
 def _call(method: Callable[..., Awaitable[object]], *args: object) -> Callable[[], AsyncIterator[object]]:

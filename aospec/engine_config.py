@@ -76,6 +76,12 @@ class EngineConfig:
       streams (``aospec.host.DecodeMeter``), 0 before the first measurement and in replay;
       a number fixes it (0: streams cost this host nothing; about the cores it decodes on
       for a model served on this host).
+    - ``drafting_cpu_s``: CPU-seconds of this process one drafting round takes (a boundary's
+      targets, a branch's observations, a routed tool's targets; drafting is priced like a
+      guess: a round is skipped while the last ones, priced at the host's price now, would
+      not have paid for it). None (default): measured live per kind of round, 0 before the
+      first measurement and in replay (drafting is then never skipped); a number fixes it
+      (0: drafting is free, never skipped).
     - ``guard_window``: steps over which the no-regret guard compares the realised benefit
       of speculation with its cost (0: no guard).
     - ``read_sets``: read-set validation (docs/engine.md, "Read sets"): where the sandbox
@@ -104,6 +110,7 @@ class EngineConfig:
     cpu_price: float = 0.2
     decode_price: float = 0.0
     stream_cores: float | None = None
+    drafting_cpu_s: float | None = None
     guard_window: int = 16
     read_sets: bool = True
     steps_in_place: bool = True
@@ -132,11 +139,12 @@ class EngineConfig:
             value = getattr(self, name)
             if not (isinstance(value, (int, float)) and math.isfinite(value) and value >= 0):
                 raise ConfigError(f"engine: {name} must be a finite number >= 0, got {value!r}")
-        value = self.stream_cores
-        if value is not None and not (
-            isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value >= 0
-        ):
-            raise ConfigError(f"engine: stream_cores must be a finite number >= 0 or None (measured), got {value!r}")
+        for name in ("stream_cores", "drafting_cpu_s"):
+            value = getattr(self, name)
+            if value is not None and not (
+                isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value >= 0
+            ):
+                raise ConfigError(f"engine: {name} must be a finite number >= 0 or None (measured), got {value!r}")
         if self.accept not in ACCEPTANCE:
             raise ConfigError(f"engine: accept must be one of {', '.join(ACCEPTANCE)}, got {self.accept!r}")
 

@@ -39,7 +39,15 @@ from typing import TYPE_CHECKING, cast
 import anyio
 import anyio.lowlevel
 
-from aospec.admission import MEMORY_CHECK_SAMPLES, SAMPLE_INTERVAL_S, TARGET, Admission, Decision, forks_to_run
+from aospec.admission import (
+    MEMORY_CHECK_SAMPLES,
+    SAMPLE_INTERVAL_S,
+    TARGET,
+    Admission,
+    Decision,
+    DraftRound,
+    forks_to_run,
+)
 from aospec.engine_config import EngineConfig
 from aospec.errors import StateUnknownError
 from aospec.ledger import Ledger, label, short
@@ -356,13 +364,15 @@ class Forks:
         kind: str = TARGET,
         source: str = "",
         routed: bool = False,
+        drafted_in: DraftRound | None = None,
     ) -> bool:
         """Start ``f``: ``action`` in a fork of the committed sandbox, registered at once
         under the version it forks from (False when an equal one is live or running, or the
         controller refuses it). The one place where a speculative launch is decided.
         ``kind`` (``aospec.admission``: a boundary's TARGET, a PROVISIONAL continuation's
         action, a ROUTED target) and ``source`` (the drafter) are what it is priced by;
-        ``routed``: drafted once a router named the tool being decoded (counted apart)."""
+        ``routed``: drafted once a router named the tool being decoded (counted apart);
+        ``drafted_in``: the drafting round that proposed it (which records its price)."""
         try:
             version = self._sandbox.version
         except Exception as exc:
@@ -378,7 +388,9 @@ class Forks:
         admission = self._admission
         if self._pausing:
             self._drop_for_memory()
-        decision = admission.fork(action, kind=kind, source=source, distance=offset, score=probability)
+        decision = admission.fork(
+            action, kind=kind, source=source, distance=offset, score=probability, drafted_in=drafted_in
+        )
         step = self._ledger.step
         admission.priced_fork(decision, version, key, step)
         if not decision.launch:

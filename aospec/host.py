@@ -13,7 +13,8 @@
   and this process's CPU time beside them, from which the controller learns the cores one
   stream takes here (the client's parsing; with a model served in this process, its
   serving too), the local price of an observation branch. :class:`ProcHostMonitor` carries
-  it as ``decodes``; a simulated host (replay) does not, so replay never reads it.
+  it as ``decodes``, and the engine thread's CPU clock as ``drafting_cpu`` (what a drafting
+  round costs); a simulated host (replay) carries neither, so replay never reads them.
 - :class:`SpeculationBudget`: ``--speculation-budget CORES[,MEMORY]``, shared by every session
   of the host: each running speculative fork holds one *slot*, an exclusive ``flock`` on
   one of ``slots`` files in a directory all sessions share (``/run/aospec/speculation``, or
@@ -199,6 +200,9 @@ class ProcHostMonitor:
         self._snapshot: HostSnapshot | None = None
         #: this process's decode streams: the live controller learns a stream's cores from it
         self.decodes: DecodeMeter = DECODES
+        #: the clock drafting rounds are measured on (the engine's thread's CPU time): the live
+        #: controller learns what a round costs from it (a simulated host has none)
+        self.drafting_cpu: Callable[[], int] = time.thread_time_ns
         self.notes: list[str] = []
         """One line per thing this host lacks that the controller would use (PSI)."""
         if _read(self._proc / "pressure" / "cpu") is None:

@@ -169,6 +169,9 @@ class EngineStatistics:
     committed version (also counted in ``forks_reused``; 0 without it, docs/engine.md);
     ``forks_traced``: speculative forks whose reads were traced for it (only while the host
     has a core to spare: the tracer multiplies a command's CPU).
+    ``drafting_skipped``: drafting rounds not run because the last ones, priced at the host's
+    price then, were not worth the CPU a round takes; ``drafting_probes``: rounds run all
+    the same (one in ``aospec.admission.ROUND_PROBE_EVERY``) while they were not.
     """
 
     steps: int
@@ -224,6 +227,8 @@ class EngineStatistics:
 
     forks_rebased: int = 0
     forks_traced: int = 0
+    drafting_skipped: int = 0
+    drafting_probes: int = 0
 
     @property
     def latency_s(self) -> float:
@@ -284,6 +289,8 @@ class Ledger:
         "_decisions",
         "_decode_hidden_ns",
         "_decode_ns",
+        "_drafting_probes",
+        "_drafting_skipped",
         "_drafts_cancelled",
         "_drafts_canonical_hit",
         "_drafts_hit",
@@ -332,6 +339,7 @@ class Ledger:
         self._wasted_cpu_ns = self._guarded = self._paused = self._paused_ns = self._dropped = 0
         self._decisions = dict.fromkeys(_DECISIONS, 0)
         self._forks_rebased = self._forks_traced = 0
+        self._drafting_skipped = self._drafting_probes = 0
         self._warned: set[str] = set()
 
     def _event(self, kind: EventKind, t_ns: int, detail: str, ns: int) -> None:
@@ -447,6 +455,12 @@ class Ledger:
         off, or why it was refused)."""
         self._decisions[reason] += 1
 
+    def drafting_round(self, *, skipped: bool = False, probe: bool = False) -> None:
+        """A drafting round was skipped (not worth its CPU), or run as a probe while rounds
+        of its kind were not."""
+        self._drafting_skipped += skipped
+        self._drafting_probes += probe
+
     def guarded_step(self) -> None:
         """A step was committed while the no-regret guard held speculation back."""
         self._guarded += 1
@@ -525,4 +539,6 @@ class Ledger:
             forks_dropped=self._dropped,
             forks_rebased=self._forks_rebased,
             forks_traced=self._forks_traced,
+            drafting_skipped=self._drafting_skipped,
+            drafting_probes=self._drafting_probes,
         )

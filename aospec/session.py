@@ -37,7 +37,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any, cast
 
-from aospec.admission import PROVISIONAL, Admission, AdmissionModel
+from aospec.admission import PROVISIONAL, Admission, AdmissionModel, DraftRound
 from aospec.branches import Branch, BranchState
 from aospec.drafting import MAX_DRAFTS_PER_CALL, Drafting
 from aospec.engine_config import EngineConfig
@@ -155,6 +155,7 @@ class Session:
             evd=evd,
             canonicalizer=canonicalizer,
             forks=self._forks,
+            admission=admission,
             targets_on=self._targets_on,
             provisional_targets_on=self._provisional_targets_on,
             **common,
@@ -370,9 +371,15 @@ class Session:
 
     def _predict_observations(self, branch: Branch) -> None:
         """*Predict observations* of ``branch``'s action while it runs: drafting starts the
-        continuations ``P`` (see :meth:`_start_continuations`)."""
+        continuations ``P`` (see :meth:`_start_continuations`), unless the round is not
+        worth its CPU now (then ``P`` stays empty)."""
+        r = self._drafting.observations_round()
+        if r is None:
+            # not worth its CPU now: the branch stays DECODED, so that it is asked again
+            # where a decoded branch is drafted for (promoted, or its step executes)
+            return
         branch.state = BranchState.DRAFTING
-        branch.draft_task = self._run.task_group.start_soon(self._draft, branch)
+        branch.draft_task = self._run.task_group.start_soon(self._draft, branch, r)
 
     def _adopt(self, branch: Branch, observation: str, now: int) -> Branch | None:
         """*Adopt the matching continuation* ``B'``: the one whose draft equals
@@ -448,14 +455,19 @@ class Session:
         if branch.level < self._config.obs_depth:
             self._predict_observations(branch)
 
-    async def _draft(self, branch: Branch) -> None:
-        await self._drafting.observations(branch, lambda who, drafts: self._start_continuations(branch, drafts, who))
+    async def _draft(self, branch: Branch, r: DraftRound) -> None:
+        await self._drafting.observations(
+            branch, lambda who, drafts: self._start_continuations(branch, drafts, who, r), r
+        )
         if branch.state is BranchState.DRAFTING:
             branch.state = BranchState.DRAFTED
 
-    def _start_continuations(self, branch: Branch, drafts: Sequence[ObservationDraft], source: str = "") -> None:
+    def _start_continuations(
+        self, branch: Branch, drafts: Sequence[ObservationDraft], source: str = "", r: DraftRound | None = None
+    ) -> None:
         """Start a continuation on each of the best ``drafts`` (:meth:`Drafting.pick`) that
-        the speculation controller admits (the branch start point: each is priced first)."""
+        the speculation controller admits (the branch start point: each is priced first, in
+        drafting round ``r``)."""
         if branch.state is not BranchState.DRAFTING:
             return  # sealed or cancelled while these drafts were made
         run, action = self._run, branch.action
@@ -465,7 +477,7 @@ class Session:
         for d, form in self._drafting.pick(drafts, branch.continuations):
             t_hit = self._drafting.tool_if_hit(d)
             decision = admission.branch(
-                action, source=source, level=branch.level + 1, score=d.probability, tool_if_hit_s=t_hit
+                action, source=source, level=branch.level + 1, score=d.probability, tool_if_hit_s=t_hit, drafted_in=r
             )
             if not decision.launch:
                 branch.refused[d.text] = decision

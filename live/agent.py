@@ -308,6 +308,10 @@ class AgentResult:
                 },
                 "probes": s.probes,
                 "guarded_steps": s.guarded_steps,
+                # drafting rounds not run (not worth their CPU at the host's price), and
+                # those run all the same as probes
+                "drafting_skipped": s.drafting_skipped,
+                "drafting_probes": s.drafting_probes,
             },
             "forks_paused": s.forks_paused,
             "paused_s": round(s.paused_ns * 1e-9, 6),

@@ -575,6 +575,8 @@ class TpotFigures:
             # refused because they cost more than they would hide
             "drafts_started": sum(x.drafts_started for x in st),
             "refused_price": sum(x.refused_price for x in st),
+            # drafting rounds not run: not worth their CPU at the host's price
+            "drafting_skipped": sum(x.drafting_skipped for x in st),
             "action_hit_rate": round(sum(x.forks_reused for x in st) / steps, 4) if steps else 0.0,
             "forks_launched": sum(x.forks_launched for x in st),
             "forks_wasted": sum(x.forks_wasted for x in st),

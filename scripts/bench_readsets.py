@@ -20,8 +20,15 @@ committed plain forks with bpftrace stopped and with it running, and a host proc
 ``getppid`` and ``stat`` calls in a loop (ns per call), the two states in alternating order,
 ``--reps`` times; with bpftrace's start time and the CPU its start took.
 
+``--start-under-load K`` measures only what the eBPF tracer's start (seconds of CPU compiling
+and attaching its probes, once per process) costs a busy host: ``K`` CPU-bound processes each
+burn ``--work`` CPU-seconds, with and without the tracer starting beside them, in alternating
+order, ``--reps`` times: how much longer the busy processes took than their work, and when the
+tracer was ready.
+
 Usage:
   .venv/bin/python scripts/bench_readsets.py [--reps 3] [--tasks inventory-discount,...] [--tracers ebpf,strace] [--committed] [--json]
+  .venv/bin/python scripts/bench_readsets.py --start-under-load 2 [--work 20] [--reps 3] [--json]
 
 Run as root; the base is the live benchmark's (``--base``, built on first use).
 """
@@ -273,6 +280,64 @@ def measure_committed(
     }
 
 
+_BURN = """
+import sys, time
+end = float(sys.argv[1])
+while time.process_time() < end:
+    pass
+"""
+
+
+def start_under_load(support: TracerSupport, load: int, work_s: float, reps: int) -> dict[str, Any]:
+    """The eBPF tracer's start beside ``load`` processes burning ``work_s`` CPU-seconds each:
+    with no start ("none") and with one ("start"), the busy processes' wall time beyond
+    their work (the slowest one) and the tracer's ready time; medians and ranges."""
+    assert support.ebpf is not None
+    modes = ("none", "start")
+    runs: dict[str, list[tuple[float, float | None, float | None]]] = {m: [] for m in modes}
+    for r in range(reps):
+        for m in modes if r % 2 == 0 else modes[::-1]:
+            print(
+                f"tracer start beside {load} busy processes, run {r + 1}/{reps}: {m} ...", file=sys.stderr, flush=True
+            )
+            ebpf.stop_tracer()
+            t0 = time.perf_counter()
+            procs = [subprocess.Popen([sys.executable, "-c", _BURN, str(work_s)]) for _ in range(load)]
+            ready: float | None = None
+            cpu: float | None = None
+            if m != "none":
+                ebpf.tracer(support.ebpf)
+                ready = time.perf_counter() - t0
+                cpu = _service_cpu()
+            for p in procs:
+                p.wait()
+            late = time.perf_counter() - t0 - work_s
+            runs[m].append((late, ready, cpu))
+    ebpf.stop_tracer()
+
+    def stat(values: list[float]) -> dict[str, float]:
+        return {
+            "median": round(statistics.median(values), 3),
+            "min": round(min(values), 3),
+            "max": round(max(values), 3),
+        }
+
+    return {
+        "load": load,
+        "work_s": work_s,
+        "reps": reps,
+        "rows": [
+            {
+                "mode": m,
+                "busy_late_s": stat([x[0] for x in runs[m]]),
+                "ready_s": stat([x[1] for x in runs[m] if x[1] is not None]) if m != "none" else None,
+                "start_cpu_s": stat([x[2] for x in runs[m] if x[2] is not None]) if m != "none" else None,
+            }
+            for m in modes
+        ],
+    }
+
+
 def summarize(rows: list[dict[str, Any]], key: str, tracer: str) -> dict[str, Any]:
     plain = sum(r["plain_s"] for r in rows)
     traced = sum(r[f"{tracer}_s"] for r in rows)
@@ -311,11 +376,45 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--calls", type=int, default=200_000, help="system calls of each kind in --committed's loop (default 200000)"
     )
+    ap.add_argument(
+        "--start-under-load",
+        type=int,
+        default=None,
+        metavar="K",
+        help="only: what the eBPF tracer's start costs K CPU-bound processes beside it",
+    )
+    ap.add_argument(
+        "--work",
+        type=float,
+        default=20.0,
+        help="CPU-seconds each busy process of --start-under-load burns (default 20)",
+    )
     args = ap.parse_args(argv)
     support = tracer_support()
     if not support.ok:
         print(f"bench_readsets: read sets are {support.detail}", file=sys.stderr)
         return 2
+    if args.start_under_load is not None:
+        if support.ebpf is None or not support.ebpf.ok:
+            ap.error("--start-under-load: the eBPF tracer does not run here")
+        if args.start_under_load < 0 or args.work <= 0 or args.reps < 1:
+            ap.error("--start-under-load K >= 0, --work > 0 and --reps >= 1")
+        doc = start_under_load(support, args.start_under_load, args.work, args.reps)
+        if args.json:
+            print(json.dumps(doc, indent=2))
+            return 0
+        print(
+            f"the eBPF tracer's start beside {doc['load']} processes burning {doc['work_s']:.0f} CPU-s each"
+            f" (medians of {doc['reps']}, range in brackets)"
+        )
+        print(f"{'start':<8}{'busy processes late':>28}{'tracer ready':>28}{'its CPU':>24}")
+        for row in doc["rows"]:
+            cells = [
+                "-" if row[k] is None else f"{row[k]['median']:.1f} s [{row[k]['min']:.1f}-{row[k]['max']:.1f}]"
+                for k in ("busy_late_s", "ready_s", "start_cpu_s")
+            ]
+            print(f"{row['mode']:<8}{cells[0]:>28}{cells[1]:>28}{cells[2]:>24}")
+        return 0
     usable = [
         t for t in ("ebpf", "strace") if (t == "ebpf" and support.kind == "ebpf") or (t == "strace" and support.strace)
     ]

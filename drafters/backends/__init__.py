@@ -11,11 +11,14 @@ a missing package gives one MissingDependencyError naming the pip command.
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, Protocol, TypeVar, runtime_checkable
 
 import anyio
+
+from aospec.drafting import charge_offloaded_cpu
 
 __all__ = [
     "BlockingCompletions",
@@ -131,16 +134,23 @@ def is_inline(offload: Offload) -> bool:
 
 async def run_blocking(work: Callable[[threading.Event | None], T], offload: Offload = "auto") -> T:
     """Run ``work(stop)`` for an async caller. Threaded, a cancelled caller sets ``stop``
-    and waits until ``work`` returns: no computation outlives the call."""
+    and waits until ``work`` returns: no computation outlives the call. The worker
+    thread's CPU time is charged to the drafting round of the engine's drafter call this
+    runs for (:func:`aospec.drafting.charge_offloaded_cpu`: a drafting round is priced by
+    its CPU; the CPU of a library's own thread pool, such as torch's intra-op threads
+    beyond the first, is not seen)."""
     if is_inline(offload):
         return work(None)
     stop = threading.Event()
     done = threading.Event()
+    spent = [0]
 
     def run() -> T:
+        t0 = time.thread_time_ns()
         try:
             return work(stop)
         finally:
+            spent[0] = time.thread_time_ns() - t0
             done.set()
 
     try:
@@ -153,6 +163,9 @@ async def run_blocking(work: Callable[[threading.Event | None], T], offload: Off
             while not done.is_set():
                 await anyio.sleep(0.001)
         raise
+    finally:
+        if done.is_set():
+            charge_offloaded_cpu(spent[0])
 
 
 class BlockingCompletions:

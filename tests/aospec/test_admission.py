@@ -15,12 +15,15 @@ from aospec.admission import (
     BRANCH,
     MODEL_FORMAT,
     PROBE_EVERY,
+    ROUND_CANDIDATES,
+    ROUND_PROBE_EVERY,
     SAMPLE_INTERVAL_S,
     TARGET,
     AdmissionModel,
     BetaHitModel,
     Candidate,
     CostModel,
+    DraftRound,
     cpu_price,
     forks_to_run,
     host_config,
@@ -670,3 +673,350 @@ def test_a_branch_pays_for_its_streams_cpu_at_the_hosts_price(host, launched):
         assert costs.stream.n == 0  # nothing measured: no meter, or a fixed figure
     if host == "fixed-free":
         assert sample[1] == 0  # the session did not count its streams
+
+
+# ---------------------------------------------------------------------- drafting priced like a guess
+
+
+class CpuHost:
+    """A host monitor whose drafting CPU clock (as aospec.host.ProcHostMonitor's: the engine
+    thread's CPU time) runs with virtual time, as if the thread were busy all along, plus
+    what :meth:`burn` adds: a round must be charged only what its own steps burn, not the
+    virtual seconds other tasks (or the drafter itself) spend waiting meanwhile."""
+
+    def __init__(self, snapshot: HostSnapshot) -> None:
+        self._snapshot = snapshot
+        self.burned = 0
+        self.readings = 0
+
+    def snapshot(self) -> HostSnapshot:
+        return self._snapshot
+
+    def burn(self, seconds: float) -> None:
+        self.burned += round(seconds * 1e9)
+
+    def drafting_cpu(self) -> int:
+        import trio
+
+        self.readings += 1
+        return int(trio.current_time() * 1e9) + self.burned
+
+
+def counted(drafter):
+    """``drafter`` (a ScriptedActionDrafter or ScriptedObservationDrafter) with a count of
+    the histories it was called for."""
+    calls = []
+    if isinstance(drafter, ScriptedActionDrafter):
+        inner = drafter.propose_fn
+
+        def propose(h):
+            calls.append(len(h))
+            return inner(h)
+
+        drafter.propose_fn = propose
+    else:
+        inner_draft = drafter.propose
+
+        def draft(h, a):
+            calls.append(len(h))
+            return inner_draft(h, a)
+
+        drafter.propose = draft
+    return drafter, calls
+
+
+@pytest.mark.parametrize(
+    ("host", "drafting_cpu_s", "skips"),
+    [("full", 0.05, True), ("quiet", 0.05, True), (None, 0.05, True), ("full", None, False), ("full", 0.0, False)],
+)
+def test_a_drafting_round_is_skipped_while_rounds_are_not_worth_their_cpu(host, drafting_cpu_s, skips):
+    """A drafter whose every target is wrong: once the controller has learned that its
+    targets are never worth launching, a round of drafting that costs CPU (0.05 s here, at
+    the host's price) is not worth running either, so most rounds are skipped but for one
+    probe in ROUND_PROBE_EVERY. Unmeasured (None without a drafting CPU clock: replay) or
+    free (0), drafting always runs. The result is serial's every time."""
+    script = [Action.bash("sleep 5 && cat a")] * 40
+    drafter, calls = counted(wrong(p=0.9))
+
+    async def main():
+        ref, _ = await serial(script, files={"a": "A\n"})
+        monitor = {"full": StaticHostMonitor(FULL), "quiet": StaticHostMonitor(QUIET), None: None}[host]
+        cfg = EngineConfig(drafting_cpu_s=drafting_cpu_s, guard_window=0)
+        return ref, await _run(script, [drafter], cfg, host=monitor)
+
+    ref, (history, sb, engine) = run_virtual(main)
+    assert history == ref and sb.live_forks == 0
+    stats = engine.statistics()
+    drafted = len(calls)
+    assert drafted + stats.drafting_skipped == len(script)  # a round per boundary
+    if skips:
+        # once the last rounds that launched something have left the window, 1 in ROUND_PROBE_EVERY
+        late = [n for n in calls if n >= len(script) // 2]
+        assert len(late) <= len(script) // 2 // ROUND_PROBE_EVERY + 1
+        assert stats.drafting_probes >= 2 and stats.drafting_skipped >= len(script) // 2
+    else:
+        assert stats.drafting_skipped == stats.drafting_probes == 0 and drafted == len(script)
+
+
+def test_drafting_resumes_once_the_host_is_quiet_again():
+    """Rounds skipped on a full host are priced at the host's price now: when the host quiets
+    down, the same remembered rounds are worth their (now cheap) CPU again, and drafting
+    resumes at once, not at the next probe."""
+    script = [Action.bash("sleep 5 && cat a")] * 40
+    drafter, calls = counted(right(script, p=0.3))
+    snapshots = {"now": FULL}
+
+    class Switching:
+        def snapshot(self):
+            return snapshots["now"]
+
+    async def main():
+        ref, _ = await serial(script, files={"a": "A\n"})
+        engine = Engine(
+            actor_of(script),
+            InMemorySandbox({"a": "A\n"}),
+            action_drafters=[drafter],
+            config=EngineConfig(drafting_cpu_s=2.0, guard_window=0, cpu_price=0.0),
+            host=Switching(),
+        )
+        history = await engine.run(History("t"), steps=20)
+        skipped_full = engine.statistics().drafting_skipped
+        snapshots["now"] = QUIET
+        n = len(calls)
+        history = await engine.run(history, steps=len(script) - 20)
+        return ref, history, engine, skipped_full, calls[n:]
+
+    ref, history, engine, skipped_full, quiet_calls = run_virtual(main)
+    assert history == ref
+    assert skipped_full >= 5  # 2 CPU-seconds a round at the full host's price: not worth it
+    # quiet (price 0): every round drafts again, the first one included
+    assert quiet_calls[0] == 20 and len(quiet_calls) == len(script) - 20
+    assert engine.statistics().drafting_skipped == 0  # (this run's statistics)
+
+
+def test_observation_drafting_is_priced_like_a_guess_too():
+    """An observation drafter whose drafts never match, with branches whose streams take
+    this host's CPU: once the branches are priced out, so is drafting them, on a full host."""
+    script = [Action.bash("sleep 3 && cat a")] * 40
+    drafter, calls = counted(ScriptedObservationDrafter(lambda h, a: [ObservationDraft(f"nope {len(h)}", 0.9)]))
+
+    async def main():
+        ref, _ = await serial(script, files={"a": "A\n"})
+        cfg = EngineConfig(fork_width=0, branch_budget=1, stream_cores=1.0, drafting_cpu_s=0.05, guard_window=0)
+        engine = Engine(
+            actor_of(script),
+            InMemorySandbox({"a": "A\n"}),
+            observation_drafters=[drafter],
+            config=cfg,
+            host=StaticHostMonitor(FULL),
+        )
+        return ref, await engine.run(History("t"), steps=len(script)), engine
+
+    ref, history, engine = run_virtual(main)
+    assert history == ref
+    stats = engine.statistics()
+    assert stats.drafting_skipped >= len(script) // 2
+    assert len(calls) + stats.drafting_skipped == len(script)  # a round per step
+
+
+def test_a_rounds_cpu_is_measured_live_and_kept_with_the_model():
+    """Where the host monitor has a drafting CPU clock, each round is charged the CPU of
+    its drafter's own steps and of pricing its drafts: here 3 ms burned by the drafter, and
+    none of the half second it waits (other tasks run then); learned per kind and kept in
+    the model's JSON. A fixed ``drafting_cpu_s`` is never measured, and a clock that fails
+    is one counted failure, then not read again."""
+    script = [Action.bash("sleep 5 && cat a")] * 6
+
+    async def main(fixed, fail=False, delay_s=0.5):
+        host = CpuHost(QUIET)
+        inner = right(script)
+
+        def propose(h):
+            host.burn(0.003)
+            return inner.propose_fn(h)
+
+        if fail:
+            host.drafting_cpu = lambda: 1 // 0  # type: ignore[method-assign]
+        engine = Engine(
+            actor_of(script),
+            InMemorySandbox({"a": "A\n"}),
+            action_drafters=[ScriptedActionDrafter(propose, delay_s=delay_s)],
+            config=EngineConfig(drafting_cpu_s=fixed),
+            host=host,
+        )
+        history = await engine.run(History("t"), steps=len(script))
+        return engine, host, history
+
+    engine, host, _ = run_virtual(lambda: main(None))
+    costs = engine.admission_model.costs
+    assert costs.drafting[TARGET].n == len(script)
+    assert costs.drafting_cpu_s(TARGET) == pytest.approx(0.003)  # not the 0.5 s waited
+    assert costs.drafting_cpu_s(BRANCH) == 0.0
+    model = AdmissionModel.from_json(json.loads(json.dumps(engine.admission_model.to_json())))
+    assert model.costs.drafting_cpu_s(TARGET) == pytest.approx(0.003)
+    assert [r.figures for r in model.drafting.rounds[TARGET]] == [
+        r.figures for r in engine.admission_model.drafting.rounds[TARGET]
+    ]
+    engine, host, _ = run_virtual(lambda: main(0.01))
+    assert host.readings == 0 and not engine.admission_model.costs.drafting
+    engine, host, history = run_virtual(lambda: main(None, fail=True))
+    stats = engine.statistics()
+    assert len(history) == len(script) and stats.forks_reused == len(script)
+    assert stats.speculative_failures == 1 and not engine.admission_model.costs.drafting
+    # a drafter still waiting when its boundary passes is cancelled through the timing: its
+    # rounds are cut short, so neither they nor their CPU are remembered
+    engine, host, history = run_virtual(lambda: main(None, delay_s=30.0))
+    assert len(history) == len(script) and engine.statistics().forks_launched == 0
+    assert not engine.admission_model.costs.drafting and not engine.admission_model.drafting.rounds[TARGET]
+
+
+def test_a_measured_round_cost_skips_rounds_and_a_model_measured_elsewhere_does_not_in_replay():
+    """The round's cost measured live (a drafter burning 50 ms a call, its targets never
+    right, on a full host) skips rounds as a fixed one does; the same model, measured
+    there, given to a run without a drafting CPU clock (replay's simulated host) skips
+    none: drafting costs nothing in virtual time."""
+    script = [Action.bash("sleep 5 && cat a")] * 40
+
+    async def main(measured):
+        host = CpuHost(FULL) if measured else StaticHostMonitor(FULL)
+        inner = wrong(p=0.9)
+
+        def propose(h):
+            if measured:
+                host.burn(0.05)
+            return inner.propose_fn(h)
+
+        drafter, calls = counted(ScriptedActionDrafter(propose))
+        engine = Engine(
+            actor_of(script),
+            InMemorySandbox({"a": "A\n"}),
+            action_drafters=[drafter],
+            config=EngineConfig(guard_window=0),
+            host=host,
+            admission_model=model,
+        )
+        await engine.run(History("t"), steps=len(script))
+        return engine, calls
+
+    model = AdmissionModel()
+    live, live_calls = run_virtual(lambda: main(True))
+    assert len(live_calls) + live.statistics().drafting_skipped == len(script)
+    assert model.costs.drafting_cpu_s(TARGET) == pytest.approx(0.05)
+    assert live.statistics().drafting_skipped >= len(script) // 2
+    replayed, replay_calls = run_virtual(lambda: main(False))
+    assert replayed.statistics().drafting_skipped == 0 and len(replay_calls) == len(script)
+
+
+def test_routed_drafting_is_priced_like_a_guess_too():
+    """A routed drafter whose targets are never right, on a full host: its rounds are
+    skipped once they are not worth their CPU; the run is serial's."""
+    from aospec.testing import ScriptedRoutedActionDrafter, ScriptedRouter, StreamingScriptedActor
+
+    script = [Action.bash("sleep 5 && cat a")] * 40
+    calls = []
+
+    def routed(h, tool):
+        calls.append(len(h))
+        return [ActionDraft(Action.bash(f"sleep 20 && echo {len(h)} > w"), 0, 0.9)]
+
+    def choose(h):
+        return script[len(h)] if len(h) < len(script) else Action.bash("true")
+
+    async def main():
+        ref, _ = await serial(script, files={"a": "A\n"})
+        engine = Engine(
+            StreamingScriptedActor(choose, 1.0),
+            InMemorySandbox({"a": "A\n"}),
+            action_drafters=[ScriptedRoutedActionDrafter(routed)],
+            router=ScriptedRouter(),
+            config=EngineConfig(drafting_cpu_s=0.05, guard_window=0),
+            host=StaticHostMonitor(FULL),
+        )
+        return ref, await engine.run(History("t"), steps=len(script)), engine
+
+    ref, history, engine = run_virtual(main)
+    assert history == ref
+    stats = engine.statistics()
+    assert stats.routes_fired >= len(script) and stats.drafting_skipped >= len(script) // 2
+    assert len([n for n in calls if n >= len(script) // 2]) <= len(script) // 2 // ROUND_PROBE_EVERY + 1
+
+
+def test_a_rounds_value_follows_the_price_and_keeps_its_best_candidates():
+    r = DraftRound(TARGET)
+    r.add((1.0, 0.5, 1.0, 0.0))  # worth 1 s, half of it wasted CPU: 1 - 0.5 * price
+    r.add((0.2, 0.9, 0.0, 0.1))  # no CPU: worth 0.2 - 0.09 at any price
+    r.add((-0.1, 0.0, 0.0, 0.0))  # worth nothing even free: not kept
+    assert len(r.figures) == 2
+    assert r.value_s(0.0) == pytest.approx(1.0 + 0.11)
+    assert r.value_s(4.0) == pytest.approx(0.11)  # the first is worth nothing at 4 s per CPU-s
+    for i in range(ROUND_CANDIDATES + 5):
+        r.add((0.01 * (i + 1), 1.0, 1.0, 0.0))
+    kept = r.kept()
+    assert len(kept.figures) == ROUND_CANDIDATES and kept.figures[0][0] == 1.0
+
+
+@pytest.mark.parametrize(
+    ("drafting", "message"),
+    [
+        ({"nope": []}, "unknown kind of round 'nope'"),
+        ({"target": {}}, "drafting.target: expected a list of rounds"),
+        ({"target": [[[1, 2, 3]]]}, r"drafting.target\[0\]\[0\]: expected \[net benefit"),
+        ({"target": [[[1, -2, 3, 4]]]}, r"drafting.target\[0\]\[0\]: expected a finite number >= 0"),
+    ],
+)
+def test_a_bad_drafting_state_in_a_saved_model_is_one_clear_error(tmp_path, drafting, message):
+    obj = AdmissionModel().to_json()
+    obj["drafting"] = drafting
+    path = tmp_path / "model.json"
+    path.write_text(json.dumps(obj))
+    with pytest.raises(ConfigError, match=message):
+        AdmissionModel.load(path)
+    # a model saved before rounds were kept (no "drafting") loads with none
+    del obj["drafting"]
+    path.write_text(json.dumps(obj))
+    assert not any(AdmissionModel.load(path).drafting.rounds.values())
+
+
+def test_a_drafters_work_on_another_thread_is_charged_to_its_round():
+    """Live (real time, a worker thread): an observation drafter that hands 30 ms of CPU to
+    a thread through aospec.drafters.backends.run_blocking (as the LM drafters do) has its
+    round charged that CPU, though the engine's own thread spent almost none of it; the
+    drafter's waiting is not charged."""
+    import time
+
+    from aospec.drafters.backends import run_blocking
+
+    class ThreadedDrafter:
+        async def draft(self, history, action, n):
+            def burn(stop):
+                t0 = time.thread_time()
+                while time.thread_time() - t0 < 0.03:
+                    pass
+                return [ObservationDraft("nope", 0.5)]
+
+            return await run_blocking(burn, offload="thread")
+
+    class LiveHost:
+        drafting_cpu = staticmethod(time.thread_time_ns)
+
+        def snapshot(self):
+            return QUIET
+
+    script = [Action.bash("sleep 0.2 && cat a")] * 3
+
+    async def main():
+        engine = Engine(
+            actor_of(script, delay=0.01),
+            InMemorySandbox({"a": "A\n"}),
+            observation_drafters=[ThreadedDrafter()],
+            config=EngineConfig(fork_width=0, branch_budget=1),
+            host=LiveHost(),
+        )
+        history = await engine.run(History("t"), steps=len(script))
+        return engine, history
+
+    engine, history = anyio.run(main, backend="trio")
+    assert len(history) == len(script)
+    costs = engine.admission_model.costs
+    assert costs.drafting[BRANCH].n >= 1
+    assert 0.03 <= costs.drafting_cpu_s(BRANCH) < 1.0

@@ -179,6 +179,8 @@ APPENDED = [
     "forks_dropped",
     "forks_rebased",
     "forks_traced",
+    "drafting_skipped",
+    "drafting_probes",
 ]
 
 

@@ -78,6 +78,28 @@ def test_the_committed_path_with_the_tracer_stopped_and_running(tmp_path: Path) 
     assert "tracer off" in proc.stderr and proc.stderr.index("tracer off") < proc.stderr.index("tracer on")
 
 
+def test_the_tracers_start_beside_busy_processes(tmp_path: Path) -> None:
+    """--start-under-load: one busy process burning 0.5 CPU-seconds, with and without the
+    tracer starting beside it; the figures' shape, and that the start was timed."""
+    from aospec.runtime.host import host_support
+    from aospec.runtime.readsets import tracer_support
+
+    problems = host_support()[0].problems()
+    if problems or tracer_support().kind != "ebpf":
+        pytest.skip(f"the eBPF tracer does not run here: {'; '.join(problems) or tracer_support().detail}")
+    proc = _bench(tmp_path, "--start-under-load", "1", "--work", "0.5")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    doc = json.loads(proc.stdout)
+    assert (doc["load"], doc["work_s"], doc["reps"]) == (1, 0.5, 1)
+    none, start = doc["rows"]
+    assert (none["mode"], start["mode"]) == ("none", "start")
+    assert none["ready_s"] is None and none["busy_late_s"]["median"] >= 0
+    assert start["ready_s"]["median"] > 0 and start["start_cpu_s"]["median"] > 0
+    assert start["busy_late_s"]["min"] == start["busy_late_s"]["max"]  # one run
+    bad = _bench(tmp_path, "--start-under-load", "1", "--work", "0")
+    assert bad.returncode == 2 and "--work > 0" in bad.stderr
+
+
 def test_committed_without_the_ebpf_tracer_is_one_clear_error(tmp_path: Path) -> None:
     if shutil.which("strace") is None:
         pytest.skip("strace is not installed")
