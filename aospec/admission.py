@@ -589,13 +589,15 @@ class DraftRound:
     What the round was worth at a price of a CPU-second is :meth:`value_s`: the sum of what
     its candidates would have been worth beyond their cost (those worth nothing count 0)."""
 
-    __slots__ = ("cpu_ns", "figures", "kind")
+    __slots__ = ("cpu_ns", "figures", "kind", "open")
 
     def __init__(self, kind: str, figures: Sequence[Figures] = ()) -> None:
         self.kind = kind
         self.figures: list[Figures] = list(figures)
         #: the CPU this process spent on the round while it ran (None: not measured)
         self.cpu_ns: int | None = None
+        #: running: CPU may still be charged to it (:meth:`Admission.end_round` closes it)
+        self.open = False
 
     def add(self, figures: Figures) -> None:
         if figures[0] > 0:  # (one worth nothing even when free is worth nothing at any price)
@@ -1035,7 +1037,9 @@ class Admission:
         round's CPU; then every ROUND_PROBE_EVERY-th runs all the same (a probe)."""
         if self.on and not self._worth_drafting(kind):
             return None
-        return DraftRound(kind)
+        r = DraftRound(kind)
+        r.open = True
+        return r
 
     def _worth_drafting(self, kind: str) -> bool:
         cpu = self.drafting_cpu_s(kind)
@@ -1059,9 +1063,13 @@ class Admission:
         return False
 
     def end_round(self, r: DraftRound) -> None:
-        """Round ``r`` ran to its end: it is remembered, with its CPU where it was measured
-        (``r.cpu_ns``). A round cut short (its boundary passed, its branch's observation
-        came first, it was cancelled) is not: what it would have launched is unknown."""
+        """Round ``r`` is over, however it ended: it is remembered with what it priced (a
+        round cut short, because its boundary passed or its step's observation came first,
+        launched nothing more: drafting that comes too late is worth nothing), and its CPU
+        where it was measured (``r.cpu_ns``). Nothing is charged to it after this."""
+        if not r.open:
+            return
+        r.open = False
         if not self.on:
             return  # (launching everything, the rounds' worth does not matter)
         self._rounds.rounds[r.kind].append(r.kept())

@@ -74,7 +74,7 @@ def charge_offloaded_cpu(cpu_ns: int) -> None:
     drafting; nothing anywhere else. Call it from the event loop's thread, in the task of
     the drafter call."""
     r = _ROUND.get()
-    if r is not None and cpu_ns > 0:
+    if r is not None and r.open and cpu_ns > 0:
         r.cpu_ns = (r.cpu_ns or 0) + int(cpu_ns)
 
 
@@ -166,28 +166,34 @@ class Drafting:
         tasks run while it waits), of the work it hands to another thread where that reports
         its CPU (:func:`charge_offloaded_cpu`), and of ``take``."""
         timed = self._admission.measures_drafting
-        token = _ROUND.set(r if timed else None)
         try:
-            try:
-                with self._measured(r):
-                    stream = aiter(batches())
-            except Exception as exc:
-                self._failed(who, exc)
-                return
-            async with aclosing(stream):  # type: ignore[type-var]
-                while True:
-                    try:
-                        step = anext(stream)
-                        batch = await (_Timed(step, self._admission, r) if timed else step)
-                        with self._measured(r):
-                            take(_source_name(who), self._valid(batch, kind, who))
-                    except StopAsyncIteration:
-                        return
-                    except Exception as exc:
-                        self._failed(who, exc)
-                        return
-        finally:
-            _ROUND.reset(token)
+            with self._measured(r):
+                stream = aiter(batches())
+        except Exception as exc:
+            self._failed(who, exc)
+            return
+        async with aclosing(stream):  # type: ignore[type-var]
+            while True:
+                try:
+                    step = anext(stream)
+                    if timed:
+                        # the drafter's own call only (not ``take``, whose continuations'
+                        # decodes are priced as branches): what it hands to a worker thread
+                        # is charged to ``r`` (charge_offloaded_cpu)
+                        token = _ROUND.set(r)
+                        try:
+                            batch = await _Timed(step, self._admission, r)
+                        finally:
+                            _ROUND.reset(token)
+                    else:
+                        batch = await step
+                    with self._measured(r):
+                        take(_source_name(who), self._valid(batch, kind, who))
+                except StopAsyncIteration:
+                    return
+                except Exception as exc:
+                    self._failed(who, exc)
+                    return
 
     def _valid(self, drafts: object, kind: type[D], who: str) -> list[D]:
         """The well-formed drafts of one drafter call (or batch); the malformed ones are
@@ -229,9 +235,11 @@ class Drafting:
         (:meth:`observations_round`; over when drafting is, cut short when cancelled)."""
         n = max(self._config.draft_candidates, self._config.branch_budget)
         sources = [_observation_source(d, streams, branch, n) for d, streams in self._observation_drafters]
-        await self._fan_out(sources, ObservationDraft, take, r)
-        # (sealed or cancelled meanwhile, this task is cancelled: the round is not remembered)
-        self._admission.end_round(r)
+        try:
+            await self._fan_out(sources, ObservationDraft, take, r)
+        finally:
+            # (sealed or cancelled meanwhile, the round is over all the same)
+            self._admission.end_round(r)
 
     def pick(
         self, drafts: Sequence[ObservationDraft], started: Mapping[str, Branch]
@@ -310,6 +318,13 @@ class Drafting:
         r = self._admission.begin_round(TARGET)
         if r is None:
             return  # not worth its CPU now
+        try:
+            await self._draft_targets_in(history, step, r)
+        finally:
+            # (cut short by the next boundary, the round is over all the same)
+            self._admission.end_round(r)
+
+    async def _draft_targets_in(self, history: History, step: int, r: DraftRound) -> None:
         cfg = self._config
         sources: list[Source] = [
             (f"action drafter {type(d).__name__}", _call(d.propose, history, cfg.fork_width, cfg.depth))
@@ -318,12 +333,9 @@ class Drafting:
         proposals: list[tuple[str, ActionDraft]] = []
         await self._fan_out(sources, ActionDraft, lambda who, ds: proposals.extend((who, d) for d in ds), r)
         if self._ledger.step != step:
-            # the boundary passed while drafting: these offsets no longer apply (a round cut
-            # short, not remembered)
-            return
+            return  # the boundary passed while drafting: these offsets no longer apply
         with self._measured(r):
             self._launch_best([(w, d) for w, d in proposals if d.offset < cfg.depth], cfg.fork_width, drafted_in=r)
-        self._admission.end_round(r)
 
     @contextlib.contextmanager
     def _measured(self, r: DraftRound) -> Iterator[None]:
@@ -427,6 +439,12 @@ class Drafting:
         r = self._admission.begin_round(ROUTED)
         if r is None:
             return  # not worth its CPU now
+        try:
+            await self._draft_routed_in(branch, tool, r)
+        finally:
+            self._admission.end_round(r)
+
+    async def _draft_routed_in(self, branch: Branch, tool: str, r: DraftRound) -> None:
         width = self._config.routed_width
         sources: list[Source] = [
             (f"routed action drafter {type(d).__name__}", _call(d.propose_routed, branch.history, tool, width))
@@ -437,15 +455,13 @@ class Drafting:
         if branch.state is not BranchState.DECODING:
             # Why: the action is emitted (a routed guess of it is useless now: JASV or the
             # step's own execution has it), or the branch's history never happened. While
-            # it decodes, a level-0 branch is still at the boundary it was routed at. (A round
-            # cut short: not remembered.)
+            # it decodes, a level-0 branch is still at the boundary it was routed at.
             return
         # offset 0 of the branch's history is offset ``level`` of the verified one
         with self._measured(r):
             self._launch_best(
                 [(w, d) for w, d in proposals if d.offset == 0], width, level=branch.level, drafted_in=r
             )
-        self._admission.end_round(r)
 
 
 def _observation_source(drafter: ObservationDrafter, streams: bool, branch: Branch, n: int) -> Source:
@@ -487,6 +503,12 @@ class _Timed:
             _charge(admission, r, t0)
             try:
                 value, error = (yield yielded), None
+            except GeneratorExit:
+                # closed (as a plain ``await`` would be): close the inner awaitable
+                close = getattr(it, "close", None)
+                if close is not None:
+                    close()
+                raise
             except BaseException as exc:  # thrown in by the event loop (a cancellation): passed on
                 value, error = None, exc
 

@@ -260,12 +260,15 @@ class Session:
         forks.inflight = (origin, action.key)
 
         fork = await forks.verify(action, emitted_ns) if self._use_forks else None
+        # (once per step: a branch whose round was skipped stays DECODED)
+        predict = self._obs_on and branch.state is BranchState.DECODED
         if fork is not None:
-            if self._obs_on and fork.running and branch.state is BranchState.DECODED:
+            if predict and fork.running:
                 self._predict_observations(branch)
+                predict = False
             fork = await forks.wait(fork)
         if fork is None:
-            if self._obs_on and branch.state is BranchState.DECODED:
+            if predict:
                 self._predict_observations(branch)
             fork = await forks.execute(action, len(run.history))
         observation = fork.observation

@@ -295,25 +295,36 @@ def start_under_load(support: TracerSupport, load: int, work_s: float, reps: int
     assert support.ebpf is not None
     modes = ("none", "start")
     runs: dict[str, list[tuple[float, float | None, float | None]]] = {m: [] for m in modes}
-    for r in range(reps):
-        for m in modes if r % 2 == 0 else modes[::-1]:
-            print(
-                f"tracer start beside {load} busy processes, run {r + 1}/{reps}: {m} ...", file=sys.stderr, flush=True
-            )
-            ebpf.stop_tracer()
-            t0 = time.perf_counter()
-            procs = [subprocess.Popen([sys.executable, "-c", _BURN, str(work_s)]) for _ in range(load)]
-            ready: float | None = None
-            cpu: float | None = None
-            if m != "none":
-                ebpf.tracer(support.ebpf)
-                ready = time.perf_counter() - t0
-                cpu = _service_cpu()
-            for p in procs:
-                p.wait()
-            late = time.perf_counter() - t0 - work_s
-            runs[m].append((late, ready, cpu))
-    ebpf.stop_tracer()
+    try:
+        for r in range(reps):
+            for m in modes if r % 2 == 0 else modes[::-1]:
+                print(
+                    f"tracer start beside {load} busy processes, run {r + 1}/{reps}: {m} ...",
+                    file=sys.stderr,
+                    flush=True,
+                )
+                ebpf.stop_tracer()
+                t0 = time.perf_counter()
+                procs: list[subprocess.Popen[bytes]] = []
+                try:
+                    procs += [subprocess.Popen([sys.executable, "-c", _BURN, str(work_s)]) for _ in range(load)]
+                    ready: float | None = None
+                    cpu: float | None = None
+                    if m != "none":
+                        ebpf.tracer(support.ebpf)
+                        ready = time.perf_counter() - t0
+                        cpu = _service_cpu()  # bpftrace's own CPU so far: its start
+                    for p in procs:
+                        p.wait()
+                finally:
+                    for p in procs:
+                        if p.poll() is None:
+                            p.kill()
+                            p.wait()
+                late = time.perf_counter() - t0 - work_s
+                runs[m].append((late, ready, cpu))
+    finally:
+        ebpf.stop_tracer()
 
     def stat(values: list[float]) -> dict[str, float]:
         return {
@@ -397,8 +408,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.start_under_load is not None:
         if support.ebpf is None or not support.ebpf.ok:
             ap.error("--start-under-load: the eBPF tracer does not run here")
-        if args.start_under_load < 0 or args.work <= 0 or args.reps < 1:
-            ap.error("--start-under-load K >= 0, --work > 0 and --reps >= 1")
+        if args.start_under_load < 1 or args.work <= 0 or args.reps < 1:
+            ap.error("--start-under-load K >= 1, --work > 0 and --reps >= 1")
         doc = start_under_load(support, args.start_under_load, args.work, args.reps)
         if args.json:
             print(json.dumps(doc, indent=2))

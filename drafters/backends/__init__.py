@@ -143,9 +143,15 @@ async def run_blocking(work: Callable[[threading.Event | None], T], offload: Off
         return work(None)
     stop = threading.Event()
     done = threading.Event()
+    lock = threading.Lock()
+    state = {"started": False, "cancelled": False}
     spent = [0]
 
     def run() -> T:
+        with lock:
+            if state["cancelled"]:
+                raise _NotStarted  # (the caller is gone: nothing to compute)
+            state["started"] = True
         t0 = time.thread_time_ns()
         try:
             return work(stop)
@@ -157,15 +163,24 @@ async def run_blocking(work: Callable[[threading.Event | None], T], offload: Off
         return await anyio.to_thread.run_sync(run, abandon_on_cancel=True)
     except anyio.get_cancelled_exc_class():
         # The caller was cancelled: ask the worker to stop at its next decode step and
-        # wait (shielded) until it has, so the model is free and nothing runs on.
+        # wait (shielded) until it has, so the model is free and nothing runs on; a worker
+        # that has not started never will.
         stop.set()
-        with anyio.CancelScope(shield=True):
-            while not done.is_set():
-                await anyio.sleep(0.001)
+        with lock:
+            state["cancelled"] = True
+            started = state["started"]
+        if started:
+            with anyio.CancelScope(shield=True):
+                while not done.is_set():
+                    await anyio.sleep(0.001)
         raise
     finally:
         if done.is_set():
             charge_offloaded_cpu(spent[0])
+
+
+class _NotStarted(Exception):
+    """Raised in a worker thread whose caller was cancelled before it started."""
 
 
 class BlockingCompletions:

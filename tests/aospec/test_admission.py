@@ -6,6 +6,7 @@ controller decides only what runs early, never what is committed."""
 from __future__ import annotations
 
 import json
+import time
 
 import anyio
 import pytest
@@ -17,6 +18,7 @@ from aospec.admission import (
     PROBE_EVERY,
     ROUND_CANDIDATES,
     ROUND_PROBE_EVERY,
+    ROUND_WINDOW,
     SAMPLE_INTERVAL_S,
     TARGET,
     AdmissionModel,
@@ -864,10 +866,14 @@ def test_a_rounds_cpu_is_measured_live_and_kept_with_the_model():
     assert len(history) == len(script) and stats.forks_reused == len(script)
     assert stats.speculative_failures == 1 and not engine.admission_model.costs.drafting
     # a drafter still waiting when its boundary passes is cancelled through the timing: its
-    # rounds are cut short, so neither they nor their CPU are remembered
+    # rounds are cut short, remembered as worth nothing, with the CPU they took (none: it
+    # only waited)
     engine, host, history = run_virtual(lambda: main(None, delay_s=30.0))
     assert len(history) == len(script) and engine.statistics().forks_launched == 0
-    assert not engine.admission_model.costs.drafting and not engine.admission_model.drafting.rounds[TARGET]
+    rounds = engine.admission_model.drafting.rounds[TARGET]
+    assert len(rounds) == min(len(script), ROUND_WINDOW) and not any(r.figures for r in rounds)
+    assert engine.admission_model.costs.drafting[TARGET].n == len(script)
+    assert engine.admission_model.costs.drafting_cpu_s(TARGET) == 0.0
 
 
 def test_a_measured_round_cost_skips_rounds_and_a_model_measured_elsewhere_does_not_in_replay():
@@ -977,46 +983,87 @@ def test_a_bad_drafting_state_in_a_saved_model_is_one_clear_error(tmp_path, draf
     assert not any(AdmissionModel.load(path).drafting.rounds.values())
 
 
+class LiveHost:
+    """A quiet host whose drafting CPU clock is the engine thread's real one (as
+    aospec.host.ProcHostMonitor's)."""
+
+    drafting_cpu = staticmethod(time.thread_time_ns)
+
+    def snapshot(self):
+        return QUIET
+
+
+def burn(seconds, result=None):
+    """Blocking work for aospec.drafters.backends.run_blocking: ``seconds`` of its thread's
+    CPU, then ``result``."""
+
+    def work(stop):
+        t0 = time.thread_time()
+        while time.thread_time() - t0 < seconds:
+            pass
+        return result
+
+    return work
+
+
+def run_live(actor, observation_drafters, steps):
+    """An engine run in real time on a quiet live host, observation branches only."""
+
+    async def main():
+        engine = Engine(
+            actor,
+            InMemorySandbox({"a": "A\n"}),
+            observation_drafters=observation_drafters,
+            config=EngineConfig(fork_width=0, branch_budget=1),
+            host=LiveHost(),
+        )
+        return engine, await engine.run(History("t"), steps=steps)
+
+    return anyio.run(main, backend="trio")
+
+
 def test_a_drafters_work_on_another_thread_is_charged_to_its_round():
     """Live (real time, a worker thread): an observation drafter that hands 30 ms of CPU to
     a thread through aospec.drafters.backends.run_blocking (as the LM drafters do) has its
     round charged that CPU, though the engine's own thread spent almost none of it; the
     drafter's waiting is not charged."""
-    import time
-
     from aospec.drafters.backends import run_blocking
 
     class ThreadedDrafter:
         async def draft(self, history, action, n):
-            def burn(stop):
-                t0 = time.thread_time()
-                while time.thread_time() - t0 < 0.03:
-                    pass
-                return [ObservationDraft("nope", 0.5)]
-
-            return await run_blocking(burn, offload="thread")
-
-    class LiveHost:
-        drafting_cpu = staticmethod(time.thread_time_ns)
-
-        def snapshot(self):
-            return QUIET
+            return await run_blocking(burn(0.03, [ObservationDraft("nope", 0.5)]), offload="thread")
 
     script = [Action.bash("sleep 0.2 && cat a")] * 3
-
-    async def main():
-        engine = Engine(
-            actor_of(script, delay=0.01),
-            InMemorySandbox({"a": "A\n"}),
-            observation_drafters=[ThreadedDrafter()],
-            config=EngineConfig(fork_width=0, branch_budget=1),
-            host=LiveHost(),
-        )
-        history = await engine.run(History("t"), steps=len(script))
-        return engine, history
-
-    engine, history = anyio.run(main, backend="trio")
+    engine, history = run_live(actor_of(script, delay=0.01), [ThreadedDrafter()], len(script))
     assert len(history) == len(script)
     costs = engine.admission_model.costs
     assert costs.drafting[BRANCH].n >= 1
     assert 0.03 <= costs.drafting_cpu_s(BRANCH) < 1.0
+
+
+def test_a_continuations_decode_on_a_thread_is_not_charged_to_the_round_that_started_it():
+    """Live: an in-process actor whose decodes burn 50 ms of CPU on a worker thread (as a
+    model served in this process does), and an observation drafter that drafts the right
+    observation, so a continuation starts from the round's drafts while a slower drafter
+    keeps the round open: the continuation's decode is a branch's stream (priced by
+    ``stream_cores``), not the round's drafting, so the round is charged only its drafters'
+    own work."""
+    from aospec.drafters.backends import run_blocking
+
+    script = [Action.bash("sleep 0.5 && cat a")] * 3
+
+    class ThreadActor:
+        async def decode(self, history):
+            action = script[len(history)] if len(history) < len(script) else Action.bash("true")
+            return await run_blocking(burn(0.05, action), offload="thread")
+
+    observation = anyio.run(InMemorySandbox({"a": "A\n"}).execute, script[0])
+    drafters = [
+        ScriptedObservationDrafter(lambda h, a: [ObservationDraft(observation, 0.9)]),
+        # a second drafter, slower than the decode: the round stays open meanwhile
+        ScriptedObservationDrafter(lambda h, a: [], delay_s=0.2),
+    ]
+    engine, history = run_live(ThreadActor(), drafters, len(script))
+    assert len(history) == len(script)
+    assert engine.statistics().drafts_started >= 1  # continuations decoded (50 ms of thread CPU each)
+    assert engine.admission_model.costs.drafting_cpu_s(BRANCH) < 0.02
