@@ -340,6 +340,12 @@ def make_case(seed: int, config: str, *, layered: bool = False, readsets: bool =
         "provisional_targets": rng.random() < 0.7,
         "max_live_forks": rng.choice((1, 2, 4, 8)),
     }
+    # drafting priced like a guess (docs/engine.md): a round's CPU fixed so that rounds not
+    # worth it are skipped (there is no live host here to measure it); drawn apart, so the
+    # rest of a seed's case is what it was
+    drafting_cpu_s = _rng(seed, "drafting").choice((None, None, 0.002, 0.02))
+    if drafting_cpu_s is not None:
+        engine["drafting_cpu_s"] = drafting_cpu_s
     case = LosslessCase(
         seed=seed,
         config=config,
@@ -560,6 +566,7 @@ ENGINE_COUNTS = (
     "routed_forks_reused",
     "cache_hits",
     "speculative_failures",
+    "drafting_skipped",
 )
 
 

@@ -114,6 +114,7 @@ COUNTS = (
     "pool_served",
     "pool_stale_discarded",
     "speculative_failures",
+    "drafting_skipped",  # drafting rounds skipped (cases with drafting_cpu_s fixed)
 )
 
 
@@ -320,11 +321,12 @@ def _write_repro(out: Path, result: dict[str, Any], specbox: bool = False) -> Pa
 
 def _layer_table(layer: dict[str, dict[str, int]]) -> str:
     names = ("rebased", "cache hits", "all hits", "routes", "routed", "reused", "pool served", "spec fails")
+    names += ("rounds skipped",)
     keys = ("forks_rebased", "cache_hits", "cache_hits_all", "routes_fired", "routed_forks_launched")
-    keys += ("routed_forks_reused", "pool_served", "speculative_failures")
-    lines = [f"{'config':<10}" + "".join(f"{n:>13}" for n in names)]
+    keys += ("routed_forks_reused", "pool_served", "speculative_failures", "drafting_skipped")
+    lines = [f"{'config':<10}" + "".join(f"{n:>15}" for n in names)]
     for config, c in layer.items():
-        lines.append(f"{config:<10}" + "".join(f"{c[k]:>13}" for k in keys))
+        lines.append(f"{config:<10}" + "".join(f"{c[k]:>15}" for k in keys))
     return "\n".join(lines)
 
 
