@@ -22,9 +22,11 @@ committed plain forks with bpftrace stopped and with it running, and a host proc
 
 ``--start-under-load K`` measures only what the eBPF tracer's start (seconds of CPU compiling
 and attaching its probes, once per process) costs a busy host: ``K`` CPU-bound processes each
-burn ``--work`` CPU-seconds, with and without the tracer starting beside them, in alternating
-order, ``--reps`` times: how much longer the busy processes took than their work, and when the
-tracer was ready.
+burn ``--work`` CPU-seconds, without the tracer starting beside them, with it, and with it
+started on tracefs's own ``available_events`` (``start-tracefs``: bpftrace re-reads that
+generated file for every probe; aospec starts it on a snapshot), in rotating order, ``--reps``
+times: how much longer the busy processes took than their work, and when the tracer was
+ready.
 
 Usage:
   .venv/bin/python scripts/bench_readsets.py [--reps 3] [--tasks inventory-discount,...] [--tracers ebpf,strace] [--committed] [--json]
@@ -290,14 +292,16 @@ while time.process_time() < end:
 
 def start_under_load(support: TracerSupport, load: int, work_s: float, reps: int) -> dict[str, Any]:
     """The eBPF tracer's start beside ``load`` processes burning ``work_s`` CPU-seconds each:
-    with no start ("none") and with one ("start"), the busy processes' wall time beyond
-    their work (the slowest one) and the tracer's ready time; medians and ranges."""
+    with no start ("none"), with one ("start") and with one on tracefs's own
+    ``available_events`` instead of a snapshot ("start-tracefs", as before 2026-12-07), the
+    busy processes' wall time beyond their work (the slowest one) and the tracer's ready
+    time; medians and ranges, the modes in an order rotated per repetition."""
     assert support.ebpf is not None
-    modes = ("none", "start")
+    modes = ("none", "start", "start-tracefs")
     runs: dict[str, list[tuple[float, float | None, float | None]]] = {m: [] for m in modes}
     try:
         for r in range(reps):
-            for m in modes if r % 2 == 0 else modes[::-1]:
+            for m in modes[r % len(modes) :] + modes[: r % len(modes)]:
                 print(
                     f"tracer start beside {load} busy processes, run {r + 1}/{reps}: {m} ...",
                     file=sys.stderr,
@@ -311,7 +315,7 @@ def start_under_load(support: TracerSupport, load: int, work_s: float, reps: int
                     ready: float | None = None
                     cpu: float | None = None
                     if m != "none":
-                        ebpf.tracer(support.ebpf)
+                        ebpf.tracer(support.ebpf, snapshot=m == "start")
                         ready = time.perf_counter() - t0
                         cpu = _service_cpu()  # bpftrace's own CPU so far: its start
                     for p in procs:
@@ -418,13 +422,13 @@ def main(argv: list[str] | None = None) -> int:
             f"the eBPF tracer's start beside {doc['load']} processes burning {doc['work_s']:.0f} CPU-s each"
             f" (medians of {doc['reps']}, range in brackets)"
         )
-        print(f"{'start':<8}{'busy processes late':>28}{'tracer ready':>28}{'its CPU':>24}")
+        print(f"{'start':<14}{'busy processes late':>28}{'tracer ready':>28}{'its CPU':>24}")
         for row in doc["rows"]:
             cells = [
                 "-" if row[k] is None else f"{row[k]['median']:.1f} s [{row[k]['min']:.1f}-{row[k]['max']:.1f}]"
                 for k in ("busy_late_s", "ready_s", "start_cpu_s")
             ]
-            print(f"{row['mode']:<8}{cells[0]:>28}{cells[1]:>28}{cells[2]:>24}")
+            print(f"{row['mode']:<14}{cells[0]:>28}{cells[1]:>28}{cells[2]:>24}")
         return 0
     usable = [
         t for t in ("ebpf", "strace") if (t == "ebpf" and support.kind == "ebpf") or (t == "strace" and support.strace)

@@ -79,8 +79,9 @@ def test_the_committed_path_with_the_tracer_stopped_and_running(tmp_path: Path) 
 
 
 def test_the_tracers_start_beside_busy_processes(tmp_path: Path) -> None:
-    """--start-under-load: one busy process burning 0.5 CPU-seconds, with and without the
-    tracer starting beside it; the figures' shape, and that the start was timed."""
+    """--start-under-load: one busy process burning 0.5 CPU-seconds, without the tracer
+    starting beside it, with it and with it on tracefs's own available_events; the figures'
+    shape, and that each start was timed."""
     from aospec.runtime.host import host_support
     from aospec.runtime.readsets import tracer_support
 
@@ -91,11 +92,12 @@ def test_the_tracers_start_beside_busy_processes(tmp_path: Path) -> None:
     assert proc.returncode == 0, proc.stderr[-3000:]
     doc = json.loads(proc.stdout)
     assert (doc["load"], doc["work_s"], doc["reps"]) == (1, 0.5, 1)
-    none, start = doc["rows"]
-    assert (none["mode"], start["mode"]) == ("none", "start")
+    none, start, plain = doc["rows"]
+    assert (none["mode"], start["mode"], plain["mode"]) == ("none", "start", "start-tracefs")
     assert none["ready_s"] is None and none["busy_late_s"]["median"] >= 0
-    assert start["ready_s"]["median"] > 0 and start["start_cpu_s"]["median"] > 0
-    assert start["busy_late_s"]["min"] == start["busy_late_s"]["max"]  # one run
+    for row in (start, plain):
+        assert row["ready_s"]["median"] > 0 and row["start_cpu_s"]["median"] > 0
+        assert row["busy_late_s"]["min"] == row["busy_late_s"]["max"]  # one run
     bad = _bench(tmp_path, "--start-under-load", "1", "--work", "0")
     assert bad.returncode == 2 and "--work > 0" in bad.stderr
 
