@@ -427,3 +427,26 @@ def test_bpftrace_starts_on_the_snapshot_and_holds_no_mount_of_ours(overlay: str
     assert str(held) not in Path(f"/proc/{pid}/mountinfo").read_text()
     _, reads, why = anyio.run(_traced, "cat /w/a")
     assert why is None and reads is not None and "w/a" in reads.nodes
+
+
+@pytest.mark.root
+def test_sandboxes_open_at_the_start_are_not_held_by_bpftrace_once_closed(overlay: str) -> None:
+    from aospec.runtime._state import default_state_root
+
+    _ebpf_or_skip()
+
+    async def run() -> tuple[list[str], list[str]]:
+        ebpf.stop_tracer()
+        async with open_sandbox(SandboxConfig(timeout_s=20)) as sb:
+            await sb.run("echo a > /w")
+            fork = await sb.fork()
+            readsets.wait_for_tracer()  # starts now: its namespace copies the sandbox's mounts
+            (pid,) = ebpf.service_pids()
+            state = str(default_state_root())
+            held = [ln.split()[4] for ln in Path(f"/proc/{pid}/mountinfo").read_text().splitlines()]
+            await fork.discard()
+        after = [ln.split()[4] for ln in Path(f"/proc/{pid}/mountinfo").read_text().splitlines()]
+        return [m for m in held if m.startswith(state)], [m for m in after if m.startswith(state)]
+
+    held, after = anyio.run(run)
+    assert held and after == []  # the sandbox's overlay and its fork's, released
