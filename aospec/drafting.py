@@ -314,15 +314,20 @@ class Drafting:
             self._targets.cancel()
         self._targets = self._task_group.start_soon(self._draft_targets, history, self._ledger.step)
 
-    async def _draft_targets(self, history: History, step: int) -> None:
-        r = self._admission.begin_round(TARGET)
+    async def _in_round(self, kind: str, draft: Callable[[DraftRound], Awaitable[None]]) -> None:
+        """Run ``draft`` as one drafting round of ``kind``, unless the controller finds such
+        rounds not worth their CPU now."""
+        r = self._admission.begin_round(kind)
         if r is None:
-            return  # not worth its CPU now
+            return
         try:
-            await self._draft_targets_in(history, step, r)
+            await draft(r)
         finally:
             # (cut short by the next boundary, the round is over all the same)
             self._admission.end_round(r)
+
+    async def _draft_targets(self, history: History, step: int) -> None:
+        await self._in_round(TARGET, lambda r: self._draft_targets_in(history, step, r))
 
     async def _draft_targets_in(self, history: History, step: int, r: DraftRound) -> None:
         cfg = self._config
@@ -436,13 +441,7 @@ class Drafting:
     async def _draft_routed(self, branch: Branch, tool: str) -> None:
         """The routed drafters' targets for the action ``branch`` is decoding (a router named
         its ``tool``), launched into forks as offset-0 targets of ``branch``'s history."""
-        r = self._admission.begin_round(ROUTED)
-        if r is None:
-            return  # not worth its CPU now
-        try:
-            await self._draft_routed_in(branch, tool, r)
-        finally:
-            self._admission.end_round(r)
+        await self._in_round(ROUTED, lambda r: self._draft_routed_in(branch, tool, r))
 
     async def _draft_routed_in(self, branch: Branch, tool: str, r: DraftRound) -> None:
         width = self._config.routed_width

@@ -51,6 +51,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import ctypes
+import math
 import os
 import re
 import secrets
@@ -60,9 +61,13 @@ import subprocess
 import tempfile
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from aospec.protocols import HostMonitor
 
 __all__ = [
     "MAX_PATH",
@@ -969,12 +974,42 @@ _tracer: EbpfTracer | None = None
 _tracer_error: str | None = None
 _tracer_lock = threading.Lock()
 _starting: threading.Thread | None = None
+_generation = 0  # stop_tracer() moves it on: a start waiting for a quiet host is dropped
+
+#: A start asked for by a fork (:func:`ready_tracer`) waits until the host has had this
+#: many cores free in every sample over START_QUIET_S: bpftrace's start takes about 3 s of
+#: one core (docs/engine.md, "Read sets"), which a busy host's other work would pay for.
+START_FREE_CORES = 1.0
+START_QUIET_S = 1.0
+START_SAMPLE_S = 0.25
 
 
-def ready_tracer(support: EbpfSupport) -> EbpfTracer | None:
+def wait_for_quiet_host(
+    monitor: HostMonitor,
+    *,
+    free_cores: float = START_FREE_CORES,
+    quiet_s: float = START_QUIET_S,
+    sample_s: float = START_SAMPLE_S,
+    give_up: Callable[[], bool] = lambda: False,
+    sleep: Callable[[float], None] = time.sleep,
+) -> bool:
+    """Wait until ``monitor`` has shown ``free_cores`` free in every sample (one each
+    ``sample_s``) for ``quiet_s`` in a row: True then; False as soon as ``give_up()``."""
+    need = max(1, math.ceil(quiet_s / sample_s))
+    run = 0
+    while run < need:
+        if give_up():
+            return False
+        sleep(sample_s)
+        run = run + 1 if monitor.snapshot().free_cores >= free_cores else 0
+    return not give_up()
+
+
+def ready_tracer(support: EbpfSupport, *, monitor: HostMonitor | None = None) -> EbpfTracer | None:
     """The process's tracer if it is running; else None, and it is being started in the
-    background (bpftrace takes seconds to compile its probes: a command is not held up for
-    it, it runs untraced). RuntimeError when it cannot start."""
+    background (a command is not held up for it, it runs untraced) once the host has a core
+    to spare (:func:`wait_for_quiet_host` on ``monitor``, by default this host's /proc).
+    RuntimeError when it cannot start."""
     global _starting
     with _tracer_lock:
         if _tracer is not None and _tracer._dead is None:
@@ -982,10 +1017,15 @@ def ready_tracer(support: EbpfSupport) -> EbpfTracer | None:
         if _tracer_error is not None:
             raise RuntimeError(_tracer_error)
         if _starting is None or not _starting.is_alive():
+            generation = _generation
 
             def start() -> None:
-                with contextlib.suppress(RuntimeError):
-                    tracer(support)
+                from aospec.host import ProcHostMonitor
+
+                host = monitor if monitor is not None else ProcHostMonitor(window_s=START_SAMPLE_S * 0.8)
+                if wait_for_quiet_host(host, give_up=lambda: _generation != generation):
+                    with contextlib.suppress(RuntimeError):
+                        tracer(support)
 
             _starting = threading.Thread(target=start, name="aospec-bpftrace-start", daemon=True)
             _starting.start()
@@ -1019,9 +1059,10 @@ def stop_tracer() -> bool:
     on the host a little while they are attached (docs/engine.md, "Read sets"). Traces not
     collected yet are lost (their forks are untracked); the next fork asked to be traced
     starts it again (``ready_tracer``), which takes seconds of CPU."""
-    global _tracer
+    global _tracer, _generation
     with _tracer_lock:
         t, _tracer = _tracer, None
+        _generation += 1
     if t is None:
         return False
     t.stop()

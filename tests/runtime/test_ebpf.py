@@ -21,6 +21,7 @@ import pytest
 from aospec.runtime import SandboxConfig, ebpf, open_sandbox, readsets
 from aospec.runtime.readsets import EbpfCommandTrace, _accesses, _descendants, _ebpf_log, untracked_reason
 
+from aospec.protocols import HostSnapshot
 from aospec.types import Action
 
 TOK = "0123456789abcdef"
@@ -450,3 +451,53 @@ def test_sandboxes_open_at_the_start_are_not_held_by_bpftrace_once_closed(overla
 
     held, after = anyio.run(run)
     assert held and after == []  # the sandbox's overlay and its fork's, released
+
+
+class _Host:
+    """A host whose free cores are ``free`` (a list consumed one sample at a time; the last
+    value stays)."""
+
+    def __init__(self, *free: float, cores: float = 2.0) -> None:
+        self.free = list(free)
+        self.cores = cores
+        self.samples = 0
+
+    def snapshot(self) -> HostSnapshot:
+        self.samples += 1
+        f = self.free.pop(0) if len(self.free) > 1 else self.free[0]
+        return HostSnapshot(cores=self.cores, busy_cores=self.cores - f)
+
+
+def test_a_start_waits_for_a_core_free_over_the_whole_window() -> None:
+    slept: list[float] = []
+    host = _Host(0.0, 1.5, 1.5, 0.5, 1.0, 1.2, 1.9, 1.0, 0.0)
+    assert ebpf.wait_for_quiet_host(host, quiet_s=1.0, sample_s=0.25, sleep=slept.append)
+    # the busy sample at 4 restarts the count: four free samples in a row from the 5th on
+    assert host.samples == 8 and slept == [0.25] * 8
+    gone = iter([False, False, True])
+    busy = _Host(0.0)
+    assert not ebpf.wait_for_quiet_host(busy, give_up=lambda: next(gone), sleep=lambda s: None)
+    assert busy.samples == 2
+
+
+@pytest.mark.root
+def test_a_forks_start_waits_for_the_host_and_a_stop_drops_it(overlay: str) -> None:
+    _ebpf_or_skip()
+    support = readsets.tracer_support().ebpf
+    assert support is not None
+    ebpf.stop_tracer()
+    busy = _Host(0.0)
+    assert ebpf.ready_tracer(support, monitor=busy) is None
+    deadline = time.monotonic() + 5
+    while busy.samples < 4 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert busy.samples >= 4 and ebpf.service_pids() == set()  # no bpftrace on a busy host
+    ebpf.stop_tracer()  # drops the waiting start
+    starting = ebpf._starting
+    assert starting is not None
+    starting.join(timeout=5)
+    assert not starting.is_alive() and ebpf.service_pids() == set()
+    quiet = _Host(2.0)
+    assert ebpf.ready_tracer(support, monitor=quiet) is None
+    ebpf._starting.join(timeout=60)  # type: ignore[union-attr]
+    assert ebpf.service_pids() and ebpf.ready_tracer(support) is not None
