@@ -335,6 +335,9 @@ class Forks:
         # Why one lock: a pause still in flight when JASV takes the fork must be over before
         # the fork is resumed, or the step would wait on a frozen command.
         self._pause_lock = anyio.Lock()
+        # set (and dropped) when a guess is registered: the yield loop waits on it while
+        # there is none instead of waking every sample for nothing
+        self._guess_event: anyio.Event | None = None
         self._readsets: ReadSetValidator | None = None
         """The committed steps' write sets, when read-set validation is on."""
         self.record_access = False
@@ -420,6 +423,9 @@ class Forks:
             self._readsets is not None and (offset > 0 or self.inflight is not None) and self._admission.may_trace()
         )
         self.registry.add(fork)
+        if self._guess_event is not None:
+            self._guess_event.set()
+            self._guess_event = None
         self._ledger.fork_launched(now, key, routed=routed)
         fork.task = self._task_group.start_soon(self._run, fork)
         return True
@@ -590,7 +596,9 @@ class Forks:
         lowest-value fork. Paused forks are resumed when it ends. While no guess runs that
         could yield, the command is not sampled (beside a CPU-bound command on a busy host
         the engine's own CPU is the command's) and memory is checked every
-        MEMORY_CHECK_SAMPLES-th time (launches check it too)."""
+        MEMORY_CHECK_SAMPLES-th time (launches check it too); while there is no guess at
+        all the loop sleeps until one is launched (eight sessions at 1 ms woke it 4,000
+        times for nothing: docs/live-benchmark.md)."""
         clock = self._clock
         # on the engine's clock: in replay a second of the event loop is a nanosecond
         sleep_ns = clock.sleep_ns if isinstance(clock, SleepingClock) else None
@@ -608,6 +616,9 @@ class Forks:
                     await anyio.sleep(SAMPLE_INTERVAL_S)
                 if not self.registry:
                     mark = None  # no guess at all: nothing to yield, nothing to drop
+                    if self._guess_event is None:
+                        self._guess_event = anyio.Event()
+                    await self._guess_event.wait()
                     continue
                 if self._any_pausable():
                     cpu, now = self._cpu_of(sandbox, caps), clock.now_ns()
