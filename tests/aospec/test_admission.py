@@ -529,6 +529,34 @@ def test_the_command_the_agent_waits_on_is_not_sampled_while_no_guess_could_yiel
     assert (paused - started) * 1e-9 == pytest.approx(SAMPLE_INTERVAL_S, abs=1e-3)
 
 
+def test_the_yield_loop_sleeps_while_there_is_no_guess_at_all(monkeypatch):
+    # It used to wake every 20 ms through every committed command to find no guess (4,000
+    # wake-ups in two 8-session runs at 1 ms); now it waits until one is launched. Counted
+    # by the registry's checks: 6 s of commands sampled every 20 ms would be ~300.
+    from aospec.forks import ForkRegistry
+
+    checks = [0]
+    length = ForkRegistry.__len__
+
+    def counted(self):
+        checks[0] += 1
+        return length(self)
+
+    monkeypatch.setattr(ForkRegistry, "__len__", counted)
+
+    async def main():
+        ref, ref_sb = await serial(BURN, BusySandbox, files={"a": "A\n"})
+        checks[0] = 0
+        sb = BusySandbox({"a": "A\n"})
+        silent = ScriptedActionDrafter(lambda h: [])  # forks are on; it never guesses
+        return ref, ref_sb, await _run(BURN, [silent], EngineConfig(branch_budget=0), sandbox=sb)
+
+    ref, ref_sb, (history, sb, engine) = run_virtual(main)
+    assert history == ref and sb.files == ref_sb.files
+    assert engine.statistics().forks_launched == 0
+    assert checks[0] < 10 * len(BURN)
+
+
 def test_a_fork_that_cannot_pause_costs_one_counted_failure_and_runs_on():
     async def main():
         ref, _ = await serial(BURN, BusySandbox, files={"a": "A\n"})
