@@ -927,7 +927,12 @@ def ebpf_support() -> EbpfSupport:
         off = btf_member_offset(_BTF, "mount", "mnt")
     except (OSError, ValueError) as exc:
         return EbpfSupport(False, f"off: the kernel's BTF cannot be read ({exc})")
-    return EbpfSupport(True, f"on: {out} (eBPF on the syscall tracepoints)", path, tracefs, off)
+    start = (
+        "started on an available_events snapshot"
+        if _namespaces_work()
+        else "started on tracefs's available_events: no mount namespaces here, twice the start's CPU"
+    )
+    return EbpfSupport(True, f"on: {out} (eBPF on the syscall tracepoints; {start})", path, tracefs, off)
 
 
 def btf_member_offset(path: str, struct_name: str, member: str) -> int:

@@ -418,6 +418,7 @@ def test_bpftrace_starts_on_the_snapshot_and_holds_no_mount_of_ours(overlay: str
         (pid,) = ebpf.service_pids()
         tracer = ebpf.tracer(readsets.tracer_support().ebpf)  # type: ignore[arg-type]
         assert tracer.snapshotted and tracer._proc is not None and tracer._proc.pid == pid
+        assert "started on an available_events snapshot" in readsets.tracer_support().detail  # sandbox info says so
         mounts = Path(f"/proc/{pid}/mountinfo").read_text()
         assert "/available_events " in mounts and str(held) in mounts
         assert "/available_events " not in Path("/proc/self/mountinfo").read_text()
