@@ -42,8 +42,6 @@ understand that succeeded (``getxattrat`` and other calls newer than strace's ta
 Where it works: root (CAP_BPF and CAP_PERFMON), bpftrace 0.17 or later, the kernel's BTF
 (``/sys/kernel/btf/vmlinux``) and tracefs mounted (``/sys/kernel/tracing``); the probe
 (:func:`ebpf_support`) also checks ``struct mount``'s layout and traces one command.
-bpftrace starts in a mount namespace of its own where tracefs's ``available_events`` is a
-snapshot (:func:`_launch`: half of its start's CPU was re-reading that generated file).
 """
 
 from __future__ import annotations
@@ -58,7 +56,6 @@ import secrets
 import shutil
 import signal
 import subprocess
-import tempfile
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -476,84 +473,6 @@ def syscall_fields(tracefs: str) -> dict[str, list[str]]:
     return out
 
 
-# ------------------------------------------------------------------ bpftrace's start
-
-#: bpftrace 0.17 reads tracefs's ``available_events`` again for every probe in every pass
-#: (5,800 reads of 62 KB for this script), a file the kernel generates on each read: half
-#: of its start's CPU. It starts in a mount namespace of its own where that file is a
-#: snapshot of the lines its probes name (a regular file: :func:`_launch`).
-_EVENTS = "available_events"
-#: In that namespace: bind the snapshot ($1) over each path before ``--``, then run bpftrace.
-#: A bind that fails leaves tracefs's file in place (a slower start, the same probes).
-_SNAPSHOT_SH = (
-    'snap=$1; shift; while [ "$1" != -- ]; do '
-    'mount --bind "$snap" "$1" || echo "aospec: $1 is read from tracefs" >&2; shift; done; '
-    'shift; exec "$@"'
-)
-_PROBE = re.compile(r"^tracepoint:([^:\s]+):([^\s/{]+)", re.M)
-_namespaced: bool | None = None
-
-
-def events_snapshot(text: str, tracefs: str) -> bytes:
-    """The lines of ``tracefs``'s ``available_events`` that the bpftrace program ``text``
-    attaches to (a probe the kernel lacks stays missing: bpftrace fails on it as before)."""
-    named = {f"{cat}:{name}" for cat, name in _PROBE.findall(text)}
-    with open(os.path.join(tracefs, _EVENTS), "rb") as f:
-        lines = f.read().splitlines()
-    return b"".join(line + b"\n" for line in lines if line.decode(errors="replace") in named)
-
-
-def _namespaces_work() -> bool:
-    """Whether util-linux's ``unshare`` can give a process a mount namespace of its own
-    here (checked once per process)."""
-    global _namespaced
-    if _namespaced is None:
-        unshare, mount, sh = shutil.which("unshare"), shutil.which("mount"), shutil.which("sh")
-        ok = False
-        if unshare and mount and sh:
-            with contextlib.suppress(OSError, subprocess.SubprocessError):
-                ok = (
-                    subprocess.run(
-                        [unshare, "--mount", "--propagation", "private", "--", sh, "-c", "exit 0"],
-                        stdin=subprocess.DEVNULL,
-                        capture_output=True,
-                        timeout=10,
-                    ).returncode
-                    == 0
-                )
-        _namespaced = ok
-    return _namespaced
-
-
-def _launch(bpftrace: str, args: Sequence[str], snapshot: str | None) -> list[str]:
-    """The command line that runs bpftrace with ``args``: in a private mount namespace
-    where every tracefs ``available_events`` is ``snapshot`` (the same process: unshare
-    and the shell exec into bpftrace), or plainly (``snapshot`` None).
-
-    The namespace is a copy of this one at the start: the mounts it copies stay in it
-    until their mountpoints are removed here (the kernel then detaches them there too),
-    and nothing mounted there is seen here."""
-    if snapshot is None:
-        return [bpftrace, *args]
-    targets = [p for t in _TRACEFS if os.path.exists(p := os.path.join(t, _EVENTS))]
-    return [
-        shutil.which("unshare") or "unshare",
-        "--mount",
-        "--propagation",
-        "private",
-        "--",
-        shutil.which("sh") or "sh",
-        "-c",
-        _SNAPSHOT_SH,
-        "aospec-bpftrace",
-        snapshot,
-        *targets,
-        "--",
-        bpftrace,
-        *args,
-    ]
-
-
 # --------------------------------------------------------------------------- the tracer
 
 _libc = ctypes.CDLL(None, use_errno=True)
@@ -590,9 +509,8 @@ class EbpfTracer:
     trace may need it, and watches it for flush markers and lost events; a trace's lines
     are picked out when it is collected (in the fork's task, off the committed path)."""
 
-    def __init__(self, bpftrace: str, tracefs: str, mount_off: int, *, snapshot: bool = True) -> None:
+    def __init__(self, bpftrace: str, tracefs: str, mount_off: int) -> None:
         self.bpftrace = bpftrace
-        self.snapshot = snapshot  # start on an available_events snapshot where it can
         self.tracefs = tracefs
         self.mount_off = mount_off
         self.token = secrets.token_hex(8)
@@ -610,8 +528,6 @@ class EbpfTracer:
         self._flush_seq = 0
         self._lost = 0  # times bpftrace reported lost events
         self._proc: subprocess.Popen[bytes] | None = None
-        #: bpftrace was started in a namespace where available_events is a snapshot
-        self.snapshotted = False
         self._dead: str | None = None
         self._stderr: list[str] = []
 
@@ -631,16 +547,13 @@ class EbpfTracer:
         }
         ready = threading.Event()
         failed: list[BaseException] = []
-        snapshot = self._snapshot(text)
-        argv = _launch(self.bpftrace, ["-B", "full", "-e", text], snapshot)
-        self.snapshotted = snapshot is not None
 
         def run() -> None:
             # bpftrace dies with this thread (PR_SET_PDEATHSIG), which lives as long as
             # the process: it reads bpftrace's output
             try:
                 self._proc = subprocess.Popen(
-                    argv,
+                    [self.bpftrace, "-B", "full", "-e", text],
                     stdin=subprocess.DEVNULL,
                     stdout=subprocess.PIPE,
                     stderr=subprocess.PIPE,
@@ -655,48 +568,22 @@ class EbpfTracer:
             ready.set()
             self._read_stdout()
 
-        try:
-            threading.Thread(target=run, name="aospec-bpftrace", daemon=True).start()
-            ready.wait()
-            if failed:
-                raise failed[0]
-            atexit.register(self.stop)
-            # attached once a flush marker comes back (its probe is the script's last)
-            deadline = time.monotonic() + _START_TIMEOUT_S
-            while True:
-                try:
-                    self.flush(timeout_s=0.5)
-                    return
-                except TimeoutError:
-                    if self._dead is not None or time.monotonic() > deadline:
-                        self.stop()
-                        why = self._dead or f"no output within {_START_TIMEOUT_S:.0f} s"
-                        raise RuntimeError(f"bpftrace did not start: {why}") from None
-        finally:
-            # the namespace's bind holds the file now (or bpftrace is gone)
-            if snapshot is not None:
-                with contextlib.suppress(OSError):
-                    os.unlink(snapshot)
-
-    def _snapshot(self, text: str) -> str | None:
-        """A private file holding the ``available_events`` lines ``text`` names, or None
-        where bpftrace must read tracefs's own (no mount namespaces here, or tracefs
-        unreadable)."""
-        if not self.snapshot or not _namespaces_work():
-            return None
-        try:
-            data = events_snapshot(text, self.tracefs)
-        except OSError:
-            return None
-        fd, path = tempfile.mkstemp(prefix="aospec-bpftrace-events-")
-        try:
-            with os.fdopen(fd, "wb") as f:
-                f.write(data)
-        except BaseException:
-            with contextlib.suppress(OSError):
-                os.unlink(path)
-            raise
-        return path
+        threading.Thread(target=run, name="aospec-bpftrace", daemon=True).start()
+        ready.wait()
+        if failed:
+            raise failed[0]
+        atexit.register(self.stop)
+        # attached once a flush marker comes back (its probe is the script's last)
+        deadline = time.monotonic() + _START_TIMEOUT_S
+        while True:
+            try:
+                self.flush(timeout_s=0.5)
+                return
+            except TimeoutError:
+                if self._dead is not None or time.monotonic() > deadline:
+                    self.stop()
+                    why = self._dead or f"no output within {_START_TIMEOUT_S:.0f} s"
+                    raise RuntimeError(f"bpftrace did not start: {why}") from None
 
     def stop(self) -> None:
         proc = self._proc
@@ -927,12 +814,7 @@ def ebpf_support() -> EbpfSupport:
         off = btf_member_offset(_BTF, "mount", "mnt")
     except (OSError, ValueError) as exc:
         return EbpfSupport(False, f"off: the kernel's BTF cannot be read ({exc})")
-    start = (
-        "started on an available_events snapshot"
-        if _namespaces_work()
-        else "started on tracefs's available_events: no mount namespaces here, twice the start's CPU"
-    )
-    return EbpfSupport(True, f"on: {out} (eBPF on the syscall tracepoints; {start})", path, tracefs, off)
+    return EbpfSupport(True, f"on: {out} (eBPF on the syscall tracepoints)", path, tracefs, off)
 
 
 def btf_member_offset(path: str, struct_name: str, member: str) -> int:
@@ -982,7 +864,7 @@ _starting: threading.Thread | None = None
 _generation = 0  # stop_tracer() moves it on: a start waiting for a quiet host is dropped
 
 #: A start asked for by a fork (:func:`ready_tracer`) waits until the host has had this
-#: many cores free in every sample over START_QUIET_S: bpftrace's start takes about 3 s of
+#: many cores free in every sample over START_QUIET_S: bpftrace's start takes 5-6 s of
 #: one core (docs/engine.md, "Read sets"), which a busy host's other work would pay for.
 START_FREE_CORES = 1.0
 START_QUIET_S = 1.0
@@ -1037,10 +919,9 @@ def ready_tracer(support: EbpfSupport, *, monitor: HostMonitor | None = None) ->
     return None
 
 
-def tracer(support: EbpfSupport, *, snapshot: bool = True) -> EbpfTracer:
+def tracer(support: EbpfSupport) -> EbpfTracer:
     """The process's tracer, started on first use and waited for (RuntimeError when it
-    cannot start; the reason is kept: later calls fail at once). ``snapshot=False`` starts
-    bpftrace on tracefs's own ``available_events`` (slower: :func:`_launch`)."""
+    cannot start; the reason is kept: later calls fail at once)."""
     global _tracer, _tracer_error
     with _tracer_lock:
         if _tracer is not None and _tracer._dead is None:
@@ -1049,7 +930,7 @@ def tracer(support: EbpfSupport, *, snapshot: bool = True) -> EbpfTracer:
             raise RuntimeError(_tracer_error)
         if not support.ok or support.bpftrace is None or support.tracefs is None:
             raise RuntimeError(support.detail)
-        t = EbpfTracer(support.bpftrace, support.tracefs, support.mount_off, snapshot=snapshot)
+        t = EbpfTracer(support.bpftrace, support.tracefs, support.mount_off)
         try:
             t.start()
         except (OSError, RuntimeError) as exc:

@@ -11,7 +11,6 @@ import itertools
 import os
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 from pathlib import Path
@@ -370,88 +369,6 @@ def test_the_tracer_stops_and_a_traced_fork_starts_it_again(overlay: str) -> Non
 
 
 # ---------------------------------------------------------------- bpftrace's start
-
-
-def test_the_events_snapshot_holds_the_lines_the_script_names(tmp_path: Path) -> None:
-    fields = {tp: [f"f{i}" for i in range(len(roles))] for tp, (_, roles) in ebpf._SPECS.items()}
-    text = ebpf.script(TOK, 12345, 42, 32, fields)
-    named = {f"{c}:{n}" for c, n in ebpf._PROBE.findall(text)}
-    # every probe of the script is named (one per line), and only probes
-    assert len(named) == len({line.split(" /")[0].split(" {")[0] for line in text.splitlines() if line})
-    assert {"raw_syscalls:sys_enter", "sched:sched_process_fork", "syscalls:sys_exit_openat"} <= named
-    have = [*sorted(named - {"syscalls:sys_enter_creat"}), "initcall:initcall_start", "syscalls:sys_enter_getpid"]
-    (tmp_path / "available_events").write_text("".join(f"{e}\n" for e in have))
-    snap = ebpf.events_snapshot(text, str(tmp_path)).decode().splitlines()
-    # what the kernel has and the script names; a probe the kernel lacks stays missing
-    assert snap == sorted(named - {"syscalls:sys_enter_creat"})
-
-
-def test_without_a_snapshot_bpftrace_runs_plainly() -> None:
-    assert ebpf._launch("/usr/bin/bpftrace", ["-e", "x"], None) == ["/usr/bin/bpftrace", "-e", "x"]
-
-
-@pytest.mark.root
-def test_the_launch_shows_the_snapshot_to_bpftrace_only(tmp_path: Path) -> None:
-    events = next((os.path.join(t, "available_events") for t in ebpf._TRACEFS
-                   if os.path.exists(os.path.join(t, "available_events"))), None)  # fmt: skip
-    if events is None or not ebpf._namespaces_work():
-        pytest.skip("no tracefs or no mount namespaces here")
-    snap = tmp_path / "events"
-    snap.write_bytes(b"sched:sched_process_fork\n")
-    before = Path("/proc/self/mountinfo").read_text()
-    # a stand-in for bpftrace that prints what it reads there
-    out = subprocess.run(ebpf._launch("cat", [events], str(snap)), capture_output=True, check=True, timeout=30)
-    assert out.stdout == b"sched:sched_process_fork\n" and out.stderr == b""
-    assert Path("/proc/self/mountinfo").read_text() == before  # nothing mounted here
-    assert len(Path(events).read_bytes().splitlines()) > 1  # the kernel's own file, untouched
-
-
-@pytest.mark.root
-def test_bpftrace_starts_on_the_snapshot_and_holds_no_mount_of_ours(overlay: str, tmp_path: Path) -> None:
-    _ebpf_or_skip()
-    ebpf.stop_tracer()
-    held = tmp_path / "held"
-    held.mkdir()
-    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(held)], check=True)
-    try:
-        readsets.wait_for_tracer()  # started while `held` is mounted: its namespace copies it
-        (pid,) = ebpf.service_pids()
-        tracer = ebpf.tracer(readsets.tracer_support().ebpf)  # type: ignore[arg-type]
-        assert tracer.snapshotted and tracer._proc is not None and tracer._proc.pid == pid
-        assert "started on an available_events snapshot" in readsets.tracer_support().detail  # sandbox info says so
-        mounts = Path(f"/proc/{pid}/mountinfo").read_text()
-        assert "/available_events " in mounts and str(held) in mounts
-        assert "/available_events " not in Path("/proc/self/mountinfo").read_text()
-        assert not list(Path(tempfile.gettempdir()).glob("aospec-bpftrace-events-*"))  # removed once started
-    finally:
-        subprocess.run(["umount", str(held)], check=True)
-    held.rmdir()  # removing the mountpoint here detaches bpftrace's copy too
-    assert str(held) not in Path(f"/proc/{pid}/mountinfo").read_text()
-    _, reads, why = anyio.run(_traced, "cat /w/a")
-    assert why is None and reads is not None and "w/a" in reads.nodes
-
-
-@pytest.mark.root
-def test_sandboxes_open_at_the_start_are_not_held_by_bpftrace_once_closed(overlay: str) -> None:
-    from aospec.runtime._state import default_state_root
-
-    _ebpf_or_skip()
-
-    async def run() -> tuple[list[str], list[str]]:
-        ebpf.stop_tracer()
-        async with open_sandbox(SandboxConfig(timeout_s=20)) as sb:
-            await sb.run("echo a > /w")
-            fork = await sb.fork()
-            readsets.wait_for_tracer()  # starts now: its namespace copies the sandbox's mounts
-            (pid,) = ebpf.service_pids()
-            state = str(default_state_root())
-            held = [ln.split()[4] for ln in Path(f"/proc/{pid}/mountinfo").read_text().splitlines()]
-            await fork.discard()
-        after = [ln.split()[4] for ln in Path(f"/proc/{pid}/mountinfo").read_text().splitlines()]
-        return [m for m in held if m.startswith(state)], [m for m in after if m.startswith(state)]
-
-    held, after = anyio.run(run)
-    assert held and after == []  # the sandbox's overlay and its fork's, released
 
 
 class _Host:
