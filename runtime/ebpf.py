@@ -42,6 +42,8 @@ understand that succeeded (``getxattrat`` and other calls newer than strace's ta
 Where it works: root (CAP_BPF and CAP_PERFMON), bpftrace 0.17 or later, the kernel's BTF
 (``/sys/kernel/btf/vmlinux``) and tracefs mounted (``/sys/kernel/tracing``); the probe
 (:func:`ebpf_support`) also checks ``struct mount``'s layout and traces one command.
+bpftrace starts in a mount namespace of its own where tracefs's ``available_events`` is a
+snapshot (:func:`_launch`: half of its start's CPU was re-reading that generated file).
 """
 
 from __future__ import annotations
@@ -56,6 +58,8 @@ import secrets
 import shutil
 import signal
 import subprocess
+import sys
+import tempfile
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -473,6 +477,78 @@ def syscall_fields(tracefs: str) -> dict[str, list[str]]:
     return out
 
 
+# ------------------------------------------------------------------ bpftrace's start
+
+#: bpftrace 0.17 reads tracefs's ``available_events`` again for every probe in every pass
+#: (5,800 reads of 62 KB for this script), a file the kernel generates on each read: half
+#: of its start's CPU. It starts in a mount namespace of its own where that file is a
+#: snapshot of the lines its probes name (a regular file: :func:`_launch`).
+_EVENTS = "available_events"
+#: Sets that namespace up (binds the snapshot, drops every mount bpftrace does not need: a
+#: copied sandbox mount would stay alive there) and execs bpftrace; stdlib only, run with -I.
+_NS_HELPER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_mntns.py")
+_PROBE = re.compile(r"^tracepoint:([^:\s]+):([^\s/{]+)", re.M)
+_namespaced: bool | None = None
+
+
+def events_snapshot(text: str, tracefs: str) -> bytes:
+    """The lines of ``tracefs``'s ``available_events`` that the bpftrace program ``text``
+    attaches to (a probe the kernel lacks stays missing: bpftrace fails on it as before)."""
+    named = {f"{cat}:{name}" for cat, name in _PROBE.findall(text)}
+    with open(os.path.join(tracefs, _EVENTS), "rb") as f:
+        lines = f.read().splitlines()
+    return b"".join(line + b"\n" for line in lines if line.decode(errors="replace") in named)
+
+
+def _namespaces_work() -> bool:
+    """Whether util-linux's ``unshare`` can give a process a mount namespace of its own
+    here and the namespace helper is there (checked once per process)."""
+    global _namespaced
+    if _namespaced is None:
+        unshare, true = shutil.which("unshare"), shutil.which("true")
+        ok = False
+        if unshare and true and os.path.isfile(_NS_HELPER):
+            with contextlib.suppress(OSError, subprocess.SubprocessError):
+                ok = (
+                    subprocess.run(
+                        [unshare, "--mount", "--propagation", "private", "--", true],
+                        stdin=subprocess.DEVNULL,
+                        capture_output=True,
+                        timeout=10,
+                    ).returncode
+                    == 0
+                )
+        _namespaced = ok
+    return _namespaced
+
+
+def _launch(bpftrace: str, args: Sequence[str], snapshot: str | None) -> list[str]:
+    """The command line that runs bpftrace with ``args``: in a private mount namespace
+    where every tracefs ``available_events`` is ``snapshot`` and no mount is left but those
+    bpftrace needs (``/``, ``/usr``, ``/proc``, ``/sys``, ``/dev``, ...: runtime/_mntns.py;
+    the same process: unshare and the helper exec into bpftrace), or plainly (``snapshot``
+    None). The namespace holds no copy of a sandbox's mounts: a copy would keep them alive
+    after they are unmounted here (an overlay commit's remount of its upper would fail)."""
+    if snapshot is None:
+        return [bpftrace, *args]
+    targets = [p for t in _TRACEFS if os.path.exists(p := os.path.join(t, _EVENTS))]
+    return [
+        shutil.which("unshare") or "unshare",
+        "--mount",
+        "--propagation",
+        "private",
+        "--",
+        sys.executable,
+        "-I",
+        _NS_HELPER,
+        snapshot,
+        *targets,
+        "--",
+        bpftrace,
+        *args,
+    ]
+
+
 # --------------------------------------------------------------------------- the tracer
 
 _libc = ctypes.CDLL(None, use_errno=True)
@@ -509,8 +585,9 @@ class EbpfTracer:
     trace may need it, and watches it for flush markers and lost events; a trace's lines
     are picked out when it is collected (in the fork's task, off the committed path)."""
 
-    def __init__(self, bpftrace: str, tracefs: str, mount_off: int) -> None:
+    def __init__(self, bpftrace: str, tracefs: str, mount_off: int, *, snapshot: bool = True) -> None:
         self.bpftrace = bpftrace
+        self.snapshot = snapshot  # start on an available_events snapshot where it can
         self.tracefs = tracefs
         self.mount_off = mount_off
         self.token = secrets.token_hex(8)
@@ -528,6 +605,8 @@ class EbpfTracer:
         self._flush_seq = 0
         self._lost = 0  # times bpftrace reported lost events
         self._proc: subprocess.Popen[bytes] | None = None
+        #: bpftrace was started in a namespace where available_events is a snapshot
+        self.snapshotted = False
         self._dead: str | None = None
         self._stderr: list[str] = []
 
@@ -547,13 +626,16 @@ class EbpfTracer:
         }
         ready = threading.Event()
         failed: list[BaseException] = []
+        snapshot = self._snapshot(text)
+        argv = _launch(self.bpftrace, ["-B", "full", "-e", text], snapshot)
+        self.snapshotted = snapshot is not None
 
         def run() -> None:
             # bpftrace dies with this thread (PR_SET_PDEATHSIG), which lives as long as
             # the process: it reads bpftrace's output
             try:
                 self._proc = subprocess.Popen(
-                    [self.bpftrace, "-B", "full", "-e", text],
+                    argv,
                     stdin=subprocess.DEVNULL,
                     stdout=subprocess.PIPE,
                     stderr=subprocess.PIPE,
@@ -568,22 +650,48 @@ class EbpfTracer:
             ready.set()
             self._read_stdout()
 
-        threading.Thread(target=run, name="aospec-bpftrace", daemon=True).start()
-        ready.wait()
-        if failed:
-            raise failed[0]
-        atexit.register(self.stop)
-        # attached once a flush marker comes back (its probe is the script's last)
-        deadline = time.monotonic() + _START_TIMEOUT_S
-        while True:
-            try:
-                self.flush(timeout_s=0.5)
-                return
-            except TimeoutError:
-                if self._dead is not None or time.monotonic() > deadline:
-                    self.stop()
-                    why = self._dead or f"no output within {_START_TIMEOUT_S:.0f} s"
-                    raise RuntimeError(f"bpftrace did not start: {why}") from None
+        try:
+            threading.Thread(target=run, name="aospec-bpftrace", daemon=True).start()
+            ready.wait()
+            if failed:
+                raise failed[0]
+            atexit.register(self.stop)
+            # attached once a flush marker comes back (its probe is the script's last)
+            deadline = time.monotonic() + _START_TIMEOUT_S
+            while True:
+                try:
+                    self.flush(timeout_s=0.5)
+                    return
+                except TimeoutError:
+                    if self._dead is not None or time.monotonic() > deadline:
+                        self.stop()
+                        why = self._dead or f"no output within {_START_TIMEOUT_S:.0f} s"
+                        raise RuntimeError(f"bpftrace did not start: {why}") from None
+        finally:
+            # the namespace's bind holds the file now (or bpftrace is gone)
+            if snapshot is not None:
+                with contextlib.suppress(OSError):
+                    os.unlink(snapshot)
+
+    def _snapshot(self, text: str) -> str | None:
+        """A private file holding the ``available_events`` lines ``text`` names, or None
+        where bpftrace must read tracefs's own (no mount namespaces here, or tracefs
+        unreadable)."""
+        if not self.snapshot or not _namespaces_work():
+            return None
+        try:
+            data = events_snapshot(text, self.tracefs)
+        except OSError:
+            return None
+        fd, path = tempfile.mkstemp(prefix="aospec-bpftrace-events-")
+        try:
+            with os.fdopen(fd, "wb") as f:
+                f.write(data)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.unlink(path)
+            raise
+        return path
 
     def stop(self) -> None:
         proc = self._proc
@@ -814,7 +922,12 @@ def ebpf_support() -> EbpfSupport:
         off = btf_member_offset(_BTF, "mount", "mnt")
     except (OSError, ValueError) as exc:
         return EbpfSupport(False, f"off: the kernel's BTF cannot be read ({exc})")
-    return EbpfSupport(True, f"on: {out} (eBPF on the syscall tracepoints)", path, tracefs, off)
+    start = (
+        "starts on an available_events snapshot in a mount namespace of its own"
+        if _namespaces_work()
+        else "starts on tracefs's available_events: no mount namespaces here, twice the start's CPU"
+    )
+    return EbpfSupport(True, f"on: {out} (eBPF on the syscall tracepoints; {start})", path, tracefs, off)
 
 
 def btf_member_offset(path: str, struct_name: str, member: str) -> int:
@@ -864,7 +977,7 @@ _starting: threading.Thread | None = None
 _generation = 0  # stop_tracer() moves it on: a start waiting for a quiet host is dropped
 
 #: A start asked for by a fork (:func:`ready_tracer`) waits until the host has had this
-#: many cores free in every sample over START_QUIET_S: bpftrace's start takes 5-6 s of
+#: many cores free in every sample over START_QUIET_S: bpftrace's start takes about 3 s of
 #: one core (docs/engine.md, "Read sets"), which a busy host's other work would pay for.
 START_FREE_CORES = 1.0
 START_QUIET_S = 1.0
@@ -919,9 +1032,10 @@ def ready_tracer(support: EbpfSupport, *, monitor: HostMonitor | None = None) ->
     return None
 
 
-def tracer(support: EbpfSupport) -> EbpfTracer:
+def tracer(support: EbpfSupport, *, snapshot: bool = True) -> EbpfTracer:
     """The process's tracer, started on first use and waited for (RuntimeError when it
-    cannot start; the reason is kept: later calls fail at once)."""
+    cannot start; the reason is kept: later calls fail at once). ``snapshot=False`` starts
+    bpftrace on tracefs's own ``available_events`` (slower: :func:`_launch`)."""
     global _tracer, _tracer_error
     with _tracer_lock:
         if _tracer is not None and _tracer._dead is None:
@@ -930,12 +1044,20 @@ def tracer(support: EbpfSupport) -> EbpfTracer:
             raise RuntimeError(_tracer_error)
         if not support.ok or support.bpftrace is None or support.tracefs is None:
             raise RuntimeError(support.detail)
-        t = EbpfTracer(support.bpftrace, support.tracefs, support.mount_off)
+        t = EbpfTracer(support.bpftrace, support.tracefs, support.mount_off, snapshot=snapshot)
         try:
             t.start()
         except (OSError, RuntimeError) as exc:
-            _tracer_error = f"the eBPF tracer did not start: {exc}"
-            raise RuntimeError(_tracer_error) from None
+            if not t.snapshotted:
+                _tracer_error = f"the eBPF tracer did not start: {exc}"
+                raise RuntimeError(_tracer_error) from None
+            # its namespace could not be set up (or bpftrace failed in it): start it plainly
+            t = EbpfTracer(support.bpftrace, support.tracefs, support.mount_off, snapshot=False)
+            try:
+                t.start()
+            except (OSError, RuntimeError) as exc2:
+                _tracer_error = f"the eBPF tracer did not start: {exc2} (on a snapshot: {exc})"
+                raise RuntimeError(_tracer_error) from None
         _tracer = t
         return t
 

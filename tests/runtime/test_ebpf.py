@@ -11,6 +11,7 @@ import itertools
 import os
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -369,6 +370,169 @@ def test_the_tracer_stops_and_a_traced_fork_starts_it_again(overlay: str) -> Non
 
 
 # ---------------------------------------------------------------- bpftrace's start
+
+
+def test_the_events_snapshot_holds_the_lines_the_script_names(tmp_path: Path) -> None:
+    fields = {tp: [f"f{i}" for i in range(len(roles))] for tp, (_, roles) in ebpf._SPECS.items()}
+    text = ebpf.script(TOK, 12345, 42, 32, fields)
+    named = {f"{c}:{n}" for c, n in ebpf._PROBE.findall(text)}
+    # every probe of the script is named (one per line), and only probes
+    assert len(named) == len({line.split(" /")[0].split(" {")[0] for line in text.splitlines() if line})
+    assert {"raw_syscalls:sys_enter", "sched:sched_process_fork", "syscalls:sys_exit_openat"} <= named
+    have = [*sorted(named - {"syscalls:sys_enter_creat"}), "initcall:initcall_start", "syscalls:sys_enter_getpid"]
+    (tmp_path / "available_events").write_text("".join(f"{e}\n" for e in have))
+    snap = ebpf.events_snapshot(text, str(tmp_path)).decode().splitlines()
+    # what the kernel has and the script names; a probe the kernel lacks stays missing
+    assert snap == sorted(named - {"syscalls:sys_enter_creat"})
+
+
+def test_without_a_snapshot_bpftrace_runs_plainly() -> None:
+    assert ebpf._launch("/usr/bin/bpftrace", ["-e", "x"], None) == ["/usr/bin/bpftrace", "-e", "x"]
+
+
+MOUNTINFO = """\
+20 1 8:1 / / rw - ext4 /dev/sda1 rw
+21 20 0:5 / /proc rw - proc proc rw
+22 20 0:6 / /sys rw - sysfs sysfs rw
+23 22 0:7 / /sys/kernel/tracing rw - tracefs tracefs rw
+24 20 0:8 / /dev rw - devtmpfs udev rw
+25 20 8:2 / /usr rw - ext4 /dev/sda2 rw
+26 20 0:9 / /var/tmp/aospec/s rw - tmpfs tmpfs rw
+27 26 0:10 / /var/tmp/aospec/s/ab12/rw rw - tmpfs tmpfs rw
+28 26 0:11 / /var/tmp/aospec/s/ab12/m rw - overlay overlay rw
+29 20 0:12 / /srv/my\\040data rw - ext4 /dev/sdb1 rw
+30 20 0:13 / /opt/tools rw - ext4 /dev/sdc1 rw
+31 28 0:14 / /var/tmp/aospec/s/ab12/m/proc rw - proc proc rw
+32 27 0:15 / /var/tmp/aospec/s/ab12/rw rw - tmpfs tmpfs rw
+"""
+
+
+def test_bpftraces_namespace_keeps_only_what_it_needs() -> None:
+    from aospec.runtime import _mntns
+
+    mounts = _mntns.parse_mountinfo(MOUNTINFO)
+    assert mounts[9] == (29, 20, "/srv/my data")  # escapes undone
+    drop, stuck = _mntns.to_drop(mounts, ["/", "/usr", "/opt/tools/bin/bpftrace", "/tmp"])
+    # kept: /, /proc, /sys and below, /dev, /usr, the program's own mount; dropped: the
+    # sandboxes' mounts (deepest first; two stacked on one point: the top one first) and
+    # the host's other filesystems
+    assert drop == [
+        "/var/tmp/aospec/s/ab12/m/proc",
+        "/var/tmp/aospec/s/ab12/rw",
+        "/var/tmp/aospec/s/ab12/m",
+        "/var/tmp/aospec/s/ab12/rw",
+        "/var/tmp/aospec/s",
+        "/srv/my data",
+    ]
+    assert stuck == []
+    # a mount it must drop under one it keeps on the same point cannot be reached
+    over = [*mounts, (33, 20, "/var/tmp/aospec/s")]
+    _, stuck = _mntns.to_drop(over, ["/var/tmp/aospec/s/x"])
+    assert stuck == ["/var/tmp/aospec/s"]
+
+
+@pytest.mark.root
+def test_the_launch_shows_the_snapshot_to_bpftrace_only(tmp_path: Path) -> None:
+    events = next((os.path.join(t, "available_events") for t in ebpf._TRACEFS
+                   if os.path.exists(os.path.join(t, "available_events"))), None)  # fmt: skip
+    if events is None or not ebpf._namespaces_work():
+        pytest.skip("no tracefs or no mount namespaces here")
+    snap = tmp_path / "events"
+    snap.write_bytes(b"sched:sched_process_fork\n")
+    before = Path("/proc/self/mountinfo").read_text()
+    # a stand-in for bpftrace that prints what it reads there
+    cat = subprocess.run(["sh", "-c", "command -v cat"], capture_output=True, text=True).stdout.strip()
+    out = subprocess.run(ebpf._launch(cat, [events], str(snap)), capture_output=True, check=True, timeout=30)
+    assert out.stdout == b"sched:sched_process_fork\n" and out.stderr == b""
+    assert Path("/proc/self/mountinfo").read_text() == before  # nothing mounted here
+    assert len(Path(events).read_bytes().splitlines()) > 1  # the kernel's own file, untouched
+    # a program it cannot run: the helper's own exit status, nothing run
+    bad = subprocess.run(ebpf._launch(str(tmp_path / "none"), [], str(snap)), capture_output=True, timeout=30)
+    assert bad.returncode == 97 and b"cannot run" in bad.stderr
+
+
+@pytest.mark.root
+def test_bpftrace_holds_no_copy_of_a_sandbox_mount(overlay: str, tmp_path: Path) -> None:
+    """The bug that withdrew the snapshot once: bpftrace's namespace, a copy of this one
+    made while a sandbox's tmpfs upper and overlay were mounted, kept them alive after they
+    were unmounted here, so an overlay commit's read-only remount of the upper failed
+    (EBUSY). Its namespace now drops every mount bpftrace does not need."""
+    _ebpf_or_skip()
+    ebpf.stop_tracer()
+    rw, merged, low = tmp_path / "rw", tmp_path / "m", tmp_path / "low"
+    for d in (rw, merged, low):
+        d.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(rw)], check=True)
+    try:
+        (rw / "u").mkdir()
+        (rw / "w").mkdir()
+        opts = f"lowerdir={low},upperdir={rw / 'u'},workdir={rw / 'w'}"
+        subprocess.run(["mount", "-t", "overlay", "-o", opts, "overlay", str(merged)], check=True)
+        (merged / "f").write_text("x")
+        readsets.wait_for_tracer()  # started while both are mounted
+        (pid,) = ebpf.service_pids()
+        tracer = ebpf.tracer(readsets.tracer_support().ebpf)  # type: ignore[arg-type]
+        assert tracer.snapshotted and tracer._proc is not None and tracer._proc.pid == pid
+        assert "starts on an available_events snapshot" in readsets.tracer_support().detail  # sandbox info says so
+        theirs = Path(f"/proc/{pid}/mountinfo").read_text()
+        assert "/available_events " in theirs and str(tmp_path) not in theirs
+        assert "/available_events " not in Path("/proc/self/mountinfo").read_text()
+        assert not list(Path(tempfile.gettempdir()).glob("aospec-bpftrace-events-*"))  # removed once started
+        subprocess.run(["umount", str(merged)], check=True)
+        # as an overlay commit does: the upper's tmpfs, read-only (EBUSY while an overlay
+        # on it lives on in another namespace)
+        subprocess.run(["mount", "-o", "remount,ro", str(rw)], check=True, capture_output=True)
+    finally:
+        subprocess.run(["umount", "-l", str(merged)], capture_output=True)
+        subprocess.run(["umount", "-l", str(rw)], capture_output=True)
+    _, reads, why = anyio.run(_traced, "cat /w/a")
+    assert why is None and reads is not None and "w/a" in reads.nodes
+
+
+@pytest.mark.root
+def test_a_namespace_that_cannot_be_set_up_starts_bpftrace_plainly(
+    overlay: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    _ebpf_or_skip()
+    ebpf.stop_tracer()
+    broken = tmp_path / "helper.py"
+    broken.write_text("import sys\nprint('aospec: 1 mounts left', file=sys.stderr)\nsys.exit(97)\n")
+    monkeypatch.setattr(ebpf, "_NS_HELPER", str(broken))
+    try:
+        tracer = ebpf.tracer(readsets.tracer_support().ebpf)  # type: ignore[arg-type]
+        assert not tracer.snapshotted and tracer._dead is None
+        (pid,) = ebpf.service_pids()
+        assert os.readlink(f"/proc/{pid}/ns/mnt") == os.readlink("/proc/self/ns/mnt")  # ours
+        _, reads, why = anyio.run(_traced, "cat /w/a")
+        assert why is None and reads is not None and "w/a" in reads.nodes
+    finally:
+        ebpf.stop_tracer()  # the next test starts one on a snapshot again
+
+
+@pytest.mark.root
+def test_a_committed_sandbox_commits_after_bpftrace_started(overlay: str) -> None:
+    """A sandbox open when bpftrace starts keeps committing (each commit remounts its upper
+    read-only) and is released once closed, and bpftrace's namespace never held it."""
+    from aospec.runtime._state import default_state_root
+
+    _ebpf_or_skip()
+
+    async def run() -> list[str]:
+        ebpf.stop_tracer()
+        async with open_sandbox(SandboxConfig(timeout_s=20)) as sb:
+            await sb.run("echo a > /w")
+            fork = await sb.fork()
+            readsets.wait_for_tracer()  # starts now, with the sandbox and its fork mounted
+            (pid,) = ebpf.service_pids()
+            state = str(default_state_root())
+            held = [ln.split()[4] for ln in Path(f"/proc/{pid}/mountinfo").read_text().splitlines()]
+            for i in range(3):
+                await sb.run(f"echo {i} >> /w")
+            assert (await sb.run("cat /w")).output == "a\n0\n1\n2\n"
+            await fork.discard()
+        return [m for m in held if m.startswith(state)]
+
+    assert anyio.run(run) == []
 
 
 class _Host:

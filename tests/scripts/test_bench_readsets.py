@@ -80,8 +80,9 @@ def test_the_committed_path_with_the_tracer_stopped_and_running(tmp_path: Path) 
 
 def test_the_tracers_start_beside_busy_processes(tmp_path: Path) -> None:
     """--start-under-load: one busy process burning 0.5 CPU-seconds, without the tracer
-    starting beside it, with it, and asked for as a fork asks (once the host has a core to
-    spare); the figures' shape, and that each start was timed."""
+    starting beside it, with it, with it on tracefs's own available_events and asked for as a
+    fork asks (once the host has a core to spare); the figures' shape, and that each start
+    was timed."""
     from aospec.runtime.host import host_support
     from aospec.runtime.readsets import tracer_support
 
@@ -92,10 +93,10 @@ def test_the_tracers_start_beside_busy_processes(tmp_path: Path) -> None:
     assert proc.returncode == 0, proc.stderr[-3000:]
     doc = json.loads(proc.stdout)
     assert (doc["load"], doc["work_s"], doc["reps"]) == (1, 0.5, 1)
-    none, start, asked = doc["rows"]
-    assert [r["mode"] for r in doc["rows"]] == ["none", "start", "asked"]
+    none, start, plain, asked = doc["rows"]
+    assert [r["mode"] for r in doc["rows"]] == ["none", "start", "start-tracefs", "asked"]
     assert none["ready_s"] is None and none["busy_late_s"]["median"] >= 0
-    for row in (start, asked):
+    for row in (start, plain, asked):
         assert row["ready_s"]["median"] > 0 and row["start_cpu_s"]["median"] > 0
         assert row["busy_late_s"]["min"] == row["busy_late_s"]["max"]  # one run
     bad = _bench(tmp_path, "--start-under-load", "1", "--work", "0")
