@@ -16,6 +16,8 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
+from aospec.runtime._mntns import unescape_mountinfo
+
 __all__ = [
     "OPAQUE_XATTR",
     "DirPath",
@@ -129,18 +131,6 @@ def umount(target: str, *, detach: bool = False) -> None:
         raise OSError(err, f"umount {target}: {os.strerror(err)}")
 
 
-def _unescape_mountinfo(field: str) -> str:
-    out, i = [], 0
-    while i < len(field):
-        if field[i] == "\\" and i + 3 < len(field) and field[i + 1 : i + 4].isdigit():
-            out.append(chr(int(field[i + 1 : i + 4], 8)))
-            i += 4
-        else:
-            out.append(field[i])
-            i += 1
-    return "".join(out)
-
-
 _FD_LINK = re.compile(r"(/proc/(?:self|\d+)/fd/\d+)(/.*)?")
 
 
@@ -163,7 +153,7 @@ def mounts_under(prefix: str) -> list[str]:
     found = []
     with open("/proc/self/mountinfo", encoding="utf-8", errors="surrogateescape") as f:
         for line in f:
-            point = _unescape_mountinfo(line.split(" ", 5)[4])
+            point = unescape_mountinfo(line.split(" ", 5)[4])
             if point == real or point.startswith(real + "/"):
                 found.append(given + point[len(real) :])
     return sorted(set(found), key=lambda p: (-p.count("/"), p))

@@ -1,22 +1,28 @@
-"""bpftrace's start in a mount namespace of its own (runtime/ebpf.py, :func:`launch_argv`).
+"""bpftrace's start in a mount namespace of its own (runtime/ebpf.py, ``_launch``).
 
-Run as ``python -I _mntns.py SNAPSHOT TARGET... -- PROGRAM ARGS...`` inside ``unshare
---mount --propagation private``: it binds the file ``SNAPSHOT`` over each ``TARGET``
-(tracefs's ``available_events``), then drops from the namespace every mount the program
-does not need, then execs ``PROGRAM ARGS...``.
+Run as ``python -I -S _mntns.py EVENTS TARGET... -- PROGRAM ARGS...`` inside ``unshare
+--mount --propagation private``: it writes the text ``EVENTS`` (the ``available_events``
+lines the program's probes name) to a file on a tmpfs of the namespace's own and binds that
+file over each ``TARGET`` (tracefs's ``available_events``), then drops from the namespace
+every mount the program does not need, moves to ``/`` and execs ``PROGRAM ARGS...``. No file
+of the host is read or bound: nothing a sandbox can write (a file under a shared temporary
+directory swapped for a link or a FIFO) can reach the namespace, and nothing is left behind
+when the process is killed.
 
 Why the drop: a new mount namespace is a copy of its parent's, so it holds a second mount
 of every filesystem mounted here when it was made, for as long as it lives (bpftrace lives
 as long as the aospec process). A sandbox's tmpfs upper and its overlay, copied there,
 stay alive after aospec unmounts them: overlayfs keeps writing on its upper, so remounting
 that tmpfs read-only (an overlay commit: runtime/overlay_store.py) fails with EBUSY, and a
-closed sandbox's memory is never freed. So the copy keeps only ``/proc``, ``/sys``, ``/dev``
-and the mounts that hold the program and the system's files (``/``, ``/usr``, ...); every
-other mount (every sandbox, layer and store of any aospec process, and the host's other
-filesystems) is lazily unmounted before the program runs. Where one cannot be, the program
-does not run (exit status :data:`EXIT_SETUP`): the caller starts it plainly instead.
+sandbox's memory is held until its mount points are removed. So the copy keeps only
+``/proc``, ``/sys``, ``/dev`` and the mounts that hold the program and the system's files
+(``/``, ``/usr``, ...); every other mount (every sandbox, layer and store of any aospec
+process, and the host's other filesystems) is lazily unmounted before the program runs, and
+the program runs in ``/`` (a working directory inside a dropped mount would keep it alive,
+unseen in mountinfo). Where one cannot be dropped, the program does not run (exit status
+:data:`EXIT_SETUP`, a line on stderr): the caller starts it plainly instead.
 
-Standard library only: it runs with ``-I`` (no site-packages, no environment).
+Standard library only: it runs with ``-I -S`` (no site-packages, no environment).
 """
 
 from __future__ import annotations
@@ -25,7 +31,7 @@ import ctypes
 import os
 import sys
 
-__all__ = ["EXIT_SETUP", "KEEP_TREES", "NEEDED", "main", "parse_mountinfo", "to_drop"]
+__all__ = ["EXIT_SETUP", "KEEP_TREES", "NEEDED", "main", "parse_mountinfo", "to_drop", "unescape_mountinfo"]
 
 #: Mount trees the program keeps whole (tracefs, debugfs, BTF and bpffs live under /sys).
 KEEP_TREES = ("/proc", "/sys", "/dev")
@@ -52,7 +58,8 @@ _MNT_DETACH = 2
 _EINVAL, _ENOENT = 22, 2
 
 
-def _unescape(field: str) -> str:
+def unescape_mountinfo(field: str) -> str:
+    """A field of ``/proc/PID/mountinfo`` with its octal escapes (``\\040``: a space) undone."""
     out, i = [], 0
     while i < len(field):
         if field[i] == "\\" and field[i + 1 : i + 4].isdigit() and i + 3 < len(field):
@@ -71,7 +78,7 @@ def parse_mountinfo(text: str) -> list[tuple[int, int, str]]:
     for line in text.splitlines():
         f = line.split(" ")
         if len(f) > 4:
-            out.append((int(f[0]), int(f[1]), _unescape(f[4])))
+            out.append((int(f[0]), int(f[1]), unescape_mountinfo(f[4])))
     return out
 
 
@@ -126,30 +133,53 @@ def _mountinfo() -> list[tuple[int, int, str]]:
         return parse_mountinfo(f.read())
 
 
+def _bind_events(libc: ctypes.CDLL, events: str, targets: list[str]) -> bool:
+    """Write ``events`` to a file on a tmpfs mounted over ``/tmp`` in this namespace, bind
+    it over each target, then detach that tmpfs (the binds hold it; ``/tmp`` is the host's
+    again). A target whose bind fails keeps tracefs's own file (a slower start, the same
+    probes); False where no file could be made."""
+    scratch = "/tmp"
+    if libc.mount(b"tmpfs", scratch.encode(), b"tmpfs", 0, b"size=1m,mode=0700") != 0:
+        print(
+            f"aospec: cannot mount a tmpfs in bpftrace's namespace: {os.strerror(ctypes.get_errno())}", file=sys.stderr
+        )
+        return False
+    path = os.path.join(scratch, "available_events")
+    try:
+        with open(path, "w", encoding="utf-8") as f:
+            f.write(events)
+        for target in targets:
+            if libc.mount(path.encode(), os.fsencode(target), None, _MS_BIND, None) != 0:
+                err = os.strerror(ctypes.get_errno())
+                print(f"aospec: {target} is read from tracefs ({err})", file=sys.stderr)
+    finally:
+        libc.umount2(scratch.encode(), _MNT_DETACH)
+    return True
+
+
 def main(argv: list[str]) -> int:
     """Set the namespace up and exec the program (never returns then); the exit status
     :data:`EXIT_SETUP` with a line on stderr where the namespace could not be set up."""
     if "--" not in argv or len(argv) < 3:
-        print("usage: _mntns.py SNAPSHOT TARGET... -- PROGRAM ARGS...", file=sys.stderr)
+        print("usage: _mntns.py EVENTS TARGET... -- PROGRAM ARGS...", file=sys.stderr)
         return EXIT_SETUP
     cut = argv.index("--")
-    snapshot, targets, program = argv[0], argv[1:cut], argv[cut + 1 :]
+    events, targets, program = argv[0], argv[1:cut], argv[cut + 1 :]
     if not program:
         print("aospec: no program to run", file=sys.stderr)
         return EXIT_SETUP
     libc = ctypes.CDLL(None, use_errno=True)
     libc.mount.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_char_p, ctypes.c_ulong, ctypes.c_char_p]
     libc.umount2.argtypes = [ctypes.c_char_p, ctypes.c_int]
-    for target in targets:
-        # a bind that fails leaves tracefs's own file in place: a slower start, the same probes
-        if libc.mount(snapshot.encode(), target.encode(), None, _MS_BIND, None) != 0:
-            print(f"aospec: {target} is read from tracefs ({os.strerror(ctypes.get_errno())})", file=sys.stderr)
+    if targets and not _bind_events(libc, events, targets):
+        return EXIT_SETUP
+    os.chdir("/")
     needed = _needed(program[0])
     for _ in range(16):  # a pass per level of stacking
         drop, _stuck = to_drop(_mountinfo(), needed)
         progress = False
         for point in drop:
-            if libc.umount2(point.encode(), _MNT_DETACH) == 0:
+            if libc.umount2(os.fsencode(point), _MNT_DETACH) == 0:
                 progress = True
             elif ctypes.get_errno() not in (_EINVAL, _ENOENT):  # EINVAL: gone with its parent
                 err = os.strerror(ctypes.get_errno())

@@ -59,7 +59,6 @@ import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -482,13 +481,15 @@ def syscall_fields(tracefs: str) -> dict[str, list[str]]:
 #: bpftrace 0.17 reads tracefs's ``available_events`` again for every probe in every pass
 #: (5,800 reads of 62 KB for this script), a file the kernel generates on each read: half
 #: of its start's CPU. It starts in a mount namespace of its own where that file is a
-#: snapshot of the lines its probes name (a regular file: :func:`_launch`).
+#: snapshot of the lines its probes name (a regular file on a tmpfs of that namespace's
+#: own: :func:`_launch`).
 _EVENTS = "available_events"
 #: Sets that namespace up (binds the snapshot, drops every mount bpftrace does not need: a
-#: copied sandbox mount would stay alive there) and execs bpftrace; stdlib only, run with -I.
+#: copied sandbox mount would stay alive there) and execs bpftrace; stdlib only, run with
+#: ``-I -S``.
 _NS_HELPER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_mntns.py")
 _PROBE = re.compile(r"^tracepoint:([^:\s]+):([^\s/{]+)", re.M)
-_namespaced: bool | None = None
+_namespaced: str | None = None  # "" where they work, else why not
 
 
 def events_snapshot(text: str, tracefs: str) -> bytes:
@@ -500,53 +501,48 @@ def events_snapshot(text: str, tracefs: str) -> bytes:
     return b"".join(line + b"\n" for line in lines if line.decode(errors="replace") in named)
 
 
-def _namespaces_work() -> bool:
-    """Whether util-linux's ``unshare`` can give a process a mount namespace of its own
-    here and the namespace helper is there (checked once per process)."""
+def _helper(*args: str) -> list[str]:
+    """The command line that runs the namespace helper (runtime/_mntns.py) with ``args``
+    in a mount namespace of its own."""
+    unshare = shutil.which("unshare") or "unshare"
+    return [unshare, "--mount", "--propagation", "private", "--", sys.executable, "-I", "-S", _NS_HELPER, *args]
+
+
+def namespace_problem() -> str:
+    """Why bpftrace cannot start in a mount namespace of its own here ("" where it can):
+    util-linux's ``unshare`` and the helper are run once per process, the helper dropping
+    every mount bpftrace does not need before running ``true``."""
     global _namespaced
     if _namespaced is None:
-        unshare, true = shutil.which("unshare"), shutil.which("true")
-        ok = False
-        if unshare and true and os.path.isfile(_NS_HELPER):
-            with contextlib.suppress(OSError, subprocess.SubprocessError):
-                ok = (
-                    subprocess.run(
-                        [unshare, "--mount", "--propagation", "private", "--", true],
-                        stdin=subprocess.DEVNULL,
-                        capture_output=True,
-                        timeout=10,
-                    ).returncode
-                    == 0
-                )
-        _namespaced = ok
+        true = shutil.which("true")
+        if not shutil.which("unshare") or not true or not sys.executable or not os.path.isfile(_NS_HELPER):
+            _namespaced = "no unshare (util-linux), true or Python executable here"
+        else:
+            try:
+                out = subprocess.run(_helper("", "--", true), stdin=subprocess.DEVNULL, capture_output=True, timeout=30)
+                why = out.stderr.decode(errors="replace").strip().splitlines()
+                _namespaced = "" if out.returncode == 0 else (why[-1] if why else f"exit status {out.returncode}")
+            except (OSError, subprocess.SubprocessError) as exc:
+                _namespaced = str(exc)
     return _namespaced
 
 
-def _launch(bpftrace: str, args: Sequence[str], snapshot: str | None) -> list[str]:
+def _namespaces_work() -> bool:
+    return not namespace_problem()
+
+
+def _launch(bpftrace: str, args: Sequence[str], events: str | None) -> list[str]:
     """The command line that runs bpftrace with ``args``: in a private mount namespace
-    where every tracefs ``available_events`` is ``snapshot`` and no mount is left but those
-    bpftrace needs (``/``, ``/usr``, ``/proc``, ``/sys``, ``/dev``, ...: runtime/_mntns.py;
-    the same process: unshare and the helper exec into bpftrace), or plainly (``snapshot``
-    None). The namespace holds no copy of a sandbox's mounts: a copy would keep them alive
-    after they are unmounted here (an overlay commit's remount of its upper would fail)."""
-    if snapshot is None:
+    where every tracefs ``available_events`` is a file holding ``events`` and no mount is
+    left but those bpftrace needs (``/``, ``/usr``, ``/proc``, ``/sys``, ``/dev``, ...:
+    runtime/_mntns.py; the same process: unshare and the helper exec into bpftrace), or
+    plainly (``events`` None). The namespace holds no copy of a sandbox's mounts: a copy
+    would keep them alive after they are unmounted here (an overlay commit's remount of its
+    upper would fail)."""
+    if events is None:
         return [bpftrace, *args]
     targets = [p for t in _TRACEFS if os.path.exists(p := os.path.join(t, _EVENTS))]
-    return [
-        shutil.which("unshare") or "unshare",
-        "--mount",
-        "--propagation",
-        "private",
-        "--",
-        sys.executable,
-        "-I",
-        _NS_HELPER,
-        snapshot,
-        *targets,
-        "--",
-        bpftrace,
-        *args,
-    ]
+    return _helper(events, *targets, "--", bpftrace, *args)
 
 
 # --------------------------------------------------------------------------- the tracer
@@ -626,9 +622,9 @@ class EbpfTracer:
         }
         ready = threading.Event()
         failed: list[BaseException] = []
-        snapshot = self._snapshot(text)
-        argv = _launch(self.bpftrace, ["-B", "full", "-e", text], snapshot)
-        self.snapshotted = snapshot is not None
+        events = self._snapshot(text)
+        argv = _launch(self.bpftrace, ["-B", "full", "-e", text], events)
+        self.snapshotted = events is not None
 
         def run() -> None:
             # bpftrace dies with this thread (PR_SET_PDEATHSIG), which lives as long as
@@ -650,48 +646,32 @@ class EbpfTracer:
             ready.set()
             self._read_stdout()
 
-        try:
-            threading.Thread(target=run, name="aospec-bpftrace", daemon=True).start()
-            ready.wait()
-            if failed:
-                raise failed[0]
-            atexit.register(self.stop)
-            # attached once a flush marker comes back (its probe is the script's last)
-            deadline = time.monotonic() + _START_TIMEOUT_S
-            while True:
-                try:
-                    self.flush(timeout_s=0.5)
-                    return
-                except TimeoutError:
-                    if self._dead is not None or time.monotonic() > deadline:
-                        self.stop()
-                        why = self._dead or f"no output within {_START_TIMEOUT_S:.0f} s"
-                        raise RuntimeError(f"bpftrace did not start: {why}") from None
-        finally:
-            # the namespace's bind holds the file now (or bpftrace is gone)
-            if snapshot is not None:
-                with contextlib.suppress(OSError):
-                    os.unlink(snapshot)
+        threading.Thread(target=run, name="aospec-bpftrace", daemon=True).start()
+        ready.wait()
+        if failed:
+            raise failed[0]
+        atexit.register(self.stop)
+        # attached once a flush marker comes back (its probe is the script's last)
+        deadline = time.monotonic() + _START_TIMEOUT_S
+        while True:
+            try:
+                self.flush(timeout_s=0.5)
+                return
+            except TimeoutError:
+                if self._dead is not None or time.monotonic() > deadline:
+                    self.stop()
+                    why = self._dead or f"no output within {_START_TIMEOUT_S:.0f} s"
+                    raise RuntimeError(f"bpftrace did not start: {why}") from None
 
     def _snapshot(self, text: str) -> str | None:
-        """A private file holding the ``available_events`` lines ``text`` names, or None
-        where bpftrace must read tracefs's own (no mount namespaces here, or tracefs
-        unreadable)."""
+        """The ``available_events`` lines ``text`` names, or None where bpftrace must read
+        tracefs's own (no mount namespaces here, or tracefs unreadable)."""
         if not self.snapshot or not _namespaces_work():
             return None
         try:
-            data = events_snapshot(text, self.tracefs)
+            return events_snapshot(text, self.tracefs).decode(errors="replace")
         except OSError:
             return None
-        fd, path = tempfile.mkstemp(prefix="aospec-bpftrace-events-")
-        try:
-            with os.fdopen(fd, "wb") as f:
-                f.write(data)
-        except BaseException:
-            with contextlib.suppress(OSError):
-                os.unlink(path)
-            raise
-        return path
 
     def stop(self) -> None:
         proc = self._proc
@@ -922,10 +902,11 @@ def ebpf_support() -> EbpfSupport:
         off = btf_member_offset(_BTF, "mount", "mnt")
     except (OSError, ValueError) as exc:
         return EbpfSupport(False, f"off: the kernel's BTF cannot be read ({exc})")
+    why = namespace_problem()
     start = (
-        "starts on an available_events snapshot in a mount namespace of its own"
-        if _namespaces_work()
-        else "starts on tracefs's available_events: no mount namespaces here, twice the start's CPU"
+        f"starts on tracefs's available_events, twice the start's CPU: no mount namespace of its own ({why})"
+        if why
+        else "starts on an available_events snapshot in a mount namespace of its own"
     )
     return EbpfSupport(True, f"on: {out} (eBPF on the syscall tracepoints; {start})", path, tracefs, off)
 
@@ -1051,7 +1032,10 @@ def tracer(support: EbpfSupport, *, snapshot: bool = True) -> EbpfTracer:
             if not t.snapshotted:
                 _tracer_error = f"the eBPF tracer did not start: {exc}"
                 raise RuntimeError(_tracer_error) from None
-            # its namespace could not be set up (or bpftrace failed in it): start it plainly
+            # its namespace could not be set up (or bpftrace failed in it): start it plainly,
+            # now and from now on in this process (namespace_problem() says why)
+            global _namespaced
+            _namespaced = f"a start in one failed: {exc}"
             t = EbpfTracer(support.bpftrace, support.tracefs, support.mount_off, snapshot=False)
             try:
                 t.start()

@@ -425,6 +425,10 @@ def test_bpftraces_namespace_keeps_only_what_it_needs() -> None:
         "/srv/my data",
     ]
     assert stuck == []
+    # a mount point that is not UTF-8 (read with surrogateescape) is unmounted by its bytes
+    odd = _mntns.parse_mountinfo("34 20 0:16 / /srv/x\udcff rw - tmpfs tmpfs rw\n")
+    (point,), _ = _mntns.to_drop([*mounts[:1], *odd], ["/"])
+    assert os.fsencode(point) == b"/srv/x\xff"
     # a mount it must drop under one it keeps on the same point cannot be reached
     over = [*mounts, (33, 20, "/var/tmp/aospec/s")]
     _, stuck = _mntns.to_drop(over, ["/var/tmp/aospec/s/x"])
@@ -437,17 +441,23 @@ def test_the_launch_shows_the_snapshot_to_bpftrace_only(tmp_path: Path) -> None:
                    if os.path.exists(os.path.join(t, "available_events"))), None)  # fmt: skip
     if events is None or not ebpf._namespaces_work():
         pytest.skip("no tracefs or no mount namespaces here")
-    snap = tmp_path / "events"
-    snap.write_bytes(b"sched:sched_process_fork\n")
     before = Path("/proc/self/mountinfo").read_text()
-    # a stand-in for bpftrace that prints what it reads there
-    cat = subprocess.run(["sh", "-c", "command -v cat"], capture_output=True, text=True).stdout.strip()
-    out = subprocess.run(ebpf._launch(cat, [events], str(snap)), capture_output=True, check=True, timeout=30)
-    assert out.stdout == b"sched:sched_process_fork\n" and out.stderr == b""
+    # a stand-in for bpftrace that prints what it reads there, and where it runs
+    sh = subprocess.run(["sh", "-c", "command -v sh"], capture_output=True, text=True).stdout.strip()
+    script = 'cat "$1" && pwd && grep -c " /tmp " /proc/self/mountinfo || true'
+    out = subprocess.run(
+        ebpf._launch(sh, ["-c", script, "sh", events], "sched:sched_process_fork\n"),
+        capture_output=True,
+        check=True,
+        timeout=30,
+        cwd=tmp_path,
+    )
+    # the snapshot; in /, not in a directory of ours; its scratch tmpfs over /tmp detached
+    assert out.stdout.decode().splitlines() == ["sched:sched_process_fork", "/", "0"] and out.stderr == b""
     assert Path("/proc/self/mountinfo").read_text() == before  # nothing mounted here
     assert len(Path(events).read_bytes().splitlines()) > 1  # the kernel's own file, untouched
     # a program it cannot run: the helper's own exit status, nothing run
-    bad = subprocess.run(ebpf._launch(str(tmp_path / "none"), [], str(snap)), capture_output=True, timeout=30)
+    bad = subprocess.run(ebpf._launch(str(tmp_path / "none"), [], "x\n"), capture_output=True, timeout=30)
     assert bad.returncode == 97 and b"cannot run" in bad.stderr
 
 
@@ -469,13 +479,19 @@ def test_bpftrace_holds_no_copy_of_a_sandbox_mount(overlay: str, tmp_path: Path)
         opts = f"lowerdir={low},upperdir={rw / 'u'},workdir={rw / 'w'}"
         subprocess.run(["mount", "-t", "overlay", "-o", opts, "overlay", str(merged)], check=True)
         (merged / "f").write_text("x")
-        readsets.wait_for_tracer()  # started while both are mounted
+        here = os.getcwd()
+        os.chdir(merged)  # a working directory in the overlay: bpftrace's must not hold it
+        try:
+            readsets.wait_for_tracer()  # started while both are mounted
+        finally:
+            os.chdir(here)
         (pid,) = ebpf.service_pids()
         tracer = ebpf.tracer(readsets.tracer_support().ebpf)  # type: ignore[arg-type]
         assert tracer.snapshotted and tracer._proc is not None and tracer._proc.pid == pid
         assert "starts on an available_events snapshot" in readsets.tracer_support().detail  # sandbox info says so
         theirs = Path(f"/proc/{pid}/mountinfo").read_text()
         assert "/available_events " in theirs and str(tmp_path) not in theirs
+        assert os.readlink(f"/proc/{pid}/cwd") == "/"
         assert "/available_events " not in Path("/proc/self/mountinfo").read_text()
         assert not list(Path(tempfile.gettempdir()).glob("aospec-bpftrace-events-*"))  # removed once started
         subprocess.run(["umount", str(merged)], check=True)
@@ -490,6 +506,21 @@ def test_bpftrace_holds_no_copy_of_a_sandbox_mount(overlay: str, tmp_path: Path)
 
 
 @pytest.mark.root
+def test_the_probe_says_why_bpftrace_cannot_start_in_a_namespace(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(ebpf, "_namespaced", None)
+    if ebpf.namespace_problem():
+        pytest.skip(f"no mount namespaces here: {ebpf.namespace_problem()}")
+    broken = tmp_path / "helper.py"
+    broken.write_text("import sys\nprint('aospec: 1 mounts left in bpftrace', file=sys.stderr)\nsys.exit(97)\n")
+    monkeypatch.setattr(ebpf, "_NS_HELPER", str(broken))
+    monkeypatch.setattr(ebpf, "_namespaced", None)
+    assert ebpf.namespace_problem() == "aospec: 1 mounts left in bpftrace"
+    assert not ebpf._namespaces_work()
+
+
+@pytest.mark.root
 def test_a_namespace_that_cannot_be_set_up_starts_bpftrace_plainly(
     overlay: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -498,9 +529,11 @@ def test_a_namespace_that_cannot_be_set_up_starts_bpftrace_plainly(
     broken = tmp_path / "helper.py"
     broken.write_text("import sys\nprint('aospec: 1 mounts left', file=sys.stderr)\nsys.exit(97)\n")
     monkeypatch.setattr(ebpf, "_NS_HELPER", str(broken))
+    monkeypatch.setattr(ebpf, "_namespaced", "")  # the probe passed; the start then fails
     try:
         tracer = ebpf.tracer(readsets.tracer_support().ebpf)  # type: ignore[arg-type]
         assert not tracer.snapshotted and tracer._dead is None
+        assert "a start in one failed" in ebpf.namespace_problem()  # later starts go plainly
         (pid,) = ebpf.service_pids()
         assert os.readlink(f"/proc/{pid}/ns/mnt") == os.readlink("/proc/self/ns/mnt")  # ours
         _, reads, why = anyio.run(_traced, "cat /w/a")
