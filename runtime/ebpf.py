@@ -1017,7 +1017,7 @@ def tracer(support: EbpfSupport, *, snapshot: bool = True) -> EbpfTracer:
     """The process's tracer, started on first use and waited for (RuntimeError when it
     cannot start; the reason is kept: later calls fail at once). ``snapshot=False`` starts
     bpftrace on tracefs's own ``available_events`` (slower: :func:`_launch`)."""
-    global _tracer, _tracer_error
+    global _tracer, _tracer_error, _namespaced
     with _tracer_lock:
         if _tracer is not None and _tracer._dead is None:
             return _tracer
@@ -1034,7 +1034,6 @@ def tracer(support: EbpfSupport, *, snapshot: bool = True) -> EbpfTracer:
                 raise RuntimeError(_tracer_error) from None
             # its namespace could not be set up (or bpftrace failed in it): start it plainly,
             # now and from now on in this process (namespace_problem() says why)
-            global _namespaced
             _namespaced = f"a start in one failed: {exc}"
             t = EbpfTracer(support.bpftrace, support.tracefs, support.mount_off, snapshot=False)
             try:
