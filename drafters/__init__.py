@@ -30,6 +30,7 @@ OBSERVATION_DRAFTERS: dict[str, str] = {
 ACTION_DRAFTERS: dict[str, str] = {
     "history": "aospec.drafters.history:HistoryActionDrafter",
     "moves": "aospec.drafters.moves:MovesActionDrafter",
+    "calls": "aospec.drafters.calls:CallsActionDrafter",
     "lm": "aospec.drafters.lm:LMActionDrafter",
 }
 

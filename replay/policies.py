@@ -126,9 +126,9 @@ BASE_POLICIES: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
     ),
     "spec-actions": ({"branch_budget": 0, "depth": 1, "provisional_targets": False}, {"action_drafter": "history"}),
     "spechop-cache": ({"fork_width": 0, "provisional_targets": False}, {"obs_drafter": "cache"}),
-    "aospec": ({}, {"obs_drafter": "patterns+cache+trajectory", "action_drafter": "history+moves"}),
+    "aospec": ({}, {"obs_drafter": "patterns+cache+trajectory", "action_drafter": "history+moves+calls"}),
     "obs-only": ({"fork_width": 0, "provisional_targets": False}, {"obs_drafter": "patterns+cache+trajectory"}),
-    "action-only": ({"branch_budget": 0, "provisional_targets": False}, {"action_drafter": "history+moves"}),
+    "action-only": ({"branch_budget": 0, "provisional_targets": False}, {"action_drafter": "history+moves+calls"}),
 }
 
 #: Policies of a default sweep (the two rank variants give the paper's comparison of
