@@ -13,6 +13,7 @@ import inspect
 import json
 import os
 import stat
+import sys
 from collections import Counter, OrderedDict
 from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from pathlib import Path
@@ -29,6 +30,7 @@ __all__ = [
     "RepeatPredictor",
     "TransitionPredictor",
     "DrafterPredictor",
+    "MergedDrafter",
     "combine",
     "drafter_from_traces",
     "error_result",
@@ -179,16 +181,23 @@ class DrafterPredictor:
     """An aospec :class:`~aospec.protocols.ActionDrafter` as a predictor: the session's
     calls and result texts so far are its history; it proposes the next call (offset 0)."""
 
-    def __init__(self, drafter: Any, k: int = 2, task: str = "") -> None:
+    def __init__(
+        self, drafter: Any, k: int = 2, task: str = "", keep: Callable[[Action], bool] | None = None
+    ) -> None:
         self.drafter = drafter
         self.k = k
         self.history = History(task=task)
+        self.keep = keep
 
     async def __call__(self, last: Action | None, observation: str = "") -> list[Action]:
         if last is not None:
             self.history = self.history.extend(last, observation)
-        drafts = await self.drafter.propose(self.history, self.k, 1)
-        return [d.action for d in drafts if d.offset == 0 and not d.action.is_none][: self.k]
+        # with a filter (the proxy's trusted tools), ask for more: a slot taken by a call that
+        # would be refused anyway is a slot lost
+        width = self.k if self.keep is None else 4 * self.k
+        drafts = await self.drafter.propose(self.history, width, 1)
+        keep = self.keep or (lambda a: True)
+        return [d.action for d in drafts if d.offset == 0 and not d.action.is_none and keep(d.action)][: self.k]
 
 
 MAX_CONFIG_BYTES = 64 << 20
@@ -229,15 +238,51 @@ def load_transitions(path: str | Path, k: int) -> TransitionPredictor:
     return TransitionPredictor(table, k)
 
 
-def drafter_from_traces(paths: Sequence[str], k: int) -> DrafterPredictor:
-    """aospec's history action drafter (``aospec.drafters.history``) fitted on recorded traces
-    (any format ``aospec traces`` reads), as a predictor."""
+class MergedDrafter:
+    """Several action drafters as one: their drafts, each action once (at its best
+    probability), most probable first. A drafter that fails loses only its own drafts (the
+    failure is counted in ``failures`` and named once on stderr): a guess must never fail
+    the call it follows."""
+
+    def __init__(self, drafters: Sequence[Any]) -> None:
+        self.drafters = tuple(drafters)
+        self.failures = 0
+
+    async def propose(self, history: History, width: int, depth: int) -> list[Any]:
+        best: dict[tuple[str, int], Any] = {}
+        for d in self.drafters:
+            try:
+                drafts = list(await d.propose(history, width, depth))
+            except Exception as exc:  # any drafter bug only costs its own guesses
+                self.failures += 1
+                if self.failures == 1:
+                    print(
+                        f"aospec mcp: note: {type(d).__name__} failed ({type(exc).__name__}: {exc}); "
+                        "its guesses are skipped",
+                        file=sys.stderr,
+                    )
+                continue
+            for draft in drafts:
+                key = (draft.action.key, draft.offset)
+                if key not in best or best[key].probability < draft.probability:
+                    best[key] = draft
+        return sorted(best.values(), key=lambda x: (x.offset, -x.probability, x.action.key))[:width]
+
+
+def drafter_from_traces(paths: Sequence[str], k: int, keep: Callable[[Action], bool] | None = None) -> DrafterPredictor:
+    """aospec's history action drafter (``aospec.drafters.history``) and its calls drafter
+    (``aospec.drafters.calls``: arguments taken from what earlier results showed) fitted on
+    recorded traces (any format ``aospec traces`` reads), as one predictor; ``keep``: only
+    the calls it accepts are proposed (the proxy's trusted tools)."""
+    from aospec.drafters.calls import CallsActionDrafter
     from aospec.drafters.history import HistoryActionDrafter
     from aospec.replay.io import load_traces
 
-    drafter = HistoryActionDrafter()
-    drafter.fit(load_traces(list(paths)))
-    return DrafterPredictor(drafter, k)
+    traces = load_traces(list(paths))
+    drafters = [HistoryActionDrafter(), CallsActionDrafter()]
+    for d in drafters:
+        d.fit(traces)
+    return DrafterPredictor(MergedDrafter(drafters), k, keep=keep)
 
 
 # -- trust -----------------------------------------------------------------------------------

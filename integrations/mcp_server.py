@@ -837,7 +837,8 @@ def _predictor(args: argparse.Namespace, eligible: Callable[[Action], bool]) -> 
     if args.predict_file:
         parts.append(load_transitions(args.predict_file, args.speculate))
     if args.train_traces:
-        parts.append(drafter_from_traces(args.train_traces, args.speculate))
+        # the proxy speculates trusted tools only: its drafters' slots go to those
+        parts.append(drafter_from_traces(args.train_traces, args.speculate, keep=eligible if args.upstream else None))
     if args.predict in ("repeat", "both") or (args.predict == "auto" and not parts):
         parts.append(RepeatPredictor(eligible, k=args.speculate))
     if not parts:

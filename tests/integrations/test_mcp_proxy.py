@@ -63,6 +63,47 @@ async def test_no_stale_result_after_a_write_through_the_upstream(
     assert calls["put"] == 2 and calls["get"] >= 4
 
 
+def _kv_traces(path: Path, n: int = 8) -> None:
+    """Recorded sessions of an agent on the demo server: it stores three keys, lists them,
+    then reads each in the order the listing gives (the keys differ from session to
+    session; their shape, a word, a dash and a number, does not)."""
+    import random
+
+    from aospec.replay.io import write_jsonl
+
+    from aospec.types import Action, Step, Trace
+
+    rng = random.Random(3)
+    traces = []
+    for i in range(n):
+        keys = [f"{rng.choice(['cfg', 'env', 'job', 'run'])}-{rng.randrange(10, 99)}" for _ in range(3)]
+        keys = list(dict.fromkeys(keys))
+        steps = [Step(Action("put", {"key": k, "value": f"v{j}"}), f"ok {k}", 12) for j, k in enumerate(keys)]
+        steps.append(Step(Action("list_keys", {}), "\n".join(sorted(keys)), 6))
+        steps += [Step(Action("get", {"key": k}), f"v{keys.index(k)}", 8) for k in sorted(keys)]
+        traces.append(Trace(id=f"kv{i}", task=f"session {i}", harness="mcp", actor_model="m", source="test", steps=tuple(steps)))
+    write_jsonl(traces, path)
+
+
+async def test_train_traces_speculate_the_keys_a_listing_just_showed(mcp_connect: Any, tmp_path: Path) -> None:
+    """With ``--train-traces``, the calls drafter passes back what a result showed: after
+    list_keys it reads the first key listed, then the next, and both are served from
+    speculation (the keys never occurred in training)."""
+    trust = _trust(tmp_path, {"get": RO_CLOSED, "list_keys": RO_CLOSED})
+    _kv_traces(tmp_path / "kv.jsonl")
+    args = ["--upstream", DEMO, "--trust", trust, "--predict", "table", "--train-traces", str(tmp_path / "kv.jsonl")]
+    async with mcp_connect(args) as session:
+        for j, k in enumerate(["zed-7", "amy-41", "max-13"]):
+            await _call(session, "put", {"key": k, "value": f"v{j}"})
+        text, _, m = await _call(session, "list_keys", {})
+        assert text.split() == ["amy-41", "max-13", "zed-7"]
+        text, _, m = await _call(session, "get", {"key": "amy-41"})
+        assert (text, m["speculated"]) == ("v1", True)
+        text, _, m = await _call(session, "get", {"key": "max-13"})
+        assert (text, m["speculated"]) == ("v2", True)
+        assert m["stats"]["served_speculated"] >= 2
+
+
 async def test_the_upstreams_own_annotations_never_suffice(mcp_connect: Any, tmp_path: Path) -> None:
     # the demo server annotates get read-only and closed-world; without a trust entry it is
     # never speculated (and calls, read-only but trusted open-world, is not either)
