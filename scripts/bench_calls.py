@@ -1,0 +1,266 @@
+#!/usr/bin/env python3
+"""Function-calling agents through the speculating MCP proxy: wall time with and without
+speculation, on recorded tool-call trajectories (tau-bench's format or any ``aospec
+traces`` reads), the calls drafter (``aospec.drafters.calls``) proposing what to prefetch.
+
+Each trajectory is replayed by a scripted agent: before each call it "decodes" for the
+step's output tokens x ``--tpot`` ms, then calls the tool through ``aospec mcp --upstream``
+(the official MCP SDK over stdio). The upstream is this script in ``--serve`` mode: an MCP
+server answering each call with the observation the trajectory recorded for it, after
+``--latency-ms`` (a remote API's latency; a call it has no recording for is an error, which
+only a speculative call can make). The agent's replies and the user's turns (``respond``
+and any tool its trust file does not list) are not tool calls; they cost their decode time
+only, and the proxy never sees them, so its drafters are fitted on the trajectories'
+tool calls only, leave-one-task-out (``--train-traces`` of the other tasks' trajectories).
+
+Per trajectory, interleaved: ``serial`` (``--no-speculate``) then ``speculative``
+(``--train-traces``, ``--predict table``, ``--speculate K``); the speculative run must see
+every result byte for byte as the serial run did. Read-only tools are named by
+``--trust-tools`` (default: the tau-bench airline lookups). Prints one line per trajectory
+on stderr (progress) and the totals: saving (the whole set's wall time, medians of the
+repeats per trajectory, and the same per repeat: the spread), calls served from
+speculation, speculative calls launched; ``--json`` prints one JSON object on stdout.
+
+Usage:
+  .venv/bin/python scripts/bench_calls.py ../shared/traces/tau-bench-gpt-4o-airline [--limit 12] [--tpot 20] [--latency-ms 300] [--repeats 1] [--json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import anyio
+
+TAU_LOOKUPS = (
+    "get_user_details",
+    "get_reservation_details",
+    "search_direct_flight",
+    "search_onestop_flight",
+    "list_all_airports",
+    "calculate",
+)
+
+
+def _serve(path: str, latency_ms: float) -> None:
+    """The upstream: answers each call with its recorded observation (``path``: JSON
+    ``[[ACTION_KEY, OBSERVATION], ...]``) after ``latency_ms``."""
+    import mcp_types as types
+    from mcp.server.lowlevel import Server
+    from mcp.server.stdio import stdio_server
+
+    from aospec.types import Action
+
+    answers: dict[str, str] = {}
+    tools: dict[str, None] = {}
+    for key, obs in json.loads(Path(path).read_text()):
+        a = Action.from_json(json.loads(key))
+        answers.setdefault(a.key, obs)
+        tools[a.tool] = None
+    listed = [
+        types.Tool(name=t, description=t, input_schema={"type": "object", "additionalProperties": True})
+        for t in tools
+    ]
+
+    async def on_list_tools(ctx: Any, params: Any) -> types.ListToolsResult:
+        return types.ListToolsResult(tools=listed)
+
+    async def on_call_tool(ctx: Any, params: types.CallToolRequestParams) -> types.CallToolResult:
+        await anyio.sleep(latency_ms / 1000)
+        key = Action(params.name, params.arguments or {}).key
+        if key in answers:
+            return types.CallToolResult(content=[types.TextContent(text=answers[key])])
+        return types.CallToolResult(content=[types.TextContent(text="no recording for this call")], is_error=True)
+
+    server = Server("aospec-bench-calls", on_list_tools=on_list_tools, on_call_tool=on_call_tool)
+
+    async def run() -> None:
+        async with stdio_server() as (read, write):
+            await server.run(read, write, server.create_initialization_options())
+
+    anyio.run(run)
+
+
+async def _run(trace: Any, proxy_args: list[str], tpot_ms: float) -> dict[str, Any]:
+    from mcp import ClientSession, StdioServerParameters, stdio_client
+
+    params = StdioServerParameters(
+        command=sys.executable, args=["-m", "aospec", "mcp", "--stdio", *proxy_args], env=dict(os.environ)
+    )
+    results: list[tuple[str, bool]] = []
+    meta: dict[str, Any] = {}
+    served = 0
+    async with stdio_client(params) as (read, write), ClientSession(read, write) as session:
+        with anyio.fail_after(600):
+            await session.initialize()
+        t0 = time.perf_counter()
+        for step in trace.steps:
+            await anyio.sleep(step.output_tokens * tpot_ms / 1000)
+            a = step.action
+            if a.tool in ("respond", "think") or a.is_none:
+                continue
+            r = await session.call_tool(a.tool, a.to_json()["args"], read_timeout_seconds=600)
+            text = "".join(getattr(c, "text", "") for c in r.content)
+            results.append((text, bool(r.is_error)))
+            meta = (r.meta or {}).get("aospec", {})
+            served += bool(meta.get("speculated"))
+        wall = time.perf_counter() - t0
+    return {"wall_s": wall, "results": results, "served": served, "stats": meta.get("stats", {})}
+
+
+def _tools_of(trace: Any) -> set[str]:
+    return {s.action.tool for s in trace.steps if s.action.tool not in ("respond", "think") and not s.action.is_none}
+
+
+def _calls_only(trace: Any) -> Any:
+    """The trajectory as the proxy sees it: its tool calls only."""
+    import dataclasses
+
+    steps = tuple(s for s in trace.steps if s.action.tool not in ("respond", "think") and not s.action.is_none)
+    return dataclasses.replace(trace, steps=steps, task="")
+
+
+def main() -> int:
+    from aospec.errors import AospecError
+    from aospec.signals import interrupt_on_signals
+
+    try:
+        with interrupt_on_signals():  # SIGTERM unwinds like Ctrl-C: the temporary files go
+            return _main()
+    except AospecError as exc:
+        print(f"bench_calls: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("bench_calls: interrupted", file=sys.stderr)
+        return 130
+
+
+def _main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("traces", nargs="?", help="trajectories with tool calls (a file or directory)")
+    ap.add_argument("--limit", type=int, default=12, help="trajectories to run, one per task first (default 12)")
+    ap.add_argument("--tpot", type=float, default=20.0, help="ms per output token of the agent's decode (20)")
+    ap.add_argument("--latency-ms", type=float, default=300.0, help="each tool call's latency at the upstream (300)")
+    ap.add_argument("--speculate", type=int, default=2, help="speculative calls after each call (2)")
+    ap.add_argument("--repeats", type=int, default=1, help="interleaved serial/speculative pairs per trajectory (1)")
+    ap.add_argument("--trust-tools", default=",".join(TAU_LOOKUPS), help="read-only tools the proxy may prefetch")
+    ap.add_argument("--json", action="store_true", help="print one JSON object")
+    ap.add_argument("--serve", metavar="ANSWERS", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.serve:
+        _serve(args.serve, args.latency_ms)
+        return 0
+    if not args.traces:
+        ap.error("give the trajectories (e.g. ../shared/traces/tau-bench-gpt-4o-airline)")
+    if args.limit < 1 or args.repeats < 1 or args.speculate < 1 or args.tpot < 0 or args.latency_ms < 0:
+        ap.error("--limit, --repeats and --speculate must be >= 1; --tpot and --latency-ms >= 0")
+    from aospec.replay.io import load_traces, write_jsonl
+
+    traces = load_traces([args.traces])
+    # one trajectory per task first (the first of each, by id), then the others, up to --limit
+    ordered = sorted((t for t in traces if _tools_of(t)), key=lambda t: (t.task, t.id))
+    firsts = {t.task: t for t in reversed(ordered)}
+    runnable = ([*firsts.values()][::-1] + [t for t in ordered if firsts[t.task] is not t])[: args.limit]
+    if not runnable:
+        print(f"{args.traces}: no trajectory with tool calls", file=sys.stderr)
+        return 1
+    if len({t.task for t in ordered}) < 2:
+        print(f"{args.traces}: the drafters are fit leave-one-task-out: give trajectories of two tasks or more", file=sys.stderr)
+        return 1
+    trusted = {t for t in args.trust_tools.split(",") if t}
+    rows: list[dict[str, Any]] = []
+    with tempfile.TemporaryDirectory(prefix="aospec-bench-calls-") as tmp:
+        trust = Path(tmp) / "trust.json"
+        trust.write_text(json.dumps({"tools": {t: {"readOnly": True, "openWorld": False} for t in trusted}}))
+        for n, trace in enumerate(runnable, 1):
+            answers = Path(tmp) / "answers.json"
+            answers.write_text(json.dumps([[s.action.key, s.observation] for s in trace.steps]))
+            train = Path(tmp) / "train.jsonl"
+            write_jsonl([_calls_only(t) for t in traces if t.task != trace.task and _tools_of(t)], train)
+            upstream = " ".join(
+                shlex.quote(x)
+                for x in [sys.executable, os.path.abspath(__file__), "--serve", str(answers), "--latency-ms", str(args.latency_ms)]
+            )
+            base = ["--upstream", upstream, "--trust", str(trust)]
+            spec_args = [*base, "--predict", "table", "--train-traces", str(train), "--speculate", str(args.speculate)]
+            serial_w: list[float] = []
+            spec_w: list[float] = []
+            served = launched = calls = 0
+            for _ in range(args.repeats):
+                try:
+                    s = anyio.run(_run, trace, [*base, "--no-speculate"], args.tpot)
+                    p = anyio.run(_run, trace, spec_args, args.tpot)
+                except Exception as exc:  # one line, not the MCP client's exception group
+                    print(f"{trace.id}: a run through aospec mcp failed: {type(exc).__name__}: {exc}", file=sys.stderr)
+                    return 1
+                if p["results"] != s["results"]:
+                    print(f"{trace.id}: the speculative run saw different results", file=sys.stderr)
+                    return 1
+                serial_w.append(s["wall_s"])
+                spec_w.append(p["wall_s"])
+                served += p["served"]
+                launched += int(p["stats"].get("launched", 0))
+                calls += len(p["results"])
+            row = {
+                "trace": trace.id,
+                "calls": calls // args.repeats,
+                "serial_s": statistics.median(serial_w),
+                "speculative_s": statistics.median(spec_w),
+                "serial_runs_s": serial_w,
+                "speculative_runs_s": spec_w,
+                "served": served / args.repeats,
+                "launched": launched / args.repeats,
+            }
+            rows.append(row)
+            saving = 1 - row["speculative_s"] / row["serial_s"] if row["serial_s"] > 0 else 0.0
+            print(
+                f"[{n}/{len(runnable)}] {trace.id}: {row['calls']} calls, serial {row['serial_s']:.2f} s, "
+                f"speculative {row['speculative_s']:.2f} s ({saving:+.1%}), served {row['served']:g}, "
+                f"launched {row['launched']:g}",
+                file=sys.stderr,
+            )
+    serial = sum(r["serial_s"] for r in rows)
+    spec = sum(r["speculative_s"] for r in rows)
+    total = {
+        "trajectories": len(rows),
+        "calls": sum(r["calls"] for r in rows),
+        "served": sum(r["served"] for r in rows),
+        "launched": sum(r["launched"] for r in rows),
+        "serial_s": serial,
+        "speculative_s": spec,
+        "saving": 1 - spec / serial if serial else 0.0,
+        "per_trajectory_saving_median": statistics.median(
+            1 - r["speculative_s"] / r["serial_s"] if r["serial_s"] > 0 else 0.0 for r in rows
+        ),
+        # the whole set's saving in each repeat (repeat k: every trajectory's k-th pair)
+        "saving_by_repeat": [
+            1 - sum(r["speculative_runs_s"][k] for r in rows) / max(sum(r["serial_runs_s"][k] for r in rows), 1e-9)
+            for k in range(args.repeats)
+        ],
+        "tpot_ms": args.tpot,
+        "latency_ms": args.latency_ms,
+        "repeats": args.repeats,
+    }
+    if args.json:
+        print(json.dumps({"total": total, "rows": rows}, indent=2))
+    else:
+        print(
+            f"{total['trajectories']} trajectories, {total['calls']} calls: serial {serial:.1f} s, speculative "
+            f"{spec:.1f} s, saving {total['saving']:+.1%} (repeats {min(total['saving_by_repeat']):+.1%} to "
+            f"{max(total['saving_by_repeat']):+.1%}; median per trajectory "
+            f"{total['per_trajectory_saving_median']:+.1%}); {total['served']:g} calls served from speculation, "
+            f"{total['launched']:g} speculative calls launched"
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
