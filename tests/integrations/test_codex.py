@@ -48,7 +48,9 @@ VOLATILE = [
 
 
 def codex_trace() -> Trace:
-    steps = tuple(Step(Action("exec_command", {"cmd": c}), "", 20) for c in COMMANDS)
+    # login false: bash -c, not a login shell, so the host's profile (a pyenv init that can
+    # race with another shell's rehash and print into one run's output) is not part of the test
+    steps = tuple(Step(Action("exec_command", {"cmd": c, "login": False}), "", 20) for c in COMMANDS)
     steps += (Step(Action.none(), "", 5, reply="Done: out/count.txt holds 2."),)
     return Trace("codex-greeting", TASK, "test", "m", "test", steps, instruction=TASK)
 
