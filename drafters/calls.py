@@ -117,6 +117,11 @@ def _candidate(v: object) -> bool:
     return True
 
 
+def _is_call(action: Action) -> bool:
+    """A tool call this drafter learns from: not a shell command, not the non-action."""
+    return action.tool != _SHELL and not action.is_none
+
+
 def _flat_args(action: Action) -> dict[str, Any] | None:
     """The call's arguments when all are scalars, else None."""
     args = dict(action.args)
@@ -272,7 +277,6 @@ class _Tool:
     args: tuple[str, ...]
     types: dict[str, str]
     consts: dict[str, list[tuple[Any, float]]]
-    calls: int
 
 
 class CallsActionDrafter:
@@ -319,7 +323,7 @@ class CallsActionDrafter:
         consts: dict[tuple[str, str], Counter[str]] = defaultdict(Counter)
         nxt: dict[str, Counter[str]] = defaultdict(Counter)
         unigram: Counter[str] = Counter()
-        calls = [t for t in traces if any(s.action.tool not in (_SHELL,) and not s.action.is_none for s in t.steps)]
+        calls = [t for t in traces if any(_is_call(s.action) for s in t.steps)]
         for trace in calls:
             prev = _START
             for step in trace.steps:
@@ -356,7 +360,6 @@ class CallsActionDrafter:
                     ]
                     for k in args
                 },
-                calls=n,
             )
         self._tools, self._next, self._unigram = tools, dict(nxt), unigram
         specific: dict[tuple[str, str, Feature, int], list[int]] = defaultdict(lambda: [0, 0])
@@ -460,7 +463,7 @@ class CallsActionDrafter:
     async def propose(self, history: History, width: int, depth: int) -> Sequence[ActionDraft]:
         if width <= 0 or depth <= 0 or not self._tools:
             return []
-        if not any(t.action.tool != _SHELL and not t.action.is_none for t in history.turns):
+        if not any(_is_call(t.action) for t in history.turns):
             return []
         return self._ranked(self._proposals(history), width)
 

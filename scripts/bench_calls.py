@@ -105,7 +105,7 @@ async def _run(trace: Any, proxy_args: list[str], tpot_ms: float) -> dict[str, A
         for step in trace.steps:
             await anyio.sleep(step.output_tokens * tpot_ms / 1000)
             a = step.action
-            if a.tool in ("respond", "think") or a.is_none:
+            if not _is_call(a):
                 continue
             r = await session.call_tool(a.tool, a.to_json()["args"], read_timeout_seconds=600)
             text = "".join(getattr(c, "text", "") for c in r.content)
@@ -116,15 +116,20 @@ async def _run(trace: Any, proxy_args: list[str], tpot_ms: float) -> dict[str, A
     return {"wall_s": wall, "results": results, "served": served, "stats": meta.get("stats", {})}
 
 
+def _is_call(action: Any) -> bool:
+    """A call the agent makes through the proxy: not a reply to the user, a thought or no action."""
+    return action.tool not in ("respond", "think") and not action.is_none
+
+
 def _tools_of(trace: Any) -> set[str]:
-    return {s.action.tool for s in trace.steps if s.action.tool not in ("respond", "think") and not s.action.is_none}
+    return {s.action.tool for s in trace.steps if _is_call(s.action)}
 
 
 def _calls_only(trace: Any) -> Any:
     """The trajectory as the proxy sees it: its tool calls only."""
     import dataclasses
 
-    steps = tuple(s for s in trace.steps if s.action.tool not in ("respond", "think") and not s.action.is_none)
+    steps = tuple(s for s in trace.steps if _is_call(s.action))
     return dataclasses.replace(trace, steps=steps, task="")
 
 
