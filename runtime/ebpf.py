@@ -642,6 +642,8 @@ class EbpfTracer:
                 failed.append(exc)
                 ready.set()
                 return
+            with _launched_lock:
+                _launched.append(self._proc)
             threading.Thread(target=self._read_stderr, name="aospec-bpftrace-err", daemon=True).start()
             ready.set()
             self._read_stdout()
@@ -952,6 +954,9 @@ def btf_member_offset(path: str, struct_name: str, member: str) -> int:
 
 
 _tracer: EbpfTracer | None = None
+#: every bpftrace this process started that may still run (:func:`service_pids`)
+_launched: list[subprocess.Popen[bytes]] = []
+_launched_lock = threading.Lock()  # not _tracer_lock: a start holds that while bpftrace starts
 _tracer_error: str | None = None
 _tracer_lock = threading.Lock()
 _starting: threading.Thread | None = None
@@ -1061,8 +1066,9 @@ def stop_tracer() -> bool:
 
 
 def service_pids() -> set[int]:
-    """The pid of this process's bpftrace while it runs (a service it keeps on purpose:
-    leak checks leave it out)."""
-    t = _tracer
-    proc = t._proc if t is not None else None
-    return {proc.pid} if proc is not None and proc.poll() is None else set()
+    """The pids of this process's bpftrace processes while they run (a service it keeps on
+    purpose: leak checks leave it out): the tracer in use, one still starting (in a fork's
+    background start), one still detaching its probes after :func:`stop_tracer`."""
+    with _launched_lock:
+        _launched[:] = [p for p in _launched if p.poll() is None]
+        return {p.pid for p in _launched}

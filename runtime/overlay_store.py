@@ -63,7 +63,7 @@ from aospec.runtime.bases import BaseFS
 from aospec.runtime.cgroups import POOL
 from aospec.runtime.config import SandboxConfig
 from aospec.runtime.host import host_support
-from aospec.runtime.processes import kill_marked
+from aospec.runtime.processes import kill_all_marked
 from aospec.runtime.versions import base_version, tree_layer
 
 from aospec.errors import SandboxError
@@ -194,7 +194,7 @@ class OverlayStore:
         sandboxes = [d.name for d in (self.dir / "s").iterdir()] + [d.name for d in (self.dir / "u").iterdir()]
         # a session killed while bwrap was setting up can leave its sandbox init blocked
         # forever (its parent died before releasing it): find them by their marker
-        orphans = kill_marked(f"aospec-{self.id}-")
+        orphans = kill_all_marked(f"aospec-{self.id}-")
         unmounted = _fs.unmount_all_under(str(self.dir), keep=keep)
         if ml not in _fs.mounts_under(ml):
             _fs.mount("tmpfs", ml, "tmpfs", 0, "size=4m,mode=0700")

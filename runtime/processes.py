@@ -8,6 +8,7 @@ import contextlib
 import ctypes
 import os
 import signal
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -17,6 +18,7 @@ from aospec.runtime.cgroups import thaw_process
 __all__ = [
     "MARKER_ENV",
     "OWNER_ENV",
+    "kill_all_marked",
     "kill_marked",
     "live_owner_tokens",
     "marked_processes",
@@ -94,6 +96,19 @@ def kill_marked(prefix: str, *, exact: bool = False) -> list[int]:
             killed.append(pid)
             thaw_process(pid)
     return killed
+
+
+def kill_all_marked(prefix: str, *, timeout: float = 2.0) -> list[int]:
+    """:func:`kill_marked` until no marked process is left (one that forked between the
+    scan and its signal, or is still dying), for at most ``timeout`` seconds. Returns every
+    pid signalled, once."""
+    killed: dict[int, None] = {}
+    deadline = time.monotonic() + timeout
+    while True:
+        killed.update(dict.fromkeys(kill_marked(prefix)))
+        if not marked_processes(prefix) or time.monotonic() >= deadline:
+            return list(killed)
+        time.sleep(0.01)
 
 
 # ioprio_set(2): no libc wrapper; the syscall number per architecture

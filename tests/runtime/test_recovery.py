@@ -165,3 +165,24 @@ async def test_docker_recovers_from_sigkill_with_commands_in_flight(docker_backe
         for c in client.containers.list(all=True, filters={"label": f"aospec.store={store_id}"}):
             c.remove(force=True)
     assert not mounts_under(str(state))
+
+
+def test_kill_all_marked_leaves_no_marked_process_even_one_forked_during_the_scan() -> None:
+    # a marked shell that forks children as fast as it can: one scan-and-kill pass can
+    # miss a child forked after the scan; recovery must leave none
+    from aospec.runtime.processes import MARKER_ENV, kill_all_marked
+
+    marker = f"aospec-killtest{os.getpid()}-x"
+    env = dict(os.environ, **{MARKER_ENV: marker})
+    proc = subprocess.Popen(["bash", "-c", "while :; do sleep 30 & done"], env=env)
+    try:
+        deadline = time.monotonic() + 10
+        while len(marked_processes(marker)) < 20 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        killed = kill_all_marked(marker)
+        assert proc.pid in killed
+        assert not marked_processes(marker)
+    finally:
+        proc.kill()
+        proc.wait()
+        kill_all_marked(marker)
