@@ -8,7 +8,8 @@ upstream are namespaced ``SERVER__tool``) and ``tools/call``.
 Speculation is limited to the tools a trusted configuration (``--trust FILE``, see
 :func:`aospec.integrations._mcp_common.load_trust`) marks read-only AND closed-world; an upstream's
 own annotations never suffice, since any server can claim anything. After each call the
-predictor's proposals for trusted tools are issued to the upstream at once, and their
+predictor's proposals for trusted tools (drafted once the reply is on its way; the next
+call waits for that drafting) are issued to the upstream at once, and their
 results are kept under ``(tool, canonical arguments, state epoch)``. The epoch is a counter
 of the upstream state as the proxy knows it: every call to a tool that is not trusted moves
 it (before the call is forwarded and again when it returns), which discards every
@@ -106,6 +107,7 @@ class ProxyBackend:
         self.epoch = 0
         self.route: dict[str, tuple[Upstream, str]] = {}
         self._specs: dict[tuple[int, str], _PSpec] = {}
+        self._drafting: anyio.Event | None = None  # set once the last call's drafting is done
         self.stats = {"calls": 0, "served_speculated": 0, "forwarded": 0, "launched": 0, "epoch_moves": 0}
 
     async def list_tools(self) -> list[types.Tool]:
@@ -142,6 +144,8 @@ class ProxyBackend:
         if not self.route:
             await self.list_tools()
         async with self.gate:
+            if self._drafting is not None:
+                await self._drafting.wait()  # the previous call's drafting, launches included
             self.stats["calls"] += 1
             if name not in self.route:
                 return error_result(f"unknown tool {name!r}")
@@ -165,8 +169,29 @@ class ProxyBackend:
                 finally:
                     if not trusted:
                         self._move_epoch()  # what ran while it was in flight saw an unknown state
-            await self._speculate(action, "".join(getattr(c, "text", "") for c in result.content))
+            # drafting and launching the next speculations happen after the reply is sent
+            # (drafting is milliseconds of CPU the agent would wait for); the next call
+            # waits for them, so the predictor sees the calls in order and the call it
+            # drafted for finds what it launched
+            self._drafting = anyio.Event()
+            self.tg.start_soon(
+                self._after, action, "".join(getattr(c, "text", "") for c in result.content), self._drafting
+            )
             return result_meta(result, speculated=speculated, epoch=self.epoch, stats=dict(self.stats))
+
+    async def _after(self, action: Action, observation: str, done: anyio.Event) -> None:
+        try:
+            await self._speculate(action, observation)
+        except Exception as exc:  # a predictor that fails only loses its guesses
+            self.stats["draft_failures"] = self.stats.get("draft_failures", 0) + 1
+            if self.stats["draft_failures"] == 1:
+                print(
+                    f"aospec mcp: note: drafting failed ({type(exc).__name__}: {exc}); "
+                    "calls are forwarded without speculation while it fails",
+                    file=sys.stderr,
+                )
+        finally:
+            done.set()
 
     def _move_epoch(self) -> None:
         self.epoch += 1

@@ -403,6 +403,7 @@ class SandboxToolServer:
         self.budget = budget
         self.tg = tg
         self.predictor = predictor
+        self._draft_failures = 0
         self.max_forks = max_forks
         self.workdir = workdir
         self.timeout_s = timeout_s
@@ -585,7 +586,16 @@ class SandboxToolServer:
             version = self.root.version
             self._counts.stale_discarded += sum(1 for e in self._forks.registry if e.origin != version)
             self._forks.prune()
-            await self._speculate(action, observation)
+            try:
+                await self._speculate(action, observation)
+            except Exception as exc:  # a predictor that fails only loses its guesses
+                self._draft_failures += 1
+                if self._draft_failures == 1:
+                    print(
+                        f"aospec mcp: note: drafting failed ({type(exc).__name__}: {exc}); "
+                        "calls run without speculation while it fails",
+                        file=sys.stderr,
+                    )
 
     async def _speculate(self, last: Action, observation: str) -> None:
         if self.predictor is None:

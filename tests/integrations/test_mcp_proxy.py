@@ -81,7 +81,9 @@ def _kv_traces(path: Path, n: int = 8) -> None:
         steps = [Step(Action("put", {"key": k, "value": f"v{j}"}), f"ok {k}", 12) for j, k in enumerate(keys)]
         steps.append(Step(Action("list_keys", {}), "\n".join(sorted(keys)), 6))
         steps += [Step(Action("get", {"key": k}), f"v{keys.index(k)}", 8) for k in sorted(keys)]
-        traces.append(Trace(id=f"kv{i}", task=f"session {i}", harness="mcp", actor_model="m", source="test", steps=tuple(steps)))
+        traces.append(
+            Trace(id=f"kv{i}", task=f"session {i}", harness="mcp", actor_model="m", source="test", steps=tuple(steps))
+        )
     write_jsonl(traces, path)
 
 
@@ -207,3 +209,52 @@ def test_an_unreachable_upstream_is_one_error_line() -> None:
     )
     assert out.returncode == 1
     assert "check that every --upstream is reachable" in out.stderr and "Traceback" not in out.stderr
+
+
+async def test_drafting_happens_after_the_reply_and_a_failing_predictor_loses_only_its_guesses() -> None:
+    """The proxy answers a call before its predictor has drafted the next ones (drafting is
+    CPU time the agent would otherwise wait for); the next call still finds what the
+    drafting launched; a predictor that raises costs only its guesses, never a call."""
+    import contextlib
+
+    from aospec.integrations._mcp_proxy import ProxyBackend, connect_upstream
+
+    from aospec.types import Action
+
+    release = anyio.Event()
+    asked: list[str] = []
+
+    async def slow(last: Action | None, observation: str) -> list[Action]:
+        asked.append(last.tool if last else "")
+        if last is not None and last.tool == "list_keys":
+            await release.wait()
+            return [Action("get", {"key": "k"})]
+        return []
+
+    def broken(last: Action | None, observation: str) -> list[Action]:
+        raise RuntimeError("drafter bug")
+
+    async with contextlib.AsyncExitStack() as stack:
+        up = await connect_upstream(stack, DEMO, 0)
+        async with anyio.create_task_group() as tg:
+            proxy = ProxyBackend([up], frozenset({"get", "list_keys"}), tg, predictor=slow)
+            assert (await proxy.call("put", {"key": "k", "value": "1"})).content[0].text == "ok k"
+            with anyio.fail_after(30):  # the reply comes while the drafting still waits
+                first = await proxy.call("list_keys", {})
+            for _ in range(20):
+                await anyio.sleep(0)
+            assert first.content[0].text == "k" and asked == ["put", "list_keys"] and proxy.stats["launched"] == 0
+            release.set()  # the drafting after list_keys runs before get(k) is forwarded
+            got = await proxy.call("get", {"key": "k"})
+            assert got.content[0].text == "1" and got.meta["aospec"]["speculated"] is True
+            for _ in range(20):
+                await anyio.sleep(0)
+            assert asked == ["put", "list_keys", "get"]
+
+            proxy.predictor = broken
+            for _ in range(3):
+                r = await proxy.call("get", {"key": "k"})
+                assert r.content[0].text == "1" and not r.is_error
+            await proxy.call("list_keys", {})  # waits for the third get's drafting
+            assert proxy.stats["draft_failures"] == 3
+            tg.cancel_scope.cancel()
