@@ -86,6 +86,8 @@ class _PSpec:
     epoch: int
     done: anyio.Event = field(default_factory=anyio.Event)
     result: types.CallToolResult | None = None
+    prefetched: bool = False
+    scope: anyio.CancelScope = field(default_factory=anyio.CancelScope)
 
 
 class ProxyBackend:
@@ -108,7 +110,14 @@ class ProxyBackend:
         self.route: dict[str, tuple[Upstream, str]] = {}
         self._specs: dict[tuple[int, str], _PSpec] = {}
         self._drafting: anyio.Event | None = None  # set once the last call's drafting is done
-        self.stats = {"calls": 0, "served_speculated": 0, "forwarded": 0, "launched": 0, "epoch_moves": 0}
+        self.stats = {
+            "calls": 0,
+            "served_speculated": 0,
+            "forwarded": 0,
+            "launched": 0,
+            "prefetched": 0,
+            "epoch_moves": 0,
+        }
 
     async def list_tools(self) -> list[types.Tool]:
         """Every upstream's tools (all pages), colliding names namespaced ``SERVER__tool``."""
@@ -193,6 +202,47 @@ class ProxyBackend:
         finally:
             done.set()
 
+    async def prefetch(self, name: str, arguments: dict[str, Any] | None) -> bool:
+        """Issue ``name(arguments)`` to its upstream now, as a speculative call of the current
+        epoch (``POST /aospec/prefetch``: ``aospec proxy --mcp`` sends the calls a model is
+        emitting, or those its drafters expect from the whole conversation). Only trusted
+        tools; False when it is not one, or not a valid call. It queues at the gate like a
+        call (after the previous call's drafting). At most :func:`prefetch_cap` of
+        ``max_inflight`` are prefetched ones (the oldest makes room for a new one); a
+        prefetch displaces a predicted call when all are in flight."""
+        from aospec.integrations.mcp_server import prefetch_cap
+
+        try:
+            action = Action(name, arguments or {})
+        except (ValueError, TypeError):
+            return False
+        if not self.route:
+            await self.list_tools()
+        if name not in self.trusted or name not in self.route:
+            return False
+        cap = prefetch_cap(self.max_inflight)
+        async with self.gate:
+            if self._drafting is not None:
+                await self._drafting.wait()
+            key = (self.epoch, action.key)
+            if key in self._specs:
+                return True
+            mine = [k for k, sp in self._specs.items() if sp.prefetched]
+            if len(mine) >= cap:
+                self._drop(mine[0])  # the oldest prefetch makes room
+            elif len(self._specs) >= self.max_inflight:
+                self._drop(next(k for k, sp in self._specs.items() if not sp.prefetched))
+            spec = _PSpec(action, self.epoch, prefetched=True)
+            self._specs[key] = spec
+            self.stats["prefetched"] += 1
+            self.tg.start_soon(self._run_spec, spec)
+            return True
+
+    def _drop(self, key: tuple[int, str]) -> None:
+        """Forget a speculative call and stop it (its result is never served)."""
+        spec = self._specs.pop(key)
+        spec.scope.cancel()
+
     def _move_epoch(self) -> None:
         self.epoch += 1
         self.stats["epoch_moves"] += 1
@@ -217,9 +267,10 @@ class ProxyBackend:
     async def _run_spec(self, spec: _PSpec) -> None:
         try:
             up, upstream_name = self.route[spec.action.tool]
-            result = await up.session.call_tool(upstream_name, dict(spec.action.args))
-            if spec.epoch == self.epoch:  # no untrusted call started while it ran
-                spec.result = result
+            with spec.scope:
+                result = await up.session.call_tool(upstream_name, dict(spec.action.args))
+                if spec.epoch == self.epoch:  # no untrusted call started while it ran
+                    spec.result = result
         except Exception as exc:  # a failed speculation is only a missed chance
             print(f"aospec mcp: speculative {spec.action.tool} failed: {exc}", file=sys.stderr)
         finally:

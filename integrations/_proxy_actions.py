@@ -61,11 +61,12 @@ def opencode_tool_prefix(server_key: str) -> str:
 
 
 def map_call(
-    name: str, raw_args: str, command_tools: Iterable[str], tool_prefix: str = ""
+    name: str, raw_args: str, command_tools: Iterable[str], tool_prefix: str = "", *, any_tool: bool = False
 ) -> tuple[str, dict[str, Any]] | None:
     """The MCP call a harness makes for tool call ``name(raw_args)``, None when none; with
     ``tool_prefix``, the harness calls the MCP server's tools ``tool_prefix + tool`` and only
-    those names are its sandbox tools (module doc)."""
+    those names are its sandbox tools (module doc); ``any_tool``: the server is ``aospec mcp
+    --upstream``, whose tools are any upstream's, so every name (after the prefix) is one."""
     try:
         args = json.loads(raw_args) if raw_args.strip() else {}
     except ValueError:
@@ -79,7 +80,7 @@ def map_call(
     if not name.startswith(tool_prefix):
         return None
     tool = name[len(tool_prefix) :]
-    if tool in MCP_TOOLS:
+    if tool and (any_tool or tool in MCP_TOOLS):
         return tool, args
     return None
 
@@ -88,10 +89,13 @@ class ActionWatcher:
     """Reads one reply's bytes as they arrive and calls ``emit(tool, arguments)`` for each
     action once it is complete (module doc)."""
 
-    def __init__(self, stream: bool, command_tools: Sequence[str], emit: Any, tool_prefix: str = "") -> None:
+    def __init__(
+        self, stream: bool, command_tools: Sequence[str], emit: Any, tool_prefix: str = "", *, any_tool: bool = False
+    ) -> None:
         self.stream = stream
         self.command_tools = tuple(command_tools)
         self.tool_prefix = tool_prefix
+        self.any_tool = any_tool
         self._emit = emit
         self._emitted: set[str] = set()
         self._buf = b""
@@ -114,7 +118,7 @@ class ActionWatcher:
             return
         self._sent.add(index)
         name, raw = self._calls[index]
-        call = map_call(name, raw, self.command_tools, self.tool_prefix)
+        call = map_call(name, raw, self.command_tools, self.tool_prefix, any_tool=self.any_tool)
         if call is not None:
             self.emit(*call)
 
@@ -240,7 +244,14 @@ class ResponsesActionWatcher(ActionWatcher):
 
 
 async def watch(
-    up: Any, stream: bool, command_tools: Sequence[str], emit: Any, *, responses: bool = False, tool_prefix: str = ""
+    up: Any,
+    stream: bool,
+    command_tools: Sequence[str],
+    emit: Any,
+    *,
+    responses: bool = False,
+    tool_prefix: str = "",
+    any_tool: bool = False,
 ) -> None:
     """Run an :class:`ActionWatcher` (a :class:`ResponsesActionWatcher` for a Responses API
     reply) over upstream request ``up`` (integrations/proxy.py's ``_Upstream``) until it
@@ -248,7 +259,9 @@ async def watch(
     await up.started()
     if up.status != 200:
         return
-    w = (ResponsesActionWatcher if responses else ActionWatcher)(stream, command_tools, emit, tool_prefix)
+    w = (ResponsesActionWatcher if responses else ActionWatcher)(
+        stream, command_tools, emit, tool_prefix, any_tool=any_tool
+    )
     async for chunk in up.body():
         w.feed(chunk)
     if up.error is None:

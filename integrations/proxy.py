@@ -73,7 +73,7 @@ from functools import partial
 from typing import TYPE_CHECKING, Any
 
 import anyio
-from aospec.integrations._proxy_actions import Prefetcher, watch
+from aospec.integrations._proxy_actions import Prefetcher, map_call, watch
 from aospec.live.chat import ChatFormat
 from aospec.live.responses import call_of, is_reply_item, item_text, replies, task_text
 
@@ -190,6 +190,7 @@ class ProxyStats:
     actions_prefetched: int = 0
     prefetch_refused: int = 0
     prefetch_errors: int = 0
+    calls_predicted: int = 0
 
     def to_json(self) -> dict[str, Any]:
         return {k: getattr(self, k) for k in self.__dataclass_fields__}
@@ -808,6 +809,9 @@ class SpeculatingProxy:
         mcp: str | None = None,
         command_tools: Sequence[str] = (),
         mcp_tool_prefix: str = "",
+        mcp_any_tool: bool = False,
+        action_drafter: Any = None,
+        predict_calls: int = 2,
         guard: HttpGuard | None = None,
         upstream_token: str | None = None,
         mcp_token: str | None = None,
@@ -861,6 +865,17 @@ class SpeculatingProxy:
         self.command_tools = tuple(command_tools)
         # how the harness names the --mcp server's tools (opencode: ``SERVER_tool``)
         self.mcp_tool_prefix = mcp_tool_prefix
+        # the --mcp server is `aospec mcp --upstream`: any tool name is one of its tools
+        self.mcp_any_tool = mcp_any_tool
+        if predict_calls < 0:
+            raise ConfigError("proxy: predict_calls must be >= 0")
+        self.action_drafter = action_drafter
+        """An aospec action drafter (``aospec.integrations._mcp_common.MergedDrafter`` of the
+        ``aospec`` policy's, for ``aospec proxy --train``): with ``--mcp``, when a request
+        arrives its :attr:`predict_calls` likeliest next calls, drafted on the whole
+        conversation, are prefetched while the model decodes (None: only the calls a reply
+        holds are)."""
+        self.predict_calls = predict_calls
         self._prefetcher: Prefetcher | None = None
         if mcp is not None:
             try:
@@ -1232,6 +1247,8 @@ class SpeculatingProxy:
         stream = isinstance(body, dict) and bool(body.get("stream"))
         if self._prefetcher is not None and self._tg is not None:
             self._tg.start_soon(self._watch, dialect, up, stream)
+            if digests and self.action_drafter is not None and self.predict_calls > 0:
+                self._tg.start_soon(self._predict, dialect, body, up)
         whole = await self._relay(up, receive, send, run=hit is None)
         if whole and spec_ok:
             reply = dialect.reply(b"".join(up.chunks), stream)
@@ -1251,9 +1268,52 @@ class SpeculatingProxy:
                 lambda tool, args: prefetcher.emit(tg, client, tool, args),
                 responses=dialect is _Responses,
                 tool_prefix=self.mcp_tool_prefix,
+                any_tool=self.mcp_any_tool,
             )
         except Exception:  # a watcher's failure is only a missed chance
             self.stats.prefetch_errors += 1
+
+    async def _predict(self, dialect: Any, body: dict[str, Any], up: _Upstream) -> None:
+        """Prefetch the :attr:`predict_calls` calls the action drafter expects next, drafted
+        on the request's whole conversation (the task and the user's words included, which
+        the MCP server never sees), while the model decodes its reply. Drafting starts once
+        the request is on its way upstream: it never delays it."""
+        prefetcher, tg = self._prefetcher, self._tg
+        assert prefetcher is not None and self.action_drafter is not None
+        while up.started_at is None and not up.done:
+            await anyio.sleep(0.001)
+        await anyio.sleep(0.002)  # the request's bytes go out first
+        conv = body[dialect.key]
+        fmt = self._formats.get(dialect.name)
+        tools = fmt.tools if fmt is not None else bool(body.get("tools"))
+        try:
+            history = self._history(dialect, conv, tools)
+            if history is None:
+                return
+            t0 = time.perf_counter()
+            drafts = await self.action_drafter.propose(history, 4 * self.predict_calls, 1)
+            self.stats.drafting_s += time.perf_counter() - t0
+        except Exception:  # a drafter's failure loses only its guesses
+            self.stats.drafter_errors += 1
+            return
+        client, sent = self._http(), 0
+        for d in drafts:
+            if d.offset != 0 or d.action.is_none:
+                continue
+            call = map_call(
+                d.action.tool,
+                json.dumps(dict(d.action.args)),
+                self.command_tools,
+                self.mcp_tool_prefix,
+                any_tool=self.mcp_any_tool,
+            )
+            if call is None:
+                continue
+            self.stats.calls_predicted += 1
+            prefetcher.emit(tg, client, *call)
+            sent += 1
+            if sent >= self.predict_calls:
+                break
 
     def _remember(
         self, body: dict[str, Any], headers: list[tuple[str, str]], digest: str, reply: dict[str, Any]
@@ -1278,14 +1338,14 @@ class SpeculatingProxy:
 
     # -- speculation -----------------------------------------------------------------------
 
-    def _history(self, dialect: Any, conv: list[Any], fmt: _Format) -> History | None:
+    def _history(self, dialect: Any, conv: list[Any], tools: bool) -> History | None:
         """The conversation as an aospec History: the task is the first user message, an
         observation the whole content of the message after an assistant reply (as in
         aospec's traces, where the observation is what the model saw)."""
         task = dialect.task(conv)
         if task is None:
             return None
-        chat = ChatFormat(action_format="tools" if fmt.tools else "bash")
+        chat = ChatFormat(action_format="tools" if tools else "bash")
         return History(task, tuple(Turn(chat.parse(text, calls), obs) for text, calls, obs in dialect.turns(conv)))
 
     async def _speculate(
@@ -1311,7 +1371,7 @@ class SpeculatingProxy:
             return
         conv = body[dialect.key]
         prefix, suffix = _wrapper([obs for _, _, obs in dialect.turns(conv)])
-        history = self._history(dialect, conv, fmt)
+        history = self._history(dialect, conv, fmt.tools)
         if history is None:
             return
         best: dict[str, float] = {}
@@ -1464,7 +1524,32 @@ def register(subparsers: Any) -> None:
         '(characters other than letters, digits, _ and - as _) and _, e.g. aospec_ for "mcp": {"aospec": ...} '
         "(default: none, the tools' own names)",
     )
+    p.add_argument(
+        "--mcp-any-tool",
+        action="store_true",
+        help="the --mcp server is `aospec mcp --upstream` (a speculating proxy of other MCP servers): every tool "
+        "call (after --mcp-tool-prefix) is one of its tools, not only its sandbox tools; it starts only those its "
+        "--trust file allows",
+    )
+    p.add_argument(
+        "--predict-calls",
+        type=int,
+        default=2,
+        metavar="K",
+        help="with --mcp and --train/--bundled: when a request arrives, prefetch the K calls the aospec policy's "
+        "action drafters expect next from the whole conversation, while the model decodes (2; 0: only the calls "
+        "a reply holds)",
+    )
     p.set_defaults(func=_serve)
+
+
+def action_drafter(train: Sequence[Any]) -> Any:
+    """The ``aospec`` replay policy's action drafters (history, moves, calls), fitted on
+    ``train``, as one drafter (most probable first; a failing one loses only its guesses)."""
+    from aospec.integrations._mcp_common import MergedDrafter
+    from aospec.live.agent import default_drafters as live_defaults
+
+    return MergedDrafter(list(live_defaults(list(train)).action))
 
 
 def default_drafters(train: Sequence[Any] = ()) -> tuple[Any, ...]:
@@ -1509,9 +1594,13 @@ def _serve(args: argparse.Namespace) -> int:
         raise ConfigError("proxy: --max-response-mb must be a finite number > 0")
     if args.max_speculative < 0:
         raise ConfigError("proxy: --max-speculative must be >= 0")
+    if args.predict_calls < 0:
+        raise ConfigError("proxy: --predict-calls must be >= 0")
     token, generated = resolve_token("proxy", args.host, args.token_file)
     if args.mcp_tool_prefix and not args.mcp:
         raise ConfigError("proxy: --mcp-tool-prefix names the tools of the --mcp server: give --mcp URL too")
+    if args.mcp_any_tool and not args.mcp:
+        raise ConfigError("proxy: --mcp-any-tool describes the --mcp server: give --mcp URL too")
     mcp = None if args.no_speculate else args.mcp
     mcp_token = _mcp_token(args) if mcp else None
     if mcp and mcp_token is None:
@@ -1536,6 +1625,8 @@ def _serve(args: argparse.Namespace) -> int:
         mcp=mcp,
         command_tools=args.command_tool,
         mcp_tool_prefix=args.mcp_tool_prefix,
+        mcp_any_tool=args.mcp_any_tool,
+        predict_calls=args.predict_calls,
         guard=HttpGuard.for_bind(args.host, token, int(args.max_body_mb * (1 << 20))),
         max_response_bytes=int(args.max_response_mb * (1 << 20)),
         upstream_token=os.environ.get(UPSTREAM_TOKEN_ENV, "").strip() or None,
@@ -1547,6 +1638,8 @@ def _serve(args: argparse.Namespace) -> int:
 
         train = load_traces([*args.train, *([str(bundled_traces_path())] if args.bundled else [])])
     app.drafters = () if args.no_speculate else default_drafters(train)
+    if mcp and train and args.predict_calls > 0:
+        app.action_drafter = action_drafter(train)
     _probe(app)
     sock = _bind(args.host, args.port, "proxy")
     host = f"[{args.host}]" if ":" in args.host else args.host

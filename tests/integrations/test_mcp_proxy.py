@@ -257,4 +257,19 @@ async def test_drafting_happens_after_the_reply_and_a_failing_predictor_loses_on
                 assert r.content[0].text == "1" and not r.is_error
             await proxy.call("list_keys", {})  # waits for the third get's drafting
             assert proxy.stats["draft_failures"] == 3
+
+            # POST /aospec/prefetch (aospec proxy --mcp): trusted tools only, served like
+            # a predicted call; a write moves the epoch and discards it
+            assert not await proxy.prefetch("put", {"key": "k", "value": "2"})
+            assert not await proxy.prefetch("nope", {})
+            assert await proxy.prefetch("get", {"key": "k"}) and proxy.stats["prefetched"] == 1
+            got = await proxy.call("get", {"key": "k"})
+            assert got.content[0].text == "1" and got.meta["aospec"]["speculated"] is True
+            assert await proxy.prefetch("get", {"key": "k"})
+            await proxy.call("put", {"key": "k", "value": "2"})
+            got = await proxy.call("get", {"key": "k"})
+            assert got.content[0].text == "2" and got.meta["aospec"]["speculated"] is False
+            for key in ("a", "b", "c"):  # prefetches hold at most half of max_inflight
+                assert await proxy.prefetch("get", {"key": key})
+            assert [a.args["key"] for a in (sp.action for sp in proxy._specs.values() if sp.prefetched)] == ["b", "c"]
             tg.cancel_scope.cancel()

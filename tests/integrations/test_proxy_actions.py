@@ -263,3 +263,96 @@ def test_plain_replies_are_watched_whole() -> None:
     assert got == []
     w.close()
     assert got == [("read_file", {"path": "/a"})]
+
+
+def _ask_then_get(key: str, i: int) -> Trace:
+    """A function-calling session on the demo key-value server: the agent asks the user
+    which key, the user names it, the agent reads it (the key is only in the user's words,
+    never in a tool call or result before)."""
+    steps = (
+        Step(Action("respond", {"content": "Which key should I read?"}), key, 8),
+        Step(Action("get", {"key": key}), "v", 40),
+    )
+    return Trace(
+        f"ask{i}",
+        "Read the key the user names.",
+        "test",
+        "m",
+        "test",
+        steps,
+        instruction="Read the key the user names.",
+    )
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("predict", [0, 2])
+async def test_the_proxy_prefetches_a_call_drafted_on_the_conversation_before_the_reply(
+    servers: Any, tmp_path: Path, predict: int
+) -> None:
+    """``aospec proxy --mcp --mcp-any-tool --train`` in front of ``aospec mcp --upstream``:
+    when the request after the user's answer arrives, the calls drafter (fitted on earlier
+    sessions) completes ``get`` with the key the user named and the proxy prefetches it,
+    so the upstream has run it while the reply is still streaming; with ``predict_calls``
+    0 only the call the reply holds is prefetched, once it is complete. Either way the
+    harness's own call is answered with the same result."""
+    import random
+
+    import httpx2
+    from aospec.integrations.proxy import action_drafter
+    from mcp import ClientSession
+    from mcp.client.streamable_http import streamable_http_client
+
+    from tests.integrations.test_mcp_proxy import DEMO, RO_CLOSED, _trust
+
+    rng = random.Random(5)
+    train = [_ask_then_get(f"{rng.choice(['cfg', 'env', 'job'])}-{rng.randrange(10, 99)}", i) for i in range(8)]
+    live = _ask_then_get("zed-7", 99)
+    up = servers(serve_trace_app([live], 20.0))  # the get reply: 40 tokens, 0.8 s
+    trust = _trust(tmp_path, {"get": RO_CLOSED, "calls": RO_CLOSED})
+    args = ["--upstream", DEMO, "--trust", trust, "--predict", "table"]
+    async with mcp_http(tmp_path, tmp_path / "state", args) as mcp_url:
+        proxy = proxy_app(
+            up.base_url,
+            mcp=mcp_url,
+            mcp_token=TOKEN,
+            mcp_any_tool=True,
+            action_drafter=action_drafter(train),
+            predict_calls=predict,
+        )
+        px = servers(proxy)
+        client = openai.AsyncOpenAI(base_url=px.base_url, api_key="sk-test", max_retries=0)
+        tools = [
+            {"type": "function", "function": {"name": n, "parameters": {"type": "object"}}} for n in ("respond", "get")
+        ]
+        async with (
+            httpx2.AsyncClient(headers={"Authorization": f"Bearer {TOKEN}"}, timeout=300) as http,
+            streamable_http_client(mcp_url, http_client=http) as (read, write),
+            ClientSession(read, write) as session,
+        ):
+            with anyio.fail_after(300):  # a hang guard, not a performance assertion
+                await session.initialize()
+                await session.call_tool("put", {"key": "zed-7", "value": "v"})
+                messages: list[dict[str, Any]] = [{"role": "user", "content": live.task}]
+                r = await client.chat.completions.create(model="m", messages=messages, tools=tools, temperature=0)
+                call = r.choices[0].message.tool_calls[0]
+                assert call.function.name == "respond"
+                messages.append({"role": "assistant", "content": None, "tool_calls": [call.model_dump()]})
+                messages.append({"role": "tool", "tool_call_id": call.id, "content": "zed-7"})
+                stream = await client.chat.completions.create(
+                    model="m", messages=messages, tools=tools, temperature=0, stream=True
+                )
+                ran_before_reply = None
+                async for chunk in stream:
+                    if ran_before_reply is None:  # the first chunk: the call is not in the stream yet
+                        counts = await session.call_tool("calls", {})
+                        ran_before_reply = json.loads(counts.content[0].text).get("get", 0)
+                got = await session.call_tool("get", {"key": "zed-7"})
+    await client.close()
+    assert got.content[0].text == "v" and not got.is_error
+    if predict:
+        # get(zed-7) and whatever else the drafter ranked next (at most 2 a request)
+        assert ran_before_reply >= 1 and proxy.stats.calls_predicted >= 1
+        assert got.meta["aospec"]["speculated"] is True
+    else:
+        assert ran_before_reply == 0 and proxy.stats.calls_predicted == 0
+    assert proxy.stats.prefetch_errors == 0
