@@ -342,7 +342,7 @@ async def test_the_proxy_prefetches_a_call_drafted_on_the_conversation_before_th
                     model="m", messages=messages, tools=tools, temperature=0, stream=True
                 )
                 ran_before_reply = None
-                async for chunk in stream:
+                async for _chunk in stream:
                     if ran_before_reply is None:  # the first chunk: the call is not in the stream yet
                         counts = await session.call_tool("calls", {})
                         ran_before_reply = json.loads(counts.content[0].text).get("get", 0)
