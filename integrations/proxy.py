@@ -1278,42 +1278,42 @@ class SpeculatingProxy:
         on the request's whole conversation (the task and the user's words included, which
         the MCP server never sees), while the model decodes its reply. Drafting starts once
         the request is on its way upstream: it never delays it."""
-        prefetcher, tg = self._prefetcher, self._tg
-        assert prefetcher is not None and self.action_drafter is not None
         while up.started_at is None and not up.done:
             await anyio.sleep(0.001)
         await anyio.sleep(0.002)  # the request's bytes go out first
-        conv = body[dialect.key]
-        fmt = self._formats.get(dialect.name)
-        tools = fmt.tools if fmt is not None else bool(body.get("tools"))
         try:
-            history = self._history(dialect, conv, tools)
-            if history is None:
-                return
-            t0 = time.perf_counter()
-            drafts = await self.action_drafter.propose(history, 4 * self.predict_calls, 1)
-            self.stats.drafting_s += time.perf_counter() - t0
-        except Exception:  # a drafter's failure loses only its guesses
+            calls = await self._predicted_calls(dialect, body)
+        except Exception:  # a drafter's failure loses only its guesses, never the proxy
             self.stats.drafter_errors += 1
             return
-        client, sent = self._http(), 0
+        prefetcher, tg, client = self._prefetcher, self._tg, self._http()
+        assert prefetcher is not None
+        for call in calls:
+            self.stats.calls_predicted += 1
+            prefetcher.emit(tg, client, *call)
+
+    async def _predicted_calls(self, dialect: Any, body: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
+        """The MCP calls :meth:`_predict` prefetches, likeliest first."""
+        assert self.action_drafter is not None
+        fmt = self._formats.get(dialect.name)
+        tools = fmt.tools if fmt is not None else bool(body.get("tools"))
+        history = self._history(dialect, body[dialect.key], tools)
+        if history is None:
+            return []
+        t0 = time.perf_counter()
+        drafts = await self.action_drafter.propose(history, 4 * self.predict_calls, 1)
+        self.stats.drafting_s += time.perf_counter() - t0
+        calls: list[tuple[str, dict[str, Any]]] = []
         for d in drafts:
             if d.offset != 0 or d.action.is_none:
                 continue
-            call = map_call(
-                d.action.tool,
-                json.dumps(dict(d.action.args)),
-                self.command_tools,
-                self.mcp_tool_prefix,
-                any_tool=self.mcp_any_tool,
-            )
-            if call is None:
-                continue
-            self.stats.calls_predicted += 1
-            prefetcher.emit(tg, client, *call)
-            sent += 1
-            if sent >= self.predict_calls:
+            args = json.dumps(d.action.to_json()["args"])
+            call = map_call(d.action.tool, args, self.command_tools, self.mcp_tool_prefix, any_tool=self.mcp_any_tool)
+            if call is not None and call not in calls:
+                calls.append(call)
+            if len(calls) >= self.predict_calls:
                 break
+        return calls
 
     def _remember(
         self, body: dict[str, Any], headers: list[tuple[str, str]], digest: str, reply: dict[str, Any]

@@ -66,8 +66,7 @@ def _serve(path: str, latency_ms: float) -> None:
         answers.setdefault(a.key, obs)
         tools[a.tool] = None
     listed = [
-        types.Tool(name=t, description=t, input_schema={"type": "object", "additionalProperties": True})
-        for t in tools
+        types.Tool(name=t, description=t, input_schema={"type": "object", "additionalProperties": True}) for t in tools
     ]
 
     async def on_list_tools(ctx: Any, params: Any) -> types.ListToolsResult:
@@ -133,6 +132,152 @@ def _calls_only(trace: Any) -> Any:
     return dataclasses.replace(trace, steps=steps, task="")
 
 
+#: The servers' token (AOSPEC_TOKEN; passed on as AOSPEC_UPSTREAM_TOKEN), the harness's API key.
+TOKEN = "bench-calls-token"
+#: ``--harness chat`` configurations: (aospec proxy speculates calls from the conversation,
+#: aospec mcp speculates from the calls it saw).
+CHAT_CONFIGS = {"serial": (False, False), "mcp": (False, True), "proxy": (True, False), "both": (True, True)}
+
+
+class _Proc:
+    """An aospec verb as a process that prints its URL (on stdout or stderr); stopped with
+    SIGTERM (then SIGKILL) on the way out, whatever happens."""
+
+    def __init__(self, args: list[str], pattern: str, log: Path) -> None:
+        import re
+        import subprocess
+
+        env = {**os.environ, "AOSPEC_TOKEN": TOKEN, "AOSPEC_UPSTREAM_TOKEN": TOKEN}
+        self.log = log
+        with open(log, "wb") as out:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "aospec", *args], stdin=subprocess.DEVNULL, stdout=out, stderr=out, env=env
+            )
+        deadline = time.monotonic() + 120
+        self.url = ""
+        while not self.url:
+            m = re.search(pattern, log.read_text(errors="replace"))
+            if m:
+                self.url = m.group(1)
+            elif self.proc.poll() is not None or time.monotonic() > deadline:
+                self.stop()
+                tail = log.read_text(errors="replace").strip().splitlines()[-3:]
+                raise RuntimeError(f"aospec {args[0]} did not start: {' | '.join(tail)}")
+            else:
+                time.sleep(0.05)
+
+    def stop(self) -> None:
+        import subprocess
+
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(20)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+
+def _tool_specs(trace: Any) -> list[dict[str, Any]]:
+    names = dict.fromkeys(s.action.tool for s in trace.steps if not s.action.is_none)
+    return [{"type": "function", "function": {"name": n, "parameters": {"type": "object"}}} for n in names]
+
+
+async def _chat_run(
+    trace: Any, model_url: str, proxy_args: list[str], mcp_args: list[str], tmp: Path
+) -> dict[str, Any]:
+    """One run of the chat harness: ``aospec proxy`` (``proxy_args``) in front of serve-trace
+    at ``model_url``, the tool calls through ``aospec mcp --http`` (``mcp_args``)."""
+    import httpx2
+    import openai
+    from mcp import ClientSession
+    from mcp.client.streamable_http import streamable_http_client
+
+    procs: list[_Proc] = []
+    try:
+        mcp = _Proc(["mcp", "--http", "0", *mcp_args], r"listening on (http://\S+/mcp)", tmp / "mcp.log")
+        procs.append(mcp)
+        extra = ["--mcp", mcp.url] if "--train" in proxy_args else []
+        proxy = _Proc(
+            ["proxy", "--upstream", model_url, "--port", "0", *extra, *proxy_args],
+            r"aospec proxy at (http://\S+/v1)",
+            tmp / "proxy.log",
+        )
+        procs.append(proxy)
+        client = openai.AsyncOpenAI(base_url=proxy.url, api_key=TOKEN, max_retries=0, timeout=600)
+        tools = _tool_specs(trace)
+        messages: list[dict[str, Any]] = [{"role": "user", "content": trace.instruction or trace.task}]
+        results: list[tuple[str, bool]] = []
+        replies: list[Any] = []
+        served = 0
+        meta: dict[str, Any] = {}
+        async with (
+            httpx2.AsyncClient(headers={"Authorization": f"Bearer {TOKEN}"}, timeout=600) as http,
+            streamable_http_client(mcp.url, http_client=http) as (read, write),
+            ClientSession(read, write) as session,
+        ):
+            with anyio.fail_after(600):
+                await session.initialize()
+            t0 = time.perf_counter()
+            for step in trace.steps:
+                text, calls = "", {}
+                stream = await client.chat.completions.create(
+                    model="m", messages=messages, tools=tools, temperature=0, stream=True
+                )
+                async for chunk in stream:
+                    for ch in chunk.choices:
+                        text += ch.delta.content or ""
+                        for tc in ch.delta.tool_calls or ():
+                            c = calls.setdefault(tc.index, {"id": "", "name": "", "arguments": ""})
+                            c["id"] = tc.id or c["id"]
+                            c["name"] += (tc.function.name or "") if tc.function else ""
+                            c["arguments"] += (tc.function.arguments or "") if tc.function else ""
+                tool_calls = [
+                    {"id": c["id"], "type": "function", "function": {"name": c["name"], "arguments": c["arguments"]}}
+                    for _, c in sorted(calls.items())
+                ]
+                replies.append((text, tool_calls))
+                messages.append({"role": "assistant", "content": text or None, "tool_calls": tool_calls})
+                a = step.action
+                if _is_call(a) and tool_calls:
+                    r = await session.call_tool(a.tool, a.to_json()["args"], read_timeout_seconds=600)
+                    out = "".join(getattr(c, "text", "") for c in r.content)
+                    results.append((out, bool(r.is_error)))
+                    meta = (r.meta or {}).get("aospec", {})
+                    served += bool(meta.get("speculated"))
+                else:
+                    out = step.observation  # the user's answer, a thought's echo
+                if tool_calls:
+                    messages.append({"role": "tool", "tool_call_id": tool_calls[0]["id"], "content": out})
+                else:
+                    messages.append({"role": "user", "content": out})
+            wall = time.perf_counter() - t0
+        await client.close()
+        stats = {}
+        if "--train" in proxy_args:
+            import httpx
+
+            stats = httpx.get(
+                proxy.url.removesuffix("/v1") + "/aospec/stats", headers={"Authorization": f"Bearer {TOKEN}"}
+            ).json()
+    except Exception:
+        for p in procs:  # what the servers said, for the one-line error that follows
+            tail = p.log.read_text(errors="replace").strip().splitlines()[-int(os.environ.get("BENCH_LOG_LINES", "2")) :]
+            print(f"  {p.log.stem}: {' | '.join(tail)}", file=sys.stderr)
+        raise
+    finally:
+        for p in reversed(procs):
+            p.stop()
+    return {
+        "wall_s": wall,
+        "results": results,
+        "replies": replies,
+        "served": served,
+        "stats": meta.get("stats", {}),
+        "proxy_stats": stats,
+    }
+
+
 def main() -> int:
     from aospec.errors import AospecError
     from aospec.signals import interrupt_on_signals
@@ -157,6 +302,18 @@ def _main() -> int:
     ap.add_argument("--speculate", type=int, default=2, help="speculative calls after each call (2)")
     ap.add_argument("--repeats", type=int, default=1, help="interleaved serial/speculative pairs per trajectory (1)")
     ap.add_argument("--trust-tools", default=",".join(TAU_LOOKUPS), help="read-only tools the proxy may prefetch")
+    ap.add_argument(
+        "--harness",
+        choices=("mcp", "chat"),
+        default="mcp",
+        help="mcp: a scripted agent calls aospec mcp (default); chat: an openai-SDK chat harness through aospec "
+        "proxy on serve-trace, its calls through aospec mcp --http",
+    )
+    ap.add_argument(
+        "--configs",
+        default=",".join(CHAT_CONFIGS),
+        help=f"with --harness chat: configurations to interleave, of {', '.join(CHAT_CONFIGS)} (all)",
+    )
     ap.add_argument("--json", action="store_true", help="print one JSON object")
     ap.add_argument("--serve", metavar="ANSWERS", help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -178,9 +335,14 @@ def _main() -> int:
         print(f"{args.traces}: no trajectory with tool calls", file=sys.stderr)
         return 1
     if len({t.task for t in ordered}) < 2:
-        print(f"{args.traces}: the drafters are fit leave-one-task-out: give trajectories of two tasks or more", file=sys.stderr)
+        print(
+            f"{args.traces}: the drafters are fit leave-one-task-out: give trajectories of two tasks or more",
+            file=sys.stderr,
+        )
         return 1
     trusted = {t for t in args.trust_tools.split(",") if t}
+    if args.harness == "chat":
+        return _chat_main(args, runnable, traces, trusted)
     rows: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory(prefix="aospec-bench-calls-") as tmp:
         trust = Path(tmp) / "trust.json"
@@ -192,7 +354,14 @@ def _main() -> int:
             write_jsonl([_calls_only(t) for t in traces if t.task != trace.task and _tools_of(t)], train)
             upstream = " ".join(
                 shlex.quote(x)
-                for x in [sys.executable, os.path.abspath(__file__), "--serve", str(answers), "--latency-ms", str(args.latency_ms)]
+                for x in [
+                    sys.executable,
+                    os.path.abspath(__file__),
+                    "--serve",
+                    str(answers),
+                    "--latency-ms",
+                    str(args.latency_ms),
+                ]
             )
             base = ["--upstream", upstream, "--trust", str(trust)]
             spec_args = [*base, "--predict", "table", "--train-traces", str(train), "--speculate", str(args.speculate)]
@@ -264,6 +433,143 @@ def _main() -> int:
             f"{total['per_trajectory_saving_median']:+.1%}); {total['served']:g} calls served from speculation, "
             f"{total['launched']:g} speculative calls launched"
         )
+    return 0
+
+
+def _chat_main(args: argparse.Namespace, runnable: list[Any], traces: list[Any], trusted: set[str]) -> int:
+    """``--harness chat``: per trajectory, the configurations interleaved ``--repeats`` times
+    (module doc); every configuration must see the serial run's replies and results."""
+    from aospec.replay.io import write_jsonl
+
+    configs = [c for c in args.configs.split(",") if c]
+    unknown = [c for c in configs if c not in CHAT_CONFIGS]
+    if unknown or not configs:
+        print(f"--configs: unknown {unknown or 'none given'}; choose from {', '.join(CHAT_CONFIGS)}", file=sys.stderr)
+        return 1
+    if "serial" not in configs:
+        configs.insert(0, "serial")
+    rows: list[dict[str, Any]] = []
+    with tempfile.TemporaryDirectory(prefix="aospec-bench-calls-") as tmp_s:
+        tmp = Path(tmp_s)
+        trust = tmp / "trust.json"
+        trust.write_text(json.dumps({"tools": {t: {"readOnly": True, "openWorld": False} for t in trusted}}))
+        for n, trace in enumerate(runnable, 1):
+            answers, model_trace = tmp / "answers.json", tmp / "model.jsonl"
+            answers.write_text(json.dumps([[s.action.key, s.observation] for s in trace.steps]))
+            write_jsonl([trace], model_trace)
+            others = [t for t in traces if t.task != trace.task]
+            calls_train, full_train = tmp / "calls.jsonl", tmp / "full.jsonl"
+            write_jsonl([_calls_only(t) for t in others if _tools_of(t)], calls_train)
+            write_jsonl(others, full_train)
+            upstream = shlex.join(
+                [
+                    sys.executable,
+                    os.path.abspath(__file__),
+                    "--serve",
+                    str(answers),
+                    "--latency-ms",
+                    str(args.latency_ms),
+                ]
+            )
+            base = ["--upstream", upstream, "--trust", str(trust)]
+            mcp_on = [
+                *base,
+                "--predict",
+                "table",
+                "--train-traces",
+                str(calls_train),
+                "--speculate",
+                str(args.speculate),
+            ]
+            mcp_prefetch = [*base, "--predict", "table"]
+            proxy_on = ["--train", str(full_train), "--mcp-any-tool", "--max-speculative", "0"]
+            proxy_on += ["--predict-calls", str(args.speculate)]
+            setups = {
+                "serial": (["--no-speculate"], [*base, "--no-speculate"]),
+                "mcp": (["--no-speculate"], mcp_on),
+                "proxy": (proxy_on, mcp_prefetch),
+                "both": (proxy_on, mcp_on),
+            }
+            model = _Proc(
+                ["serve-trace", str(model_trace), "--tpot-ms", str(args.tpot), "--port", "0"],
+                r"at (http://\S+/v1)",
+                tmp / "model.log",
+            )
+            walls: dict[str, list[float]] = {c: [] for c in configs}
+            served = dict.fromkeys(configs, 0.0)
+            launched = dict.fromkeys(configs, 0.0)
+            try:
+                for _ in range(args.repeats):
+                    ref = None
+                    for c in configs:
+                        try:
+                            r = anyio.run(_chat_run, trace, model.url, *setups[c], tmp)
+                        except Exception as exc:  # one line, not an exception group
+                            while isinstance(exc, BaseExceptionGroup) and exc.exceptions:
+                                exc = exc.exceptions[0]
+                            print(f"{trace.id}: the {c} run failed: {type(exc).__name__}: {exc}", file=sys.stderr)
+                            return 1
+                        seen = (r["replies"], r["results"])
+                        if ref is None:
+                            ref = seen
+                        elif seen != ref:
+                            print(f"{trace.id}: the {c} run saw other replies or results than serial", file=sys.stderr)
+                            return 1
+                        walls[c].append(r["wall_s"])
+                        served[c] += r["served"] / args.repeats
+                        st = r["stats"]
+                        launched[c] += (int(st.get("launched", 0)) + int(st.get("prefetched", 0))) / args.repeats
+            finally:
+                model.stop()
+            row = {
+                "trace": trace.id,
+                "calls": sum(1 for s in trace.steps if _is_call(s.action)),
+                "runs_s": walls,
+                "median_s": {c: statistics.median(w) for c, w in walls.items()},
+                "served": served,
+                "launched": launched,
+            }
+            rows.append(row)
+            med = row["median_s"]
+            shown = ", ".join(
+                f"{c} {med[c]:.2f} s ({1 - med[c] / med['serial']:+.1%}, served {served[c]:g}/{row['calls']})"
+                for c in configs
+                if c != "serial"
+            )
+            print(f"[{n}/{len(runnable)}] {trace.id}: serial {med['serial']:.2f} s; {shown}", file=sys.stderr)
+    total: dict[str, Any] = {
+        "trajectories": len(rows),
+        "calls": sum(r["calls"] for r in rows),
+        "tpot_ms": args.tpot,
+        "latency_ms": args.latency_ms,
+        "repeats": args.repeats,
+        "configs": {},
+    }
+    serial = sum(r["median_s"]["serial"] for r in rows)
+    for c in configs:
+        wall = sum(r["median_s"][c] for r in rows)
+        by_repeat = [
+            1 - sum(r["runs_s"][c][k] for r in rows) / max(sum(r["runs_s"]["serial"][k] for r in rows), 1e-9)
+            for k in range(args.repeats)
+        ]
+        total["configs"][c] = {
+            "wall_s": wall,
+            "saving": 1 - wall / serial if serial else 0.0,
+            "saving_by_repeat": by_repeat,
+            "served": sum(r["served"][c] for r in rows),
+            "launched": sum(r["launched"][c] for r in rows),
+        }
+    if args.json:
+        print(json.dumps({"total": total, "rows": rows}, indent=2))
+    else:
+        print(f"{total['trajectories']} trajectories, {total['calls']} tool calls, serial {serial:.1f} s:")
+        for c, t in total["configs"].items():
+            if c != "serial":
+                print(
+                    f"  {c}: {t['wall_s']:.1f} s, saving {t['saving']:+.1%} (repeats {min(t['saving_by_repeat']):+.1%} "
+                    f"to {max(t['saving_by_repeat']):+.1%}), {t['served']:g} calls served from speculation, "
+                    f"{t['launched']:g} speculative calls"
+                )
     return 0
 
 

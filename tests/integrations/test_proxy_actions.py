@@ -284,10 +284,26 @@ def _ask_then_get(key: str, i: int) -> Trace:
     )
 
 
+class _BrokenDrafter:
+    """An action drafter that fails every other time, and otherwise proposes a call with
+    nested arguments of a tool the server does not trust (refused there)."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    async def propose(self, history: Any, width: int, depth: int) -> list[Any]:
+        from aospec.protocols import ActionDraft
+
+        self.calls += 1
+        if self.calls % 2:
+            raise RuntimeError("drafter bug")
+        return [ActionDraft(Action("put", {"key": {"nested": ["x"]}}), 0, 0.5)]
+
+
 @pytest.mark.anyio
-@pytest.mark.parametrize("predict", [0, 2])
+@pytest.mark.parametrize("predict", [0, 2, "broken"])
 async def test_the_proxy_prefetches_a_call_drafted_on_the_conversation_before_the_reply(
-    servers: Any, tmp_path: Path, predict: int
+    servers: Any, tmp_path: Path, predict: Any
 ) -> None:
     """``aospec proxy --mcp --mcp-any-tool --train`` in front of ``aospec mcp --upstream``:
     when the request after the user's answer arrives, the calls drafter (fitted on earlier
@@ -316,8 +332,8 @@ async def test_the_proxy_prefetches_a_call_drafted_on_the_conversation_before_th
             mcp=mcp_url,
             mcp_token=TOKEN,
             mcp_any_tool=True,
-            action_drafter=action_drafter(train),
-            predict_calls=predict,
+            action_drafter=_BrokenDrafter() if predict == "broken" else action_drafter(train),
+            predict_calls=2 if predict == "broken" else predict,
         )
         px = servers(proxy)
         client = openai.AsyncOpenAI(base_url=px.base_url, api_key="sk-test", max_retries=0)
@@ -349,7 +365,9 @@ async def test_the_proxy_prefetches_a_call_drafted_on_the_conversation_before_th
                 got = await session.call_tool("get", {"key": "zed-7"})
     await client.close()
     assert got.content[0].text == "v" and not got.is_error
-    if predict:
+    if predict == "broken":  # the harness never notices: the drafter only loses its guesses
+        assert ran_before_reply == 0 and proxy.stats.drafter_errors >= 1
+    elif predict:
         # get(zed-7) and whatever else the drafter ranked next (at most 2 a request)
         assert ran_before_reply >= 1 and proxy.stats.calls_predicted >= 1
         assert got.meta["aospec"]["speculated"] is True
