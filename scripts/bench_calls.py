@@ -262,7 +262,7 @@ async def _chat_run(
             ).json()
     except Exception:
         for p in procs:  # what the servers said, for the one-line error that follows
-            tail = p.log.read_text(errors="replace").strip().splitlines()[-int(os.environ.get("BENCH_LOG_LINES", "2")) :]
+            tail = p.log.read_text(errors="replace").strip().splitlines()[-3:]
             print(f"  {p.log.stem}: {' | '.join(tail)}", file=sys.stderr)
         raise
     finally:
