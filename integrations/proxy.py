@@ -871,7 +871,7 @@ class SpeculatingProxy:
             raise ConfigError("proxy: predict_calls must be >= 0")
         self.action_drafter = action_drafter
         """An aospec action drafter (``aospec.integrations._mcp_common.MergedDrafter`` of the
-        ``aospec`` policy's, for ``aospec proxy --train``): with ``--mcp``, when a request
+        ``aospec`` policy's, for ``aospec proxy --train-traces``): with ``--mcp``, when a request
         arrives its :attr:`predict_calls` likeliest next calls, drafted on the whole
         conversation, are prefetched while the model decodes (None: only the calls a reply
         holds are)."""
@@ -1536,7 +1536,7 @@ def register(subparsers: Any) -> None:
         type=int,
         default=2,
         metavar="K",
-        help="with --mcp and --train/--bundled: when a request arrives, prefetch the K calls the aospec policy's "
+        help="with --mcp and --train-traces/--bundled: when a request arrives, prefetch the K calls the aospec policy's "
         "action drafters expect next from the whole conversation, while the model decodes (2; 0: only the calls "
         "a reply holds)",
     )

@@ -21,8 +21,27 @@ on stderr (progress) and the totals: saving (the whole set's wall time, medians 
 repeats per trajectory, and the same per repeat: the spread), calls served from
 speculation, speculative calls launched; ``--json`` prints one JSON object on stdout.
 
+``--harness chat`` runs a chat harness instead, as a user would deploy one: the ``openai``
+SDK (streamed, temperature 0, every tool of the trajectory declared) against ``aospec
+proxy`` in front of ``aospec serve-trace`` (the trajectory's replies, each a tool call, at
+``--tpot``), its tool calls through ``aospec mcp --http --upstream`` (the same recording
+server), the user's turns and the agent's thoughts answered with their recorded text. The
+first user message is the trajectory's instruction. Configurations, interleaved per
+trajectory and repeat (``--configs``; ``serial`` always runs, the others must see its
+replies and results exactly):
+
+- ``serial``: the proxy passes through, the MCP server does not speculate;
+- ``mcp``: the MCP server's drafters, fitted on the other tasks' tool calls, speculate
+  after each call (what ``--harness mcp`` measures, behind a proxy);
+- ``proxy``: the proxy's drafters, fitted on the other tasks' whole trajectories, draft
+  the next calls on the conversation when each request arrives and prefetch the best
+  ``--speculate`` of them through the server (``--mcp-any-tool``); the calls each reply
+  holds are prefetched too; no observation speculation (``--max-speculative 0``);
+- ``both``: the two together.
+
 Usage:
   .venv/bin/python scripts/bench_calls.py ../shared/traces/tau-bench-gpt-4o-airline [--limit 12] [--tpot 20] [--latency-ms 300] [--repeats 1] [--json]
+  .venv/bin/python scripts/bench_calls.py ../shared/traces/tau-bench-gpt-4o-airline --harness chat [--configs serial,mcp,proxy,both] [--json]
 """
 
 from __future__ import annotations
@@ -197,7 +216,7 @@ async def _chat_run(
     try:
         mcp = _Proc(["mcp", "--http", "0", *mcp_args], r"listening on (http://\S+/mcp)", tmp / "mcp.log")
         procs.append(mcp)
-        extra = ["--mcp", mcp.url] if "--train" in proxy_args else []
+        extra = ["--mcp", mcp.url] if "--train-traces" in proxy_args else []
         proxy = _Proc(
             ["proxy", "--upstream", model_url, "--port", "0", *extra, *proxy_args],
             r"aospec proxy at (http://\S+/v1)",
@@ -254,7 +273,7 @@ async def _chat_run(
             wall = time.perf_counter() - t0
         await client.close()
         stats = {}
-        if "--train" in proxy_args:
+        if "--train-traces" in proxy_args:
             import httpx
 
             stats = httpx.get(
@@ -482,7 +501,7 @@ def _chat_main(args: argparse.Namespace, runnable: list[Any], traces: list[Any],
                 str(args.speculate),
             ]
             mcp_prefetch = [*base, "--predict", "table"]
-            proxy_on = ["--train", str(full_train), "--mcp-any-tool", "--max-speculative", "0"]
+            proxy_on = ["--train-traces", str(full_train), "--mcp-any-tool", "--max-speculative", "0"]
             proxy_on += ["--predict-calls", str(args.speculate)]
             setups = {
                 "serial": (["--no-speculate"], [*base, "--no-speculate"]),

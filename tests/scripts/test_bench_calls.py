@@ -46,6 +46,36 @@ def test_bench_calls_serves_the_ids_a_result_listed(tmp_path: Path) -> None:
     assert "[2/2]" in out.stderr  # progress on stderr
 
 
+def test_bench_calls_chat_harness_the_proxy_fills_in_what_the_user_said(tmp_path: Path) -> None:
+    """``--harness chat``: the same sessions through aospec proxy on serve-trace. The
+    customer id is only in the user's first message: the proxy's drafters, which see the
+    conversation, prefetch that lookup; the MCP server's, which see only calls, cannot."""
+    from aospec.replay.io import write_jsonl
+    from test_calls import traces
+
+    write_jsonl(traces(6), tmp_path / "shop.jsonl")
+    out = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "scripts" / "bench_calls.py"),
+            str(tmp_path / "shop.jsonl"),
+            "--harness", "chat", "--configs", "mcp,proxy",
+            "--limit", "2", "--tpot", "20", "--latency-ms", "100",
+            "--trust-tools", "get_customer,get_order", "--json",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    total = json.loads(out.stdout)["total"]
+    assert set(total["configs"]) == {"serial", "mcp", "proxy"} and total["trajectories"] == 2
+    assert total["configs"]["serial"]["served"] == 0
+    # both lookups, besides the orders both see in the lookup's result
+    assert total["configs"]["proxy"]["served"] >= total["configs"]["mcp"]["served"] + 2
+    assert "[2/2]" in out.stderr
+
+
 def test_bench_calls_on_one_task_is_one_line(tmp_path: Path) -> None:
     from aospec.replay.io import write_jsonl
 
