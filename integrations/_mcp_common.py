@@ -25,6 +25,7 @@ import mcp_types as types
 from aospec.types import Action, History
 
 __all__ = [
+    "REPLY_FIRST_S",
     "ArrivalGate",
     "Predictor",
     "RepeatPredictor",
@@ -43,6 +44,12 @@ __all__ = [
 
 #: The key of aospec's entry in a CallToolResult's ``_meta``.
 META_KEY = "aospec"
+
+
+#: How long a server waits after a call returned before drafting the next speculations
+#: (drafters are CPU work that never yields): every task ready to run, the transport's
+#: writer of that reply among them, runs before the timer fires.
+REPLY_FIRST_S = 0.005
 
 
 class ArrivalGate:
@@ -181,9 +188,7 @@ class DrafterPredictor:
     """An aospec :class:`~aospec.protocols.ActionDrafter` as a predictor: the session's
     calls and result texts so far are its history; it proposes the next call (offset 0)."""
 
-    def __init__(
-        self, drafter: Any, k: int = 2, task: str = "", keep: Callable[[Action], bool] | None = None
-    ) -> None:
+    def __init__(self, drafter: Any, k: int = 2, task: str = "", keep: Callable[[Action], bool] | None = None) -> None:
         self.drafter = drafter
         self.k = k
         self.history = History(task=task)
@@ -244,9 +249,10 @@ class MergedDrafter:
     failure is counted in ``failures`` and named once on stderr): a guess must never fail
     the call it follows."""
 
-    def __init__(self, drafters: Sequence[Any]) -> None:
+    def __init__(self, drafters: Sequence[Any], who: str = "aospec mcp") -> None:
         self.drafters = tuple(drafters)
         self.failures = 0
+        self.who = who  # how the note on stderr names the program
 
     async def propose(self, history: History, width: int, depth: int) -> list[Any]:
         best: dict[tuple[str, int], Any] = {}
@@ -257,7 +263,7 @@ class MergedDrafter:
                 self.failures += 1
                 if self.failures == 1:
                     print(
-                        f"aospec mcp: note: {type(d).__name__} failed ({type(exc).__name__}: {exc}); "
+                        f"{self.who}: note: {type(d).__name__} failed ({type(exc).__name__}: {exc}); "
                         "its guesses are skipped",
                         file=sys.stderr,
                     )

@@ -33,7 +33,15 @@ from typing import Any
 
 import anyio
 import mcp_types as types
-from aospec.integrations._mcp_common import ArrivalGate, Predictor, error_result, load_trust, propose, result_meta
+from aospec.integrations._mcp_common import (
+    REPLY_FIRST_S,
+    ArrivalGate,
+    Predictor,
+    error_result,
+    load_trust,
+    propose,
+    result_meta,
+)
 
 from aospec._http import UPSTREAM_TOKEN_ENV
 from aospec.types import Action
@@ -117,6 +125,7 @@ class ProxyBackend:
             "launched": 0,
             "prefetched": 0,
             "epoch_moves": 0,
+            "draft_failures": 0,
         }
 
     async def list_tools(self) -> list[types.Tool]:
@@ -190,9 +199,12 @@ class ProxyBackend:
 
     async def _after(self, action: Action, observation: str, done: anyio.Event) -> None:
         try:
+            # drafters are CPU work that never yields: let the reply reach the transport
+            # first (every task ready to run runs before a timer fires)
+            await anyio.sleep(REPLY_FIRST_S)
             await self._speculate(action, observation)
         except Exception as exc:  # a predictor that fails only loses its guesses
-            self.stats["draft_failures"] = self.stats.get("draft_failures", 0) + 1
+            self.stats["draft_failures"] += 1
             if self.stats["draft_failures"] == 1:
                 print(
                     f"aospec mcp: note: drafting failed ({type(exc).__name__}: {exc}); "
@@ -221,6 +233,8 @@ class ProxyBackend:
         if name not in self.trusted or name not in self.route:
             return False
         cap = prefetch_cap(self.max_inflight)
+        if cap == 0:
+            return False
         async with self.gate:
             if self._drafting is not None:
                 await self._drafting.wait()
@@ -231,7 +245,8 @@ class ProxyBackend:
             if len(mine) >= cap:
                 self._drop(mine[0])  # the oldest prefetch makes room
             elif len(self._specs) >= self.max_inflight:
-                self._drop(next(k for k, sp in self._specs.items() if not sp.prefetched))
+                # the least likely predicted call (launched in rank order, so the last)
+                self._drop(next(k for k, sp in reversed(self._specs.items()) if not sp.prefetched))
             spec = _PSpec(action, self.epoch, prefetched=True)
             self._specs[key] = spec
             self.stats["prefetched"] += 1

@@ -75,6 +75,7 @@ from typing import Any
 import anyio
 import mcp_types as types
 from aospec.integrations._mcp_common import (
+    REPLY_FIRST_S,
     ArrivalGate,
     Predictor,
     RepeatPredictor,
@@ -582,6 +583,10 @@ class SandboxToolServer:
 
     async def _after(self, action: Action, observation: str) -> None:
         async with self.gate:
+            # drafters are CPU work that never yields: let the reply reach the transport
+            # first (every task ready to run runs before a timer fires); holding the gate
+            # keeps this before any later call
+            await anyio.sleep(REPLY_FIRST_S)
             # prune: forks whose origin is no longer the committed version can never pass JASV
             version = self.root.version
             self._counts.stale_discarded += sum(1 for e in self._forks.registry if e.origin != version)

@@ -1276,8 +1276,8 @@ class SpeculatingProxy:
     async def _predict(self, dialect: Any, body: dict[str, Any], up: _Upstream) -> None:
         """Prefetch the :attr:`predict_calls` calls the action drafter expects next, drafted
         on the request's whole conversation (the task and the user's words included, which
-        the MCP server never sees), while the model decodes its reply. Drafting starts once
-        the request is on its way upstream: it never delays it."""
+        the MCP server never sees), while the model decodes its reply. Drafting starts a few
+        milliseconds after the request went upstream, so that it does not hold it up."""
         while up.started_at is None and not up.done:
             await anyio.sleep(0.001)
         await anyio.sleep(0.002)  # the request's bytes go out first
@@ -1301,8 +1301,10 @@ class SpeculatingProxy:
         if history is None:
             return []
         t0 = time.perf_counter()
+        failed = getattr(self.action_drafter, "failures", 0)  # a MergedDrafter's, which it survives
         drafts = await self.action_drafter.propose(history, 4 * self.predict_calls, 1)
         self.stats.drafting_s += time.perf_counter() - t0
+        self.stats.drafter_errors += getattr(self.action_drafter, "failures", 0) - failed
         calls: list[tuple[str, dict[str, Any]]] = []
         for d in drafts:
             if d.offset != 0 or d.action.is_none:
@@ -1549,7 +1551,7 @@ def action_drafter(train: Sequence[Any]) -> Any:
     from aospec.integrations._mcp_common import MergedDrafter
     from aospec.live.agent import default_drafters as live_defaults
 
-    return MergedDrafter(list(live_defaults(list(train)).action))
+    return MergedDrafter(list(live_defaults(list(train)).action), who="aospec proxy")
 
 
 def default_drafters(train: Sequence[Any] = ()) -> tuple[Any, ...]:

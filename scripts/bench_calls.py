@@ -174,16 +174,19 @@ class _Proc:
             )
         deadline = time.monotonic() + 120
         self.url = ""
-        while not self.url:
-            m = re.search(pattern, log.read_text(errors="replace"))
-            if m:
-                self.url = m.group(1)
-            elif self.proc.poll() is not None or time.monotonic() > deadline:
-                self.stop()
-                tail = log.read_text(errors="replace").strip().splitlines()[-3:]
-                raise RuntimeError(f"aospec {args[0]} did not start: {' | '.join(tail)}")
-            else:
-                time.sleep(0.05)
+        try:
+            while not self.url:
+                m = re.search(pattern, log.read_text(errors="replace"))
+                if m:
+                    self.url = m.group(1)
+                elif self.proc.poll() is not None or time.monotonic() > deadline:
+                    tail = log.read_text(errors="replace").strip().splitlines()[-3:]
+                    raise RuntimeError(f"aospec {args[0]} did not start: {' | '.join(tail)}")
+                else:
+                    time.sleep(0.05)
+        except BaseException:  # SIGTERM or Ctrl-C while it starts, too: it stops with us
+            self.stop()
+            raise
 
     def stop(self) -> None:
         import subprocess
@@ -509,11 +512,15 @@ def _chat_main(args: argparse.Namespace, runnable: list[Any], traces: list[Any],
                 "proxy": (proxy_on, mcp_prefetch),
                 "both": (proxy_on, mcp_on),
             }
-            model = _Proc(
-                ["serve-trace", str(model_trace), "--tpot-ms", str(args.tpot), "--port", "0"],
-                r"at (http://\S+/v1)",
-                tmp / "model.log",
-            )
+            try:
+                model = _Proc(
+                    ["serve-trace", str(model_trace), "--tpot-ms", str(args.tpot), "--port", "0"],
+                    r"at (http://\S+/v1)",
+                    tmp / "model.log",
+                )
+            except RuntimeError as exc:
+                print(f"{trace.id}: {exc}", file=sys.stderr)
+                return 1
             walls: dict[str, list[float]] = {c: [] for c in configs}
             served = dict.fromkeys(configs, 0.0)
             launched = dict.fromkeys(configs, 0.0)

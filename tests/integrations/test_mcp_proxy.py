@@ -241,14 +241,16 @@ async def test_drafting_happens_after_the_reply_and_a_failing_predictor_loses_on
             assert (await proxy.call("put", {"key": "k", "value": "1"})).content[0].text == "ok k"
             with anyio.fail_after(30):  # the reply comes while the drafting still waits
                 first = await proxy.call("list_keys", {})
-            for _ in range(20):
-                await anyio.sleep(0)
+            with anyio.fail_after(10):  # the drafting after list_keys has begun, and waits
+                while len(asked) < 2:
+                    await anyio.sleep(0.001)
             assert first.content[0].text == "k" and asked == ["put", "list_keys"] and proxy.stats["launched"] == 0
             release.set()  # the drafting after list_keys runs before get(k) is forwarded
             got = await proxy.call("get", {"key": "k"})
             assert got.content[0].text == "1" and got.meta["aospec"]["speculated"] is True
-            for _ in range(20):
-                await anyio.sleep(0)
+            with anyio.fail_after(10):
+                while len(asked) < 3:
+                    await anyio.sleep(0.001)
             assert asked == ["put", "list_keys", "get"]
 
             proxy.predictor = broken
@@ -272,4 +274,42 @@ async def test_drafting_happens_after_the_reply_and_a_failing_predictor_loses_on
             for key in ("a", "b", "c"):  # prefetches hold at most half of max_inflight
                 assert await proxy.prefetch("get", {"key": key})
             assert [a.args["key"] for a in (sp.action for sp in proxy._specs.values() if sp.prefetched)] == ["b", "c"]
+            tg.cancel_scope.cancel()
+
+
+async def test_a_drafter_that_never_yields_starts_after_the_reply_is_written() -> None:
+    """Real drafters are CPU work that never awaits anything: the proxy must not start one
+    before the transport has written the reply (here a writer task that takes a few
+    scheduling rounds, as the SDK's does), or the agent waits for the drafting."""
+    import contextlib
+
+    from aospec.integrations._mcp_proxy import ProxyBackend, connect_upstream
+
+    from aospec.types import Action
+
+    written: list[str] = []
+    seen_at_drafting: list[list[str]] = []
+
+    def cpu_bound(last: Action | None, observation: str) -> list[Action]:
+        seen_at_drafting.append(list(written))
+        return []
+
+    async with contextlib.AsyncExitStack() as stack:
+        up = await connect_upstream(stack, DEMO, 0)
+        async with anyio.create_task_group() as tg:
+            send, receive = anyio.create_memory_object_stream[str](0)
+
+            async def writer() -> None:
+                async for text in receive:
+                    for _ in range(5):  # encoding, framing, the stream's own hops
+                        await anyio.sleep(0)
+                    written.append(text)
+
+            tg.start_soon(writer)
+            proxy = ProxyBackend([up], frozenset({"get"}), tg, predictor=cpu_bound)
+            for value in ("1", "2"):
+                r = await proxy.call("put", {"key": "k", "value": value})
+                await send.send(r.content[0].text)
+            await proxy.call("get", {"key": "k"})  # waits for the second put's drafting
+            assert seen_at_drafting == [["ok k"], ["ok k", "ok k"]]
             tg.cancel_scope.cancel()

@@ -323,7 +323,8 @@ async def test_the_proxy_prefetches_a_call_drafted_on_the_conversation_before_th
     rng = random.Random(5)
     train = [_ask_then_get(f"{rng.choice(['cfg', 'env', 'job'])}-{rng.randrange(10, 99)}", i) for i in range(8)]
     live = _ask_then_get("zed-7", 99)
-    up = servers(serve_trace_app([live], 20.0))  # the get reply: 40 tokens, 0.8 s
+    # the get reply: its first token after 1 s, then 40 tokens in 0.4 s
+    up = servers(serve_trace_app([live], 10.0, ttft_ms=1000))
     trust = _trust(tmp_path, {"get": RO_CLOSED, "calls": RO_CLOSED})
     args = ["--upstream", DEMO, "--trust", trust, "--predict", "table"]
     async with mcp_http(tmp_path, tmp_path / "state", args) as mcp_url:
@@ -357,16 +358,19 @@ async def test_the_proxy_prefetches_a_call_drafted_on_the_conversation_before_th
                 stream = await client.chat.completions.create(
                     model="m", messages=messages, tools=tools, temperature=0, stream=True
                 )
-                ran_before_reply = None
+                # the reply's headers are in, its first token is not: half a second later,
+                # has the upstream run get already?
+                await anyio.sleep(0.5)
+                counts = await session.call_tool("calls", {})
+                ran_before_reply = json.loads(counts.content[0].text).get("get", 0)
                 async for _chunk in stream:
-                    if ran_before_reply is None:  # the first chunk: the call is not in the stream yet
-                        counts = await session.call_tool("calls", {})
-                        ran_before_reply = json.loads(counts.content[0].text).get("get", 0)
+                    pass
                 got = await session.call_tool("get", {"key": "zed-7"})
     await client.close()
     assert got.content[0].text == "v" and not got.is_error
     if predict == "broken":  # the harness never notices: the drafter only loses its guesses
         assert ran_before_reply == 0 and proxy.stats.drafter_errors >= 1
+        assert proxy.stats.calls_predicted >= 1 and proxy.stats.prefetch_refused >= 1  # the put
     elif predict:
         # get(zed-7) and whatever else the drafter ranked next (at most 2 a request)
         assert ran_before_reply >= 1 and proxy.stats.calls_predicted >= 1
