@@ -336,6 +336,12 @@ def _main() -> int:
         default=",".join(CHAT_CONFIGS),
         help=f"with --harness chat: configurations to interleave, of {', '.join(CHAT_CONFIGS)} (all)",
     )
+    ap.add_argument(
+        "--offline",
+        action="store_true",
+        help="no servers: how often the next tool call is among the drafters' first 1 / 2 / 4, drafted on the calls "
+        "only (what aospec mcp sees) and on the whole trajectory (what aospec proxy sees), leave-one-task-out",
+    )
     ap.add_argument("--json", action="store_true", help="print one JSON object")
     ap.add_argument("--serve", metavar="ANSWERS", help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -363,6 +369,8 @@ def _main() -> int:
         )
         return 1
     trusted = {t for t in args.trust_tools.split(",") if t}
+    if args.offline:
+        return _offline(args, traces)
     if args.harness == "chat":
         return _chat_main(args, runnable, traces, trusted)
     rows: list[dict[str, Any]] = []
@@ -455,6 +463,58 @@ def _main() -> int:
             f"{total['per_trajectory_saving_median']:+.1%}); {total['served']:g} calls served from speculation, "
             f"{total['launched']:g} speculative calls launched"
         )
+    return 0
+
+
+def _offline(args: argparse.Namespace, traces: list[Any]) -> int:
+    """``--offline``: top-k accuracy of the next tool call (every call of every trajectory),
+    drafted by the history and calls drafters on the calls only and on the whole
+    trajectory, each fitted on the other tasks' trajectories in that same form."""
+    from aospec.drafters.calls import CallsActionDrafter
+    from aospec.drafters.history import HistoryActionDrafter
+    from aospec.integrations._mcp_common import MergedDrafter
+
+    from aospec.types import Action, History
+
+    widths = (1, 2, 4)
+    hits = {v: dict.fromkeys(widths, 0) for v in ("calls", "conversation")}
+    n = 0
+    tasks = sorted({t.task for t in traces if _tools_of(t)})
+
+    async def run() -> None:
+        nonlocal n
+        for i, task in enumerate(tasks, 1):
+            others = [t for t in traces if t.task != task]
+            for view in ("calls", "conversation"):
+                train = [_calls_only(t) for t in others if _tools_of(t)] if view == "calls" else others
+                drafters = [HistoryActionDrafter(), CallsActionDrafter()]
+                for d in drafters:
+                    d.fit(train)
+                merged = MergedDrafter(drafters, who="bench_calls")
+                for t in (t for t in traces if t.task == task):
+                    shown = _calls_only(t) if view == "calls" else t
+                    h = History(shown.instruction or shown.task if view == "conversation" else "")
+                    for step in shown.steps:
+                        if _is_call(step.action):
+                            n += view == "calls"
+                            drafted = [d.action.key for d in await merged.propose(h, 8, 1) if d.offset == 0]
+                            drafted = [k for k in drafted if _is_call(Action.from_json(json.loads(k)))]
+                            for w in widths:
+                                hits[view][w] += step.action.key in drafted[:w]
+                        h = h.extend(step.action, step.observation)
+            print(f"[{i}/{len(tasks)}] {task}", file=sys.stderr)
+
+    anyio.run(run)
+    acc = {v: {str(w): hits[v][w] / max(n, 1) for w in widths} for v in hits}
+    if args.json:
+        print(json.dumps({"calls": n, "accuracy": acc}, indent=2))
+    else:
+        print(f"{n} tool calls; the next one among the drafters' first 1 / 2 / 4:")
+        for v in acc:
+            print(
+                f"  drafted on {'the calls only' if v == 'calls' else 'the whole trajectory'}: "
+                + " / ".join(f"{acc[v][str(w)]:.1%}" for w in widths)
+            )
     return 0
 
 

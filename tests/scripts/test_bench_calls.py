@@ -76,6 +76,24 @@ def test_bench_calls_chat_harness_the_proxy_fills_in_what_the_user_said(tmp_path
     assert "[2/2]" in out.stderr
 
 
+def test_bench_calls_offline_accuracy_counts_what_only_the_conversation_shows(tmp_path: Path) -> None:
+    from aospec.replay.io import write_jsonl
+    from test_calls import traces
+
+    write_jsonl(traces(6), tmp_path / "shop.jsonl")
+    out = subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "bench_calls.py"), str(tmp_path / "shop.jsonl"), "--offline", "--json"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    report = json.loads(out.stdout)
+    calls, conversation = report["accuracy"]["calls"], report["accuracy"]["conversation"]
+    # the orders a lookup listed: both views; the customer the user named: only the conversation
+    assert report["calls"] > 6 and 0 < calls["1"] < conversation["1"] and conversation["4"] >= conversation["1"]
+
+
 def test_bench_calls_on_one_task_is_one_line(tmp_path: Path) -> None:
     from aospec.replay.io import write_jsonl
 
