@@ -27,6 +27,7 @@ import os
 import re
 import shlex
 import sys
+import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -96,6 +97,8 @@ class _PSpec:
     result: types.CallToolResult | None = None
     prefetched: bool = False
     scope: anyio.CancelScope = field(default_factory=anyio.CancelScope)
+    started: float | None = None  # time.monotonic() when it was issued upstream
+    ended: float | None = None
 
 
 class ProxyBackend:
@@ -126,6 +129,7 @@ class ProxyBackend:
             "prefetched": 0,
             "epoch_moves": 0,
             "draft_failures": 0,
+            "hidden_s": 0.0,
         }
 
     async def list_tools(self) -> list[types.Tool]:
@@ -161,6 +165,7 @@ class ProxyBackend:
             return error_result(f"invalid call: {exc}")
         if not self.route:
             await self.list_tools()
+        arrived = time.monotonic()
         async with self.gate:
             if self._drafting is not None:
                 await self._drafting.wait()  # the previous call's drafting, launches included
@@ -179,6 +184,10 @@ class ProxyBackend:
                 if spec.result is not None and spec.epoch == self.epoch:
                     result = spec.result
                     self.stats["served_speculated"] += 1
+                    # the upstream time the agent did not wait for: the call ran before it came
+                    if spec.started is not None and spec.ended is not None:
+                        hidden = max(0.0, min(arrived, spec.ended) - spec.started)
+                        self.stats["hidden_s"] = round(self.stats["hidden_s"] + hidden, 6)
             speculated = result is not None
             if result is None:
                 self.stats["forwarded"] += 1
@@ -214,11 +223,12 @@ class ProxyBackend:
         finally:
             done.set()
 
-    async def prefetch(self, name: str, arguments: dict[str, Any] | None) -> bool:
+    async def prefetch(self, name: str, arguments: dict[str, Any] | None) -> bool | str:
         """Issue ``name(arguments)`` to its upstream now, as a speculative call of the current
         epoch (``POST /aospec/prefetch``: ``aospec proxy --mcp`` sends the calls a model is
         emitting, or those its drafters expect from the whole conversation). Only trusted
-        tools; False when it is not one, or not a valid call. It queues at the gate like a
+        tools: ``"tool"`` when it is not one (no call of it ever will be), False when it is
+        not a valid call or ``max_inflight`` is 0. It queues at the gate like a
         call (after the previous call's drafting). At most :func:`prefetch_cap` of
         ``max_inflight`` are prefetched ones (the oldest makes room for a new one); a
         prefetch displaces a predicted call when all are in flight."""
@@ -231,7 +241,7 @@ class ProxyBackend:
         if not self.route:
             await self.list_tools()
         if name not in self.trusted or name not in self.route:
-            return False
+            return "tool"
         cap = prefetch_cap(self.max_inflight)
         if cap == 0:
             return False
@@ -283,7 +293,9 @@ class ProxyBackend:
         try:
             up, upstream_name = self.route[spec.action.tool]
             with spec.scope:
+                spec.started = time.monotonic()
                 result = await up.session.call_tool(upstream_name, dict(spec.action.args))
+                spec.ended = time.monotonic()
                 if spec.epoch == self.epoch:  # no untrusted call started while it ran
                     spec.result = result
         except Exception as exc:  # a failed speculation is only a missed chance

@@ -277,15 +277,22 @@ class Prefetcher:
         self.url = prefetch_url(mcp_url)
         self.stats = stats
         self.headers = {"Authorization": f"Bearer {token}"} if token else {}
+        #: tools the server said it never prefetches (``"refused": "tool"``: not one of its
+        #: tools, or not trusted): drafted calls of them are not sent
+        self.refused_tools: set[str] = set()
 
     def emit(self, tg: Any, client: Any, tool: str, arguments: dict[str, Any]) -> None:
-        tg.start_soon(self._post, client, tool, arguments)
+        if tool not in self.refused_tools:
+            tg.start_soon(self._post, client, tool, arguments)
 
     async def _post(self, client: Any, tool: str, arguments: dict[str, Any]) -> None:
         self.stats.actions_prefetched += 1
         try:
             r = await client.post(self.url, json={"name": tool, "arguments": arguments}, headers=self.headers)
-            if r.status_code != 200 or not r.json().get("launched"):
+            reply = r.json() if r.status_code == 200 else {}
+            if not reply.get("launched"):
                 self.stats.prefetch_refused += 1
+                if reply.get("refused") == "tool" and len(self.refused_tools) < 1024:
+                    self.refused_tools.add(tool)
         except Exception:  # a lost prefetch is only a missed chance
             self.stats.prefetch_errors += 1

@@ -543,10 +543,13 @@ class SandboxToolServer:
                 **extra,
             )
 
-    async def prefetch(self, name: str, arguments: dict[str, Any] | None) -> bool:
+    async def prefetch(self, name: str, arguments: dict[str, Any] | None) -> bool | str:
         """Start ``name(arguments)`` in a fork of the committed sandbox (module doc);
-        False when it is not a valid call or no fork slot is free. At most
-        :func:`prefetch_cap` prefetched calls are live: the oldest makes room for a new one."""
+        ``"tool"`` when ``name`` is none of the sandbox tools, False when it is not a valid
+        call or no fork slot is free. At most :func:`prefetch_cap` prefetched calls are live:
+        the oldest makes room for a new one."""
+        if name not in {t.name for t in SANDBOX_TOOLS}:
+            return "tool"
         try:
             action = Action(name, arguments or {})
             check_args(action.tool, dict(action.args), export=self.artifacts is not None)
@@ -699,7 +702,7 @@ async def serve_stdio(server: Any) -> None:
             await server.run(read, write, server.create_initialization_options())
 
 
-def _with_prefetch(app: Any, prefetch: Callable[[str, dict[str, Any] | None], Awaitable[bool]]) -> Any:
+def _with_prefetch(app: Any, prefetch: Callable[[str, dict[str, Any] | None], Awaitable[bool | str]]) -> Any:
     """``app`` plus ``POST /aospec/prefetch`` (module doc); behind :func:`serve_http`'s guard."""
     import json
 
@@ -720,8 +723,11 @@ def _with_prefetch(app: Any, prefetch: Callable[[str, dict[str, Any] | None], Aw
             ok = isinstance(name, str) and (args is None or isinstance(args, dict))
         except (ValueError, KeyError, TypeError, RecursionError):
             ok = False
-        launched = ok and await prefetch(name, args)
-        data = json.dumps({"launched": bool(launched)}).encode()
+        outcome = ok and await prefetch(name, args)
+        reply: dict[str, Any] = {"launched": outcome is True}
+        if isinstance(outcome, str):  # "tool": no call of this tool is ever prefetched here
+            reply["refused"] = outcome
+        data = json.dumps(reply).encode()
         status = 200 if ok else 400
         await send(
             {"type": "http.response.start", "status": status, "headers": [(b"content-type", b"application/json")]}
@@ -750,7 +756,7 @@ async def serve_http(
     host: str,
     port: int,
     guard: HttpGuard,
-    prefetch: Callable[[str, dict[str, Any] | None], Awaitable[bool]] | None = None,
+    prefetch: Callable[[str, dict[str, Any] | None], Awaitable[bool | str]] | None = None,
     metrics: Metrics | None = None,
 ) -> None:
     """Streamable HTTP at ``http://HOST:PORT/mcp`` (port 0: any free port; the URL is

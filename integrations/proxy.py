@@ -1311,7 +1311,8 @@ class SpeculatingProxy:
                 continue
             args = json.dumps(d.action.to_json()["args"])
             call = map_call(d.action.tool, args, self.command_tools, self.mcp_tool_prefix, any_tool=self.mcp_any_tool)
-            if call is not None and call not in calls:
+            refused = self._prefetcher.refused_tools if self._prefetcher is not None else set()
+            if call is not None and call not in calls and call[0] not in refused:  # not a slot lost
                 calls.append(call)
             if len(calls) >= self.predict_calls:
                 break

@@ -398,6 +398,7 @@ def _main() -> int:
             serial_w: list[float] = []
             spec_w: list[float] = []
             served = launched = calls = 0
+            hidden = 0.0
             for _ in range(args.repeats):
                 try:
                     s = anyio.run(_run, trace, [*base, "--no-speculate"], args.tpot)
@@ -412,6 +413,7 @@ def _main() -> int:
                 spec_w.append(p["wall_s"])
                 served += p["served"]
                 launched += int(p["stats"].get("launched", 0))
+                hidden += float(p["stats"].get("hidden_s", 0.0))
                 calls += len(p["results"])
             row = {
                 "trace": trace.id,
@@ -422,6 +424,7 @@ def _main() -> int:
                 "speculative_runs_s": spec_w,
                 "served": served / args.repeats,
                 "launched": launched / args.repeats,
+                "hidden_s": hidden / args.repeats,
             }
             rows.append(row)
             saving = 1 - row["speculative_s"] / row["serial_s"] if row["serial_s"] > 0 else 0.0
@@ -438,6 +441,7 @@ def _main() -> int:
         "calls": sum(r["calls"] for r in rows),
         "served": sum(r["served"] for r in rows),
         "launched": sum(r["launched"] for r in rows),
+        "hidden_s": sum(r["hidden_s"] for r in rows),
         "serial_s": serial,
         "speculative_s": spec,
         "saving": 1 - spec / serial if serial else 0.0,
@@ -460,8 +464,9 @@ def _main() -> int:
             f"{total['trajectories']} trajectories, {total['calls']} calls: serial {serial:.1f} s, speculative "
             f"{spec:.1f} s, saving {total['saving']:+.1%} (repeats {min(total['saving_by_repeat']):+.1%} to "
             f"{max(total['saving_by_repeat']):+.1%}; median per trajectory "
-            f"{total['per_trajectory_saving_median']:+.1%}); {total['served']:g} calls served from speculation, "
-            f"{total['launched']:g} speculative calls launched"
+            f"{total['per_trajectory_saving_median']:+.1%}); {total['served']:g} calls served from speculation "
+            f"({total['hidden_s']:.1f} s of their upstream time hidden), {total['launched']:g} speculative calls "
+            "launched"
         )
     return 0
 
@@ -584,6 +589,7 @@ def _chat_main(args: argparse.Namespace, runnable: list[Any], traces: list[Any],
             walls: dict[str, list[float]] = {c: [] for c in configs}
             served = dict.fromkeys(configs, 0.0)
             launched = dict.fromkeys(configs, 0.0)
+            hidden = dict.fromkeys(configs, 0.0)
             try:
                 for _ in range(args.repeats):
                     ref = None
@@ -605,6 +611,7 @@ def _chat_main(args: argparse.Namespace, runnable: list[Any], traces: list[Any],
                         served[c] += r["served"] / args.repeats
                         st = r["stats"]
                         launched[c] += (int(st.get("launched", 0)) + int(st.get("prefetched", 0))) / args.repeats
+                        hidden[c] += float(st.get("hidden_s", 0.0)) / args.repeats
             finally:
                 model.stop()
             row = {
@@ -614,11 +621,13 @@ def _chat_main(args: argparse.Namespace, runnable: list[Any], traces: list[Any],
                 "median_s": {c: statistics.median(w) for c, w in walls.items()},
                 "served": served,
                 "launched": launched,
+                "hidden_s": hidden,
             }
             rows.append(row)
             med = row["median_s"]
             shown = ", ".join(
-                f"{c} {med[c]:.2f} s ({1 - med[c] / med['serial']:+.1%}, served {served[c]:g}/{row['calls']})"
+                f"{c} {med[c]:.2f} s ({1 - med[c] / med['serial']:+.1%}, served {served[c]:g}/{row['calls']}, "
+                f"hid {hidden[c]:.2f} s)"
                 for c in configs
                 if c != "serial"
             )
@@ -644,6 +653,7 @@ def _chat_main(args: argparse.Namespace, runnable: list[Any], traces: list[Any],
             "saving_by_repeat": by_repeat,
             "served": sum(r["served"][c] for r in rows),
             "launched": sum(r["launched"][c] for r in rows),
+            "hidden_s": sum(r["hidden_s"][c] for r in rows),
         }
     if args.json:
         print(json.dumps({"total": total, "rows": rows}, indent=2))
@@ -654,7 +664,7 @@ def _chat_main(args: argparse.Namespace, runnable: list[Any], traces: list[Any],
                 print(
                     f"  {c}: {t['wall_s']:.1f} s, saving {t['saving']:+.1%} (repeats {min(t['saving_by_repeat']):+.1%} "
                     f"to {max(t['saving_by_repeat']):+.1%}), {t['served']:g} calls served from speculation, "
-                    f"{t['launched']:g} speculative calls"
+                    f"{t['hidden_s']:.1f} s of their upstream time hidden, {t['launched']:g} speculative calls"
                 )
     return 0
 

@@ -79,6 +79,9 @@ async def test_prefetch_is_guarded_like_mcp_and_takes_only_json(mcp_state_root: 
             ok = _prefetch(url, headers={**auth, "Content-Type": "application/json; charset=utf-8"})
             assert ok.status_code == 200 and ok.json() == {"launched": True}
             assert (await _stats(session))["prefetched"] == 1
+            # a tool the server never prefetches says so: a client can stop sending it
+            other = _prefetch(url, json={"name": "respond", "arguments": {"content": "hi"}})
+            assert other.status_code == 200 and other.json() == {"launched": False, "refused": "tool"}
 
 
 async def test_the_mcp_route_needs_the_token_and_a_loopback_host(mcp_state_root: Path, tmp_path: Path) -> None:

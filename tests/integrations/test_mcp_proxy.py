@@ -262,9 +262,10 @@ async def test_drafting_happens_after_the_reply_and_a_failing_predictor_loses_on
 
             # POST /aospec/prefetch (aospec proxy --mcp): trusted tools only, served like
             # a predicted call; a write moves the epoch and discards it
-            assert not await proxy.prefetch("put", {"key": "k", "value": "2"})
-            assert not await proxy.prefetch("nope", {})
-            assert await proxy.prefetch("get", {"key": "k"}) and proxy.stats["prefetched"] == 1
+            # a tool it never prefetches says so ("tool"), so that a client stops sending it
+            assert await proxy.prefetch("put", {"key": "k", "value": "2"}) == "tool"
+            assert await proxy.prefetch("nope", {}) == "tool"
+            assert await proxy.prefetch("get", {"key": "k"}) is True and proxy.stats["prefetched"] == 1
             got = await proxy.call("get", {"key": "k"})
             assert got.content[0].text == "1" and got.meta["aospec"]["speculated"] is True
             assert await proxy.prefetch("get", {"key": "k"})

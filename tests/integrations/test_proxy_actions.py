@@ -371,6 +371,7 @@ async def test_the_proxy_prefetches_a_call_drafted_on_the_conversation_before_th
     if predict == "broken":  # the harness never notices: the drafter only loses its guesses
         assert ran_before_reply == 0 and proxy.stats.drafter_errors >= 1
         assert proxy.stats.calls_predicted >= 1 and proxy.stats.prefetch_refused >= 1  # the put
+        assert "put" in proxy._prefetcher.refused_tools  # never sent again (nor respond, the reply's)
     elif predict:
         # get(zed-7) and whatever else the drafter ranked next (at most 2 a request)
         assert ran_before_reply >= 1 and proxy.stats.calls_predicted >= 1
