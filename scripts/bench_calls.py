@@ -214,6 +214,7 @@ async def _chat_run(
     import openai
     from mcp import ClientSession
     from mcp.client.streamable_http import streamable_http_client
+    from openai.lib.streaming.chat import ChatCompletionStreamState
 
     procs: list[_Proc] = []
     try:
@@ -242,21 +243,21 @@ async def _chat_run(
                 await session.initialize()
             t0 = time.perf_counter()
             for step in trace.steps:
-                text, calls = "", {}
+                state = ChatCompletionStreamState()  # the SDK's own accumulation of a stream
                 stream = await client.chat.completions.create(
                     model="m", messages=messages, tools=tools, temperature=0, stream=True
                 )
                 async for chunk in stream:
-                    for ch in chunk.choices:
-                        text += ch.delta.content or ""
-                        for tc in ch.delta.tool_calls or ():
-                            c = calls.setdefault(tc.index, {"id": "", "name": "", "arguments": ""})
-                            c["id"] = tc.id or c["id"]
-                            c["name"] += (tc.function.name or "") if tc.function else ""
-                            c["arguments"] += (tc.function.arguments or "") if tc.function else ""
+                    state.handle_chunk(chunk)
+                reply = state.get_final_completion().choices[0].message
+                text = reply.content or ""
                 tool_calls = [
-                    {"id": c["id"], "type": "function", "function": {"name": c["name"], "arguments": c["arguments"]}}
-                    for _, c in sorted(calls.items())
+                    {
+                        "id": c.id,
+                        "type": "function",
+                        "function": {"name": c.function.name, "arguments": c.function.arguments},
+                    }
+                    for c in reply.tool_calls or ()
                 ]
                 replies.append((text, tool_calls))
                 messages.append({"role": "assistant", "content": text or None, "tool_calls": tool_calls})
@@ -352,7 +353,7 @@ def _main() -> int:
         ap.error("give the trajectories (e.g. ../shared/traces/tau-bench-gpt-4o-airline)")
     if args.limit < 1 or args.repeats < 1 or args.speculate < 1 or args.tpot < 0 or args.latency_ms < 0:
         ap.error("--limit, --repeats and --speculate must be >= 1; --tpot and --latency-ms >= 0")
-    from aospec.replay.io import load_traces, write_jsonl
+    from aospec.replay.io import load_traces
 
     traces = load_traces([args.traces])
     # one trajectory per task first (the first of each, by id), then the others, up to --limit
@@ -378,23 +379,7 @@ def _main() -> int:
         trust = Path(tmp) / "trust.json"
         trust.write_text(json.dumps({"tools": {t: {"readOnly": True, "openWorld": False} for t in trusted}}))
         for n, trace in enumerate(runnable, 1):
-            answers = Path(tmp) / "answers.json"
-            answers.write_text(json.dumps([[s.action.key, s.observation] for s in trace.steps]))
-            train = Path(tmp) / "train.jsonl"
-            write_jsonl([_calls_only(t) for t in traces if t.task != trace.task and _tools_of(t)], train)
-            upstream = " ".join(
-                shlex.quote(x)
-                for x in [
-                    sys.executable,
-                    os.path.abspath(__file__),
-                    "--serve",
-                    str(answers),
-                    "--latency-ms",
-                    str(args.latency_ms),
-                ]
-            )
-            base = ["--upstream", upstream, "--trust", str(trust)]
-            spec_args = [*base, "--predict", "table", "--train-traces", str(train), "--speculate", str(args.speculate)]
+            base, spec_args = _mcp_args(args, trace, traces, Path(tmp), trust)
             serial_w: list[float] = []
             spec_w: list[float] = []
             served = launched = calls = 0
@@ -471,6 +456,22 @@ def _main() -> int:
     return 0
 
 
+def _mcp_args(
+    args: argparse.Namespace, trace: Any, traces: list[Any], tmp: Path, trust: Path
+) -> tuple[list[str], list[str]]:
+    """``aospec mcp``'s arguments for ``trace``: in front of this script serving its
+    recorded results (written to ``tmp``), and the same with the drafters fitted on the
+    other tasks' tool calls (leave-one-task-out) speculating ``--speculate`` calls."""
+    from aospec.replay.io import write_jsonl
+
+    answers, train = tmp / "answers.json", tmp / "calls.jsonl"
+    answers.write_text(json.dumps([[s.action.key, s.observation] for s in trace.steps]))
+    write_jsonl([_calls_only(t) for t in traces if t.task != trace.task and _tools_of(t)], train)
+    serve = [sys.executable, os.path.abspath(__file__), "--serve", str(answers), "--latency-ms", str(args.latency_ms)]
+    base = ["--upstream", shlex.join(serve), "--trust", str(trust)]
+    return base, [*base, "--predict", "table", "--train-traces", str(train), "--speculate", str(args.speculate)]
+
+
 def _offline(args: argparse.Namespace, traces: list[Any]) -> int:
     """``--offline``: top-k accuracy of the next tool call (every call of every trajectory),
     drafted by the history and calls drafters on the calls only and on the whole
@@ -541,33 +542,11 @@ def _chat_main(args: argparse.Namespace, runnable: list[Any], traces: list[Any],
         trust = tmp / "trust.json"
         trust.write_text(json.dumps({"tools": {t: {"readOnly": True, "openWorld": False} for t in trusted}}))
         for n, trace in enumerate(runnable, 1):
-            answers, model_trace = tmp / "answers.json", tmp / "model.jsonl"
-            answers.write_text(json.dumps([[s.action.key, s.observation] for s in trace.steps]))
+            model_trace = tmp / "model.jsonl"
             write_jsonl([trace], model_trace)
-            others = [t for t in traces if t.task != trace.task]
-            calls_train, full_train = tmp / "calls.jsonl", tmp / "full.jsonl"
-            write_jsonl([_calls_only(t) for t in others if _tools_of(t)], calls_train)
-            write_jsonl(others, full_train)
-            upstream = shlex.join(
-                [
-                    sys.executable,
-                    os.path.abspath(__file__),
-                    "--serve",
-                    str(answers),
-                    "--latency-ms",
-                    str(args.latency_ms),
-                ]
-            )
-            base = ["--upstream", upstream, "--trust", str(trust)]
-            mcp_on = [
-                *base,
-                "--predict",
-                "table",
-                "--train-traces",
-                str(calls_train),
-                "--speculate",
-                str(args.speculate),
-            ]
+            full_train = tmp / "full.jsonl"
+            write_jsonl([t for t in traces if t.task != trace.task], full_train)
+            base, mcp_on = _mcp_args(args, trace, traces, tmp, trust)
             mcp_prefetch = [*base, "--predict", "table"]
             proxy_on = ["--train-traces", str(full_train), "--mcp-any-tool", "--max-speculative", "0"]
             proxy_on += ["--predict-calls", str(args.speculate)]
