@@ -37,6 +37,7 @@ __all__ = [
     "error_result",
     "load_transitions",
     "load_trust",
+    "prefetch_cap",
     "propose",
     "result_meta",
     "text_result",
@@ -50,6 +51,12 @@ META_KEY = "aospec"
 #: (drafters are CPU work that never yields): every task ready to run, the transport's
 #: writer of that reply among them, runs before the timer fires.
 REPLY_FIRST_S = 0.005
+
+
+def prefetch_cap(max_forks: int) -> int:
+    """How many of ``max_forks`` live forks (speculative calls) prefetched calls may hold:
+    half, at least one; none of none."""
+    return max(1, max_forks // 2) if max_forks > 0 else 0
 
 
 class ArrivalGate:

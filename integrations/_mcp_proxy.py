@@ -40,6 +40,7 @@ from aospec.integrations._mcp_common import (
     Predictor,
     error_result,
     load_trust,
+    prefetch_cap,
     propose,
     result_meta,
 )
@@ -232,8 +233,6 @@ class ProxyBackend:
         call (after the previous call's drafting). At most :func:`prefetch_cap` of
         ``max_inflight`` are prefetched ones (the oldest makes room for a new one); a
         prefetch displaces a predicted call when all are in flight."""
-        from aospec.integrations.mcp_server import prefetch_cap
-
         try:
             action = Action(name, arguments or {})
         except (ValueError, TypeError):

@@ -83,6 +83,7 @@ from aospec.integrations._mcp_common import (
     drafter_from_traces,
     error_result,
     load_transitions,
+    prefetch_cap,
     propose,
     result_meta,
     text_result,
@@ -365,11 +366,6 @@ class Stats:
 
     def as_dict(self) -> dict[str, int]:
         return dict(self.__dict__)
-
-
-def prefetch_cap(max_forks: int) -> int:
-    """How many of ``max_forks`` live forks prefetched calls may hold: half, at least one."""
-    return max(1, max_forks // 2) if max_forks > 0 else 0
 
 
 class SandboxToolServer:
