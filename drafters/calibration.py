@@ -24,6 +24,16 @@ reports predicted against observed hit rate per bucket (docs/drafters.md, Calibr
 
 The JSON form (:meth:`Calibration.to_json`, :meth:`Calibration.save`, ``calibration.json``
 beside fitted drafters) holds every cell's thresholds and rates.
+
+**Ranking by calibrated probabilities.** Several action drafters' targets are merged by
+probability (the engine's launches, ``aospec mcp`` and ``aospec proxy`` predictions): raw
+scores of different drafters are not comparable (on the tau-bench airline trajectories the
+history drafter scores repeats of a call already made at 0.2-0.35, and they are right 1
+time in 276), so a drafter that is confident and wrong pushes out one that is right.
+:func:`fit_action_calibration` cross-fits one drafter on training traces and
+:func:`calibrated` wraps it so that each target carries its calibrated probability (the
+``calibrate_actions`` key of a replay policy, on in ``aospec``; docs/drafters.md,
+"Calibration").
 """
 
 from __future__ import annotations
@@ -32,29 +42,53 @@ import json
 import math
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 from aospec.errors import ConfigError
+from aospec.protocols import ActionDraft
 from aospec.streams import tool_label
-from aospec.types import Trace
+from aospec.types import History, Trace
 
 __all__ = [
+    "ACTION_BOUNDARIES",
+    "ACTION_DEPTH",
+    "ACTION_FOLDS",
+    "ACTION_WIDTH",
     "ANY",
+    "TIE_BREAK",
+    "CalibratedActionDrafter",
+    "CalibratedRoutedActionDrafter",
     "Calibration",
     "Outcome",
     "ReliabilityRow",
     "action_outcomes",
     "call_sync",
     "cross_fit_outcomes",
+    "calibrated",
     "expected_calibration_error",
+    "fit_action_calibration",
     "observation_outcomes",
     "reliability",
 ]
 
 #: The tool or distance of a cell that pools all of them.
 ANY = "*"
+#: Targets per boundary and steps ahead scored when an action drafter is calibrated for
+#: ranking (:func:`fit_action_calibration`): the engine's default fork width and lookahead.
+ACTION_WIDTH, ACTION_DEPTH = 8, 2
+#: The most boundaries an action drafter is scored at when it is calibrated for ranking
+#: (beyond it, every k-th boundary of each trace): calibrating costs one drafting call per
+#: boundary, and a few thousand outcomes fix a drafter's cells well enough to rank by.
+ACTION_BOUNDARIES = 1000
+#: Folds an action drafter is cross-fit in for ranking: two fits, each on half the
+#: training traces (four would fit three times the traces for little better cells).
+ACTION_FOLDS = 2
+#: A calibrated target's probability is its calibrated rate plus this share of its raw
+#: score: drafts in one isotonic block (equal rates) keep their drafter's own order, and
+#: equal rates of two drafters are broken by their raw scores.
+TIE_BREAK = 1e-6
 _FORMAT = "aospec-calibration/1"
 
 
@@ -293,14 +327,14 @@ def observation_outcomes(name: str, drafter: Any, traces: Iterable[Trace], n: in
 
 
 def action_outcomes(
-    name: str, drafter: Any, traces: Iterable[Trace], width: int = 32, depth: int = 10
+    name: str, drafter: Any, traces: Iterable[Trace], width: int = 32, depth: int = 10, stride: int = 1
 ) -> Iterator[Outcome]:
     """Every target of action drafter ``drafter`` at every boundary of ``traces`` (true
-    histories), scored against the action recorded ``offset`` steps later (targets past
-    the end are left out)."""
+    histories; with ``stride`` k, at every k-th boundary of each trace), scored against the
+    action recorded ``offset`` steps later (targets past the end are left out)."""
     for trace in traces:
         actions = [s.action for s in trace.steps]
-        for i in range(len(actions)):
+        for i in range(0, len(actions), max(1, stride)):
             for d in call_sync(drafter.propose, trace.history(i), width, depth):
                 j = i + d.offset
                 if j < len(actions):
@@ -314,11 +348,15 @@ def cross_fit_outcomes(
     traces: Sequence[Trace],
     *,
     folds: int = 4,
+    width: int = 32,
+    depth: int = 10,
+    stride: int = 1,
 ) -> list[list[Outcome]]:
     """The outcomes of each fold: a fresh drafter (``make()``, fit on the other folds'
     traces when it has ``fit``) scored on the fold's traces; folds group traces by task
     (task ``n`` in sorted order goes to fold ``n % folds``). ``kind``: ``observation`` or
-    ``action``."""
+    ``action`` (``width`` targets per boundary, ``depth`` steps ahead at most, every
+    ``stride``-th boundary)."""
     if kind not in ("observation", "action"):
         raise ConfigError(f"calibration: kind must be 'observation' or 'action', got {kind!r}")
     tasks = sorted({t.task for t in traces})
@@ -334,9 +372,90 @@ def cross_fit_outcomes(
         fit = getattr(drafter, "fit", None)
         if callable(fit):
             fit(train)
-        gen = observation_outcomes if kind == "observation" else action_outcomes
-        out.append(list(gen(name, drafter, held)))
+        if kind == "observation":
+            out.append(list(observation_outcomes(name, drafter, held)))
+        else:
+            out.append(list(action_outcomes(name, drafter, held, width, depth, stride)))
     return out
+
+
+def fit_action_calibration(
+    name: str,
+    make: Callable[[], Any],
+    traces: Sequence[Trace],
+    *,
+    folds: int = ACTION_FOLDS,
+    width: int = ACTION_WIDTH,
+    depth: int = ACTION_DEPTH,
+    boundaries: int = ACTION_BOUNDARIES,
+    min_count: int = 20,
+) -> Calibration | None:
+    """A calibration of action drafter ``name`` (``make()`` builds it unfit) for ranking its
+    targets among other drafters': cross-fit on ``traces`` (:func:`cross_fit_outcomes`:
+    each fold's targets drafted by a drafter fit on the other folds, so a drafter that
+    memorises its training traces is judged on tasks it has not seen), at ``boundaries``
+    of the traces' boundaries at most. None when the traces hold fewer than two tasks
+    (nothing to cross-fit: the raw scores stand)."""
+    if len({t.task for t in traces}) < 2:
+        return None
+    total = sum(len(t.steps) for t in traces)
+    stride = max(1, math.ceil(total / max(1, boundaries)))
+    folds_out = cross_fit_outcomes(
+        make, name, "action", traces, folds=folds, width=width, depth=depth, stride=stride
+    )
+    return Calibration.fit((o for fold in folds_out for o in fold), min_count=min_count)
+
+
+class CalibratedActionDrafter:
+    """Action drafter ``inner`` (named ``name`` in ``calibration``) whose targets carry their
+    calibrated probability (plus :data:`TIE_BREAK` times the raw one) instead of the raw
+    score, so that merging several drafters by probability ranks them on one scale. Any
+    other attribute is ``inner``'s (``fit`` included)."""
+
+    __slots__ = ("calibration", "inner", "name")
+
+    def __init__(self, inner: Any, name: str, calibration: Calibration) -> None:
+        self.inner = inner
+        self.name = name
+        self.calibration = calibration
+
+    def __getattr__(self, attr: str) -> Any:
+        if attr == "propose_routed":
+            raise AttributeError(attr)  # only CalibratedRoutedActionDrafter routes
+        return getattr(self.inner, attr)
+
+    def _calibrated(self, drafts: Iterable[Any]) -> list[Any]:
+        out = []
+        for d in drafts:
+            if isinstance(d, ActionDraft) and isinstance(d.probability, (int, float)) and 0 <= d.probability <= 1:
+                p = self.calibration.p(self.name, tool_label(d.action), d.offset, d.probability)
+                d = replace(d, probability=min(1.0, p + TIE_BREAK * d.probability))
+            out.append(d)  # (anything else is the engine's to reject, as it was)
+        return out
+
+    async def propose(self, history: History, width: int, depth: int) -> Sequence[ActionDraft]:
+        return self._calibrated(await self.inner.propose(history, width, depth))
+
+
+class CalibratedRoutedActionDrafter(CalibratedActionDrafter):
+    """:class:`CalibratedActionDrafter` of a drafter that has ``propose_routed``. Routed
+    targets (proposed once the tool is named mid-decode) keep their raw scores: they are
+    ranked only among themselves, and the boundary's outcomes the calibration was fit on
+    say nothing of how often a target of a named tool is right."""
+
+    __slots__ = ()
+
+    async def propose_routed(self, history: History, tool: str, width: int) -> Sequence[ActionDraft]:
+        return await self.inner.propose_routed(history, tool, width)
+
+
+def calibrated(inner: Any, name: str, calibration: Calibration | None) -> Any:
+    """``inner`` ranked by ``calibration`` (:class:`CalibratedActionDrafter`, routed when
+    ``inner`` routes), or ``inner`` itself when there is no calibration."""
+    if calibration is None:
+        return inner
+    routed = callable(getattr(inner, "propose_routed", None))
+    return (CalibratedRoutedActionDrafter if routed else CalibratedActionDrafter)(inner, name, calibration)
 
 
 @dataclass(frozen=True, slots=True)

@@ -212,6 +212,17 @@ class _Values:
     raw: dict[tuple[str, str], list[Any]] = field(default_factory=dict)
     used: dict[tuple[str, str], set[str]] = field(default_factory=dict)
     _features: dict[tuple[str, str], dict[Feature, list[Any]]] = field(default_factory=dict)
+    _coerced: dict[tuple[str, type, Any], tuple[Any, str]] = field(default_factory=dict)
+
+    def coerced(self, value: Any, typ: str) -> tuple[Any, str]:
+        """``value`` as type ``typ`` (:func:`_coerce`) and its JSON, each worked out once per
+        history (a value is offered to many tools' arguments; values are scalars)."""
+        key = (typ, type(value), value)
+        got = self._coerced.get(key)
+        if got is None:
+            c = _coerce(value, typ)
+            got = self._coerced[key] = (c, json.dumps(c))
+        return got
 
     def features(self, tool: str, arg: str, typ: str) -> dict[Feature, list[Any]]:
         """The candidates of each feature for ``tool``'s ``arg`` (as its usual type ``typ``):
@@ -225,7 +236,7 @@ class _Values:
                 fresh: list[Any] = []
                 old: list[Any] = []
                 for v in vals:
-                    (old if json.dumps(_coerce(v, typ)) in used else fresh).append(v)
+                    (old if self.coerced(v, typ)[1] in used else fresh).append(v)
                 if fresh:
                     got[(kind, key, False)] = fresh[:_MAX_RANK]
                 if old:
@@ -377,7 +388,7 @@ class CallsActionDrafter:
                     found = False
                     for feat, cands in vals.features(a.tool, k, spec.types[k]).items():
                         for r, c in enumerate(cands):
-                            hit = _same(_coerce(c, spec.types[k]), v)
+                            hit = _same(vals.coerced(c, spec.types[k])[0], v)
                             found = found or hit
                             s = specific[(a.tool, k, feat, r)]
                             g = pooled[_generic(feat, k, r)]
@@ -429,8 +440,7 @@ class CallsActionDrafter:
                 p = self._p_value(tool, arg, feat, r)
                 if p <= 0.0:
                     continue
-                v = _coerce(c, spec.types[arg])
-                mark = json.dumps(v)
+                v, mark = vals.coerced(c, spec.types[arg])
                 if mark not in best or best[mark][1] < p:
                     best[mark] = (v, p)
         for v, p in spec.consts.get(arg, []):

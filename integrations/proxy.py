@@ -1546,13 +1546,14 @@ def register(subparsers: Any) -> None:
     p.set_defaults(func=_serve)
 
 
-def action_drafter(train: Sequence[Any]) -> Any:
-    """The ``aospec`` replay policy's action drafters (history, moves, calls), fitted on
-    ``train``, as one drafter (most probable first; a failing one loses only its guesses)."""
+def action_drafter(train: Sequence[Any], policy: str = "aospec") -> Any:
+    """The replay policy ``policy``'s action drafters (``aospec``: history, moves, calls,
+    ranking by probabilities calibrated on ``train``), fitted on ``train``, as one drafter
+    (most probable first; a failing one loses only its guesses)."""
     from aospec.integrations._mcp_common import MergedDrafter
     from aospec.live.agent import default_drafters as live_defaults
 
-    return MergedDrafter(list(live_defaults(list(train)).action), who="aospec proxy")
+    return MergedDrafter(list(live_defaults(list(train), policy).action), who="aospec proxy")
 
 
 def default_drafters(train: Sequence[Any] = ()) -> tuple[Any, ...]:

@@ -139,7 +139,11 @@ def default_drafters(
     obs = tuple(ds.observation(n) for n in p.config.obs_names) if p.engine.branch_budget > 0 else ()
     # routed_action: a drafter that takes a label rule (the history drafter, for
     # propose_routed) gets the routers' (tool_label)
-    act = tuple(ds.routed_action(n) for n in p.config.action_names) if p.engine.fork_width > 0 else ()
+    act = (
+        tuple(ds.routed_action(n, calibrated=p.config.calibrate_actions) for n in p.config.action_names)
+        if p.engine.fork_width > 0
+        else ()
+    )
     evd = ds.evd(p.config.kernel) if obs and p.engine.rank != "likelihood" else None
     return Drafters(obs, act, evd, p.engine)
 

@@ -91,7 +91,7 @@ def action_accuracy(
     names = [n for n in policy.config.action_names if n != "oracle"]
     if not names or policy.engine.fork_width <= 0:
         return 0, (), (), ()
-    act = [drafters.action(n) for n in names]
+    act = [drafters.action(n, calibrated=policy.config.calibrate_actions) for n in names]
     actions = [s.action for s in trace.steps]
     by_width = [0] * len(WIDTHS)
     targets = [0] * len(DISTANCES)
@@ -140,4 +140,4 @@ def observation_key(policy: Policy) -> tuple[object, ...]:
 
 def action_key(policy: Policy) -> tuple[object, ...]:
     """What decides a policy's action counts."""
-    return (policy.config.action_names, policy.engine.fork_width > 0)
+    return (policy.config.action_names, policy.config.calibrate_actions, policy.engine.fork_width > 0)

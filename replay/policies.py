@@ -84,6 +84,10 @@ class PolicyConfig:
     tokens, so they cost the fixed call latency only). ``canonicalizer``: the canonicaliser
     of ``accept=canonical`` (:func:`load_canonicalizer`). ``router``: a stream router's
     dotted path (several joined by ``+``; "" = no routing, :func:`load_router`).
+    ``calibrate_actions``: the action drafters' targets carry probabilities calibrated on
+    the training traces (cross-fit per drafter, :func:`aospec.drafters.calibration.fit_action_calibration`),
+    so that targets of several drafters are ranked on one scale; on in ``aospec`` and
+    ``action-only``, off in the baselines (their drafters rank as published).
     """
 
     obs_drafter: str = ""
@@ -93,6 +97,7 @@ class PolicyConfig:
     draft_tpot_ms: float = 5.0
     canonicalizer: str = "default"
     router: str = ""
+    calibrate_actions: bool = False
 
     def __post_init__(self) -> None:
         if self.draft_call_ms < 0 or self.draft_tpot_ms < 0:
@@ -126,9 +131,15 @@ BASE_POLICIES: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
     ),
     "spec-actions": ({"branch_budget": 0, "depth": 1, "provisional_targets": False}, {"action_drafter": "history"}),
     "spechop-cache": ({"fork_width": 0, "provisional_targets": False}, {"obs_drafter": "cache"}),
-    "aospec": ({}, {"obs_drafter": "patterns+cache+trajectory", "action_drafter": "history+moves+calls"}),
+    "aospec": (
+        {},
+        {"obs_drafter": "patterns+cache+trajectory", "action_drafter": "history+moves+calls", "calibrate_actions": True},
+    ),
     "obs-only": ({"fork_width": 0, "provisional_targets": False}, {"obs_drafter": "patterns+cache+trajectory"}),
-    "action-only": ({"branch_budget": 0, "provisional_targets": False}, {"action_drafter": "history+moves+calls"}),
+    "action-only": (
+        {"branch_budget": 0, "provisional_targets": False},
+        {"action_drafter": "history+moves+calls", "calibrate_actions": True},
+    ),
 }
 
 #: Policies of a default sweep (the two rank variants give the paper's comparison of
@@ -260,6 +271,7 @@ class Policy:
             obs_drafter="oracle" if self.config.obs_names else "",
             action_drafter="oracle" if self.config.action_names else "",
             router="",
+            calibrate_actions=False,  # (the oracle's probabilities are 1: nothing to calibrate)
         )
         # The oracle drafts one observation with probability 1: every ranking rule continues
         # it, so the rank does not change the ceiling (and rank variants share one). A
@@ -615,14 +627,17 @@ class DrafterSet:
     object is built (and fit, if it has ``fit``) once, on first use. Routing policies
     get their own action drafters, built with ``label=`` (:func:`aospec.replay._streams.tool_label`,
     the routers' labels) when their class takes it, and their routers fit on ``train``.
+    ``calibrated=True`` action drafters rank by probabilities calibrated on ``train``
+    (:meth:`calibration`).
     """
 
     def __init__(self, train: Sequence[Trace], options: Mapping[str, Mapping[str, Any]] | None = None) -> None:
         self.train = list(train)
         self.options = dict(options or {})
         self._obs: dict[str, ObservationDrafter] = {}
-        self._act: dict[str, ActionDrafter] = {}
-        self._routed_act: dict[str, ActionDrafter] = {}
+        self._act: dict[tuple[str, bool], ActionDrafter] = {}
+        self._routed_act: dict[tuple[str, bool], ActionDrafter] = {}
+        self._calibrations: dict[str, Any] = {}
         self._routers: dict[str, Any] = {}
         self._evd: dict[str, EVDEstimator] = {}
         self._canon: dict[str, ObservationCanonicalizer] = {}
@@ -643,7 +658,7 @@ class DrafterSet:
         except TypeError as exc:
             raise ConfigError(f"{kind} {name!r}: bad options {dict(opts)!r}: {exc}") from None
 
-    def _build(self, kind: str, name: str, *, labelled: bool = False) -> Any:
+    def _build(self, kind: str, name: str, *, labelled: bool = False, calibrated: bool = False) -> Any:
         obj = self.construct(kind, name, labelled=labelled)
         fit = getattr(obj, "fit", None)
         if callable(fit) and kind != "EVD kernel":
@@ -651,6 +666,10 @@ class DrafterSet:
         if kind == "observation drafter":
             return MemoizedObservationDrafter(obj)
         if kind == "action drafter":
+            if calibrated:
+                from aospec.drafters.calibration import calibrated as calibrate
+
+                obj = calibrate(obj, name, self.calibration(name))
             routed = callable(getattr(obj, "propose_routed", None))
             return (MemoizedRoutedActionDrafter if routed else MemoizedActionDrafter)(obj)
         return obj
@@ -660,16 +679,30 @@ class DrafterSet:
             self._obs[name] = self._build("observation drafter", name)
         return self._obs[name]
 
-    def action(self, name: str) -> ActionDrafter:
-        if name not in self._act:
-            self._act[name] = self._build("action drafter", name)
-        return self._act[name]
+    def action(self, name: str, *, calibrated: bool = False) -> ActionDrafter:
+        key = (name, calibrated)
+        if key not in self._act:
+            self._act[key] = self._build("action drafter", name, calibrated=calibrated)
+        return self._act[key]
 
-    def routed_action(self, name: str) -> ActionDrafter:
+    def routed_action(self, name: str, *, calibrated: bool = False) -> ActionDrafter:
         """The action drafter ``name`` of routing policies (built with ``label=``)."""
-        if name not in self._routed_act:
-            self._routed_act[name] = self._build("action drafter", name, labelled=True)
-        return self._routed_act[name]
+        key = (name, calibrated)
+        if key not in self._routed_act:
+            self._routed_act[key] = self._build("action drafter", name, labelled=True, calibrated=calibrated)
+        return self._routed_act[key]
+
+    def calibration(self, name: str) -> Any:
+        """Action drafter ``name``'s calibration for ranking, cross-fit on the training
+        traces once (:func:`aospec.drafters.calibration.fit_action_calibration`); None when
+        they hold fewer than two tasks."""
+        if name not in self._calibrations:
+            from aospec.drafters.calibration import fit_action_calibration
+
+            self._calibrations[name] = fit_action_calibration(
+                name, lambda: self.construct("action drafter", name), self.train
+            )
+        return self._calibrations[name]
 
     def router(self, spec: str) -> Any:
         """The stream router ``spec`` names, fit on the training traces (:func:`load_router`)."""
@@ -715,10 +748,11 @@ class DrafterSet:
         if policy.engine.fork_width > 0 and c.action_names:
             if "oracle" in c.action_names:
                 act.append(OracleActionDrafter(trace, actor, world))
+            cal = c.calibrate_actions
             if c.router_names:
-                real_a = [self.routed_action(n) for n in c.action_names if n != "oracle"]
+                real_a = [self.routed_action(n, calibrated=cal) for n in c.action_names if n != "oracle"]
             else:
-                real_a = [self.action(n) for n in c.action_names if n != "oracle"]
+                real_a = [self.action(n, calibrated=cal) for n in c.action_names if n != "oracle"]
             if real_a:
                 routed = c.router_names and any(callable(getattr(a, "propose_routed", None)) for a in real_a)
                 charged = ChargedRoutedActionDrafter if routed else ChargedActionDrafter

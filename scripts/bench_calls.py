@@ -144,11 +144,13 @@ def _tools_of(trace: Any) -> set[str]:
 
 
 def _calls_only(trace: Any) -> Any:
-    """The trajectory as the proxy sees it: its tool calls only."""
+    """The trajectory as the proxy sees it: its tool calls only, and no task text (its
+    histories' task is blank: ``instruction`` a space, which ``Trace.history`` prefers to
+    the task's name; the task stays, so the drafters' calibration can fold by it)."""
     import dataclasses
 
     steps = tuple(s for s in trace.steps if _is_call(s.action))
-    return dataclasses.replace(trace, steps=steps, task="")
+    return dataclasses.replace(trace, steps=steps, instruction=" ")
 
 
 #: The servers' token (AOSPEC_TOKEN; passed on as AOSPEC_UPSTREAM_TOKEN), the harness's API key.
@@ -343,6 +345,11 @@ def _main() -> int:
         help="no servers: how often the next tool call is among the drafters' first 1 / 2 / 4, drafted on the calls "
         "only (what aospec mcp sees) and on the whole trajectory (what aospec proxy sees), leave-one-task-out",
     )
+    ap.add_argument(
+        "--uncalibrated",
+        action="store_true",
+        help="with --offline: rank the drafters' targets by their raw scores (before calibration)",
+    )
     ap.add_argument("--json", action="store_true", help="print one JSON object")
     ap.add_argument("--serve", metavar="ANSWERS", help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -472,13 +479,25 @@ def _mcp_args(
     return base, [*base, "--predict", "table", "--train-traces", str(train), "--speculate", str(args.speculate)]
 
 
-def _offline(args: argparse.Namespace, traces: list[Any]) -> int:
-    """``--offline``: top-k accuracy of the next tool call (every call of every trajectory),
-    drafted by the history and calls drafters on the calls only and on the whole
-    trajectory, each fitted on the other tasks' trajectories in that same form."""
+def _raw_calls_drafters(train: list[Any]) -> list[Any]:
+    """``aospec mcp``'s drafters as they ranked before calibration (``--uncalibrated``)."""
     from aospec.drafters.calls import CallsActionDrafter
     from aospec.drafters.history import HistoryActionDrafter
-    from aospec.integrations._mcp_common import MergedDrafter
+
+    drafters = [HistoryActionDrafter(), CallsActionDrafter()]
+    for d in drafters:
+        d.fit(train)
+    return drafters
+
+
+def _offline(args: argparse.Namespace, traces: list[Any]) -> int:
+    """``--offline``: top-k accuracy of the next tool call (every call of every trajectory),
+    drafted on the calls only by ``aospec mcp``'s drafters (history and calls) and on the
+    whole trajectory by ``aospec proxy``'s (the ``aospec`` policy's), each fitted, and its
+    ranking calibrated, on the other tasks' trajectories in that same form
+    (``--uncalibrated``: the drafters' raw scores, as before)."""
+    from aospec.integrations._mcp_common import MergedDrafter, calls_drafters
+    from aospec.integrations.proxy import action_drafter
 
     from aospec.types import Action, History
 
@@ -486,17 +505,21 @@ def _offline(args: argparse.Namespace, traces: list[Any]) -> int:
     hits = {v: dict.fromkeys(widths, 0) for v in ("calls", "conversation")}
     n = 0
     tasks = sorted({t.task for t in traces if _tools_of(t)})
+    policy = "aospec:calibrate_actions=false" if args.uncalibrated else "aospec"
 
     async def run() -> None:
         nonlocal n
         for i, task in enumerate(tasks, 1):
             others = [t for t in traces if t.task != task]
             for view in ("calls", "conversation"):
-                train = [_calls_only(t) for t in others if _tools_of(t)] if view == "calls" else others
-                drafters = [HistoryActionDrafter(), CallsActionDrafter()]
-                for d in drafters:
-                    d.fit(train)
-                merged = MergedDrafter(drafters, who="bench_calls")
+                if view == "calls":
+                    train = [_calls_only(t) for t in others if _tools_of(t)]
+                    if args.uncalibrated:
+                        merged = MergedDrafter(_raw_calls_drafters(train), who="bench_calls")
+                    else:
+                        merged = MergedDrafter(calls_drafters(train), who="bench_calls")
+                else:
+                    merged = action_drafter(others, policy=policy)
                 for t in (t for t in traces if t.task == task):
                     shown = _calls_only(t) if view == "calls" else t
                     h = History(shown.instruction or shown.task if view == "conversation" else "")
