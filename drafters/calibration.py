@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import json
 import math
+import sys
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, replace
@@ -395,15 +396,25 @@ def fit_action_calibration(
     each fold's targets drafted by a drafter fit on the other folds, so a drafter that
     memorises its training traces is judged on tasks it has not seen), at ``boundaries``
     of the traces' boundaries at most. None when the traces hold fewer than two tasks
-    (nothing to cross-fit: the raw scores stand)."""
+    (nothing to cross-fit: the raw scores stand), and None with one note on stderr when the
+    drafter fails while it is cross-fit (a guess's ranking must not stop what fits it; the
+    drafter's failures when it drafts are the engine's to count, as before)."""
     if len({t.task for t in traces}) < 2:
         return None
     total = sum(len(t.steps) for t in traces)
     stride = max(1, math.ceil(total / max(1, boundaries)))
-    folds_out = cross_fit_outcomes(
-        make, name, "action", traces, folds=folds, width=width, depth=depth, stride=stride
-    )
-    return Calibration.fit((o for fold in folds_out for o in fold), min_count=min_count)
+    try:
+        folds_out = cross_fit_outcomes(
+            make, name, "action", traces, folds=folds, width=width, depth=depth, stride=stride
+        )
+        return Calibration.fit((o for fold in folds_out for o in fold), min_count=min_count)
+    except Exception as exc:
+        print(
+            f"aospec: note: the {name} action drafter failed while its ranking was calibrated "
+            f"({type(exc).__name__}: {exc}); its raw scores stand",
+            file=sys.stderr,
+        )
+        return None
 
 
 class CalibratedActionDrafter:

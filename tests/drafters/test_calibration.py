@@ -237,3 +237,17 @@ def test_the_aospec_policy_ranks_its_action_drafters_calibrated_and_the_baseline
     p_raw = {d.action.key: d.probability for d in asyncio.run(raw.propose(history, 4, 1))}
     p_cal = {d.action.key: d.probability for d in asyncio.run(cal.propose(history, 4, 1))}
     assert set(p_raw) == set(p_cal) and p_raw != p_cal
+
+
+def test_a_drafter_that_fails_while_it_is_calibrated_keeps_its_raw_scores(capsys) -> None:
+    class Broken(_Quiet):
+        async def propose(self, history, width, depth):
+            if len(history.turns) == 3:
+                raise KeyError("boom")
+            return await super().propose(history, width, depth)
+
+    assert fit_action_calibration("broken", Broken, _cycle_traces(), min_count=5) is None
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "broken action drafter failed" in err and "KeyError" in err
+    d = Broken()
+    assert calibrated(d, "broken", None) is d
