@@ -283,12 +283,12 @@ class MergedDrafter:
         return sorted(best.values(), key=lambda x: (x.offset, -x.probability, x.action.key))[:width]
 
 
-def calls_drafters(traces: Sequence[Any]) -> list[Any]:
+def calls_drafters(traces: Sequence[Any], calibrate: bool = True) -> list[Any]:
     """aospec's history action drafter (``aospec.drafters.history``) and its calls drafter
     (``aospec.drafters.calls``: arguments taken from what earlier results showed), fitted on
     ``traces``, each ranking by probabilities calibrated on them
     (:func:`aospec.drafters.calibration.fit_action_calibration`; raw scores when the traces
-    hold a single task): on the tau-bench airline trajectories the history drafter alone
+    hold a single task, or without ``calibrate``): on the tau-bench airline trajectories the history drafter alone
     finds the next call 1 time in 100, and uncalibrated its confident repeats of calls
     already made outrank the calls drafter's right guesses (docs/drafters.md, "Calibration")."""
     from aospec.drafters.calibration import calibrated, fit_action_calibration
@@ -299,7 +299,7 @@ def calls_drafters(traces: Sequence[Any]) -> list[Any]:
     for name, make in (("history", HistoryActionDrafter), ("calls", CallsActionDrafter)):
         d = make()
         d.fit(traces)
-        out.append(calibrated(d, name, fit_action_calibration(name, make, traces)))
+        out.append(calibrated(d, name, fit_action_calibration(name, make, traces) if calibrate else None))
     return out
 
 

@@ -479,17 +479,6 @@ def _mcp_args(
     return base, [*base, "--predict", "table", "--train-traces", str(train), "--speculate", str(args.speculate)]
 
 
-def _raw_calls_drafters(train: list[Any]) -> list[Any]:
-    """``aospec mcp``'s drafters as they ranked before calibration (``--uncalibrated``)."""
-    from aospec.drafters.calls import CallsActionDrafter
-    from aospec.drafters.history import HistoryActionDrafter
-
-    drafters = [HistoryActionDrafter(), CallsActionDrafter()]
-    for d in drafters:
-        d.fit(train)
-    return drafters
-
-
 def _offline(args: argparse.Namespace, traces: list[Any]) -> int:
     """``--offline``: top-k accuracy of the next tool call (every call of every trajectory),
     drafted on the calls only by ``aospec mcp``'s drafters (history and calls) and on the
@@ -514,10 +503,7 @@ def _offline(args: argparse.Namespace, traces: list[Any]) -> int:
             for view in ("calls", "conversation"):
                 if view == "calls":
                     train = [_calls_only(t) for t in others if _tools_of(t)]
-                    if args.uncalibrated:
-                        merged = MergedDrafter(_raw_calls_drafters(train), who="bench_calls")
-                    else:
-                        merged = MergedDrafter(calls_drafters(train), who="bench_calls")
+                    merged = MergedDrafter(calls_drafters(train, not args.uncalibrated), who="bench_calls")
                 else:
                     merged = action_drafter(others, policy=policy)
                 for t in (t for t in traces if t.task == task):
